@@ -1,0 +1,27 @@
+# Shared set-up for scripts/test and scripts/demo (sourced, not run).
+# Creates or reuses .venv at the repository root and installs the package with
+# its test dependencies. Nothing has to be installed by hand.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating $VENV"
+    "$PY" -m venv "$VENV"
+fi
+
+# Reinstall only when the project's requirements changed since the last install.
+STAMP="$VENV/.tvm_distx-installed"
+WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
+        || ! "$VENV/bin/python" -c "import tvm_distx, tvm, mpi4py, torch, pytest" >/dev/null 2>&1; then
+    echo "[setup] installing tvm-distx and its dependencies into $VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    # torch==2.13.0 is the local CPU build (see pyproject.toml).
+    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test]"
+    echo "$WANT" > "$STAMP"
+fi
+
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,48 @@
+"""tvm-distx: make Apache TVM Relax's distributed IR usable on real programs.
+
+The sharding vocabulary lives at the top level; passes live in
+:mod:`tvm_distx.passes` and redistribution legalization in
+:mod:`tvm_distx.legalize`.
+"""
+
+from .errors import (
+    IndivisibleShardError,
+    MeshError,
+    PlacementRankError,
+    PlacementSyntaxError,
+    RuleError,
+    ShardDimError,
+    ShardingConflictError,
+    ShardingError,
+    UnknownMeshError,
+    UnmatchedRuleError,
+    UnsupportedValueError,
+)
+from .mesh import DeviceMesh, MeshRef, module_meshes
+from .placement import Placement, Replicate, Shard
+from .rules import ShardingRule
+from .script import load_module
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceMesh",
+    "MeshRef",
+    "module_meshes",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "ShardingRule",
+    "load_module",
+    "ShardingError",
+    "PlacementSyntaxError",
+    "PlacementRankError",
+    "ShardDimError",
+    "IndivisibleShardError",
+    "MeshError",
+    "UnknownMeshError",
+    "ShardingConflictError",
+    "RuleError",
+    "UnmatchedRuleError",
+    "UnsupportedValueError",
+]

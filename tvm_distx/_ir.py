@@ -1,0 +1,74 @@
+"""Small helpers over Relax IR shared by the passes (internal)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Iterator
+
+import tvm
+from tvm import relax
+from tvm.relax.distributed import DTensorType
+
+from .mesh import DeviceMesh
+from .placement import Placement
+
+
+@lru_cache(maxsize=None)
+def op(name: str) -> tvm.ir.Op:
+    """Look a Relax operator up once."""
+    return tvm.ir.Op.get(name)
+
+
+def is_call_to(expr, op_name: str) -> bool:
+    """True when ``expr`` is a call of the operator ``op_name``."""
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and (
+        expr.op.name == op_name
+    )
+
+
+def callee_name(call: relax.Call) -> str | None:
+    """The name of the Relax function a call targets (None for operator calls)."""
+    if isinstance(call.op, tvm.ir.GlobalVar):
+        return call.op.name_hint
+    return None
+
+
+def static_shape(ty) -> tuple[int | None, ...] | None:
+    """The shape of a tensor type, ``None`` per dynamic dimension; ``None`` if unknown rank."""
+    if isinstance(ty, DTensorType):
+        ty = ty.tensor_ty
+    if not isinstance(ty, relax.TensorType) or ty.ndim < 0:
+        return None
+    shape = ty.shape
+    if not isinstance(shape, relax.ShapeExpr):
+        return (None,) * ty.ndim
+    return tuple(int(v.value) if isinstance(v, tvm.tirx.IntImm) else None for v in shape.values)
+
+
+def is_tensor_type(ty) -> bool:
+    """True for ``R.Tensor`` and ``R.DTensor`` types."""
+    return isinstance(ty, (relax.TensorType, DTensorType))
+
+
+def dtensor_sharding(ty) -> tuple[DeviceMesh, Placement] | None:
+    """The (mesh, placement) a ``R.DTensor`` type carries, None for other types."""
+    if not isinstance(ty, DTensorType):
+        return None
+    return DeviceMesh.from_tvm(ty.device_mesh), Placement.from_tvm(ty.placement)
+
+
+def relax_functions(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, relax.Function]]:
+    """The module's Relax functions in program order.
+
+    Program order is: public functions (those with a ``global_symbol``) first,
+    then private ones, each group sorted by name. It is deterministic and does
+    not depend on how the module was built.
+    """
+    funcs = [(gv, f) for gv, f in mod.functions.items() if isinstance(f, relax.Function)]
+
+    def key(item):
+        gv, func = item
+        public = func.attrs is not None and "global_symbol" in func.attrs
+        return (0 if public else 1, gv.name_hint)
+
+    return iter(sorted(funcs, key=key))

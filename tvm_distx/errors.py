@@ -1,0 +1,149 @@
+"""The ``tvm_distx`` error hierarchy.
+
+Every error that ``tvm_distx`` raises on bad user input is a :class:`ShardingError`.
+An error names the rule that was broken, where it happened (function, variable,
+placement) and what to do about it, so that a user never has to read a TVM
+``InternalError`` or a C++ backtrace to find the mistake in their annotations.
+
+The message has a fixed layout::
+
+    [placement-rank] in function 'main', variable 'x', placement "S[0]R": the
+    placement has 2 entries but mesh "mesh[0]" has 1 axis.
+    hint: give one entry (R or S[k]) per mesh axis, for example "S[0]".
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShardingError",
+    "PlacementSyntaxError",
+    "PlacementRankError",
+    "ShardDimError",
+    "IndivisibleShardError",
+    "MeshError",
+    "UnknownMeshError",
+    "ShardingConflictError",
+    "RuleError",
+    "UnmatchedRuleError",
+    "UnsupportedValueError",
+]
+
+
+class ShardingError(Exception):
+    """Base class of every error ``tvm_distx`` raises for bad sharding input.
+
+    Parameters
+    ----------
+    message : str
+        What was seen, as one sentence.
+    function : str, optional
+        The Relax function in which the problem was found.
+    var : str, optional
+        The variable (or parameter) that carries the offending sharding.
+    placement : str, optional
+        The placement involved, in TVM's text form.
+    hint : str, optional
+        How to fix the input.
+
+    Attributes
+    ----------
+    rule : str
+        A short, stable identifier of the rule that was broken; subclasses set it.
+    """
+
+    rule: str = "sharding"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        function: str | None = None,
+        var: str | None = None,
+        placement: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.message = message
+        self.function = function
+        self.var = var
+        self.placement = placement
+        self.hint = hint
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        where = []
+        if self.function is not None:
+            where.append(f"in function '{self.function}'")
+        if self.var is not None:
+            where.append(f"variable '{self.var}'")
+        if self.placement is not None:
+            where.append(f'placement "{self.placement}"')
+        text = f"[{self.rule}] "
+        if where:
+            text += ", ".join(where) + ": "
+        text += self.message
+        if self.hint:
+            text += f"\nhint: {self.hint}"
+        return text
+
+
+class PlacementSyntaxError(ShardingError, ValueError):
+    """A placement string is not in TVM's text form (``"R"``, ``"S[1]"``, ``"S[0]R"``)."""
+
+    rule = "placement-syntax"
+
+
+class PlacementRankError(ShardingError, ValueError):
+    """A placement has a different number of entries than its mesh has axes."""
+
+    rule = "placement-rank"
+
+
+class ShardDimError(ShardingError, ValueError):
+    """A placement shards a tensor dimension that the tensor does not have."""
+
+    rule = "shard-dim"
+
+
+class IndivisibleShardError(ShardingError, ValueError):
+    """A static tensor dimension is not divisible by the mesh axes that shard it."""
+
+    rule = "shard-divisible"
+
+
+class MeshError(ShardingError, ValueError):
+    """A device mesh is malformed (bad shape, bad device range, bad reference)."""
+
+    rule = "mesh"
+
+
+class UnknownMeshError(ShardingError, KeyError):
+    """A mesh reference (``"mesh[3]"``) names no mesh in the module's ``global_infos``."""
+
+    rule = "unknown-mesh"
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the whole message
+        return self._format()
+
+
+class ShardingConflictError(ShardingError):
+    """Two different shardings were asked for the same value."""
+
+    rule = "sharding-conflict"
+
+
+class RuleError(ShardingError, ValueError):
+    """A :class:`tvm_distx.ShardingRule` is malformed."""
+
+    rule = "sharding-rule"
+
+
+class UnmatchedRuleError(ShardingError):
+    """A sharding rule matched nothing in the module (raised in strict mode)."""
+
+    rule = "rule-unmatched"
+
+
+class UnsupportedValueError(ShardingError, TypeError):
+    """A sharding was asked for a value that cannot carry one (not a tensor)."""
+
+    rule = "unsupported-value"
