@@ -41,6 +41,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
 
 from tvm_distx import _ir
+from tvm_distx._pass import module_pass
 from tvm_distx.errors import (
     ShardingConflictError,
     ShardingError,
@@ -242,8 +243,14 @@ class _Planner:
             sharding.mesh, _ir.static_shape(ty), function=function, var=var
         )
 
-    @staticmethod
-    def _already_annotated(value, sharding: _Sharding, sites, function, var) -> bool:
+    def _named(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The module's own name for a mesh found in IR, when it has one."""
+        for known in self.meshes.values():
+            if (known.shape, known.device_range) == (mesh.shape, mesh.device_range):
+                return known
+        return mesh
+
+    def _already_annotated(self, value, sharding: _Sharding, sites, function, var) -> bool:
         """True when ``value`` already carries ``sharding``; raise if it carries another."""
         existing: list[tuple[DeviceMesh, Placement]] = []
         typed = _ir.dtensor_sharding(value.ty)
@@ -257,7 +264,7 @@ class _Planner:
             if not sharding.same_as(mesh, placement):
                 raise ShardingConflictError(
                     f"{sharding.rule!r} asks for {sharding.describe()}, but the value is "
-                    f'already annotated "{placement}" on mesh {mesh.describe()}',
+                    f'already annotated "{placement}" on mesh {self._named(mesh).describe()}',
                     function=function,
                     var=var,
                     placement=str(sharding.placement),
@@ -382,7 +389,7 @@ def _annotate(value: relax.Expr, sharding: _Sharding) -> relax.Call:
 
 
 # --------------------------------------------------------------------------- the pass
-@tvm.transform.module_pass(opt_level=0, name="tvm_distx.AnnotateSharding")
+@module_pass(name="tvm_distx.AnnotateSharding")
 class AnnotateSharding:
     """Insert ``R.dist.annotate_sharding`` calls as the rules say.
 

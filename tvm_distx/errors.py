@@ -62,6 +62,11 @@ class ShardingError(Exception):
         placement: str | None = None,
         hint: str | None = None,
     ) -> None:
+        if f"[{self.rule}] " == message[: len(self.rule) + 3] and not (function or var or hint):
+            # Rebuilt from its own text after crossing TVM's FFI: keep the text as is.
+            self._text = message
+        else:
+            self._text = None
         self.message = message
         self.function = function
         self.var = var
@@ -70,6 +75,8 @@ class ShardingError(Exception):
         super().__init__(self._format())
 
     def _format(self) -> str:
+        if self._text is not None:
+            return self._text
         where = []
         if self.function is not None:
             where.append(f"in function '{self.function}'")
