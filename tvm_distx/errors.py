@@ -8,8 +8,8 @@ placement) and what to do about it, so that a user never has to read a TVM
 The message has a fixed layout::
 
     [placement-rank] in function 'main', variable 'x', placement "S[0]R": the
-    placement has 2 entries but mesh "mesh[0]" has 1 axis.
-    hint: give one entry (R or S[k]) per mesh axis, for example "S[0]".
+    placement has 2 entries but mesh "mesh[0]" (shape (2,), devices 0..1) has 1 axis
+    hint: give one entry (R or S[k]) per mesh axis, for example "S[0]"
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ __all__ = [
     "RuleError",
     "UnmatchedRuleError",
     "UnsupportedValueError",
+    "CallGraphError",
+    "UnsupportedProgramError",
 ]
 
 
@@ -154,3 +156,15 @@ class UnsupportedValueError(ShardingError, TypeError):
     """A sharding was asked for a value that cannot carry one (not a tensor)."""
 
     rule = "unsupported-value"
+
+
+class CallGraphError(ShardingError):
+    """The call graph cannot be specialised (recursion, a call of an unknown function)."""
+
+    rule = "call-graph"
+
+
+class UnsupportedProgramError(ShardingError):
+    """A construct that sharding propagation does not handle (yet)."""
+
+    rule = "unsupported-program"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from .errors import MeshError, UnknownMeshError
@@ -52,6 +52,8 @@ class DeviceMesh:
         ``shape``.
     name : str, optional
         The reference by which the module names this mesh, e.g. ``"mesh[0]"``.
+        It is for messages only: two meshes with the same shape and devices are
+        equal whatever their names.
 
     Raises
     ------
@@ -62,7 +64,7 @@ class DeviceMesh:
 
     shape: tuple[int, ...]
     device_range: range
-    name: str | None = None
+    name: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         try:
@@ -132,7 +134,7 @@ class DeviceMesh:
         shape = tuple(int(n) for n in mesh.shape)
         if ids and ids != list(range(ids[0], ids[0] + len(ids))):
             raise MeshError(
-                f"mesh {name or ''} lists non-consecutive devices {ids}; tvm_distx needs a "
+                f"mesh {name + ' ' if name else ''}lists non-consecutive devices {ids}; tvm_distx needs a "
                 "device range",
                 hint="renumber the devices so that each mesh covers a range of ids",
             )
@@ -140,7 +142,7 @@ class DeviceMesh:
         return cls(shape, range(start, start + len(ids)), name)
 
 
-_MESH_REF = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\[\s*(\d+)\s*\]\s*$")
+_MESH_REF = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\[\s*([0-9]+)\s*\]\s*$")
 
 
 @dataclass(frozen=True)
@@ -159,14 +161,16 @@ class MeshRef:
     index: int
 
     @classmethod
-    def parse(cls, text: str) -> "MeshRef":
-        """Parse ``"mesh[0]"``.
+    def parse(cls, text: "str | MeshRef") -> "MeshRef":
+        """Parse ``"mesh[0]"`` (a MeshRef is returned unchanged).
 
         Raises
         ------
         MeshError
             If ``text`` is not of the form ``name[index]``.
         """
+        if isinstance(text, MeshRef):
+            return text
         match = _MESH_REF.match(text) if isinstance(text, str) else None
         if match is None:
             raise MeshError(
@@ -224,7 +228,9 @@ def resolve_mesh(
     UnknownMeshError
         If the module has no such mesh; the message lists the meshes it has.
     """
-    ref = ref if isinstance(ref, MeshRef) else MeshRef.parse(ref)
+    from tvm.relax.distributed import DeviceMesh as TVMDeviceMesh
+
+    ref = MeshRef.parse(ref)
     infos = mod.global_infos.get(ref.key) if ref.key in mod.global_infos else None
     if infos is None or ref.index >= len(infos):
         available = list(known if known is not None else module_meshes(mod))
@@ -237,6 +243,15 @@ def resolve_mesh(
             "I.Range(0, 2))]}) or name one of the meshes listed",
         )
     tvm_mesh = infos[ref.index]
+    if not isinstance(tvm_mesh, TVMDeviceMesh):
+        raise UnknownMeshError(
+            f"\"{ref}\" in the module's global_infos is a {type(tvm_mesh).__name__}, not a "
+            "device mesh",
+            function=function,
+            var=var,
+            hint="name one of the module's device meshes: "
+            + (", ".join(known if known is not None else module_meshes(mod)) or "none"),
+        )
     return DeviceMesh.from_tvm(tvm_mesh, str(ref)), tvm_mesh
 
 

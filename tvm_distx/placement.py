@@ -87,7 +87,7 @@ class Shard:
 MeshAxisPlacement = Union[Replicate, Shard]
 
 # One entry of the text form, with optional separators (TVM prints "S[0], R").
-_ENTRY = re.compile(r"\s*(?:(R)|S\[\s*(\d+)\s*\])\s*,?")
+_ENTRY = re.compile(r"\s*(?:(R)|S\[\s*([0-9]+)\s*\])\s*,?")
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,11 @@ def load_module(path: str | os.PathLike):
 
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ScriptError(f"cannot read {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ScriptError(f"{path} is not UTF-8 text: {err.reason} at byte {err.start}") from None
     try:
         tree = ast.parse(text, filename=str(path))
     except SyntaxError as err:

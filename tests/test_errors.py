@@ -1,0 +1,188 @@
+"""Unit tests for tvm_distx.errors: message layout, attributes, class relations."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import tvm_distx
+from tvm_distx import errors
+from tvm_distx.errors import (
+    CallGraphError,
+    IndivisibleShardError,
+    MeshError,
+    PlacementRankError,
+    PlacementSyntaxError,
+    RuleError,
+    ShardDimError,
+    ShardingConflictError,
+    ShardingError,
+    UnknownMeshError,
+    UnmatchedRuleError,
+    UnsupportedProgramError,
+    UnsupportedValueError,
+)
+from tvm_distx.script import ScriptError
+
+ALL_ERRORS = [getattr(errors, name) for name in errors.__all__]
+
+
+class TestLayout:
+    def test_bare_message_gets_the_rule_tag(self):
+        assert str(ShardingError("something is off")) == "[sharding] something is off"
+
+    def test_full_layout(self):
+        err = PlacementRankError(
+            "the placement has 2 entries",
+            function="main",
+            var="x",
+            placement="S[0]R",
+            hint="drop one entry",
+        )
+        assert str(err) == (
+            "[placement-rank] in function 'main', variable 'x', placement \"S[0]R\": "
+            "the placement has 2 entries\nhint: drop one entry"
+        )
+
+    @pytest.mark.parametrize(
+        "kwargs, prefix",
+        [
+            ({"function": "f"}, "[shard-dim] in function 'f': "),
+            ({"var": "v"}, "[shard-dim] variable 'v': "),
+            ({"placement": "R"}, '[shard-dim] placement "R": '),
+            ({"function": "f", "placement": "R"}, "[shard-dim] in function 'f', placement \"R\": "),
+            ({"var": "v", "placement": "S[1]"}, "[shard-dim] variable 'v', placement \"S[1]\": "),
+        ],
+    )
+    def test_partial_locations(self, kwargs, prefix):
+        assert str(ShardDimError("msg", **kwargs)) == prefix + "msg"
+
+    def test_hint_is_on_its_own_last_line(self):
+        text = str(MeshError("bad mesh", hint="use range(0, 2)"))
+        assert text.splitlines() == ["[mesh] bad mesh", "hint: use range(0, 2)"]
+
+    @pytest.mark.parametrize("hint", [None, ""])
+    def test_no_hint_line_without_a_hint(self, hint):
+        text = str(RuleError("bad rule", hint=hint))
+        assert text == "[sharding-rule] bad rule"
+        assert "hint" not in text
+
+    def test_attributes_are_kept(self):
+        err = IndivisibleShardError(
+            "does not divide", function="f", var="v", placement="S[0]", hint="pad"
+        )
+        assert err.message == "does not divide"
+        assert err.function == "f"
+        assert err.var == "v"
+        assert err.placement == "S[0]"
+        assert err.hint == "pad"
+        assert err.rule == "shard-divisible"
+
+    def test_location_is_keyword_only(self):
+        with pytest.raises(TypeError):
+            ShardingError("msg", "main")  # type: ignore[misc]
+
+    def test_unknown_mesh_str_is_not_quoted_like_a_key_error(self):
+        err = UnknownMeshError('mesh "mesh[3]" is missing', var="x")
+        assert str(err) == "[unknown-mesh] variable 'x': mesh \"mesh[3]\" is missing"
+        assert not str(err).startswith("'")
+
+
+class TestRebuilding:
+    """An error rebuilt from its own text (after crossing TVM's FFI) keeps the text."""
+
+    def test_rebuilt_from_formatted_text_is_unchanged(self):
+        original = ShardDimError("too far", function="main", var="y", placement="S[3]", hint="h")
+        rebuilt = ShardDimError(str(original))
+        assert str(rebuilt) == str(original)
+        assert str(rebuilt).count("[shard-dim]") == 1
+
+    def test_other_rule_tag_is_not_treated_as_rebuilt(self):
+        err = RuleError("[mesh] looks like a mesh error")
+        assert str(err) == "[sharding-rule] [mesh] looks like a mesh error"
+
+    @pytest.mark.parametrize(
+        "err",
+        [
+            PlacementRankError("boom", function="f", var="v", placement="R", hint="fix"),
+            UnknownMeshError("no such mesh", var="x", hint="declare it"),
+            RuleError("bad"),
+            ScriptError("cannot read x.py"),
+        ],
+    )
+    def test_pickle_round_trip_keeps_type_and_text(self, err):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err)
+        assert str(back) == str(err)
+
+
+class TestHierarchy:
+    @pytest.mark.parametrize("cls", ALL_ERRORS + [ScriptError])
+    def test_every_error_is_a_sharding_error(self, cls):
+        assert issubclass(cls, ShardingError)
+        assert issubclass(cls, Exception)
+
+    @pytest.mark.parametrize(
+        "cls",
+        [
+            PlacementSyntaxError,
+            PlacementRankError,
+            ShardDimError,
+            IndivisibleShardError,
+            MeshError,
+            RuleError,
+        ],
+    )
+    def test_value_errors(self, cls):
+        assert issubclass(cls, ValueError)
+        assert isinstance(cls("x"), ValueError)
+
+    def test_unknown_mesh_is_a_lookup_error(self):
+        err = UnknownMeshError("x")
+        assert isinstance(err, KeyError)
+        assert isinstance(err, LookupError)
+        assert not isinstance(err, ValueError)
+
+    def test_unsupported_value_is_a_type_error(self):
+        assert isinstance(UnsupportedValueError("x"), TypeError)
+
+    @pytest.mark.parametrize(
+        "cls",
+        [ShardingConflictError, UnmatchedRuleError, CallGraphError, UnsupportedProgramError, ScriptError],
+    )
+    def test_plain_sharding_errors(self, cls):
+        assert not issubclass(cls, (ValueError, TypeError, KeyError))
+
+    def test_catching_the_base_catches_placement_errors(self):
+        with pytest.raises(ShardingError):
+            raise PlacementSyntaxError("bad text")
+        with pytest.raises(ValueError):
+            raise PlacementSyntaxError("bad text")
+
+    def test_rule_tags(self):
+        expected = {
+            ShardingError: "sharding",
+            PlacementSyntaxError: "placement-syntax",
+            PlacementRankError: "placement-rank",
+            ShardDimError: "shard-dim",
+            IndivisibleShardError: "shard-divisible",
+            MeshError: "mesh",
+            UnknownMeshError: "unknown-mesh",
+            ShardingConflictError: "sharding-conflict",
+            RuleError: "sharding-rule",
+            UnmatchedRuleError: "rule-unmatched",
+            UnsupportedValueError: "unsupported-value",
+            CallGraphError: "call-graph",
+            UnsupportedProgramError: "unsupported-program",
+            ScriptError: "tvmscript",
+        }
+        for cls, tag in expected.items():
+            assert cls.rule == tag, cls
+            assert str(cls("m")) == f"[{tag}] m"
+        tags = [cls.rule for cls in expected]
+        assert len(tags) == len(set(tags))
+
+    def test_package_exports_the_errors(self):
+        for name in errors.__all__:
+            assert getattr(tvm_distx, name) is getattr(errors, name)
