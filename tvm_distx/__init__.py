@@ -6,6 +6,8 @@ The sharding vocabulary lives at the top level; passes live in
 """
 
 from .errors import (
+    CallGraphError,
+    UnsupportedProgramError,
     IndivisibleShardError,
     MeshError,
     PlacementRankError,
@@ -22,6 +24,7 @@ from .mesh import DeviceMesh, MeshRef, module_meshes
 from .placement import Placement, Replicate, Shard
 from .rules import ShardingRule
 from .script import load_module
+from .explain import explain
 
 __version__ = "0.1.0"
 
@@ -34,6 +37,7 @@ __all__ = [
     "Shard",
     "ShardingRule",
     "load_module",
+    "explain",
     "ShardingError",
     "PlacementSyntaxError",
     "PlacementRankError",
@@ -45,4 +49,6 @@ __all__ = [
     "RuleError",
     "UnmatchedRuleError",
     "UnsupportedValueError",
+    "CallGraphError",
+    "UnsupportedProgramError",
 ]

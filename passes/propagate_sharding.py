@@ -1,0 +1,552 @@
+"""``PropagateSharding``: sharding flows through the whole module, calls included.
+
+A drop-in superset of ``tvm.relax.distributed.transform.PropagateSharding``.
+TVM's pass rewrites one function at a time and fails as soon as a sharded value
+is passed to another Relax function. This pass:
+
+* solves every function with :mod:`tvm_distx.passes.sharding_solver`, following
+  calls into callees and results back out, in both directions;
+* gives each distinct signature of a callee (mesh and placement of every
+  parameter) one ``R.DTensor``-typed version, shared by every call site with
+  that signature. Versions are named after the callee (``mlp``, ``mlp_1``, ...,
+  in program order of their first call); the original private function is
+  removed once no call to it remains, and public functions keep their names;
+* inserts ``R.dist.redistribute`` wherever a value's sharding differs from what
+  a use needs, including between pipeline stages on different meshes.
+
+Functions that no sharding reaches are left as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax
+from tvm.relax.distributed import DTensorType
+
+from tvm_distx import _ir
+from tvm_distx._pass import module_pass
+from tvm_distx.errors import ShardingError
+from tvm_distx.spec import TensorSharding
+
+from .sharding_solver import (
+    Decision,
+    FunctionAnalysis,
+    ProgramAnalysis,
+    Strength,
+    UnsupportedProgramError,
+    decide_operands,
+    _replicated_plan,
+)
+
+__all__ = ["PropagateSharding", "PropagationResult", "propagate"]
+
+logger = logging.getLogger(__name__)
+
+_ANNOTATE = "relax.dist.annotate_sharding"
+_REDISTRIBUTE = "relax.dist.redistribute"
+_CALL_TIR = "relax.call_tir"
+
+
+@dataclass(frozen=True)
+class _Version:
+    """One function to emit: a callee (or root) and its complete parameter shardings."""
+
+    name: str
+    params: tuple  # TensorSharding or None per parameter
+
+
+@dataclass
+class PropagationResult:
+    """The propagated module and the analyses behind it (see :func:`tvm_distx.explain`).
+
+    Attributes
+    ----------
+    mod : tvm.IRModule
+        The module with ``R.DTensor`` types.
+    analyses : dict of str to FunctionAnalysis
+        For each emitted function (by its new name), the solved analysis.
+    unlegalized : list of (str, str, str)
+        High-level operator calls left with sharded operands: (function,
+        variable, operator).
+    """
+
+    mod: tvm.IRModule
+    analyses: dict
+    unlegalized: list = field(default_factory=list)
+
+
+def propagate(mod: tvm.IRModule, *, require_legalized: bool = False) -> PropagationResult:
+    """Propagate shardings through ``mod`` and keep the analyses.
+
+    :class:`PropagateSharding` is this function as a pass; see it for the
+    parameters.
+    """
+    result = _ModuleRewriter(mod).run()
+    if result.unlegalized:
+        sites = ", ".join(f"{op} at '{var}' in '{fn}'" for fn, var, op in result.unlegalized[:5])
+        more = len(result.unlegalized) - 5
+        text = (f"{len(result.unlegalized)} high-level operator calls now take sharded operands "
+                f"({sites}{f' and {more} more' if more > 0 else ''}); relax.transform.LegalizeOps "
+                "skips such calls, so legalizing after propagation loses collectives")
+        if require_legalized:
+            raise UnsupportedProgramError(
+                text, function=result.unlegalized[0][0], var=result.unlegalized[0][1],
+                hint="run relax.transform.LegalizeOps() before PropagateSharding "
+                "(tvm_distx.distribute does this for you)",
+            )
+        logger.warning("%s; run LegalizeOps before PropagateSharding", text)
+    return result
+
+
+@module_pass(name="tvm_distx.PropagateSharding")
+class PropagateSharding:
+    """Propagate shardings across the call graph and type the module with ``R.DTensor``.
+
+    Parameters
+    ----------
+    require_legalized : bool, default False
+        Refuse high-level operator calls (anything but ``call_tir`` and the
+        distributed builtins) on sharded operands. TVM's ``LegalizeOps`` skips
+        such calls, and a later lowering then drops the collectives a sharded
+        reduction needs, silently giving wrong numbers. Pipelines that lower
+        must pass True; without it, such calls are logged as a warning (which
+        keeps the pass a drop-in replacement for TVM's).
+
+    Raises
+    ------
+    ShardingError
+        On recursion, on control flow inside a sharded function, on operators
+        that TVM cannot type on DTensors (run ``LegalizeOps`` first), and on any
+        invalid sharding; the message names the function.
+    """
+
+    def __init__(self, *, require_legalized: bool = False) -> None:
+        self.require_legalized = require_legalized
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return propagate(mod, require_legalized=self.require_legalized).mod
+
+
+class _ModuleRewriter:
+    def __init__(self, mod: tvm.IRModule) -> None:
+        self.mod = mod
+        self.program = ProgramAnalysis(mod)
+        self.tvm_meshes = _tvm_meshes(mod)
+        self.bb = relax.BlockBuilder()
+        self.versions: dict[_Version, FunctionAnalysis] = {}
+        self.order: list[_Version] = []
+        self.names: dict[_Version, str] = {}
+        self.emitted: dict[_Version, tvm.ir.GlobalVar] = {}
+        self.analyses: dict[str, FunctionAnalysis] = {}
+        self.unlegalized: list[tuple[str, str, str]] = []  # (function, var, op)
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> PropagationResult:
+        functions = list(_ir.relax_functions(self.mod))
+        roots: list[_Version] = []
+        untouched: list[str] = []
+        for gv, func in functions:
+            # Roots: public functions, and private ones that no root reaches but that
+            # carry annotations of their own (TVM's pass rewrites those too).
+            if not _is_public(func) and (
+                any(v.name == gv.name_hint for v in self.versions) or not _annotated(func)
+            ):
+                continue
+            analysis = self.program.final(gv.name_hint, (None,) * len(func.params))
+            if not analysis.is_sharded():
+                untouched.append(gv.name_hint)
+                continue
+            root = _Version(gv.name_hint, _param_shardings(analysis))
+            self.versions[root] = analysis
+            roots.append(root)
+            self._discover(root)
+
+        kept = self._kept_originals(functions, untouched, roots)
+        self._assign_names(roots, kept)
+
+        for root in roots:
+            self._emit(root)
+
+        # Functions emitted unchanged keep their GlobalVar objects, so that calls to
+        # them (and call_tir references to TIR functions) stay valid.
+        functions_out = dict(self.bb.get().functions.items())
+        for gv, func in self.mod.functions.items():
+            if not isinstance(func, relax.Function) or gv.name_hint in kept:
+                functions_out[gv] = func
+        out = tvm.IRModule(functions_out, attrs=self.mod.attrs,
+                           global_infos=self.mod.global_infos)
+        return PropagationResult(out, self.analyses, self.unlegalized)
+
+    def _discover(self, version: _Version) -> None:
+        analysis = self.versions[version]
+        for binding in analysis.bindings:
+            callee = self._callee(binding.value)
+            if callee is None:
+                continue
+            child = self._callee_version(analysis, binding, callee)
+            if child not in self.versions:
+                site = f"the call at '{binding.var.name}' in '{analysis.name}'"
+                self.versions[child] = self.program.final(
+                    callee, tuple(_source(s, site) for s in child.params)
+                )
+                self.order.append(child)
+                self._discover(child)
+
+    def _callee(self, value) -> str | None:
+        if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar):
+            if isinstance(self.mod[value.op], relax.Function):
+                return value.op.name_hint
+        return None
+
+    def _callee_version(self, analysis: FunctionAnalysis, binding, callee: str) -> _Version:
+        args = binding.value.args
+        known = [analysis.get(a) if isinstance(a, relax.Var) and analysis.tensor_slots(a) == 1
+                 else None for a in args]
+        passed = self.program.call_signature(known)
+        callee_analysis = self.program.final(callee, passed)
+        return _Version(callee, _param_shardings(callee_analysis))
+
+    def _kept_originals(self, functions, untouched, roots) -> set[str]:
+        """Functions emitted unchanged: unsharded roots, what they call, and the unreached."""
+        kept: set[str] = set()
+        stack = list(untouched)
+        while stack:
+            name = stack.pop()
+            if name in kept:
+                continue
+            kept.add(name)
+            stack.extend(_callees(self.mod[name]))
+        specialised = {v.name for v in self.versions}
+        for gv, func in functions:
+            if gv.name_hint not in specialised and not _is_public(func):
+                kept.add(gv.name_hint)
+        return kept
+
+    def _assign_names(self, roots, kept: set[str]) -> None:
+        taken = {gv.name_hint for gv in self.mod.get_global_vars()}
+        for root in roots:
+            self.names[root] = root.name
+        counters: dict[str, int] = {}
+        for version in self.order:
+            base = version.name
+            if base not in kept and base not in counters:
+                counters[base] = 0
+                self.names[version] = base
+                continue
+            n = counters.get(base, 0)
+            while True:
+                n += 1
+                name = f"{base}_{n}"
+                if name not in taken:
+                    break
+            counters[base] = n
+            taken.add(name)
+            self.names[version] = name
+
+    # ------------------------------------------------------------------ emission
+    def _emit(self, version: _Version) -> tvm.ir.GlobalVar:
+        if version in self.emitted:
+            return self.emitted[version]
+        analysis = self.versions[version]
+        for binding in analysis.bindings:  # callees first
+            callee = self._callee(binding.value)
+            if callee is not None:
+                self._emit(self._callee_version(analysis, binding, callee))
+        name = self.names[version]
+        gv = _FunctionEmitter(self, analysis, name).emit()
+        self.emitted[version] = gv
+        self.analyses[name] = analysis
+        logger.debug("emitted %s as %s", version.name, name)
+        return gv
+
+    def tvm_mesh(self, mesh):
+        for known, obj in self.tvm_meshes:
+            if known == mesh:
+                return obj
+        return mesh.to_tvm()
+
+    def dtensor_type(self, tensor_ty, sharding: TensorSharding) -> DTensorType:
+        if isinstance(tensor_ty, DTensorType):
+            tensor_ty = tensor_ty.tensor_ty
+        return DTensorType(tensor_ty, self.tvm_mesh(sharding.mesh), sharding.placement.to_tvm())
+
+    def redistribute(self, value: relax.Expr, sharding: TensorSharding) -> relax.Call:
+        return relax.op.distributed.redistribute(
+            value, self.tvm_mesh(sharding.mesh), sharding.placement.to_tvm()
+        )
+
+
+class _FunctionEmitter:
+    """Write one function with DTensor types from its solved analysis."""
+
+    def __init__(self, owner: _ModuleRewriter, analysis: FunctionAnalysis, name: str) -> None:
+        self.owner = owner
+        self.bb = owner.bb
+        self.analysis = analysis
+        self.name = name
+        self.remap: dict[relax.Var, relax.Expr] = {}
+
+    def emit(self) -> tvm.ir.GlobalVar:
+        func = self.analysis.func
+        params = [self._new_var(p, relax.Var) for p in func.params]
+        self.remap.update(zip(func.params, params))
+        public = _is_public(func)
+        attrs = {k: v for k, v in (func.attrs or {}).items() if k != "global_symbol"}
+        with self.bb.function(self.name, params, attrs=attrs or None, pure=func.is_pure,
+                              private=not public):
+            index = 0
+            for block in func.body.blocks:
+                dataflow = isinstance(block, relax.DataflowBlock)
+                with self.bb.dataflow() if dataflow else nullcontext():
+                    for binding in block.bindings:
+                        self._binding(self.analysis.bindings[index], dataflow)
+                        index += 1
+            gv = self.bb.emit_func_output(self._use(func.body.body))
+        return gv
+
+    # -- types and values --------------------------------------------------------
+    def _new_type(self, var: relax.Var):
+        ty = var.ty
+        if _ir.is_tensor_type(ty):
+            d = self.analysis.get(var)
+            return self.owner.dtensor_type(ty, d.sharding) if d is not None else ty
+        if isinstance(ty, relax.TupleType):
+            fields = []
+            for slot, field_ty in enumerate(ty.fields):
+                d = self.analysis.get(var, slot)
+                fields.append(self.owner.dtensor_type(field_ty, d.sharding)
+                              if d is not None and _ir.is_tensor_type(field_ty) else field_ty)
+            return relax.TupleType(fields)
+        return ty
+
+    def _new_var(self, var: relax.Var, kind) -> relax.Var:
+        return kind(var.name, self._new_type(var))
+
+    def _use(self, expr: relax.Expr) -> relax.Expr:
+        if isinstance(expr, relax.Var):
+            return self.remap.get(expr, expr)
+        if isinstance(expr, relax.Tuple):
+            return relax.Tuple([self._use(f) for f in expr.fields])
+        return expr
+
+    def _sharding(self, var, slot: int = 0) -> TensorSharding | None:
+        d = self.analysis.get(var, slot)
+        return d.sharding if d is not None else None
+
+    def _bind(self, var: relax.Var, value: relax.Expr, dataflow: bool) -> None:
+        output = dataflow and not isinstance(var, relax.DataflowVar)
+        if output:
+            new = self.bb.emit_output(value, name_hint=var.name)
+        else:
+            new = self.bb.emit(value, name_hint=var.name)
+        self.remap[var] = new
+
+    def _moved(self, operand: relax.Expr, needed: TensorSharding) -> relax.Expr:
+        """``operand`` (new IR) redistributed to ``needed`` when its sharding differs."""
+        current = self._use(operand)
+        have = TensorSharding.from_type(current.ty) if isinstance(current, relax.Var) else None
+        if have is None or have == needed:
+            return current
+        name = operand.name if isinstance(operand, relax.Var) else "arg"
+        return self.bb.emit(self.owner.redistribute(current, needed), name_hint=f"{name}_redist")
+
+    # -- bindings ------------------------------------------------------------------
+    def _binding(self, b, dataflow: bool) -> None:
+        value = b.value
+        if isinstance(value, relax.Call) and (
+            _ir.is_call_to(value, _ANNOTATE) or _ir.is_call_to(value, _REDISTRIBUTE)
+        ):
+            self._annotation(b, value, dataflow)
+        elif isinstance(value, relax.Call) and self.owner._callee(value) is not None:
+            self._call(b, value, dataflow)
+        elif isinstance(value, relax.Call) and self.analysis.tensor_slots(b.var):
+            self._operator(b, value, dataflow)
+        else:
+            self._plain(b, value, dataflow)
+
+    def _plain(self, b, value, dataflow: bool) -> None:
+        if isinstance(value, relax.TupleGetItem):
+            new = relax.TupleGetItem(self._use(value.tuple_value), value.index)
+        elif isinstance(value, relax.Call):
+            new = relax.Call(value.op, [self._use(a) for a in value.args], value.attrs,
+                             value.ty_args, value.span)
+        else:
+            new = self._use(value)
+        new = self.bb.normalize(new)
+        want = self._sharding(b.var) if self.analysis.tensor_slots(b.var) == 1 else None
+        if want is not None and _ir.is_tensor_type(b.var.ty):
+            have = TensorSharding.from_type(new.ty)
+            if have is not None and have != want:
+                raw = self.bb.emit(new)
+                new = self.owner.redistribute(raw, want)
+        self._bind(b.var, new, dataflow)
+
+    def _annotation(self, b, call: relax.Call, dataflow: bool) -> None:
+        source = call.args[0]
+        want = self._sharding(b.var)
+        current = self._use(source)
+        have = TensorSharding.from_type(current.ty)
+        if _ir.is_call_to(call, _ANNOTATE) and have == want:
+            output = dataflow and not isinstance(b.var, relax.DataflowVar)
+            if output and isinstance(current, relax.DataflowVar):
+                self._bind(b.var, current, dataflow)
+            else:
+                self.remap[b.var] = current
+            return
+        self._bind(b.var, self.owner.redistribute(current, want), dataflow)
+
+    def _call(self, b, call: relax.Call, dataflow: bool) -> None:
+        callee = call.op.name_hint
+        version = self.owner._callee_version(self.analysis, b, callee)
+        gv = self.owner.emitted[version]
+        args = []
+        for arg, needed in zip(call.args, version.params):
+            args.append(self._moved(arg, needed) if needed is not None else self._use(arg))
+        new = self.bb.normalize(relax.Call(gv, args, call.attrs, call.ty_args, call.span))
+        self._finish(b, new, dataflow)
+
+    def _operator(self, b, call: relax.Call, dataflow: bool) -> None:
+        sig, operands = self.analysis.operands_of(call)
+        outputs = [(b.var, s) for s in range(self.analysis.tensor_slots(b.var))]
+        known = [self.analysis.get(o) if isinstance(o, relax.Var) else None for o in operands]
+        known += [self.analysis.get(v, s) for v, s in outputs]
+        if sig is None:
+            plan = _replicated_plan(known, len(operands), len(outputs))
+        else:
+            shapes = [_ir.static_shape(o.ty) for o in operands] + [None] * len(outputs)
+            plan = decide_operands(sig, known, shapes)
+        if plan is None:  # nothing sharded reaches this call: it stays as it is
+            self._plain(b, call, dataflow)
+            return
+        moved = {}
+        for operand, needed in zip(operands, plan.operands):
+            if isinstance(operand, relax.Var):
+                moved[operand] = self._moved(operand, needed)
+        new_call = _substitute(call, lambda v: moved.get(v, self._use(v)))
+        if _ir.is_call_to(call, _CALL_TIR):
+            new_call = self._typed_call_tir(new_call, plan, b.var)
+        try:
+            new = self.bb.normalize(new_call)
+        except Exception as err:  # TVM reports type-inference failures as TVMError
+            if isinstance(err, ShardingError):
+                raise
+            op_name = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
+            raise UnsupportedProgramError(
+                f"TVM cannot type {op_name} on sharded operands: "
+                f"{str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}",
+                function=self.name,
+                var=b.var.name,
+                hint="run relax.transform.LegalizeOps() before PropagateSharding; TVM 0.27 has "
+                "distributed type rules for few high-level operators",
+            ) from None
+        if isinstance(call.op, tvm.ir.Op) and not call.op.name.startswith(("relax.call_tir",
+                                                                            "relax.dist.")):
+            self.owner.unlegalized.append((self.name, b.var.name, call.op.name))
+        self._finish(b, new, dataflow)
+
+    def _typed_call_tir(self, call: relax.Call, plan, var: relax.Var) -> relax.Call:
+        out_ty = call.ty_args[0]
+        if isinstance(out_ty, relax.TupleType):
+            new_ty = relax.TupleType([self.owner.dtensor_type(t, s)
+                                      for t, s in zip(out_ty.fields, plan.outputs)])
+        else:
+            new_ty = self.owner.dtensor_type(out_ty, plan.outputs[0])
+        return relax.Call(call.op, call.args, call.attrs, [new_ty], call.span)
+
+    def _finish(self, b, new: relax.Expr, dataflow: bool) -> None:
+        """Bind a call's result, redistributing where its sharding is not the value's."""
+        slots = self.analysis.tensor_slots(b.var)
+        if slots == 1 and _ir.is_tensor_type(b.var.ty):
+            want = self._sharding(b.var)
+            have = TensorSharding.from_type(new.ty)
+            if want is not None and have is not None and have != want:
+                raw = self.bb.emit(new)
+                new = self.owner.redistribute(raw, want)
+        elif slots > 1 and isinstance(new.ty, relax.TupleType):
+            fields = new.ty.fields
+            mismatched = [
+                s for s in range(slots)
+                if self._sharding(b.var, s) is not None
+                and TensorSharding.from_type(fields[s]) not in (None, self._sharding(b.var, s))
+            ]
+            if mismatched:
+                raw = self.bb.emit(new)
+                items = []
+                for s in range(slots):
+                    item = self.bb.emit(relax.TupleGetItem(raw, s))
+                    if s in mismatched:
+                        item = self.bb.emit(self.owner.redistribute(item, self._sharding(b.var, s)))
+                    items.append(item)
+                new = relax.Tuple(items)
+        self._bind(b.var, new, dataflow)
+
+
+# --------------------------------------------------------------------------- helpers
+def _is_public(func: relax.Function) -> bool:
+    return func.attrs is not None and "global_symbol" in func.attrs
+
+
+def _annotated(func: relax.Function) -> bool:
+    found = []
+
+    def visit(expr):
+        if _ir.is_call_to(expr, _ANNOTATE):
+            found.append(expr)
+
+    relax.analysis.post_order_visit(func, visit)
+    return bool(found)
+
+
+def _param_shardings(analysis: FunctionAnalysis) -> tuple:
+    out = []
+    for param in analysis.func.params:
+        d = analysis.get(param) if analysis.tensor_slots(param) == 1 else None
+        out.append(d.sharding if d is not None else None)
+    return tuple(out)
+
+
+def _source(sharding: TensorSharding | None, site: str) -> Decision | None:
+    if sharding is None:
+        return None
+    return Decision(sharding, Strength.SOURCE, f"signature of this version, from {site}")
+
+
+def _callees(func) -> list[str]:
+    found: list[str] = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar):
+            found.append(expr.op.name_hint)
+
+    if isinstance(func, relax.Function):
+        relax.analysis.post_order_visit(func, visit)
+    return found
+
+
+def _tvm_meshes(mod: tvm.IRModule) -> list:
+    from tvm.relax.distributed import DeviceMesh as TVMDeviceMesh
+
+    from tvm_distx.mesh import DeviceMesh
+
+    found = []
+    for infos in mod.global_infos.values():
+        for info in infos:
+            if isinstance(info, TVMDeviceMesh):
+                found.append((DeviceMesh.from_tvm(info), info))
+    return found
+
+
+def _substitute(expr: relax.Expr, use) -> relax.Expr:
+    """Rebuild a call (and nested tuples) with every Var replaced by ``use(var)``."""
+    if isinstance(expr, relax.Var):
+        return use(expr)
+    if isinstance(expr, relax.Tuple):
+        return relax.Tuple([_substitute(f, use) for f in expr.fields])
+    if isinstance(expr, relax.Call):
+        return relax.Call(expr.op, [_substitute(a, use) for a in expr.args], expr.attrs,
+                          expr.ty_args, expr.span)
+    return expr

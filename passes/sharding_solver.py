@@ -1,0 +1,657 @@
+"""The sharding solver: which mesh and placement every value of a module gets.
+
+This module only *analyses*; :mod:`tvm_distx.passes.propagate_sharding`
+rewrites the IR from its answers.
+
+Model
+-----
+Every tensor value has a :class:`Decision`: a sharding, how strongly it is held
+(:class:`Strength`) and why (a sentence shown by :func:`tvm_distx.explain`).
+A value with no decision is unknown; unknown is never read as replicated.
+
+Sources are ``R.dist.annotate_sharding`` and ``R.dist.redistribute`` results,
+``R.DTensor`` parameters, and the parameter shardings a caller passes into a
+specialised callee. From them, decisions flow along bindings in both directions
+until nothing changes (a worklist over bindings, in program order):
+
+* an operator call is described by an einsum-like signature
+  (:mod:`tvm_distx.passes.op_signatures`). Per mesh axis, the strongest operand
+  that shards a label decides that the label is sharded on that mesh axis (ties
+  go to the earlier operand; replicated operands never decide, because a
+  replicated operand can always be sliced locally). Unknown operands and
+  results then follow from the labels. A label that no output has is a
+  reduction: sharding it gives a partial result that lowering all-reduces.
+* a call of a Relax function is *specialised*: the callee is analysed with the
+  shardings of the arguments that are known (memoised per signature), and its
+  parameter and result shardings flow back to the caller. The callee lives on
+  one mesh, the *home mesh* of the call: the mesh of its strongest known
+  argument. Arguments on another mesh are not passed in; the caller moves them
+  with a redistribute (this is how pipeline stages hand values over).
+* an operator without a signature runs replicated on its operands' mesh
+  (correct, possibly slow; it is logged).
+
+When two decisions meet on one value the first one stays, and the rewrite
+inserts an ``R.dist.redistribute`` where a use needs the other (annotations
+are the strongest decisions, so annotations win). Values that no source reaches
+are finally replicated on their function's home mesh, with that reason
+recorded. A function that no source reaches at all is left unsharded.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import tvm
+from tvm import relax
+
+from tvm_distx import _ir
+from tvm_distx.errors import CallGraphError, ShardingConflictError, UnsupportedProgramError
+from tvm_distx.mesh import DeviceMesh
+from tvm_distx.placement import Placement, Replicate, Shard
+from tvm_distx.spec import TensorSharding, replicated
+
+from .op_signatures import OpSignature, op_signature
+
+__all__ = [
+    "Strength",
+    "Decision",
+    "FunctionAnalysis",
+    "ProgramAnalysis",
+    "CallGraphError",
+    "UnsupportedProgramError",
+    "decide_operands",
+]
+
+logger = logging.getLogger(__name__)
+
+_ANNOTATE = "relax.dist.annotate_sharding"
+_REDISTRIBUTE = "relax.dist.redistribute"
+
+
+class Strength(enum.IntEnum):
+    """How firmly a decision is held; stronger decisions win conflicts."""
+
+    DEFAULT = 0  #: nothing reached the value; replicated by default
+    PROPAGATED = 1  #: derived from other values
+    SOURCE = 2  #: an annotation, a DTensor type, or a caller's signature
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The sharding of one value, how firmly it is held, and why."""
+
+    sharding: TensorSharding
+    strength: Strength
+    reason: str
+
+
+# --------------------------------------------------------------------------- operators
+@dataclass(frozen=True)
+class OperandPlan:
+    """What one operator call needs of its operands and what it produces."""
+
+    mesh: DeviceMesh
+    operands: tuple[TensorSharding, ...]
+    outputs: tuple[TensorSharding, ...]
+    leader: int | None  # operand (or len(operands)+output) index that fixed the mesh
+
+
+def _labelled(sig: OpSignature) -> list[tuple[str, ...]]:
+    return list(sig.labels) + list(sig.output)
+
+
+def decide_operands(
+    sig: OpSignature,
+    known: Sequence[Decision | None],
+    shapes: Sequence[tuple[int | None, ...] | None],
+) -> OperandPlan | None:
+    """Decide an operator call's shardings from what is known of its operands.
+
+    Parameters
+    ----------
+    sig : OpSignature
+        The call's signature.
+    known : sequence of Decision or None
+        One per operand, then one per output (None: unknown).
+    shapes : sequence of tuple or None
+        Static shapes in the same order, to keep shards even.
+
+    Returns
+    -------
+    OperandPlan or None
+        None when nothing is known yet.
+    """
+    slots = _labelled(sig)
+    order = sorted(
+        (i for i, d in enumerate(known) if d is not None),
+        key=lambda i: (-int(known[i].strength), i),
+    )
+    if not order:
+        return None
+    mesh = known[order[0]].sharding.mesh
+    axis_label: list[str | None] = []
+    for axis in range(mesh.ndim):
+        chosen = None
+        for i in order:
+            decision = known[i]
+            if decision.sharding.mesh != mesh:
+                continue
+            entry = decision.sharding.placement.entries[axis]
+            if isinstance(entry, Shard) and entry.dim < len(slots[i]):
+                label = slots[i][entry.dim]
+                if label not in sig.unshardable:
+                    chosen = label
+                    break
+        axis_label.append(chosen)
+    _drop_uneven(axis_label, mesh, slots, shapes)
+
+    def placement_for(labels: tuple[str, ...]) -> TensorSharding:
+        entries = []
+        for label in axis_label:
+            if label is not None and label in labels:
+                entries.append(Shard(labels.index(label)))
+            else:
+                entries.append(Replicate())
+        return TensorSharding(mesh, Placement(tuple(entries)))
+
+    n = len(sig.labels)
+    return OperandPlan(
+        mesh=mesh,
+        operands=tuple(placement_for(labels) for labels in sig.labels),
+        outputs=tuple(placement_for(labels) for labels in sig.output),
+        leader=order[0] if order[0] < n else None,
+    )
+
+
+def _drop_uneven(axis_label, mesh, slots, shapes) -> None:
+    """Replicate instead of sharding a label whose static extents do not divide."""
+    for label in set(filter(None, axis_label)):
+        parts = 1
+        for axis, chosen in enumerate(axis_label):
+            if chosen == label:
+                parts *= mesh.shape[axis]
+        for labels, shape in zip(slots, shapes):
+            if shape is None or label not in labels:
+                continue
+            extent = shape[labels.index(label)]
+            if extent is not None and extent % parts:
+                for axis, chosen in enumerate(axis_label):
+                    if chosen == label:
+                        axis_label[axis] = None
+                break
+
+
+def check_single_home(
+    known: Sequence[Decision | None], names: Sequence[str], *, function: str, site: str
+) -> None:
+    """Refuse a site whose strongest decisions are sources on two different meshes.
+
+    Annotations win conflicts, but when two annotations (or caller signatures)
+    put the operands of one operator or call on different meshes, no rule says
+    where it runs.
+
+    Raises
+    ------
+    ShardingConflictError
+        Naming the function, the site and both shardings.
+    """
+    sources = [(n, d) for n, d in zip(names, known)
+               if d is not None and d.strength == Strength.SOURCE]
+    for name, decision in sources[1:]:
+        first_name, first = sources[0]
+        if decision.sharding.mesh != first.sharding.mesh:
+            raise ShardingConflictError(
+                f"{site} takes '{first_name}' as {first.sharding} and '{name}' as "
+                f"{decision.sharding}; both are annotated, so no rule decides where it runs",
+                function=function,
+                var=name,
+                placement=str(decision.sharding.placement),
+                hint=f"redistribute one of them to the other's mesh with R.dist.redistribute, "
+                "or drop one annotation",
+            )
+
+
+# --------------------------------------------------------------------------- one function
+@dataclass
+class _Binding:
+    index: int
+    var: relax.Var
+    value: relax.Expr
+
+
+@dataclass
+class CallSummary:
+    """What a specialised callee says about its parameters and result."""
+
+    params: tuple[Decision | None, ...]
+    result: tuple[Decision | None, ...]  # one per result tensor (tuple results: per field)
+
+
+class FunctionAnalysis:
+    """Solve the shardings of one function for one signature.
+
+    Parameters
+    ----------
+    program : ProgramAnalysis
+        The module-wide analysis (for calls, memoisation and meshes).
+    name : str
+        The function's name.
+    func : relax.Function
+    params : sequence of Decision or None
+        Shardings fixed by the caller, one per parameter (None: free).
+    finalize : bool
+        Replicate whatever stays unknown (on the function's home mesh), so that
+        every tensor is decided. Summaries for callers are computed without it.
+    """
+
+    def __init__(
+        self,
+        program: "ProgramAnalysis",
+        name: str,
+        func: relax.Function,
+        params: Sequence[Decision | None],
+        finalize: bool,
+    ) -> None:
+        self.program = program
+        self.name = name
+        self.func = func
+        self.decisions: dict[tuple[relax.Var, int], Decision] = {}
+        self.bindings = list(self._flatten(func))
+        self.defs: dict[relax.Var, int] = {b.var: b.index for b in self.bindings}
+        self.users: dict[relax.Var, list[int]] = {}
+        for b in self.bindings:
+            for var in _vars_in(b.value):
+                self.users.setdefault(var, []).append(b.index)
+        self.calls: dict[int, tuple[str, tuple[Decision | None, ...]]] = {}
+        self._queue: list[int] = []
+        self._queued: set[int] = set()
+
+        for param, given in zip(func.params, params):
+            typed = TensorSharding.from_type(param.ty)
+            if typed is not None:
+                self._set(param, 0, Decision(typed, Strength.SOURCE, "declared R.DTensor type"))
+            elif given is not None:
+                self._set(param, 0, given)
+        for b in self.bindings:
+            # Sources: annotations, and calls, whose callees may hold annotations.
+            if (_ir.is_call_to(b.value, _ANNOTATE) or _ir.is_call_to(b.value, _REDISTRIBUTE)
+                    or self._is_function_call(b.value)):
+                self._push(b.index)
+        self._solve()
+        if finalize:
+            self._default_unknowns()
+
+    # -- structure ---------------------------------------------------------------
+    def _flatten(self, func: relax.Function) -> Iterator[_Binding]:
+        body = func.body
+        if not isinstance(body, relax.SeqExpr):
+            return
+        index = 0
+        for block in body.blocks:
+            for binding in block.bindings:
+                value = binding.value
+                if isinstance(binding, relax.MatchCast):
+                    value = binding.value
+                if isinstance(value, (relax.If, relax.Function, relax.SeqExpr)):
+                    raise UnsupportedProgramError(
+                        f"{type(value).__name__} inside a function is not supported by "
+                        "sharding propagation yet",
+                        function=self.name,
+                        var=binding.var.name,
+                        hint="move the branch or the inner function into a separate "
+                        "private function, or inline it",
+                    )
+                yield _Binding(index, binding.var, value)
+                index += 1
+
+    def tensor_slots(self, var: relax.Var) -> int:
+        """How many tensors a value holds (1, the fields of a tuple, or 0)."""
+        ty = var.ty
+        if _ir.is_tensor_type(ty):
+            return 1
+        if isinstance(ty, relax.TupleType):
+            return len(ty.fields)
+        return 0
+
+    # -- decisions -------------------------------------------------------------
+    def get(self, var: relax.Expr, slot: int = 0) -> Decision | None:
+        """The decision for a value (``slot``: tuple field), None when unknown."""
+        if not isinstance(var, relax.Var):
+            return None
+        return self.decisions.get((var, slot))
+
+    def _set(self, var: relax.Var, slot: int, decision: Decision) -> bool:
+        key = (var, slot)
+        if key in self.decisions:
+            return False
+        self.decisions[key] = decision
+        if var in self.defs:
+            self._push(self.defs[var])
+        for user in self.users.get(var, ()):
+            self._push(user)
+        return True
+
+    def _push(self, index: int) -> None:
+        if index not in self._queued:
+            self._queued.add(index)
+            heapq.heappush(self._queue, index)
+
+    def _solve(self) -> None:
+        while self._queue:
+            index = heapq.heappop(self._queue)
+            self._queued.discard(index)
+            self._step(self.bindings[index])
+
+    def _default_unknowns(self) -> None:
+        home = self.home_mesh()
+        if home is None:
+            return
+        while True:
+            missing = next(self._unknown_values(), None)
+            if missing is None:
+                return
+            var, slot = missing
+            self._set(
+                var,
+                slot,
+                Decision(replicated(home), Strength.DEFAULT,
+                         "no annotation reaches it: replicated by default"),
+            )
+            self._solve()
+
+    def _unknown_values(self) -> Iterator[tuple[relax.Var, int]]:
+        for var in list(self.func.params) + [b.var for b in self.bindings]:
+            for slot in range(self.tensor_slots(var)):
+                if _tensor_field(var.ty, slot) and (var, slot) not in self.decisions:
+                    yield var, slot
+
+    def home_mesh(self) -> DeviceMesh | None:
+        """The mesh of the strongest decision in the function (first in program order)."""
+        best = None
+        for var in list(self.func.params) + [b.var for b in self.bindings]:
+            for slot in range(self.tensor_slots(var)):
+                d = self.decisions.get((var, slot))
+                if d is not None and (best is None or d.strength > best.strength):
+                    best = d
+        return best.sharding.mesh if best is not None else None
+
+    def is_sharded(self) -> bool:
+        """True when any value of the function has a decision."""
+        return bool(self.decisions)
+
+    def result_decisions(self) -> tuple[Decision | None, ...]:
+        body = self.func.body.body if isinstance(self.func.body, relax.SeqExpr) else None
+        if isinstance(body, relax.Var):
+            return tuple(self.get(body, s) for s in range(self.tensor_slots(body)))
+        if isinstance(body, relax.Tuple):
+            return tuple(self.get(f) if isinstance(f, relax.Var) else None for f in body.fields)
+        return ()
+
+    def summary(self) -> CallSummary:
+        return CallSummary(
+            params=tuple(self.get(p) if self.tensor_slots(p) == 1 else None
+                         for p in self.func.params),
+            result=self.result_decisions(),
+        )
+
+    # -- one binding ---------------------------------------------------------------
+    def _step(self, b: _Binding) -> None:
+        value = b.value
+        if isinstance(value, relax.Var):
+            self._alias(b.var, value, f"alias of '{value.name}'")
+        elif isinstance(value, relax.TupleGetItem):
+            self._tuple_get(b, value)
+        elif isinstance(value, relax.Tuple):
+            self._tuple(b, value)
+        elif isinstance(value, relax.Call):
+            if _ir.is_call_to(value, _ANNOTATE) or _ir.is_call_to(value, _REDISTRIBUTE):
+                self._annotation(b, value)
+            elif self._is_function_call(value):
+                self._call(b, value)
+            else:
+                self._operator(b, value)
+
+    def _is_function_call(self, value) -> bool:
+        return (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar)
+                and isinstance(self.program.mod[value.op], relax.Function))
+
+    def _alias(self, var: relax.Var, source: relax.Var, reason: str) -> None:
+        for slot in range(self.tensor_slots(var)):
+            mine, theirs = self.get(var, slot), self.get(source, slot)
+            if mine is None and theirs is not None:
+                self._set(var, slot, Decision(theirs.sharding, theirs.strength, reason))
+            elif theirs is None and mine is not None:
+                self._set(source, slot, Decision(mine.sharding, Strength.PROPAGATED,
+                                                 f"used as '{var.name}'"))
+
+    def _tuple_get(self, b: _Binding, value: relax.TupleGetItem) -> None:
+        source = value.tuple_value if hasattr(value, "tuple_value") else value.tuple
+        if not isinstance(source, relax.Var) or self.tensor_slots(b.var) != 1:
+            return
+        mine, theirs = self.get(b.var), self.get(source, value.index)
+        if mine is None and theirs is not None:
+            self._set(b.var, 0, Decision(theirs.sharding, theirs.strength,
+                                         f"field {value.index} of '{source.name}'"))
+        elif theirs is None and mine is not None:
+            self._set(source, value.index, Decision(mine.sharding, Strength.PROPAGATED,
+                                                    f"field {value.index} used as '{b.var.name}'"))
+
+    def _tuple(self, b: _Binding, value: relax.Tuple) -> None:
+        for slot, item in enumerate(value.fields):
+            if not isinstance(item, relax.Var) or self.tensor_slots(item) != 1:
+                continue
+            mine, theirs = self.get(b.var, slot), self.get(item)
+            if mine is None and theirs is not None:
+                self._set(b.var, slot, Decision(theirs.sharding, theirs.strength,
+                                                f"'{item.name}' in a tuple"))
+            elif theirs is None and mine is not None:
+                self._set(item, 0, Decision(mine.sharding, Strength.PROPAGATED,
+                                            f"field {slot} of tuple '{b.var.name}'"))
+
+    def _annotation(self, b: _Binding, call: relax.Call) -> None:
+        mesh = self.program.mesh_named(DeviceMesh.from_tvm(call.attrs.device_mesh))
+        sharding = TensorSharding(mesh, Placement.from_tvm(call.attrs.placement))
+        what = "annotate_sharding" if _ir.is_call_to(call, _ANNOTATE) else "redistribute"
+        self._set(b.var, 0, Decision(sharding, Strength.SOURCE, f"{what} {sharding} in '{self.name}'"))
+        source = call.args[0]
+        if what == "annotate_sharding" and isinstance(source, relax.Var):
+            self._set(source, 0, Decision(sharding, Strength.PROPAGATED,
+                                          f"annotated as '{b.var.name}'"))
+
+    def operands_of(self, call: relax.Call) -> tuple[OpSignature | None, list[relax.Expr]]:
+        """The call's signature and its tensor operands."""
+        sig = op_signature(call, self.program.mod)
+        if sig is not None:
+            return sig, list(sig.operands)
+        return None, [a for a in _flat_args(call) if _ir.is_tensor_type(a.ty)]
+
+    def _operator(self, b: _Binding, call: relax.Call) -> None:
+        sig, operands = self.operands_of(call)
+        outputs = [(b.var, s) for s in range(self.tensor_slots(b.var))]
+        known = [self.get(o) for o in operands] + [self.get(v, s) for v, s in outputs]
+        what = call.op.name if isinstance(call.op, tvm.ir.Op) else "call"
+        check_single_home(known, [_name(o) for o in operands] + [v.name for v, _ in outputs],
+                          function=self.name, site=f"{what} at '{b.var.name}'")
+        if sig is None:
+            plan = _replicated_plan(known, len(operands), len(outputs))
+            reason = f"{what} has no sharding rule: replicated"
+        else:
+            shapes = [_ir.static_shape(o.ty) for o in operands] + [
+                _ir.static_shape(_field_type(v.ty, s)) for v, s in outputs
+            ]
+            plan = decide_operands(sig, known, shapes)
+            reason = f"{what} at '{b.var.name}'"
+        if plan is None:
+            return
+        for operand, needed in zip(operands, plan.operands):
+            if isinstance(operand, relax.Var) and self.get(operand) is None:
+                self._set(operand, 0, Decision(needed, Strength.PROPAGATED, f"operand of {reason}"))
+        for (var, slot), produced in zip(outputs, plan.outputs):
+            if self.get(var, slot) is None:
+                self._set(var, slot, Decision(produced, Strength.PROPAGATED, f"result of {reason}"))
+
+    def _call(self, b: _Binding, call: relax.Call) -> None:
+        callee = call.op.name_hint
+        args = list(call.args)
+        known = [self.get(a) if isinstance(a, relax.Var) and self.tensor_slots(a) == 1 else None
+                 for a in args]
+        check_single_home(known, [_name(a) for a in args], function=self.name,
+                          site=f"the call of '{callee}' at '{b.var.name}'")
+        passed = self.program.call_signature(known)
+        summary = self.program.summary(callee, passed, caller=self.name)
+        self.calls[b.index] = (callee, passed)
+        for arg, param in zip(args, summary.params):
+            if isinstance(arg, relax.Var) and param is not None and self.get(arg) is None:
+                self._set(arg, 0, Decision(param.sharding, Strength.PROPAGATED,
+                                           f"parameter of '{callee}' called at '{b.var.name}'"))
+        for slot, result in enumerate(summary.result):
+            if result is not None and self.get(b.var, slot) is None:
+                self._set(b.var, slot, Decision(result.sharding, Strength.PROPAGATED,
+                                                f"result of '{callee}'"))
+
+
+def _name(expr: relax.Expr) -> str:
+    return expr.name if isinstance(expr, relax.Var) else type(expr).__name__.lower()
+
+
+def _replicated_plan(known, n_operands, n_outputs) -> OperandPlan | None:
+    decided = [d for d in known if d is not None]
+    if not decided:
+        return None
+    mesh = max(decided, key=lambda d: int(d.strength)).sharding.mesh
+    rep = replicated(mesh)
+    return OperandPlan(mesh, (rep,) * n_operands, (rep,) * n_outputs, None)
+
+
+def _flat_args(call: relax.Call) -> list[relax.Expr]:
+    out = []
+    for arg in call.args:
+        if isinstance(arg, relax.Tuple):
+            out.extend(arg.fields)
+        else:
+            out.append(arg)
+    return out
+
+
+def _vars_in(expr: relax.Expr) -> list[relax.Var]:
+    found = []
+    if isinstance(expr, relax.Var):
+        found.append(expr)
+    elif isinstance(expr, relax.Call):
+        for arg in expr.args:
+            found.extend(_vars_in(arg))
+    elif isinstance(expr, relax.Tuple):
+        for item in expr.fields:
+            found.extend(_vars_in(item))
+    elif isinstance(expr, relax.TupleGetItem):
+        source = expr.tuple_value if hasattr(expr, "tuple_value") else expr.tuple
+        found.extend(_vars_in(source))
+    return found
+
+
+def _field_type(ty, slot: int):
+    if isinstance(ty, relax.TupleType):
+        return ty.fields[slot]
+    return ty
+
+
+def _tensor_field(ty, slot: int) -> bool:
+    return _ir.is_tensor_type(_field_type(ty, slot))
+
+
+# --------------------------------------------------------------------------- the program
+class ProgramAnalysis:
+    """Module-wide sharding analysis with memoised callee specialisation.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        The annotated global-view module.
+    """
+
+    def __init__(self, mod: tvm.IRModule) -> None:
+        self.mod = mod
+        from tvm_distx.mesh import module_meshes
+
+        self.meshes = module_meshes(mod)
+        self._summaries: dict[tuple, CallSummary] = {}
+        self._finals: dict[tuple, FunctionAnalysis] = {}
+        self._stack: list[str] = []
+
+    def mesh_named(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The module's own (named) mesh equal to ``mesh``, or ``mesh`` itself."""
+        for known in self.meshes.values():
+            if known == mesh:
+                return known
+        return mesh
+
+    @staticmethod
+    def call_signature(known: Sequence[Decision | None]) -> tuple[Decision | None, ...]:
+        """The argument decisions passed into a callee, homed on one mesh.
+
+        The strongest known argument (first on ties) names the home mesh.
+        Arguments on other meshes are not passed in: the callee decides them
+        on its home mesh and the caller redistributes.
+        """
+        decided = [(i, d) for i, d in enumerate(known) if d is not None]
+        if not decided:
+            return tuple(known)
+        home = max(decided, key=lambda item: (int(item[1].strength), -item[0]))[1].sharding.mesh
+        passed = []
+        for d in known:
+            if d is None or d.sharding.mesh != home:
+                passed.append(None)
+            else:
+                passed.append(Decision(d.sharding, Strength.SOURCE, "sharding of the argument"))
+        return tuple(passed)
+
+    def _key(self, callee: str, passed: Sequence[Decision | None]) -> tuple:
+        return (callee, tuple(d.sharding if d is not None else None for d in passed))
+
+    def _function(self, callee: str, caller: str | None) -> relax.Function:
+        try:
+            func = self.mod[callee]
+        except (KeyError, ValueError, tvm.error.TVMError):
+            raise CallGraphError(f"call of unknown function '{callee}'", function=caller) from None
+        return func
+
+    def _enter(self, callee: str, caller: str | None) -> None:
+        if callee in self._stack:
+            cycle = " -> ".join(self._stack[self._stack.index(callee):] + [callee])
+            raise CallGraphError(
+                f"recursive call cycle {cycle}; sharding propagation needs an acyclic call graph",
+                function=caller,
+                hint="unroll the recursion, or shard the recursive function by hand with "
+                "R.DTensor types",
+            )
+        self._stack.append(callee)
+
+    def summary(self, callee: str, passed: Sequence[Decision | None],
+                caller: str | None = None) -> CallSummary:
+        """What ``callee`` says about its parameters and result, given ``passed``."""
+        key = self._key(callee, passed)
+        if key not in self._summaries:
+            func = self._function(callee, caller)
+            self._enter(callee, caller)
+            try:
+                analysis = FunctionAnalysis(self, callee, func, passed, finalize=False)
+            finally:
+                self._stack.pop()
+            self._summaries[key] = analysis.summary()
+        return self._summaries[key]
+
+    def final(self, name: str, passed: Sequence[Decision | None]) -> FunctionAnalysis:
+        """The complete analysis of ``name`` for one signature (every value decided)."""
+        key = self._key(name, passed)
+        if key not in self._finals:
+            func = self._function(name, None)
+            self._enter(name, None)
+            try:
+                self._finals[key] = FunctionAnalysis(self, name, func, passed, finalize=True)
+            finally:
+                self._stack.pop()
+        return self._finals[key]
