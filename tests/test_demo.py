@@ -1,4 +1,4 @@
-"""The demo job prints the annotated seed examples."""
+"""The demo job prints the annotated and propagated seed examples."""
 
 from __future__ import annotations
 
@@ -10,22 +10,29 @@ import tvm
 
 import tvm_distx as td
 from tvm_distx.demo import EXAMPLES
-from tvm_distx.passes import AnnotateSharding
+from tvm_distx.passes import AnnotateSharding, PropagateSharding
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_prints_each_annotated_example():
+def _script(section: str):
+    return tvm.script.from_source(section[section.index("# from tvm.script"):])
+
+
+def test_demo_prints_each_example_annotated_propagated_and_explained():
     out = subprocess.run(
         [sys.executable, "-m", "tvm_distx.demo"], cwd=ROOT, check=True,
         capture_output=True, text=True,
     ).stdout
     sections = out.split("# ---- ")[1:]
-    assert len(sections) == len(EXAMPLES)
-    for section, (filename, rules) in zip(sections, EXAMPLES.items()):
-        assert section.startswith(str(Path("tests") / "data" / filename))
-        script = section[section.index("# from tvm.script"):]
-        printed = tvm.script.from_source(script)
-        expected = AnnotateSharding(rules)(td.load_module(ROOT / "tests" / "data" / filename))
-        tvm.ir.assert_structural_equal(printed, expected)
-    assert 'annotate_sharding(y, device_mesh="mesh[1]", placement="R")' in out
+    assert len(sections) == 3 * len(EXAMPLES)
+    for i, (filename, rules) in enumerate(EXAMPLES.items()):
+        annotated_text, propagated_text, table = sections[3 * i: 3 * i + 3]
+        path = str(Path("tests") / "data" / filename)
+        assert annotated_text.startswith(f"{path}: annotated by")
+        assert propagated_text.startswith(f"{path}: propagated")
+        annotated = AnnotateSharding(rules)(td.load_module(ROOT / "tests" / "data" / filename))
+        tvm.ir.assert_structural_equal(_script(annotated_text), annotated)
+        tvm.ir.assert_structural_equal(_script(propagated_text), PropagateSharding()(annotated))
+        assert table.split("\n", 1)[1].strip() == str(td.explain(annotated)).strip()
+    assert 'R.dist.redistribute(y, device_mesh="mesh[1]", placement="R")' in out

@@ -1,11 +1,13 @@
 """The main job, as run by ``scripts/demo``.
 
-For now: read the seed example (``tests/data/seed_pipeline.py``: ``main`` calls
-the private ``mlp`` twice), annotate it with :class:`tvm_distx.passes.AnnotateSharding`
+Read the seed example (``tests/data/seed_pipeline.py``: ``main`` calls the
+private ``mlp`` twice), annotate it with :class:`tvm_distx.passes.AnnotateSharding`
 so that the first call runs on ``mesh[0]`` and the second on ``mesh[1]`` (a
-two-stage pipeline), then do the same for the tensor-parallel variant, and print
-each annotated module as TVMScript. Later stages of the project (propagation,
-lowering, running on ranks) extend this job.
+two-stage pipeline), propagate the shardings through the calls with
+:class:`tvm_distx.passes.PropagateSharding`, and print the annotated module, the
+propagated module and the sharding table of :func:`tvm_distx.explain`. Then do the
+same for the tensor-parallel variant. Later stages of the project (lowering,
+running on ranks) extend this job.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import logging
 import sys
 from pathlib import Path
 
-from tvm_distx import ShardingRule, load_module
-from tvm_distx.passes import AnnotateSharding
+from tvm_distx import ShardingRule, explain, load_module
+from tvm_distx.passes import AnnotateSharding, PropagateSharding
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         path = args.data / filename
         mod = load_module(path)
         annotated = AnnotateSharding(rules)(mod)
-        _write(f"# ---- {path}")
+        _write(f"# ---- {path}: annotated by")
         for rule in rules:
             _write(f"#   {rule!r}")
         _write(annotated.script(show_meta=False))
+        _write(f"# ---- {path}: propagated")
+        _write(PropagateSharding()(annotated).script(show_meta=False))
+        _write(f"# ---- {path}: why each value is sharded so")
+        _write(str(explain(annotated)))
     return 0
 
 
