@@ -459,3 +459,142 @@ def test_explain_reports_mesh_placement_local_shape_and_reason():
     text = str(report)
     assert text.startswith("function mlp\n")
     assert "function main" in text and "local shape" in text
+
+
+# --------------------------------------------------------------------------- decoder layers
+def _decoder_module():
+    """main calls a private decoder layer (attention with heads, MLP, residuals) twice."""
+    layer = td.load_module(DATA / "dropin" / "decoder_layer.py")["main"]
+    layer = layer.without_attr("global_symbol")
+    bb = relax.BlockBuilder()
+    gv = bb.add_func(layer, "layer")
+    ty = lambda *s: relax.TensorType(s, "float32")  # noqa: E731
+    names = ["Wq", "Wk", "Wv", "Wo", "W1", "W2"]
+    shapes = [(64, 64)] * 4 + [(64, 256), (256, 64)]
+    x = relax.Var("x", ty(16, 64))
+    weights = [[relax.Var(f"{n}_{i}", ty(*s)) for n, s in zip(names, shapes)] for i in range(2)]
+    with bb.function("main", [x] + weights[0] + weights[1]):
+        with bb.dataflow():
+            h = bb.emit(relax.Call(gv, [x] + weights[0]))
+            h = bb.emit(relax.Call(gv, [h] + weights[1]))
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    mod = bb.get()
+    mod.update_global_info("mesh", [relax.distributed.DeviceMesh((2,), tvm.ir.Range(0, 2))])
+    return mod
+
+
+def test_decoder_layers_with_heads_split_share_one_version():
+    out = propagate(_decoder_module())
+    assert sorted(gv.name_hint for gv in out.get_global_vars()) == ["layer", "main"]
+    main = out["main"]
+    placements = [str(p.ty.placement) for p in main.params]
+    assert placements == ['"R"'] + ['"S[1]"', '"S[1]"', '"S[1]"', '"S[0]"', '"S[1]"', '"S[0]"'] * 2
+    layer = {b.var.name: str(b.var.ty.placement)
+             for b in out["layer"].body.blocks[0].bindings}
+    # heads are split: the per-head tensors are sharded on the head axis
+    assert layer["qh"] == layer["s"] == layer["p"] == layer["o"] == '"S[0]"'
+    # the row-parallel projections reduce to replicated results, residuals stay replicated
+    assert layer["attn"] == layer["h"] == layer["out"] == '"R"'
+    assert not any("redistribute" in str(b.value) for b in out["layer"].body.blocks[0].bindings)
+
+
+def test_decoder_layers_after_legalize_keep_the_head_split():
+    out = propagate(relax.transform.LegalizeOps()(_decoder_module()))
+    layer = out["layer"]
+    types = {b.var.name: b.var.ty for b in layer.body.blocks[0].bindings}
+    assert str(types["s"].placement) == '"S[0]"'
+    assert str(types["f2"].placement) == '"S[1]"'
+    assert str(types["out"].placement) == '"R"'
+
+
+# --------------------------------------------------------------------------- call_tir callees
+def test_call_tir_callee_after_legalize():
+    mod = td.load_module(DATA / "seed_tensor_parallel.py")
+    rules = [
+        ShardingRule(param="A", result="S[1]", function="mlp"),
+        ShardingRule(param="B", result="S[0]", function="mlp"),
+    ]
+    legal = relax.transform.LegalizeOps()(AnnotateSharding(rules)(mod))
+    out = PropagateSharding(require_legalized=True)(legal)
+    relax.analysis.well_formed(out)
+    mlp = out["mlp"]
+    calls = [b.value for b in mlp.body.blocks[-1].bindings]
+    assert [c.op.name for c in calls] == ["relax.call_tir"] * 3
+    assert [str(c.ty_args[0].placement) for c in calls] == ['"S[1]"', '"S[1]"', '"R"']
+    assert [str(p.ty.placement) for p in out["main"].params] == ['"R"', '"S[1]"', '"S[0]"']
+
+
+# --------------------------------------------------------------------------- a superset of TVM
+@I.ir_module
+class SiluAfterSplit:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor((16, 32), "float32"), W: R.Tensor((32, 64), "float32")) -> R.Tensor((16, 64), "float32"):
+        with R.dataflow():
+            W1 = R.dist.annotate_sharding(W, device_mesh="mesh[0]", placement="S[1]")
+            lv0 = R.matmul(x, W1)
+            lv1 = R.nn.silu(lv0)
+            R.output(lv1)
+        return lv1
+
+
+def test_no_spurious_redistribute_where_tvm_lacks_a_rule():
+    theirs = relax.distributed.transform.PropagateSharding()(SiluAfterSplit)
+    ours = propagate(SiluAfterSplit)
+    assert "redistribute" in theirs.script()  # TVM all-gathers after silu
+    assert "redistribute" not in ours.script()
+    assert str(ours["main"].ty.ret.placement) == '"S[1]"'
+
+
+# --------------------------------------------------------------------------- more errors
+def test_require_legalized_refuses_high_level_ops_and_names_the_function():
+    with pytest.raises(UnsupportedProgramError, match="LegalizeOps") as info:
+        PropagateSharding(require_legalized=True)(SiluAfterSplit)
+    assert (info.value.function, info.value.var) == ("main", "lv0")
+
+
+def test_high_level_ops_are_flagged_in_the_log(caplog):
+    with caplog.at_level("WARNING", logger="tvm_distx.passes.propagate_sharding"):
+        propagate(SiluAfterSplit)
+    assert "relax.nn.silu at 'lv1' in 'main'" in caplog.text
+
+
+@I.ir_module
+class LayerNormUnlegalized:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor((8, 32), "float32"), g: R.Tensor((32,), "float32"),
+             b: R.Tensor((32,), "float32")) -> R.Tensor((8, 32), "float32"):
+        x1 = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[0]")
+        y = R.nn.layer_norm(x1, g, b, axes=[-1])
+        return y
+
+
+def test_operator_tvm_cannot_type_asks_for_legalize():
+    with pytest.raises(UnsupportedProgramError, match="relax.nn.layer_norm") as info:
+        PropagateSharding()(LayerNormUnlegalized)
+    assert (info.value.function, info.value.var) == ("main", "y")
+    assert "LegalizeOps" in info.value.hint
+
+
+@I.ir_module
+class WithBranch:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor((8, 8), "float32"), c: R.Tensor((), "bool")) -> R.Tensor((8, 8), "float32"):
+        x1 = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[0]")
+        if c:
+            y = R.nn.relu(x1)
+        else:
+            y = R.negative(x1)
+        return y
+
+
+def test_control_flow_is_reported_not_crashed():
+    with pytest.raises(UnsupportedProgramError, match="If") as info:
+        PropagateSharding()(WithBranch)
+    assert info.value.function == "main"
