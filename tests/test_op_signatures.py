@@ -209,7 +209,9 @@ class ToLegalize:
             relu = R.nn.relu(add)
             sm = R.nn.softmax(add, axis=1)
             tr = R.permute_dims(add)
-            R.output(mm, bmm, add, red, mean, mx, var, relu, sm, tr)
+            heads = R.reshape(mm, R.shape([4, 4, 4]))
+            merged = R.reshape(bx, R.shape([8, 8]))
+            R.output(mm, bmm, add, red, mean, mx, var, relu, sm, tr, heads, merged)
         return mm
 
 
@@ -290,10 +292,31 @@ class HandWritten:
             T.writes()
             T.evaluate(T.call_extern("int32", "touch", A.data))
 
+    @T.prim_func(private=True, s_tir=True)
+    def upsample(A: T.Buffer((T.int64(4),), "float32"), B: T.Buffer((T.int64(8),), "float32")):
+        for i in T.serial(T.int64(8)):
+            with T.sblock("upsample"):
+                vi = T.axis.spatial(T.int64(8), i)
+                B[vi] = A[vi // T.int64(2)]
+
+    @T.prim_func(private=True, s_tir=True)
+    def tile(A: T.Buffer((T.int64(4),), "float32"), B: T.Buffer((T.int64(8),), "float32")):
+        for i in T.serial(T.int64(8)):
+            with T.sblock("tile"):
+                vi = T.axis.spatial(T.int64(8), i)
+                B[vi] = A[vi % T.int64(4)]
+
+    @T.prim_func(private=True, s_tir=True)
+    def strided(A: T.Buffer((T.int64(16),), "float32"), B: T.Buffer((T.int64(8),), "float32")):
+        for i in T.serial(T.int64(8)):
+            with T.sblock("strided"):
+                vi = T.axis.spatial(T.int64(8), i)
+                B[vi] = A[vi * T.int64(2)]
+
     @R.function
     def main(a: R.Tensor((9,), "float32"), m: R.Tensor((4, 9), "float32"),
              h: R.Tensor((16,), "float32"), v: R.Tensor((8,), "float32"),
-             x: R.Tensor((4, 8), "float32")):
+             x: R.Tensor((4, 8), "float32"), q4: R.Tensor((4,), "float32")):
         cls = HandWritten
         with R.dataflow():
             s = R.call_tir(cls.shift, (a,), out_ty=R.Tensor((8,), "float32"))
@@ -304,7 +327,10 @@ class HandWritten:
             io = R.call_tir(cls.iota, (), out_ty=R.Tensor((8,), "float32"))
             pd = R.call_tir(cls.pad, (v,), out_ty=R.Tensor((10,), "float32"))
             ex = R.call_tir(cls.opaque, (v,), out_ty=R.Tensor((8,), "float32"))
-            R.output(s, rs, hd, op, nr, io, pd, ex)
+            up = R.call_tir(cls.upsample, (q4,), out_ty=R.Tensor((8,), "float32"))
+            tl = R.call_tir(cls.tile, (q4,), out_ty=R.Tensor((8,), "float32"))
+            sd = R.call_tir(cls.strided, (h,), out_ty=R.Tensor((8,), "float32"))
+            R.output(s, rs, hd, op, nr, io, pd, ex, up, tl, sd)
         return s
 
 
@@ -658,3 +684,19 @@ def test_dtensor_operands_are_described_like_tensors():
     expect(sig, ((0, 1), (1, 2)), ((0, 2),), reduction={1})
     assert operand_names(sig) == ["x", "w"]
     expect(sig_of(Distributed, "z"), ((0, 1),), ((0, 1),))
+
+
+def test_call_tir_legalized_reshape_split_and_merge():
+    # (4, 16) -> (4, 4, 4): index x[i, h * 4 + d]; the 16 shares with the heads
+    expect(sig_of(LEGALIZED, "heads"), ((0, 1),), ((0, 1, 2),), unshardable={2})
+    # (2, 4, 8) -> (8, 8): index bx[v // 4, v % 4, w]; the 2 shares with the 8
+    expect(sig_of(LEGALIZED, "merged"), ((0, 1, 2),), ((0, 2),), unshardable={1}, reduction={1})
+
+
+def test_call_tir_split_index_and_its_period():
+    # B[v] = A[v // 2]: contiguous shards of v read contiguous shards of A
+    expect(sig_of(HandWritten, "up"), ((0,),), ((0,),))
+    # B[v] = A[v % 4]: a shard of v (size 8 / p) need not be a multiple of 4
+    expect(sig_of(HandWritten, "tl"), ((0,),), ((1,),), unshardable={0, 1}, reduction={0})
+    # B[v] = A[2 * v]: strided
+    expect(sig_of(HandWritten, "sd"), ((0,),), ((1,),), unshardable={0, 1}, reduction={0})
