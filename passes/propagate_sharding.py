@@ -40,6 +40,7 @@ from .sharding_solver import (
     UnsupportedProgramError,
     decide_operands,
     _replicated_plan,
+    call_site,
 )
 
 __all__ = ["PropagateSharding", "PropagationResult", "propagate"]
@@ -189,7 +190,7 @@ class _ModuleRewriter:
                 continue
             child = self._callee_version(analysis, binding, callee)
             if child not in self.versions:
-                site = f"the call at '{binding.var.name}' in '{analysis.name}'"
+                site = call_site(binding.var, analysis.name)
                 self.versions[child] = self.program.final(
                     callee, tuple(_source(s, site) for s in child.params)
                 )
@@ -206,7 +207,7 @@ class _ModuleRewriter:
         args = binding.value.args
         known = [analysis.get(a) if isinstance(a, relax.Var) and analysis.tensor_slots(a) == 1
                  else None for a in args]
-        passed = self.program.call_signature(known)
+        passed = self.program.call_signature(known, call_site(binding.var, analysis.name))
         callee_analysis = self.program.final(callee, passed)
         return _Version(callee, _param_shardings(callee_analysis))
 

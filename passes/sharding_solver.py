@@ -501,7 +501,7 @@ class FunctionAnalysis:
                  for a in args]
         check_single_home(known, [_name(a) for a in args], function=self.name,
                           site=f"the call of '{callee}' at '{b.var.name}'")
-        passed = self.program.call_signature(known)
+        passed = self.program.call_signature(known, call_site(b.var, self.name))
         summary = self.program.summary(callee, passed, caller=self.name)
         self.calls[b.index] = (callee, passed)
         for arg, param in zip(args, summary.params):
@@ -512,6 +512,11 @@ class FunctionAnalysis:
             if result is not None and self.get(b.var, slot) is None:
                 self._set(b.var, slot, Decision(result.sharding, Strength.PROPAGATED,
                                                 f"result of '{callee}'"))
+
+
+def call_site(var: relax.Var, function: str) -> str:
+    """How messages and reasons name a call site."""
+    return f"the call at '{var.name}' in '{function}'"
 
 
 def _name(expr: relax.Expr) -> str:
@@ -590,7 +595,8 @@ class ProgramAnalysis:
         return mesh
 
     @staticmethod
-    def call_signature(known: Sequence[Decision | None]) -> tuple[Decision | None, ...]:
+    def call_signature(known: Sequence[Decision | None],
+                       site: str = "its call site") -> tuple[Decision | None, ...]:
         """The argument decisions passed into a callee, homed on one mesh.
 
         The strongest known argument (first on ties) names the home mesh.
@@ -606,7 +612,8 @@ class ProgramAnalysis:
             if d is None or d.sharding.mesh != home:
                 passed.append(None)
             else:
-                passed.append(Decision(d.sharding, Strength.SOURCE, "sharding of the argument"))
+                passed.append(Decision(d.sharding, Strength.SOURCE,
+                                       f"signature of this version, from {site}"))
         return tuple(passed)
 
     def _key(self, callee: str, passed: Sequence[Decision | None]) -> tuple:

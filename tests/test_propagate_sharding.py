@@ -598,3 +598,22 @@ def test_control_flow_is_reported_not_crashed():
     with pytest.raises(UnsupportedProgramError, match="If") as info:
         PropagateSharding()(WithBranch)
     assert info.value.function == "main"
+
+
+# --------------------------------------------------------------------------- nested splits
+@I.ir_module
+class DoubleSplit:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2, 2), I.Range(0, 4))]})
+
+    @R.function
+    def main(x: R.Tensor((8, 4), "float32")) -> R.Tensor((8, 4), "float32"):
+        x1 = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[0]S[0]")
+        y = R.nn.relu(x1)
+        return y
+
+
+def test_a_dimension_split_by_two_mesh_axes_is_kept():
+    """TVM turns "S[0]S[0]" into "RS[0]" silently; we keep what was asked."""
+    out = propagate(DoubleSplit)
+    assert str(out["main"].params[0].ty.placement) == '"S[0], S[0]"'
+    assert str(out["main"].ty.ret.placement) == '"S[0], S[0]"'
