@@ -617,3 +617,77 @@ def test_a_dimension_split_by_two_mesh_axes_is_kept():
     out = propagate(DoubleSplit)
     assert str(out["main"].params[0].ty.placement) == '"S[0], S[0]"'
     assert str(out["main"].ty.ret.placement) == '"S[0], S[0]"'
+
+
+# --------------------------------------------------------------------------- conflicts resolved
+@I.ir_module
+class TwoAnnotatedOperands:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(a: R.Tensor((8, 8), "float32"), b: R.Tensor((8, 8), "float32")) -> R.Tensor((8, 8), "float32"):
+        a1 = R.dist.annotate_sharding(a, device_mesh="mesh[0]", placement="S[0]")
+        b1 = R.dist.annotate_sharding(b, device_mesh="mesh[0]", placement="S[1]")
+        y = R.add(a1, b1)
+        return y
+
+
+@I.ir_module
+class TwoAnnotatedOperandsPropagated:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(
+        a: R.dist.DTensor((8, 8), "float32", "mesh[0]", "S[0]"),
+        b: R.dist.DTensor((8, 8), "float32", "mesh[0]", "S[1]"),
+    ) -> R.dist.DTensor((8, 8), "float32", "mesh[0]", "S[0]"):
+        b_redist = R.dist.redistribute(b, device_mesh="mesh[0]", placement="S[0]")
+        y = R.add(a, b_redist)
+        return y
+
+
+def test_annotations_win_and_the_other_operand_is_redistributed():
+    tvm.ir.assert_structural_equal(propagate(TwoAnnotatedOperands), TwoAnnotatedOperandsPropagated)
+
+
+@I.ir_module
+class CalleeOverridesCaller:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function(private=True)
+    def f(a: R.Tensor((8, 8), "float32")) -> R.Tensor((8, 8), "float32"):
+        a1 = R.dist.annotate_sharding(a, device_mesh="mesh[0]", placement="R")
+        y = R.nn.softmax(a1, axis=0)
+        return y
+
+    @R.function
+    def main(a: R.Tensor((8, 8), "float32")) -> R.Tensor((8, 8), "float32"):
+        cls = CalleeOverridesCaller
+        a1 = R.dist.annotate_sharding(a, device_mesh="mesh[0]", placement="S[0]")
+        y = cls.f(a1)
+        return y
+
+
+@I.ir_module
+class CalleeOverridesCallerPropagated:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function(private=True)
+    def f(
+        a: R.dist.DTensor((8, 8), "float32", "mesh[0]", "S[0]"),
+    ) -> R.dist.DTensor((8, 8), "float32", "mesh[0]", "R"):
+        a1 = R.dist.redistribute(a, device_mesh="mesh[0]", placement="R")
+        y = R.nn.softmax(a1, axis=0)
+        return y
+
+    @R.function
+    def main(
+        a: R.dist.DTensor((8, 8), "float32", "mesh[0]", "S[0]"),
+    ) -> R.dist.DTensor((8, 8), "float32", "mesh[0]", "R"):
+        cls = CalleeOverridesCallerPropagated
+        y = cls.f(a)
+        return y
+
+
+def test_an_annotation_inside_the_callee_wins_over_the_callers_sharding():
+    tvm.ir.assert_structural_equal(propagate(CalleeOverridesCaller), CalleeOverridesCallerPropagated)
