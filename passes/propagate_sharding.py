@@ -166,7 +166,7 @@ class _ModuleRewriter:
             roots.append(root)
             self._discover(root)
 
-        kept = self._kept_originals(functions, untouched, roots)
+        kept = self._kept_originals(functions, untouched)
         self._assign_names(roots, kept)
 
         for root in roots:
@@ -185,10 +185,10 @@ class _ModuleRewriter:
     def _discover(self, version: _Version) -> None:
         analysis = self.versions[version]
         for binding in analysis.bindings:
-            callee = self._callee(binding.value)
+            callee = self.callee_of(binding.value)
             if callee is None:
                 continue
-            child = self._callee_version(analysis, binding, callee)
+            child = self.callee_version(analysis, binding, callee)
             if child not in self.versions:
                 site = call_site(binding.var, analysis.name)
                 self.versions[child] = self.program.final(
@@ -197,13 +197,14 @@ class _ModuleRewriter:
                 self.order.append(child)
                 self._discover(child)
 
-    def _callee(self, value) -> str | None:
+    def callee_of(self, value) -> str | None:
+        """The name of the Relax function ``value`` calls, or None."""
         if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar):
             if isinstance(self.mod[value.op], relax.Function):
                 return value.op.name_hint
         return None
 
-    def _callee_version(self, analysis: FunctionAnalysis, binding, callee: str) -> _Version:
+    def callee_version(self, analysis: FunctionAnalysis, binding, callee: str) -> _Version:
         args = binding.value.args
         known = [analysis.get(a) if isinstance(a, relax.Var) and analysis.tensor_slots(a) == 1
                  else None for a in args]
@@ -211,7 +212,7 @@ class _ModuleRewriter:
         callee_analysis = self.program.final(callee, passed)
         return _Version(callee, _param_shardings(callee_analysis))
 
-    def _kept_originals(self, functions, untouched, roots) -> set[str]:
+    def _kept_originals(self, functions, untouched) -> set[str]:
         """Functions emitted unchanged: unsharded roots, what they call, and the unreached."""
         kept: set[str] = set()
         stack = list(untouched)
@@ -254,9 +255,9 @@ class _ModuleRewriter:
             return self.emitted[version]
         analysis = self.versions[version]
         for binding in analysis.bindings:  # callees first
-            callee = self._callee(binding.value)
+            callee = self.callee_of(binding.value)
             if callee is not None:
-                self._emit(self._callee_version(analysis, binding, callee))
+                self._emit(self.callee_version(analysis, binding, callee))
         name = self.names[version]
         gv = _FunctionEmitter(self, analysis, name).emit()
         self.emitted[version] = gv
@@ -358,16 +359,32 @@ class _FunctionEmitter:
     # -- bindings ------------------------------------------------------------------
     def _binding(self, b, dataflow: bool) -> None:
         value = b.value
-        if isinstance(value, relax.Call) and (
+        if b.cast is not None:
+            self._match_cast(b, dataflow)
+        elif isinstance(value, relax.Call) and (
             _ir.is_call_to(value, _ANNOTATE) or _ir.is_call_to(value, _REDISTRIBUTE)
         ):
             self._annotation(b, value, dataflow)
-        elif isinstance(value, relax.Call) and self.owner._callee(value) is not None:
+        elif isinstance(value, relax.Call) and self.owner.callee_of(value) is not None:
             self._call(b, value, dataflow)
         elif isinstance(value, relax.Call) and self.analysis.tensor_slots(b.var):
             self._operator(b, value, dataflow)
         else:
             self._plain(b, value, dataflow)
+
+    def _match_cast(self, b, dataflow: bool) -> None:
+        value = self._use(b.value)
+        cast = b.cast
+        sharding = self._sharding(b.var) if _ir.is_tensor_type(cast) else None
+        if sharding is not None:
+            cast = self.owner.dtensor_type(cast, sharding)
+            have = TensorSharding.from_type(value.ty)
+            if have is not None and have != sharding:
+                value = self.bb.emit(self.owner.redistribute(value, sharding))
+        new = self.bb.match_cast(value, cast, name_hint=b.var.name)
+        if dataflow and not isinstance(b.var, relax.DataflowVar):
+            new = self.bb.emit_output(new, name_hint=b.var.name)
+        self.remap[b.var] = new
 
     def _plain(self, b, value, dataflow: bool) -> None:
         if isinstance(value, relax.TupleGetItem):
@@ -402,7 +419,7 @@ class _FunctionEmitter:
 
     def _call(self, b, call: relax.Call, dataflow: bool) -> None:
         callee = call.op.name_hint
-        version = self.owner._callee_version(self.analysis, b, callee)
+        version = self.owner.callee_version(self.analysis, b, callee)
         gv = self.owner.emitted[version]
         args = []
         for arg, needed in zip(call.args, version.params):

@@ -97,7 +97,6 @@ class OperandPlan:
     mesh: DeviceMesh
     operands: tuple[TensorSharding, ...]
     outputs: tuple[TensorSharding, ...]
-    leader: int | None  # operand (or len(operands)+output) index that fixed the mesh
 
 
 def _labelled(sig: OpSignature) -> list[tuple[str, ...]]:
@@ -158,12 +157,10 @@ def decide_operands(
                 entries.append(Replicate())
         return TensorSharding(mesh, Placement(tuple(entries)))
 
-    n = len(sig.labels)
     return OperandPlan(
         mesh=mesh,
         operands=tuple(placement_for(labels) for labels in sig.labels),
         outputs=tuple(placement_for(labels) for labels in sig.output),
-        leader=order[0] if order[0] < n else None,
     )
 
 
@@ -221,6 +218,7 @@ class _Binding:
     index: int
     var: relax.Var
     value: relax.Expr
+    cast: object = None  # the target type of a MatchCast binding (it acts as an alias)
 
 
 @dataclass
@@ -266,7 +264,6 @@ class FunctionAnalysis:
         for b in self.bindings:
             for var in _vars_in(b.value):
                 self.users.setdefault(var, []).append(b.index)
-        self.calls: dict[int, tuple[str, tuple[Decision | None, ...]]] = {}
         self._queue: list[int] = []
         self._queued: set[int] = set()
 
@@ -294,8 +291,6 @@ class FunctionAnalysis:
         for block in body.blocks:
             for binding in block.bindings:
                 value = binding.value
-                if isinstance(binding, relax.MatchCast):
-                    value = binding.value
                 if isinstance(value, (relax.If, relax.Function, relax.SeqExpr)):
                     raise UnsupportedProgramError(
                         f"{type(value).__name__} inside a function is not supported by "
@@ -305,7 +300,8 @@ class FunctionAnalysis:
                         hint="move the branch or the inner function into a separate "
                         "private function, or inline it",
                     )
-                yield _Binding(index, binding.var, value)
+                cast = binding.ty if isinstance(binding, relax.MatchCast) else None
+                yield _Binding(index, binding.var, value, cast)
                 index += 1
 
     def tensor_slots(self, var: relax.Var) -> int:
@@ -429,7 +425,7 @@ class FunctionAnalysis:
                                                  f"used as '{var.name}'"))
 
     def _tuple_get(self, b: _Binding, value: relax.TupleGetItem) -> None:
-        source = value.tuple_value if hasattr(value, "tuple_value") else value.tuple
+        source = value.tuple_value
         if not isinstance(source, relax.Var) or self.tensor_slots(b.var) != 1:
             return
         mine, theirs = self.get(b.var), self.get(source, value.index)
@@ -503,7 +499,6 @@ class FunctionAnalysis:
                           site=f"the call of '{callee}' at '{b.var.name}'")
         passed = self.program.call_signature(known, call_site(b.var, self.name))
         summary = self.program.summary(callee, passed, caller=self.name)
-        self.calls[b.index] = (callee, passed)
         for arg, param in zip(args, summary.params):
             if isinstance(arg, relax.Var) and param is not None and self.get(arg) is None:
                 self._set(arg, 0, Decision(param.sharding, Strength.PROPAGATED,
@@ -553,8 +548,7 @@ def _vars_in(expr: relax.Expr) -> list[relax.Var]:
         for item in expr.fields:
             found.extend(_vars_in(item))
     elif isinstance(expr, relax.TupleGetItem):
-        source = expr.tuple_value if hasattr(expr, "tuple_value") else expr.tuple
-        found.extend(_vars_in(source))
+        found.extend(_vars_in(expr.tuple_value))
     return found
 
 

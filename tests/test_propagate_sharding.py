@@ -691,3 +691,26 @@ class CalleeOverridesCallerPropagated:
 
 def test_an_annotation_inside_the_callee_wins_over_the_callers_sharding():
     tvm.ir.assert_structural_equal(propagate(CalleeOverridesCaller), CalleeOverridesCallerPropagated)
+
+
+# --------------------------------------------------------------------------- match_cast
+@I.ir_module
+class WithMatchCast:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor(("n", 64), "float32"), W: R.Tensor((64, 32), "float32")) -> R.Tensor(("n", 32), "float32"):
+        n = T.int64()
+        W1 = R.dist.annotate_sharding(W, device_mesh="mesh[0]", placement="S[1]")
+        y = R.matmul(x, W1)
+        z = R.match_cast(y, R.Tensor((n, 32), "float32"))
+        w = R.nn.relu(z)
+        return w
+
+
+def test_match_cast_keeps_the_cast_and_the_sharding():
+    out = propagate(WithMatchCast)
+    bindings = out["main"].body.blocks[0].bindings
+    cast = [b for b in bindings if isinstance(b, relax.MatchCast)]
+    assert len(cast) == 1 and str(cast[0].ty.placement) == '"S[1]"'
+    assert str(out["main"].ty.ret.placement) == '"S[1]"'
