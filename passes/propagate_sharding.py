@@ -230,9 +230,10 @@ class _ModuleRewriter:
 
     def _assign_names(self, roots, kept: set[str]) -> None:
         taken = {gv.name_hint for gv in self.mod.get_global_vars()}
-        for root in roots:
-            self.names[root] = root.name
         counters: dict[str, int] = {}
+        for root in roots:  # roots keep their names; versions of them get suffixes
+            self.names[root] = root.name
+            counters[root.name] = 0
         for version in self.order:
             base = version.name
             if base not in kept and base not in counters:
@@ -259,7 +260,9 @@ class _ModuleRewriter:
             if callee is not None:
                 self._emit(self.callee_version(analysis, binding, callee))
         name = self.names[version]
-        gv = _FunctionEmitter(self, analysis, name).emit()
+        # Roots keep their visibility; versions made for call sites are private.
+        public = name == version.name and _is_public(analysis.func)
+        gv = _FunctionEmitter(self, analysis, name, public).emit()
         self.emitted[version] = gv
         self.analyses[name] = analysis
         logger.debug("emitted %s as %s", version.name, name)
@@ -285,8 +288,11 @@ class _ModuleRewriter:
 class _FunctionEmitter:
     """Write one function with DTensor types from its solved analysis."""
 
-    def __init__(self, owner: _ModuleRewriter, analysis: FunctionAnalysis, name: str) -> None:
+    def __init__(
+        self, owner: _ModuleRewriter, analysis: FunctionAnalysis, name: str, public: bool
+    ) -> None:
         self.owner = owner
+        self.public = public
         self.bb = owner.bb
         self.analysis = analysis
         self.name = name
@@ -296,10 +302,9 @@ class _FunctionEmitter:
         func = self.analysis.func
         params = [self._new_var(p, relax.Var) for p in func.params]
         self.remap.update(zip(func.params, params))
-        public = _is_public(func)
         attrs = {k: v for k, v in (func.attrs or {}).items() if k != "global_symbol"}
         with self.bb.function(self.name, params, attrs=attrs or None, pure=func.is_pure,
-                              private=not public):
+                              private=not self.public):
             index = 0
             for block in func.body.blocks:
                 dataflow = isinstance(block, relax.DataflowBlock)

@@ -714,3 +714,32 @@ def test_match_cast_keeps_the_cast_and_the_sharding():
     cast = [b for b in bindings if isinstance(b, relax.MatchCast)]
     assert len(cast) == 1 and str(cast[0].ty.placement) == '"S[1]"'
     assert str(out["main"].ty.ret.placement) == '"S[1]"'
+
+
+@I.ir_module
+class PublicCalledWithAnotherSharding:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def helper(a: R.Tensor((8, 8), "float32")) -> R.Tensor((8, 8), "float32"):
+        a1 = R.dist.annotate_sharding(a, device_mesh="mesh[0]", placement="S[0]")
+        y = R.nn.relu(a1)
+        return y
+
+    @R.function
+    def main(a: R.Tensor((8, 8), "float32")) -> R.Tensor((8, 8), "float32"):
+        cls = PublicCalledWithAnotherSharding
+        a1 = R.dist.annotate_sharding(a, device_mesh="mesh[0]", placement="S[1]")
+        y = cls.helper(a1)
+        return y
+
+
+def test_a_public_function_keeps_its_name_beside_a_version_for_another_signature():
+    out = propagate(PublicCalledWithAnotherSharding)
+    assert sorted(gv.name_hint for gv in out.get_global_vars()) == ["helper", "helper_1", "main"]
+    assert str(out["helper"].params[0].ty.placement) == '"S[0]"'
+    assert str(out["helper_1"].params[0].ty.placement) == '"S[1]"'
+    call = out["main"].body.blocks[0].bindings[-1].value
+    assert call.op.name_hint == "helper_1"
+    assert "global_symbol" in out["helper"].attrs  # still public
+    assert out["helper_1"].attrs is None or "global_symbol" not in out["helper_1"].attrs
