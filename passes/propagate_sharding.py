@@ -29,7 +29,7 @@ from tvm.relax.distributed import DTensorType
 
 from tvm_distx import _ir
 from tvm_distx._pass import module_pass
-from tvm_distx.errors import ShardingError
+from tvm_distx.errors import ShardingError, UnsupportedValueError
 from tvm_distx.spec import TensorSharding
 
 from .sharding_solver import (
@@ -449,6 +449,8 @@ class _FunctionEmitter:
         for operand, needed in zip(operands, plan.operands):
             if isinstance(operand, relax.Var):
                 moved[operand] = self._moved(operand, needed)
+            elif isinstance(operand, tvm.ir.Constant):
+                moved[operand] = self._constant(operand, needed, b.var)
         new_call = _substitute(call, lambda v: moved.get(v, self._use(v)))
         if _ir.is_call_to(call, _CALL_TIR):
             new_call = self._typed_call_tir(new_call, plan, b.var)
@@ -470,6 +472,18 @@ class _FunctionEmitter:
                                                                             "relax.dist.")):
             self.owner.unlegalized.append((self.name, b.var.name, call.op.name))
         self._finish(b, new, dataflow)
+
+    def _constant(self, const, needed: TensorSharding, var: relax.Var):
+        """A constant operand, typed as a replicated DTensor (constants are never sharded)."""
+        if not needed.placement.is_replicated():
+            raise UnsupportedValueError(
+                f"a constant operand would have to be sharded as \"{needed.placement}\"",
+                function=self.name,
+                var=var.name,
+                placement=str(needed.placement),
+                hint="pass the constant as a function parameter, which can be sharded",
+            )
+        return tvm.ir.GenericConst(const.value, self.owner.dtensor_type(const.ty, needed))
 
     def _typed_call_tir(self, call: relax.Call, plan, var: relax.Var) -> relax.Call:
         out_ty = call.ty_args[0]
@@ -564,8 +578,8 @@ def _tvm_meshes(mod: tvm.IRModule) -> list:
 
 
 def _substitute(expr: relax.Expr, use) -> relax.Expr:
-    """Rebuild a call (and nested tuples) with every Var replaced by ``use(var)``."""
-    if isinstance(expr, relax.Var):
+    """Rebuild a call (and nested tuples) with every Var and constant replaced by ``use``."""
+    if isinstance(expr, (relax.Var, tvm.ir.Constant)):
         return use(expr)
     if isinstance(expr, relax.Tuple):
         return relax.Tuple([_substitute(f, use) for f in expr.fields])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tvm
 from tvm import relax
@@ -743,3 +744,20 @@ def test_a_public_function_keeps_its_name_beside_a_version_for_another_signature
     assert call.op.name_hint == "helper_1"
     assert "global_symbol" in out["helper"].attrs  # still public
     assert out["helper_1"].attrs is None or "global_symbol" not in out["helper_1"].attrs
+
+
+def test_a_constant_that_would_need_sharding_is_refused():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((8, 8), "float32"))
+    mesh = relax.distributed.DeviceMesh((2,), tvm.ir.Range(0, 2))
+    bias = relax.const(np.arange(8, dtype="float32"))
+    with bb.function("main", [x]):
+        x1 = bb.emit(relax.op.distributed.annotate_sharding(
+            x, mesh, relax.distributed.Placement.from_text("S[1]")))
+        y = bb.emit(relax.op.add(x1, bias), name_hint="y")
+        bb.emit_func_output(y)
+    mod = bb.get()
+    mod.update_global_info("mesh", [mesh])
+    with pytest.raises(td.UnsupportedValueError, match="constant") as info:
+        PropagateSharding()(mod)
+    assert (info.value.function, info.value.var) == ("main", "y")
