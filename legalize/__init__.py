@@ -1,7 +1,10 @@
-"""Legalization of redistributions (installed as ``tvm_distx.legalize``).
+"""Legalization and lowering of distributed IR (installed as ``tvm_distx.legalize``).
 
-Planned: a cached redistribution planner and an N-D ``LegalizeRedistribute``
-(see the project's issue tracker). Nothing is exported yet.
+- :class:`LowerDistIR` lowers a DTensor module to the rank-local program, calls
+  between functions included, with all-reduces over exactly the mesh axes that
+  shard each reduction.
 """
 
-__all__: list[str] = []
+from .lower_distir import CollectiveGroup, LowerDistIR
+
+__all__ = ["LowerDistIR", "CollectiveGroup"]
