@@ -249,7 +249,10 @@ class _FunctionLowerer:
                 var=var.name,
                 hint="run relax.distributed.transform.LowerGlobalViewToLocalView first",
             )
-        return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
+        # call_dps_packed (the planned collectives, for example) carries its result
+        # type in ty_args: make it rank-local too.
+        ty_args = [local_type(t) for t in call.ty_args]
+        return relax.Call(call.op, args, call.attrs, ty_args, call.span)
 
     def _allreduce(self, var: relax.Var, call: relax.Call, value):
         # LowerGlobalViewToLocalView types the all-reduce's result as replicated on

@@ -9,22 +9,18 @@ tvm_distx.ShardingError`` and read ``err.function`` and ``err.var``, so:
   tvm-ffi, so that its type survives any crossing (for example inside a
   ``tvm.transform.Sequential``);
 - a pass decorated here re-raises the original exception object, with all its
-  fields and its traceback, when it is called directly.
+  fields and its traceback, when it is called directly, however many times the
+  error crossed the FFI on its way (passes call Python visitors from C++).
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-
 import tvm
 import tvm_ffi
 
-from .errors import ShardingError
+from .errors import ShardingError, latest_error
 
 __all__ = ["module_pass"]
-
-_raised = threading.local()
 
 
 def _register_errors(cls: type = ShardingError) -> None:
@@ -48,31 +44,19 @@ def module_pass(name: str, opt_level: int = 0):
     """
 
     def decorate(cls):
-        transform = cls.transform_module
-
-        @functools.wraps(transform)
-        def transform_module(self, mod, ctx):
-            try:
-                return transform(self, mod, ctx)
-            except ShardingError as err:
-                _raised.error = err
-                raise
-
-        cls.transform_module = transform_module
         pass_cls = tvm.transform.module_pass(opt_level=opt_level, name=name)(cls)
         run = pass_cls.__call__
 
         def __call__(self, mod):
-            _raised.error = None
             try:
                 return run(self, mod)
             except ShardingError as err:
-                original = getattr(_raised, "error", None)
-                if original is not None and type(original) is type(err):
+                original = latest_error()
+                if original is not None and original is not err and (
+                    type(original) is type(err) and str(original) == str(err)
+                ):
                     raise original from None
                 raise
-            finally:
-                _raised.error = None
 
         pass_cls.__call__ = __call__
         return pass_cls

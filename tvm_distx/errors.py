@@ -14,6 +14,8 @@ The message has a fixed layout::
 
 from __future__ import annotations
 
+import threading
+
 __all__ = [
     "ShardingError",
     "PlacementSyntaxError",
@@ -29,6 +31,19 @@ __all__ = [
     "CallGraphError",
     "UnsupportedProgramError",
 ]
+
+
+_latest = threading.local()
+
+
+def latest_error() -> "ShardingError | None":
+    """The ShardingError most recently built from its fields in this thread.
+
+    When an error crosses TVM's FFI (a Python pass or visitor called from C++),
+    only its type and text come back; this finds the original object, with its
+    fields, again (see :mod:`tvm_distx._pass`).
+    """
+    return getattr(_latest, "error", None)
 
 
 class ShardingError(Exception):
@@ -69,6 +84,8 @@ class ShardingError(Exception):
             self._text = message
         else:
             self._text = None
+        if self._text is None:
+            _latest.error = self  # see latest_raised()
         self.message = message
         self.function = function
         self.var = var

@@ -89,10 +89,48 @@ def _allreduce(x, kind, group, out) -> None:
     exchange.done(seq)
 
 
+def _group_of(group) -> tuple[_Exchange, tuple[int, ...], int]:
+    exchange = _ACTIVE[-1]
+    device = exchange.local.device
+    members = CollectiveGroup.decode(group).members(device)
+    return exchange, members, members.index(device)
+
+
+def _local_slice(x, group, axes, out) -> None:
+    _, members, me = _group_of(group)
+    part = np.split(np.from_dlpack(x), len(members), axis=int(axes[0]))[me]
+    np.from_dlpack(out)[...] = part
+
+
+def _allgather(x, group, axes, out) -> None:
+    exchange, members, _ = _group_of(group)
+    seq, posted = exchange.post(np.from_dlpack(x))
+    np.from_dlpack(out)[...] = np.concatenate([posted[d] for d in members], axis=int(axes[0]))
+    exchange.done(seq)
+
+
+def _alltoall(x, group, axes, out) -> None:
+    exchange, members, me = _group_of(group)
+    split_dim, concat_dim = int(axes[0]), int(axes[1])
+    seq, posted = exchange.post(np.from_dlpack(x))
+    pieces = [np.split(posted[d], len(members), axis=split_dim)[me] for d in members]
+    np.from_dlpack(out)[...] = np.concatenate(pieces, axis=concat_dim)
+    exchange.done(seq)
+
+
+_FUNCTIONS = {
+    "tvm_distx.ccl.allreduce": _allreduce,
+    "tvm_distx.ccl.allgather": _allgather,
+    "tvm_distx.ccl.alltoall": _alltoall,
+    "tvm_distx.ccl.local_slice": _local_slice,
+}
+
+
 def _register() -> None:
     import tvm_ffi
 
-    tvm_ffi.register_global_func("tvm_distx.ccl.allreduce", _allreduce, override=True)
+    for name, func in _FUNCTIONS.items():
+        tvm_ffi.register_global_func(name, func, override=True)
 
 
 def emulate(executable, inputs: Sequence[Sequence[np.ndarray]], devices: Sequence[int],
