@@ -25,7 +25,7 @@ def test_demo_prints_each_example_annotated_propagated_and_explained():
         capture_output=True, text=True,
     ).stdout
     sections = out.split("# ---- ")[1:]
-    assert len(sections) == 3 * len(EXAMPLES)
+    assert len(sections) == 3 * len(EXAMPLES) + 1
     for i, (filename, rules) in enumerate(EXAMPLES.items()):
         annotated_text, propagated_text, table = sections[3 * i: 3 * i + 3]
         path = str(Path("tests") / "data" / filename)
@@ -36,3 +36,7 @@ def test_demo_prints_each_example_annotated_propagated_and_explained():
         tvm.ir.assert_structural_equal(_script(propagated_text), PropagateSharding()(annotated))
         assert table.split("\n", 1)[1].strip() == str(td.explain(annotated)).strip()
     assert 'R.dist.redistribute(y, device_mesh="mesh[1]", placement="R")' in out
+    run = sections[-1]
+    assert run.startswith("tensor-parallel MLP on 2 emulated ranks")
+    assert "A (128, 64), B (64, 128)" in run
+    assert float(run.split("max |error| against numpy:")[1]) < 1e-5
