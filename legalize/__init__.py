@@ -1,10 +1,28 @@
 """Legalization and lowering of distributed IR (installed as ``tvm_distx.legalize``).
 
+- :func:`plan_redistribute` plans the cheapest collectives for a change of
+  sharding (pure, cached; see :mod:`tvm_distx.legalize.planner`).
+- :class:`LowerGlobalViewToLocalView` is TVM's pass, refusing what it gets wrong.
+- :class:`LegalizeRedistribute` replaces every redistribute by the collectives
+  the planner chose, each along one mesh axis.
 - :class:`LowerDistIR` lowers a DTensor module to the rank-local program, calls
   between functions included, with all-reduces over exactly the mesh axes that
   shard each reduction.
 """
 
+from .legalize_redistribute import LegalizeRedistribute
+from .local_view import LowerGlobalViewToLocalView
 from .lower_distir import CollectiveGroup, LowerDistIR
+from .planner import Collective, RedistPlan, RedistStep, lower_bound_bytes, plan_redistribute
 
-__all__ = ["LowerDistIR", "CollectiveGroup"]
+__all__ = [
+    "LegalizeRedistribute",
+    "LowerGlobalViewToLocalView",
+    "LowerDistIR",
+    "CollectiveGroup",
+    "plan_redistribute",
+    "lower_bound_bytes",
+    "RedistPlan",
+    "RedistStep",
+    "Collective",
+]

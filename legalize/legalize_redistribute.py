@@ -1,0 +1,128 @@
+"""``LegalizeRedistribute``: every ``R.dist.redistribute`` becomes its planned collectives.
+
+TVM's pass of the same name handles a 1-D mesh and R->S only. This one asks
+:func:`tvm_distx.legalize.planner.plan_redistribute` for the cheapest sequence of
+steps and writes one call per step, each a destination-passing call of a
+runtime function:
+
+==============  =====================================  ==========================
+step            runtime function                       extra arguments
+==============  =====================================  ==========================
+local slice     ``tvm_distx.ccl.local_slice``          group, split dim
+all-gather      ``tvm_distx.ccl.allgather``            group, gather dim
+all-to-all      ``tvm_distx.ccl.alltoall``             group, split dim, concat dim
+==============  =====================================  ==========================
+
+The group is a :class:`~tvm_distx.legalize.lower_distir.CollectiveGroup` along
+the step's mesh axis, so on an N-D mesh every collective runs among the ranks of
+one mesh axis only. The calls keep ``R.DTensor`` types (each step's destination
+sharding); :class:`~tvm_distx.legalize.LowerDistIR` makes them rank-local.
+Moves between meshes (pipeline stages) need per-rank programs and are refused
+here for now.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tvm
+from tvm import relax
+from tvm.relax.distributed import DTensorType
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from tvm_distx import _ir
+from tvm_distx._pass import module_pass
+from tvm_distx.errors import UnsupportedProgramError
+from tvm_distx.spec import TensorSharding
+
+from .lower_distir import CollectiveGroup
+from .planner import Collective, plan_redistribute
+
+__all__ = ["LegalizeRedistribute", "RUNTIME_FUNCTIONS"]
+
+logger = logging.getLogger(__name__)
+
+#: The runtime function each planned collective calls.
+RUNTIME_FUNCTIONS = {
+    Collective.LOCAL_SLICE: "tvm_distx.ccl.local_slice",
+    Collective.ALL_GATHER: "tvm_distx.ccl.allgather",
+    Collective.ALL_TO_ALL: "tvm_distx.ccl.alltoall",
+}
+
+
+@mutator
+class _Legalizer(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, function: str) -> None:
+        super().__init__(mod)
+        self.function = function
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if not _ir.is_call_to(binding.value, "relax.dist.redistribute"):
+            super().visit_var_binding_(binding)
+            return
+        source = self.visit_expr(binding.value.args[0])
+        src = TensorSharding.from_type(source.ty)
+        dst = TensorSharding.from_type(binding.var.ty)
+        shape = _ir.static_shape(binding.var.ty)
+        if src is None or dst is None or shape is None or None in shape:
+            raise UnsupportedProgramError(
+                "a redistribute needs DTensor operands with static shapes",
+                function=self.function,
+                var=binding.var.name,
+                hint="run PropagateSharding first; dynamic shapes cannot be redistributed yet",
+            )
+        if src.mesh != dst.mesh:
+            raise UnsupportedProgramError(
+                f"moving a value from mesh {src.mesh.describe()} to {dst.mesh.describe()} "
+                "needs per-rank programs, which lowering does not make yet",
+                function=self.function,
+                var=binding.var.name,
+                placement=str(dst.placement),
+            )
+        plan = plan_redistribute(src, dst, shape, binding.var.ty.tensor_ty.dtype)
+        value = source
+        for step in plan.steps:
+            value = self._emit_step(value, step, binding.var)
+        if isinstance(value, relax.Var) and value is not source:
+            self.set_var_remap(binding.var, value)
+        else:  # nothing to move: the value is already laid out as asked
+            self.set_var_remap(binding.var, source)
+
+    def _emit_step(self, value, step, var: relax.Var):
+        if step.collective not in RUNTIME_FUNCTIONS:
+            raise UnsupportedProgramError(
+                f"the planner chose {step.collective.name}, which lowering cannot emit yet",
+                function=self.function,
+                var=var.name,
+            )
+        mesh = step.src.mesh
+        group = CollectiveGroup(mesh.shape, mesh.device_range.start, (step.mesh_axis,))
+        out_ty = DTensorType(var.ty.tensor_ty, var.ty.device_mesh, step.dst.placement.to_tvm())
+        args = relax.Tuple([value, relax.ShapeExpr(group.encode()),
+                            relax.ShapeExpr(list(step.tensor_axes))])
+        # relax.call_dps_packed() accepts only Tensor result types; build the call
+        # itself so that it carries the step's DTensor type until LowerDistIR.
+        call = relax.Call(_ir.op("relax.call_dps_packed"),
+                          [relax.ExternFunc(RUNTIME_FUNCTIONS[step.collective]), args],
+                          ty_args=[out_ty])
+        return self.builder_.emit(call, name_hint=f"{var.name}_{step.collective.name.lower()}")
+
+
+@module_pass(name="tvm_distx.LegalizeRedistribute")
+class LegalizeRedistribute:
+    """Replace every ``R.dist.redistribute`` by the planned collective calls."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        out = mod.clone()
+        for gv, func in mod.functions.items():
+            if isinstance(func, relax.Function) and _has_redistribute(func):
+                out[gv] = _Legalizer(mod, gv.name_hint).visit_expr(func)
+        return out
+
+
+def _has_redistribute(func: relax.Function) -> bool:
+    found = []
+    relax.analysis.post_order_visit(
+        func, lambda e: found.append(e) if _ir.is_call_to(e, "relax.dist.redistribute") else None
+    )
+    return bool(found)

@@ -1,0 +1,44 @@
+"""comm_report: the collectives a program will run, with bytes per rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tvm import relax
+from tvm.relax.distributed import transform as dist_transform
+
+import tvm_distx as td
+from tvm_distx import ShardingRule
+from tvm_distx.comm_report import comm_report
+from tvm_distx.passes import AnnotateSharding, PropagateSharding
+
+from test_legalize_redistribute import moved
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_all_to_all_moves_t_times_p_minus_1_over_p_squared():
+    mod = PropagateSharding(require_legalized=True)(relax.transform.LegalizeOps()(
+        moved("S[0]", "S[1]", (4,))))
+    report = comm_report(mod)
+    assert [(r.collective, r.mesh_axis, r.src, r.dst) for r in report.rows] == [
+        ("all_to_all", 0, "S[0]", "S[1]")]
+    tensor = 8 * 12 * 4 * 4
+    assert report.rows[0].bytes_per_rank == tensor * 3 // 16
+    assert report.total_bytes_per_rank == tensor * 3 // 16
+
+
+def test_tensor_parallel_mlp_reports_its_all_reduces():
+    mod = td.load_module(DATA / "seed_tensor_parallel.py")
+    rules = [ShardingRule(param="A", result="S[1]", function="mlp"),
+             ShardingRule(param="B", result="S[0]", function="mlp")]
+    legal = relax.transform.LegalizeOps()(AnnotateSharding(rules)(mod))
+    local = dist_transform.LowerGlobalViewToLocalView()(
+        PropagateSharding(require_legalized=True)(legal))
+    report = comm_report(local)
+    assert [(r.function, r.collective, r.mesh_axis) for r in report.rows] == [
+        ("mlp", "allreduce", 0)]
+    # a ring all-reduce of the 128x128 float32 result over 2 ranks
+    assert report.rows[0].bytes_per_rank == 2 * 128 * 128 * 4 // 2
+    text = str(report)
+    assert "allreduce" in text and "total bytes received per rank: 65,536" in text

@@ -1,0 +1,122 @@
+"""``comm_report``: every redistribute and collective of a module, with its bytes.
+
+The rows come from the same planner that legalization uses
+(:func:`tvm_distx.legalize.planner.plan_redistribute`), so the report is what
+will run, not an estimate made separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from . import _ir
+from .spec import TensorSharding
+
+__all__ = ["CommRow", "CommReport", "comm_report"]
+
+
+@dataclass(frozen=True)
+class CommRow:
+    """One collective step."""
+
+    function: str
+    value: str
+    mesh_axis: int | None
+    collective: str
+    src: str
+    dst: str
+    bytes_per_rank: int
+
+
+@dataclass(frozen=True)
+class CommReport:
+    """The rows of :func:`comm_report`; ``str()`` renders a table with the total."""
+
+    rows: tuple[CommRow, ...]
+
+    @property
+    def total_bytes_per_rank(self) -> int:
+        """The sum of the rows: each collective counted once where it appears in the IR.
+
+        A function called several times runs its collectives on every call;
+        the report lists the program text, not a trace.
+        """
+        return sum(r.bytes_per_rank for r in self.rows)
+
+    def __str__(self) -> str:
+        header = ("function", "value", "mesh axis", "collective", "from", "to", "bytes/rank")
+        table = [header] + [
+            (r.function, r.value, "-" if r.mesh_axis is None else str(r.mesh_axis),
+             r.collective, r.src, r.dst, f"{r.bytes_per_rank:,}")
+            for r in self.rows
+        ]
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                 for row in table]
+        lines.append(f"total bytes received per rank: {self.total_bytes_per_rank:,}")
+        return "\n".join(lines) + "\n"
+
+
+def comm_report(mod: tvm.IRModule) -> CommReport:
+    """List the communication of a propagated (``R.DTensor``) module.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        After :class:`tvm_distx.passes.PropagateSharding`, and optionally after
+        ``LowerGlobalViewToLocalView`` (which adds the all-reduces of sharded
+        reductions; those are reported too).
+
+    Returns
+    -------
+    CommReport
+        One row per step of every redistribute, and one per all-reduce.
+    """
+    from tvm_distx.legalize.planner import plan_redistribute
+
+    rows: list[CommRow] = []
+    for gv, func in _ir.relax_functions(mod):
+        producers: dict = {}
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                value = binding.value
+                producers[binding.var] = value
+                if _ir.is_call_to(value, "relax.dist.redistribute"):
+                    src = TensorSharding.from_type(value.args[0].ty)
+                    dst = TensorSharding.from_type(binding.var.ty)
+                    shape = _ir.static_shape(binding.var.ty)
+                    plan = plan_redistribute(src, dst, shape, binding.var.ty.tensor_ty.dtype)
+                    for step in plan.steps:
+                        rows.append(CommRow(gv.name_hint, binding.var.name, step.mesh_axis,
+                                            step.collective.name.lower(), str(step.src.placement),
+                                            str(step.dst.placement), step.bytes_received))
+                elif _ir.is_call_to(value, "relax.ccl.allreduce"):
+                    rows.extend(_allreduce_rows(gv.name_hint, binding.var, value, producers))
+    return CommReport(tuple(rows))
+
+
+def _allreduce_rows(function: str, var, call, producers) -> list[CommRow]:
+    from tvm_distx.legalize.lower_distir import _reduced_axes
+    from tvm_distx.placement import Shard
+
+    source = call.args[0]
+    sharding = TensorSharding.from_type(source.ty)
+    producer = producers.get(source)
+    axes = _reduced_axes(producer, sharding) if producer is not None else ()
+    shape = list(_ir.static_shape(source.ty))
+    for axis, entry in enumerate(sharding.placement.entries):
+        if isinstance(entry, Shard):
+            shape[entry.dim] //= sharding.mesh.shape[axis]
+    itemsize = np.dtype(str(source.ty.tensor_ty.dtype)).itemsize
+    local = int(np.prod(shape)) * itemsize
+    rows = []
+    for axis in axes:
+        p = sharding.mesh.shape[axis]
+        # ring all-reduce: a reduce-scatter then an all-gather, each (p-1)/p of the buffer
+        rows.append(CommRow(function, var.name, axis, "allreduce", "partial",
+                            str(sharding.placement), 2 * local * (p - 1) // p))
+    return rows
