@@ -105,7 +105,7 @@ Planning
 --------
 On one mesh, compare the entries axis by axis: ``R->R`` and ``S[i]->S[i]`` need
 nothing, ``R->S[j]`` is a ``LOCAL_SLICE``, ``S[i]->R`` an ``ALL_GATHER`` and
-``S[i]->S[j]`` an ``ALL_TO_ALL`` (never a gather and a slice). The order of the
+``S[i]->S[j]`` an ``ALL_TO_ALL`` (when valid, never a gather and a slice). The order of the
 steps, and any detour through other placements that the nesting rule makes
 necessary (``"S[2]S[1]" -> "S[0]R"`` is an all-to-all on axis 0 then a gather on
 axis 1), is found by a shortest-path search over the placements of the mesh that
@@ -115,12 +115,16 @@ never passes through an unnecessary ``R``, since a gather that is not needed
 costs bytes.
 
 If that sequence of collectives receives exactly the lower bound, it is the
-plan. Otherwise no sequence of single-axis collectives reaches the bound (for
-example ``"S[0]S[1]" -> "S[1]S[0]"`` or ``"S[0]S[0]" -> "RS[0]"`` on a 2x2 mesh,
-where a rank's source and destination blocks are disjoint but would have to
-travel through other ranks' blocks), and a single ``SEND_RECV`` over the ranks of
-the mesh, which always receives exactly the bound, is chosen instead unless
-``allow_send_recv=False``. Between two different meshes the plan is one
+plan. Otherwise no sequence of single-axis collectives reaches the bound, and a
+single ``SEND_RECV`` over the ranks of the mesh, which always receives exactly
+the bound, is chosen instead unless ``allow_send_recv=False``. That happens when
+data must be relayed across two mesh axes (``"S[0]S[1]" -> "S[1]S[0]"`` on 2x2:
+rank (0, 1) needs the block of rank (1, 0)), when a split must be put outside
+one that stays (``"RS[0]" -> "S[0]S[0]"``: a slice only adds an inner split), or
+when a split moves between axes of different sizes (``"S[0]R" -> "RS[0]"`` on
+2x4: the gather over 2 ranks brings half the tensor, the rank keeps a quarter).
+Collectives move the same amount on every rank while the bound is a maximum
+over ranks, so any detour shows. Between two different meshes the plan is one
 ``SEND_RECV``.
 
 Plans are cached (:func:`functools.lru_cache`): equal arguments return the same
