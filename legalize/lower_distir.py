@@ -28,7 +28,6 @@ module covering all its devices (pipeline stages need per-rank programs), and
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import tvm
@@ -37,9 +36,9 @@ from tvm.relax.distributed import DTensorType
 
 from tvm_distx import _ir
 from tvm_distx._pass import module_pass
+from tvm_distx._rewrite import FunctionRewriter
 from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.mesh import DeviceMesh
-from tvm_distx.placement import Shard
 from tvm_distx.spec import TensorSharding
 
 __all__ = ["LowerDistIR", "CollectiveGroup", "local_type"]
@@ -89,11 +88,7 @@ def local_type(ty):
     if isinstance(ty, DTensorType):
         sharding = TensorSharding.from_type(ty)
         tensor = ty.tensor_ty
-        shape = list(tensor.shape.values)
-        for axis, entry in enumerate(sharding.placement.entries):
-            if isinstance(entry, Shard):
-                shape[entry.dim] = shape[entry.dim] // sharding.mesh.shape[axis]
-        return relax.TensorType(shape, tensor.dtype)
+        return relax.TensorType(sharding.local_shape(tensor.shape.values), tensor.dtype)
     if isinstance(ty, relax.TupleType):
         return relax.TupleType([local_type(f) for f in ty.fields])
     return ty
@@ -163,68 +158,41 @@ def _callees_first(mod: tvm.IRModule) -> list[tvm.ir.GlobalVar]:
     return order
 
 
-class _FunctionLowerer:
+class _FunctionLowerer(FunctionRewriter):
     def __init__(self, bb: relax.BlockBuilder, name: str, func: relax.Function,
                  gvs: dict[str, tvm.ir.GlobalVar]) -> None:
-        self.bb = bb
-        self.name = name
+        super().__init__(bb, name)
         self.func = func
         self.gvs = gvs
-        self.remap: dict[relax.Var, relax.Expr] = {}
         self.producers: dict[relax.Var, relax.Call] = {}
 
     def lower(self) -> tvm.ir.GlobalVar:
         func = self.func
         params = [relax.Var(p.name, local_type(p.ty)) for p in func.params]
-        self.remap.update(zip(func.params, params))
         public = func.attrs is not None and "global_symbol" in func.attrs
-        attrs = {k: v for k, v in (func.attrs or {}).items() if k != "global_symbol"}
-        with self.bb.function(self.name, params, attrs=attrs or None, pure=func.is_pure,
-                              private=not public):
-            for block in func.body.blocks:
-                dataflow = isinstance(block, relax.DataflowBlock)
-                with self.bb.dataflow() if dataflow else nullcontext():
-                    for binding in block.bindings:
-                        self._binding(binding, dataflow)
-            gv = self.bb.emit_func_output(self._use(func.body.body))
-        return gv
+        return self.rewrite(func, params, public)
 
-    def _use(self, expr):
-        if isinstance(expr, relax.Var):
-            return self.remap.get(expr, expr)
-        if isinstance(expr, relax.Tuple):
-            return relax.Tuple([self._use(f) for f in expr.fields])
+    def use(self, expr):
         if isinstance(expr, tvm.ir.Constant) and isinstance(expr.ty, DTensorType):
             return tvm.ir.GenericConst(expr.value, local_type(expr.ty))
-        return expr
+        return super().use(expr)
 
-    def _bind(self, var: relax.Var, value, dataflow: bool) -> None:
-        if dataflow and not isinstance(var, relax.DataflowVar):
-            new = self.bb.emit_output(value, name_hint=var.name)
-        else:
-            new = self.bb.emit(value, name_hint=var.name)
-        self.remap[var] = new
-
-    def _binding(self, binding, dataflow: bool) -> None:
+    def binding(self, index: int, binding, dataflow: bool) -> None:
         value = binding.value
         if isinstance(binding, relax.MatchCast):
-            new = self.bb.match_cast(self._use(value), local_type(binding.ty),
-                                     name_hint=binding.var.name)
-            if dataflow and not isinstance(binding.var, relax.DataflowVar):
-                new = self.bb.emit_output(new, name_hint=binding.var.name)
-            self.remap[binding.var] = new
+            self.match_cast(binding.var, self.use(value), local_type(binding.ty), dataflow)
             return
         if isinstance(value, relax.Call):
             self.producers[binding.var] = value
             new = self._call(binding.var, value)
         elif isinstance(value, relax.TupleGetItem):
-            new = relax.TupleGetItem(self._use(value.tuple_value), value.index)
+            new = relax.TupleGetItem(self.use(value.tuple_value), value.index)
         else:
-            new = self._use(value)
-        self._bind(binding.var, new, dataflow)
+            new = self.use(value)
+        self.bind(binding.var, new, dataflow)
 
     def _call(self, var: relax.Var, call: relax.Call):
-        args = [self._use(a) for a in call.args]
+        args = [self.use(a) for a in call.args]
         if isinstance(call.op, tvm.ir.GlobalVar):
             target = self.gvs.get(call.op.name_hint, call.op)
             return relax.Call(target, args, call.attrs, call.ty_args, call.span)
@@ -262,7 +230,7 @@ class _FunctionLowerer:
         source = call.args[0]
         producer = self.producers.get(source)
         out = TensorSharding.from_type(source.ty)
-        axes = _reduced_axes(producer, out) if producer is not None else ()
+        axes = reduced_axes(producer, out) if producer is not None else ()
         if not axes:
             raise UnsupportedProgramError(
                 "cannot tell which mesh axes this all-reduce runs over",
@@ -278,7 +246,7 @@ class _FunctionLowerer:
                                      out_ty=local_type(source.ty))
 
 
-def _reduced_axes(producer: relax.Call, out: TensorSharding) -> tuple[int, ...]:
+def reduced_axes(producer: relax.Call, out: TensorSharding) -> tuple[int, ...]:
     """Mesh axes that shard an input of ``producer`` but replicate its result."""
     inputs = []
     for arg in producer.args:

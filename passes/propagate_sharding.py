@@ -20,7 +20,6 @@ Functions that no sharding reaches are left as they are.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import tvm
@@ -29,6 +28,7 @@ from tvm.relax.distributed import DTensorType
 
 from tvm_distx import _ir
 from tvm_distx._pass import module_pass
+from tvm_distx._rewrite import FunctionRewriter
 from tvm_distx.errors import ShardingError, UnsupportedValueError
 from tvm_distx.spec import TensorSharding
 
@@ -285,35 +285,24 @@ class _ModuleRewriter:
         )
 
 
-class _FunctionEmitter:
+class _FunctionEmitter(FunctionRewriter):
     """Write one function with DTensor types from its solved analysis."""
 
     def __init__(
         self, owner: _ModuleRewriter, analysis: FunctionAnalysis, name: str, public: bool
     ) -> None:
+        super().__init__(owner.bb, name)
         self.owner = owner
         self.public = public
-        self.bb = owner.bb
         self.analysis = analysis
-        self.name = name
-        self.remap: dict[relax.Var, relax.Expr] = {}
 
     def emit(self) -> tvm.ir.GlobalVar:
         func = self.analysis.func
-        params = [self._new_var(p, relax.Var) for p in func.params]
-        self.remap.update(zip(func.params, params))
-        attrs = {k: v for k, v in (func.attrs or {}).items() if k != "global_symbol"}
-        with self.bb.function(self.name, params, attrs=attrs or None, pure=func.is_pure,
-                              private=not self.public):
-            index = 0
-            for block in func.body.blocks:
-                dataflow = isinstance(block, relax.DataflowBlock)
-                with self.bb.dataflow() if dataflow else nullcontext():
-                    for binding in block.bindings:
-                        self._binding(self.analysis.bindings[index], dataflow)
-                        index += 1
-            gv = self.bb.emit_func_output(self._use(func.body.body))
-        return gv
+        params = [relax.Var(p.name, self._new_type(p)) for p in func.params]
+        return self.rewrite(func, params, self.public)
+
+    def binding(self, index: int, binding, dataflow: bool) -> None:
+        self._binding(self.analysis.bindings[index], dataflow)
 
     # -- types and values --------------------------------------------------------
     def _new_type(self, var: relax.Var):
@@ -330,31 +319,13 @@ class _FunctionEmitter:
             return relax.TupleType(fields)
         return ty
 
-    def _new_var(self, var: relax.Var, kind) -> relax.Var:
-        return kind(var.name, self._new_type(var))
-
-    def _use(self, expr: relax.Expr) -> relax.Expr:
-        if isinstance(expr, relax.Var):
-            return self.remap.get(expr, expr)
-        if isinstance(expr, relax.Tuple):
-            return relax.Tuple([self._use(f) for f in expr.fields])
-        return expr
-
     def _sharding(self, var, slot: int = 0) -> TensorSharding | None:
         d = self.analysis.get(var, slot)
         return d.sharding if d is not None else None
 
-    def _bind(self, var: relax.Var, value: relax.Expr, dataflow: bool) -> None:
-        output = dataflow and not isinstance(var, relax.DataflowVar)
-        if output:
-            new = self.bb.emit_output(value, name_hint=var.name)
-        else:
-            new = self.bb.emit(value, name_hint=var.name)
-        self.remap[var] = new
-
     def _moved(self, operand: relax.Expr, needed: TensorSharding) -> relax.Expr:
         """``operand`` (new IR) redistributed to ``needed`` when its sharding differs."""
-        current = self._use(operand)
+        current = self.use(operand)
         have = TensorSharding.from_type(current.ty) if isinstance(current, relax.Var) else None
         if have is None or have == needed:
             return current
@@ -378,7 +349,7 @@ class _FunctionEmitter:
             self._plain(b, value, dataflow)
 
     def _match_cast(self, b, dataflow: bool) -> None:
-        value = self._use(b.value)
+        value = self.use(b.value)
         cast = b.cast
         sharding = self._sharding(b.var) if _ir.is_tensor_type(cast) else None
         if sharding is not None:
@@ -386,19 +357,16 @@ class _FunctionEmitter:
             have = TensorSharding.from_type(value.ty)
             if have is not None and have != sharding:
                 value = self.bb.emit(self.owner.redistribute(value, sharding))
-        new = self.bb.match_cast(value, cast, name_hint=b.var.name)
-        if dataflow and not isinstance(b.var, relax.DataflowVar):
-            new = self.bb.emit_output(new, name_hint=b.var.name)
-        self.remap[b.var] = new
+        self.match_cast(b.var, value, cast, dataflow)
 
     def _plain(self, b, value, dataflow: bool) -> None:
         if isinstance(value, relax.TupleGetItem):
-            new = relax.TupleGetItem(self._use(value.tuple_value), value.index)
+            new = relax.TupleGetItem(self.use(value.tuple_value), value.index)
         elif isinstance(value, relax.Call):
-            new = relax.Call(value.op, [self._use(a) for a in value.args], value.attrs,
+            new = relax.Call(value.op, [self.use(a) for a in value.args], value.attrs,
                              value.ty_args, value.span)
         else:
-            new = self._use(value)
+            new = self.use(value)
         new = self.bb.normalize(new)
         want = self._sharding(b.var) if self.analysis.tensor_slots(b.var) == 1 else None
         if want is not None and _ir.is_tensor_type(b.var.ty):
@@ -406,21 +374,21 @@ class _FunctionEmitter:
             if have is not None and have != want:
                 raw = self.bb.emit(new)
                 new = self.owner.redistribute(raw, want)
-        self._bind(b.var, new, dataflow)
+        self.bind(b.var, new, dataflow)
 
     def _annotation(self, b, call: relax.Call, dataflow: bool) -> None:
         source = call.args[0]
         want = self._sharding(b.var)
-        current = self._use(source)
+        current = self.use(source)
         have = TensorSharding.from_type(current.ty)
         if _ir.is_call_to(call, _ANNOTATE) and have == want:
             output = dataflow and not isinstance(b.var, relax.DataflowVar)
             if output and isinstance(current, relax.DataflowVar):
-                self._bind(b.var, current, dataflow)
+                self.bind(b.var, current, dataflow)
             else:
                 self.remap[b.var] = current
             return
-        self._bind(b.var, self.owner.redistribute(current, want), dataflow)
+        self.bind(b.var, self.owner.redistribute(current, want), dataflow)
 
     def _call(self, b, call: relax.Call, dataflow: bool) -> None:
         callee = call.op.name_hint
@@ -428,7 +396,7 @@ class _FunctionEmitter:
         gv = self.owner.emitted[version]
         args = []
         for arg, needed in zip(call.args, version.params):
-            args.append(self._moved(arg, needed) if needed is not None else self._use(arg))
+            args.append(self._moved(arg, needed) if needed is not None else self.use(arg))
         new = self.bb.normalize(relax.Call(gv, args, call.attrs, call.ty_args, call.span))
         self._finish(b, new, dataflow)
 
@@ -451,7 +419,7 @@ class _FunctionEmitter:
                 moved[operand] = self._moved(operand, needed)
             elif isinstance(operand, tvm.ir.Constant):
                 moved[operand] = self._constant(operand, needed, b.var)
-        new_call = _substitute(call, lambda v: moved.get(v, self._use(v)))
+        new_call = _substitute(call, lambda v: moved.get(v, self.use(v)))
         if _ir.is_call_to(call, _CALL_TIR):
             new_call = self._typed_call_tir(new_call, plan, b.var)
         try:
@@ -519,7 +487,7 @@ class _FunctionEmitter:
                         item = self.bb.emit(self.owner.redistribute(item, self._sharding(b.var, s)))
                     items.append(item)
                 new = relax.Tuple(items)
-        self._bind(b.var, new, dataflow)
+        self.bind(b.var, new, dataflow)
 
 
 # --------------------------------------------------------------------------- helpers

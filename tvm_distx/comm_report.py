@@ -76,6 +76,7 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
     CommReport
         One row per step of every redistribute, and one per all-reduce.
     """
+    from tvm_distx.legalize.legalize_redistribute import ALLOW_SEND_RECV
     from tvm_distx.legalize.planner import plan_redistribute
 
     rows: list[CommRow] = []
@@ -89,7 +90,8 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
                     src = TensorSharding.from_type(value.args[0].ty)
                     dst = TensorSharding.from_type(binding.var.ty)
                     shape = _ir.static_shape(binding.var.ty)
-                    plan = plan_redistribute(src, dst, shape, binding.var.ty.tensor_ty.dtype)
+                    plan = plan_redistribute(src, dst, shape, binding.var.ty.tensor_ty.dtype,
+                                             allow_send_recv=ALLOW_SEND_RECV)
                     for step in plan.steps:
                         rows.append(CommRow(gv.name_hint, binding.var.name, step.mesh_axis,
                                             step.collective.name.lower(), str(step.src.placement),
@@ -100,17 +102,13 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
 
 
 def _allreduce_rows(function: str, var, call, producers) -> list[CommRow]:
-    from tvm_distx.legalize.lower_distir import _reduced_axes
-    from tvm_distx.placement import Shard
+    from tvm_distx.legalize.lower_distir import reduced_axes
 
     source = call.args[0]
     sharding = TensorSharding.from_type(source.ty)
     producer = producers.get(source)
-    axes = _reduced_axes(producer, sharding) if producer is not None else ()
-    shape = list(_ir.static_shape(source.ty))
-    for axis, entry in enumerate(sharding.placement.entries):
-        if isinstance(entry, Shard):
-            shape[entry.dim] //= sharding.mesh.shape[axis]
+    axes = reduced_axes(producer, sharding) if producer is not None else ()
+    shape = sharding.local_shape(_ir.static_shape(source.ty))
     itemsize = np.dtype(str(source.ty.tensor_ty.dtype)).itemsize
     local = int(np.prod(shape)) * itemsize
     rows = []

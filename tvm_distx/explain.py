@@ -11,19 +11,8 @@ from dataclasses import dataclass
 
 import tvm
 
-from .placement import Shard
-from .spec import TensorSharding
 
-__all__ = ["ShardingRow", "ShardingReport", "explain", "local_shape"]
-
-
-def local_shape(shape, sharding: TensorSharding) -> tuple:
-    """The shape of one device's shard (``None`` stays ``None`` for dynamic dims)."""
-    local = list(shape)
-    for axis, entry in enumerate(sharding.placement.entries):
-        if isinstance(entry, Shard) and local[entry.dim] is not None:
-            local[entry.dim] //= sharding.mesh.shape[axis]
-    return tuple(local)
+__all__ = ["ShardingRow", "ShardingReport", "explain"]
 
 
 @dataclass(frozen=True)
@@ -116,7 +105,7 @@ def explain(mod: tvm.IRModule) -> ShardingReport:
                         global_shape=shape,
                         mesh=sharding.mesh.name or str(sharding.mesh.shape),
                         placement=str(sharding.placement),
-                        local_shape=local_shape(shape, sharding),
+                        local_shape=sharding.local_shape(shape),
                         reason=decision.reason,
                     )
                 )

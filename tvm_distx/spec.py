@@ -30,6 +30,18 @@ class TensorSharding:
     mesh: DeviceMesh
     placement: Placement
 
+    def local_shape(self, shape):
+        """The shape of one device's shard of a tensor of global ``shape``.
+
+        Each mesh axis that shards a dimension divides it; ``None`` (a dynamic
+        extent) stays ``None``. Works on ints and on TVM PrimExprs alike.
+        """
+        local = list(shape)
+        for axis, entry in enumerate(self.placement.entries):
+            if entry.is_shard() and local[entry.dim] is not None:
+                local[entry.dim] = local[entry.dim] // self.mesh.shape[axis]
+        return tuple(local)
+
     def __str__(self) -> str:
         where = self.mesh.name or f"mesh{self.mesh.shape}@{self.mesh.device_range.start}"
         return f'"{self.placement}" on {where}'

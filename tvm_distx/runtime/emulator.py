@@ -16,7 +16,6 @@ from typing import Sequence
 import numpy as np
 
 from tvm_distx.legalize.lower_distir import CollectiveGroup
-from tvm_distx.placement import Shard
 from tvm_distx.spec import TensorSharding
 
 __all__ = ["emulate", "shard_array"]
@@ -30,20 +29,14 @@ def shard_array(array: np.ndarray, sharding: TensorSharding, device: int) -> np.
     """The part of a global ``array`` that ``device`` holds under ``sharding``.
 
     A dimension split by several mesh axes is split with the lower-numbered
-    mesh axis as the outer (major) split.
+    mesh axis as the outer (major) split (see :func:`tvm_distx.legalize.planner.shard_bounds`).
     """
-    mesh = sharding.mesh
-    coord = np.unravel_index(device - mesh.device_range.start, mesh.shape)
-    index = [slice(None)] * array.ndim
-    starts = [0] * array.ndim
-    sizes = list(array.shape)
-    for axis, entry in enumerate(sharding.placement.entries):
-        if isinstance(entry, Shard):
-            sizes[entry.dim] //= mesh.shape[axis]
-            starts[entry.dim] += int(coord[axis]) * sizes[entry.dim]
-    for dim in range(array.ndim):
-        index[dim] = slice(starts[dim], starts[dim] + sizes[dim])
-    return np.ascontiguousarray(array[tuple(index)])
+    from tvm_distx.legalize.planner import shard_bounds
+
+    bounds = shard_bounds(sharding, array.shape, device)
+    if bounds is None:
+        raise ValueError(f"device {device} is not in mesh {sharding.mesh.describe()}")
+    return np.ascontiguousarray(array[tuple(slice(a, b) for a, b in bounds)])
 
 
 class _Exchange:
