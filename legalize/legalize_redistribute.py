@@ -11,6 +11,7 @@ step            runtime function                       extra arguments
 local slice     ``tvm_distx.ccl.local_slice``          group, split dim
 all-gather      ``tvm_distx.ccl.allgather``            group, gather dim
 all-to-all      ``tvm_distx.ccl.alltoall``             group, split dim, concat dim
+send/recv       ``tvm_distx.ccl.send_recv``            a :class:`SendRecvSpec`
 ==============  =====================================  ==========================
 
 The group is a :class:`~tvm_distx.legalize.lower_distir.CollectiveGroup` along
@@ -24,7 +25,9 @@ here for now.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.distributed import DTensorType
@@ -33,26 +36,69 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm_distx import _ir
 from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
+from tvm_distx.mesh import DeviceMesh
+from tvm_distx.placement import Placement, Replicate, Shard
 from tvm_distx.spec import TensorSharding
 
 from .lower_distir import CollectiveGroup
 from .planner import Collective, plan_redistribute
 
-__all__ = ["LegalizeRedistribute", "RUNTIME_FUNCTIONS"]
+__all__ = ["LegalizeRedistribute", "RUNTIME_FUNCTIONS", "SendRecvSpec"]
 
 logger = logging.getLogger(__name__)
 
-#: Whether plans may use a point-to-point SEND_RECV within one mesh. Lowering
-#: cannot emit it yet, so plans use collectives only: always valid, and for some
-#: moves on 2-D meshes more bytes than the lower bound (see the planner's tests).
-ALLOW_SEND_RECV = False
+#: Whether plans may use a point-to-point SEND_RECV within one mesh (the
+#: planner picks it where no sequence of collectives reaches the lower bound).
+ALLOW_SEND_RECV = True
 
-#: The runtime function each planned collective calls.
+#: The runtime function each planned step calls.
 RUNTIME_FUNCTIONS = {
     Collective.LOCAL_SLICE: "tvm_distx.ccl.local_slice",
     Collective.ALL_GATHER: "tvm_distx.ccl.allgather",
     Collective.ALL_TO_ALL: "tvm_distx.ccl.alltoall",
+    Collective.SEND_RECV: "tvm_distx.ccl.send_recv",
 }
+
+
+@dataclass(frozen=True)
+class SendRecvSpec:
+    """What a ``tvm_distx.ccl.send_recv`` call moves: a tensor from one sharding to another.
+
+    The runtime derives every rank's transfers from it with
+    :func:`tvm_distx.legalize.planner.send_recv_transfers`. Encoded flat as
+    ``(rank, *shape, mesh ndim, *mesh shape, first device, *src codes, *dst codes)``
+    with one code per mesh axis: -1 for R, k for S[k].
+    """
+
+    shape: tuple[int, ...]
+    src: TensorSharding
+    dst: TensorSharding
+
+    def encode(self) -> tuple[int, ...]:
+        mesh = self.src.mesh
+        return (len(self.shape), *self.shape, mesh.ndim, *mesh.shape,
+                mesh.device_range.start, *_codes(self.src.placement), *_codes(self.dst.placement))
+
+    @classmethod
+    def decode(cls, values) -> "SendRecvSpec":
+        v = [int(x) for x in values]
+        rank = v[0]
+        shape = tuple(v[1:1 + rank])
+        ndim = v[1 + rank]
+        mesh_shape = tuple(v[2 + rank:2 + rank + ndim])
+        first = v[2 + rank + ndim]
+        codes = v[3 + rank + ndim:]
+        mesh = DeviceMesh(mesh_shape, range(first, first + int(np.prod(mesh_shape))))
+        return cls(shape, TensorSharding(mesh, _placement(codes[:ndim])),
+                   TensorSharding(mesh, _placement(codes[ndim:])))
+
+
+def _codes(placement: Placement) -> list[int]:
+    return [e.dim if isinstance(e, Shard) else -1 for e in placement.entries]
+
+
+def _placement(codes) -> Placement:
+    return Placement(tuple(Shard(c) if c >= 0 else Replicate() for c in codes))
 
 
 @mutator
@@ -95,17 +141,15 @@ class _Legalizer(PyExprMutator):
             self.set_var_remap(binding.var, source)
 
     def _emit_step(self, value, step, var: relax.Var):
-        if step.collective not in RUNTIME_FUNCTIONS:
-            raise UnsupportedProgramError(
-                f"the planner chose {step.collective.name}, which lowering cannot emit yet",
-                function=self.function,
-                var=var.name,
-            )
         mesh = step.src.mesh
-        group = CollectiveGroup(mesh.shape, mesh.device_range.start, (step.mesh_axis,))
         out_ty = DTensorType(var.ty.tensor_ty, var.ty.device_mesh, step.dst.placement.to_tvm())
-        args = relax.Tuple([value, relax.ShapeExpr(group.encode()),
-                            relax.ShapeExpr(list(step.tensor_axes))])
+        if step.collective is Collective.SEND_RECV:
+            spec = SendRecvSpec(_ir.static_shape(var.ty), step.src, step.dst)
+            args = relax.Tuple([value, relax.ShapeExpr(spec.encode())])
+        else:
+            group = CollectiveGroup(mesh.shape, mesh.device_range.start, (step.mesh_axis,))
+            args = relax.Tuple([value, relax.ShapeExpr(group.encode()),
+                                relax.ShapeExpr(list(step.tensor_axes))])
         # relax.call_dps_packed() accepts only Tensor result types; build the call
         # itself so that it carries the step's DTensor type until LowerDistIR.
         call = relax.Call(_ir.op("relax.call_dps_packed"),

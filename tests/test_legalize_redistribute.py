@@ -146,3 +146,21 @@ def test_every_transition_on_a_2x2_mesh_is_right_or_refused():
     # every refusal is a kernel on a dimension split by both mesh axes
     assert {dst for _, dst, _ in refused} == {"S[0]S[0]", "S[1]S[1]", "S[2]S[2]"}
     assert {rule for _, _, rule in refused} <= {"unsupported-program"}
+
+
+def test_a_relay_across_two_mesh_axes_is_one_send_recv_at_the_lower_bound():
+    from tvm_distx.comm_report import comm_report
+    from tvm_distx.legalize import lower_bound_bytes
+
+    propagated, legal, lowered = pipeline(moved("S[0]S[1]", "S[1]S[0]", (2, 2)))
+    assert packed_calls(legal["main"]) == ["tvm_distx.ccl.send_recv"]
+    report = comm_report(propagated)
+    src = TensorSharding.from_type(propagated["main"].params[0].ty)
+    dst = TensorSharding.from_type(propagated["main"].ty.ret)
+    assert report.total_bytes_per_rank == lower_bound_bytes(src, dst, SHAPE, "float32") > 0
+    x = np.random.default_rng(5).standard_normal(SHAPE).astype("float32")
+    devices = [0, 1, 2, 3]
+    outs = emulate(tvm.compile(lowered, target=TARGET),
+                   [[shard_array(x, src, d)] for d in devices], devices)
+    for device, out in zip(devices, outs):
+        np.testing.assert_array_equal(out, shard_array(np.maximum(x, 0), dst, device))

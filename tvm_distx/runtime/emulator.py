@@ -111,7 +111,34 @@ def _alltoall(x, group, axes, out) -> None:
     exchange.done(seq)
 
 
+def _send_recv(x, spec, out) -> None:
+    from tvm_distx.legalize.legalize_redistribute import SendRecvSpec
+    from tvm_distx.legalize.planner import send_recv_transfers, shard_bounds
+
+    exchange = _ACTIVE[-1]
+    me = exchange.local.device
+    move = SendRecvSpec.decode(spec)
+    seq, posted = exchange.post(np.from_dlpack(x))
+    mine = shard_bounds(move.dst, move.shape, me)
+    target = np.from_dlpack(out)
+
+    def copy(box, sender: int) -> None:
+        held = shard_bounds(move.src, move.shape, sender)
+        source = posted[sender][tuple(slice(a - h0, b - h0) for (a, b), (h0, _) in zip(box, held))]
+        target[tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(box, mine))] = source
+
+    own = shard_bounds(move.src, move.shape, me)
+    overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(own, mine))
+    if all(a < b for a, b in overlap):
+        copy(overlap, me)  # what this rank already holds
+    for transfer in send_recv_transfers(move.src, move.dst, move.shape):
+        if transfer.receiver == me:
+            copy(transfer.bounds, transfer.sender)
+    exchange.done(seq)
+
+
 _FUNCTIONS = {
+    "tvm_distx.ccl.send_recv": _send_recv,
     "tvm_distx.ccl.allreduce": _allreduce,
     "tvm_distx.ccl.allgather": _allgather,
     "tvm_distx.ccl.alltoall": _alltoall,
