@@ -25,6 +25,7 @@ from .placement import Placement, Replicate, Shard
 from .rules import ShardingRule
 from .script import load_module
 from .explain import explain
+from .pipeline import distribute
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "ShardingRule",
     "load_module",
     "explain",
+    "distribute",
     "ShardingError",
     "PlacementSyntaxError",
     "PlacementRankError",
