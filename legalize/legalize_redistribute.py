@@ -135,10 +135,11 @@ class _Legalizer(PyExprMutator):
         value = source
         for step in plan.steps:
             value = self._emit_step(value, step, binding.var)
-        if isinstance(value, relax.Var) and value is not source:
+        if isinstance(value, relax.DataflowVar) and not isinstance(binding.var, relax.DataflowVar):
+            # the redistributed value leaves its dataflow block: keep it an output
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+        else:
             self.set_var_remap(binding.var, value)
-        else:  # nothing to move: the value is already laid out as asked
-            self.set_var_remap(binding.var, source)
 
     def _emit_step(self, value, step, var: relax.Var):
         mesh = step.src.mesh

@@ -164,3 +164,29 @@ def test_a_relay_across_two_mesh_axes_is_one_send_recv_at_the_lower_bound():
                    [[shard_array(x, src, d)] for d in devices], devices)
     for device, out in zip(devices, outs):
         np.testing.assert_array_equal(out, shard_array(np.maximum(x, 0), dst, device))
+
+
+def test_a_redistributed_dataflow_output_stays_an_output():
+    n = 2
+    mesh = DeviceMesh([n], tvm.ir.Range(0, n))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(SHAPE, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            x1 = bb.emit(relax.op.distributed.annotate_sharding(x, mesh, Placement.from_text("S[0]")))
+            y = bb.emit(relax.op.nn.relu(x1))
+            z = bb.emit_output(relax.op.distributed.annotate_sharding(
+                y, mesh, Placement.from_text("S[1]")), name_hint="z")
+        bb.emit_func_output(z)
+    mod = bb.get()
+    mod.update_global_info("mesh", [mesh])
+    propagated, legal, lowered = pipeline(mod)
+    relax.analysis.well_formed(legal)
+    relax.analysis.well_formed(lowered)
+    data = np.random.default_rng(2).standard_normal(SHAPE).astype("float32")
+    src = TensorSharding.from_type(propagated["main"].params[0].ty)
+    dst = TensorSharding.from_type(propagated["main"].ty.ret)
+    outs = emulate(tvm.compile(lowered, target=TARGET), [[shard_array(data, src, d)] for d in (0, 1)],
+                   [0, 1])
+    for device, out in zip((0, 1), outs):
+        np.testing.assert_array_equal(out, shard_array(np.maximum(data, 0), dst, device))
