@@ -2,8 +2,8 @@
 
 TVM's pass of the same name handles a 1-D mesh and R->S only. This one asks
 :func:`tvm_distx.legalize.planner.plan_redistribute` for the cheapest sequence of
-steps and writes one call per step, each a destination-passing call of a
-runtime function:
+steps and writes one destination-passing call of a runtime function per step
+(the ABI is :mod:`tvm_distx.ccl`):
 
 ==============  =====================================  ==========================
 step            runtime function                       extra arguments
@@ -11,39 +11,35 @@ step            runtime function                       extra arguments
 local slice     ``tvm_distx.ccl.local_slice``          group, split dim
 all-gather      ``tvm_distx.ccl.allgather``            group, gather dim
 all-to-all      ``tvm_distx.ccl.alltoall``             group, split dim, concat dim
-send/recv       ``tvm_distx.ccl.send_recv``            a :class:`SendRecvSpec`
+send/recv       ``tvm_distx.ccl.send_recv``            a :class:`~tvm_distx.ccl.SendRecvSpec`
 ==============  =====================================  ==========================
 
-The group is a :class:`~tvm_distx.legalize.lower_distir.CollectiveGroup` along
-the step's mesh axis, so on an N-D mesh every collective runs among the ranks of
-one mesh axis only. The calls keep ``R.DTensor`` types (each step's destination
-sharding); :class:`~tvm_distx.legalize.LowerDistIR` makes them rank-local.
-Moves between meshes (pipeline stages) need per-rank programs and are refused
-here for now.
+The group is a :class:`~tvm_distx.ccl.CollectiveGroup` along the step's mesh
+axis, so on an N-D mesh every collective runs among the ranks of one mesh axis
+only. A move between two meshes (pipeline stages) is one send/recv whose spec
+names both meshes. The calls keep ``R.DTensor`` types (each step's destination
+sharding); :class:`~tvm_distx.legalize.LowerDistIR` makes them rank-local and,
+for a move between meshes, gives each rank its side of it (send, receive or
+both).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
-import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.distributed import DTensorType
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from tvm_distx import _ir
+from tvm_distx import _ir, ccl
 from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
-from tvm_distx.mesh import DeviceMesh
-from tvm_distx.placement import Placement, Replicate, Shard
 from tvm_distx.spec import TensorSharding
 
-from .lower_distir import CollectiveGroup
 from .planner import Collective, plan_redistribute
 
-__all__ = ["LegalizeRedistribute", "RUNTIME_FUNCTIONS", "SendRecvSpec"]
+__all__ = ["LegalizeRedistribute", "RUNTIME_FUNCTIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,52 +49,11 @@ ALLOW_SEND_RECV = True
 
 #: The runtime function each planned step calls.
 RUNTIME_FUNCTIONS = {
-    Collective.LOCAL_SLICE: "tvm_distx.ccl.local_slice",
-    Collective.ALL_GATHER: "tvm_distx.ccl.allgather",
-    Collective.ALL_TO_ALL: "tvm_distx.ccl.alltoall",
-    Collective.SEND_RECV: "tvm_distx.ccl.send_recv",
+    Collective.LOCAL_SLICE: ccl.LOCAL_SLICE,
+    Collective.ALL_GATHER: ccl.ALLGATHER,
+    Collective.ALL_TO_ALL: ccl.ALLTOALL,
+    Collective.SEND_RECV: ccl.SEND_RECV,
 }
-
-
-@dataclass(frozen=True)
-class SendRecvSpec:
-    """What a ``tvm_distx.ccl.send_recv`` call moves: a tensor from one sharding to another.
-
-    The runtime derives every rank's transfers from it with
-    :func:`tvm_distx.legalize.planner.send_recv_transfers`. Encoded flat as
-    ``(rank, *shape, mesh ndim, *mesh shape, first device, *src codes, *dst codes)``
-    with one code per mesh axis: -1 for R, k for S[k].
-    """
-
-    shape: tuple[int, ...]
-    src: TensorSharding
-    dst: TensorSharding
-
-    def encode(self) -> tuple[int, ...]:
-        mesh = self.src.mesh
-        return (len(self.shape), *self.shape, mesh.ndim, *mesh.shape,
-                mesh.device_range.start, *_codes(self.src.placement), *_codes(self.dst.placement))
-
-    @classmethod
-    def decode(cls, values) -> "SendRecvSpec":
-        v = [int(x) for x in values]
-        rank = v[0]
-        shape = tuple(v[1:1 + rank])
-        ndim = v[1 + rank]
-        mesh_shape = tuple(v[2 + rank:2 + rank + ndim])
-        first = v[2 + rank + ndim]
-        codes = v[3 + rank + ndim:]
-        mesh = DeviceMesh(mesh_shape, range(first, first + int(np.prod(mesh_shape))))
-        return cls(shape, TensorSharding(mesh, _placement(codes[:ndim])),
-                   TensorSharding(mesh, _placement(codes[ndim:])))
-
-
-def _codes(placement: Placement) -> list[int]:
-    return [e.dim if isinstance(e, Shard) else -1 for e in placement.entries]
-
-
-def _placement(codes) -> Placement:
-    return Placement(tuple(Shard(c) if c >= 0 else Replicate() for c in codes))
 
 
 @mutator
@@ -122,14 +77,6 @@ class _Legalizer(PyExprMutator):
                 var=binding.var.name,
                 hint="run PropagateSharding first; dynamic shapes cannot be redistributed yet",
             )
-        if src.mesh != dst.mesh:
-            raise UnsupportedProgramError(
-                f"moving a value from mesh {src.mesh.describe()} to {dst.mesh.describe()} "
-                "needs per-rank programs, which lowering does not make yet",
-                function=self.function,
-                var=binding.var.name,
-                placement=str(dst.placement),
-            )
         plan = plan_redistribute(src, dst, shape, binding.var.ty.tensor_ty.dtype,
                                  allow_send_recv=ALLOW_SEND_RECV)
         value = source
@@ -143,12 +90,13 @@ class _Legalizer(PyExprMutator):
 
     def _emit_step(self, value, step, var: relax.Var):
         mesh = step.src.mesh
+        # every step stays on the destination mesh (a move between meshes is one step)
         out_ty = DTensorType(var.ty.tensor_ty, var.ty.device_mesh, step.dst.placement.to_tvm())
         if step.collective is Collective.SEND_RECV:
-            spec = SendRecvSpec(_ir.static_shape(var.ty), step.src, step.dst)
+            spec = ccl.SendRecvSpec(_ir.static_shape(var.ty), step.src, step.dst)
             args = relax.Tuple([value, relax.ShapeExpr(spec.encode())])
         else:
-            group = CollectiveGroup(mesh.shape, mesh.device_range.start, (step.mesh_axis,))
+            group = ccl.CollectiveGroup.along(mesh, (step.mesh_axis,))
             args = relax.Tuple([value, relax.ShapeExpr(group.encode()),
                                 relax.ShapeExpr(list(step.tensor_axes))])
         # relax.call_dps_packed() accepts only Tensor result types; build the call

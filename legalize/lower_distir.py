@@ -1,8 +1,9 @@
 """``LowerDistIR``: from DTensor IR to the program every rank runs.
 
 TVM's ``LowerDistIR`` assumes a 1-D mesh, lowers one function at a time (so a
-call of another distributed function no longer type-checks), and feeds every
-rank from worker 0 with a broadcast or scatter. This pass:
+call of another distributed function no longer type-checks), ignores a mesh's
+device range (so pipeline stages cannot be lowered), and feeds every rank from
+worker 0 with a broadcast or scatter. This pass:
 
 * rewrites every function, parameters and calls included, from ``R.DTensor``
   types to each rank's local tensor types (each rank receives its own shard of
@@ -12,75 +13,50 @@ rank from worker 0 with a broadcast or scatter. This pass:
   sharded reduction, which TVM runs over *all* workers with a result typed
   replicated, into ``tvm_distx.ccl.allreduce`` over the sub-groups of exactly
   the mesh axes that shard the reduction, keeping its input's layout (on a 2x2
-  mesh TVM's version gives wrong numbers, see ``../shared/NOTES-tvm.md``).
+  mesh TVM's version gives wrong numbers, see ``../shared/NOTES-tvm.md``);
+* gives a function that spans several meshes (pipeline stages) one version
+  per *rank set*, the devices that belong to the same meshes and so run the
+  same program. Version ``f_rank<d>`` is named after the first device ``d`` of
+  its set; it keeps the parameters, bindings and results that live on meshes
+  holding its devices, and drops the rest. Its side of a move between meshes
+  is ``tvm_distx.ccl.send`` (source mesh only, an impure call),
+  ``tvm_distx.ccl.recv`` (destination mesh only) or ``tvm_distx.ccl.send_recv``
+  (both). A version that holds none of the results returns an empty tuple.
 
-Collectives are ``R.call_dps_packed`` calls of runtime functions named
-``tvm_distx.ccl.<name>``. Their arguments are the input tensor, then a
-:class:`CollectiveGroup` encoded as a shape: ``(mesh ndim, *mesh shape,
-first device, *mesh axes)``; the output buffer comes last, as usual for
-destination-passing calls.
+Collectives are calls of the runtime functions of :mod:`tvm_distx.ccl`.
 
-Limits (raised as :class:`tvm_distx.UnsupportedProgramError`): one mesh per
-module covering all its devices (pipeline stages need per-rank programs), and
-``R.dist.redistribute`` must already be legalized.
+Which function each device runs is :func:`rank_entry`; when it is not simply
+the function itself on every device, the module attribute
+``"tvm_distx.rank_entries"`` maps each public function to one entry name per
+device (``""`` for a device that runs nothing).
+
+Limits (raised as :class:`tvm_distx.UnsupportedProgramError`): a function
+spanning several meshes must not be called by another function (inline it
+first), and ``R.dist.redistribute`` must already be legalized.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import tvm
 from tvm import relax
 from tvm.relax.distributed import DTensorType
 
-from tvm_distx import _ir
+from tvm_distx import _ir, ccl
 from tvm_distx._pass import module_pass
 from tvm_distx._rewrite import FunctionRewriter
 from tvm_distx.errors import UnsupportedProgramError
+from tvm_distx.ccl import REDUCE_KINDS, CollectiveGroup
 from tvm_distx.mesh import DeviceMesh
 from tvm_distx.spec import TensorSharding
 
-__all__ = ["LowerDistIR", "CollectiveGroup", "local_type"]
+__all__ = ["LowerDistIR", "CollectiveGroup", "ENTRIES_ATTR", "local_type", "rank_entry"]
 
 logger = logging.getLogger(__name__)
 
-#: Reduction kinds, as the runtime's ``tvm_distx.ccl.allreduce`` receives them.
-REDUCE_KINDS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}
-
-
-@dataclass(frozen=True)
-class CollectiveGroup:
-    """The ranks a collective runs among: sub-groups of ``mesh`` along ``axes``.
-
-    Every rank of the mesh takes part; ranks that differ only in their
-    coordinates along ``axes`` form one group.
-    """
-
-    mesh_shape: tuple[int, ...]
-    first_device: int
-    axes: tuple[int, ...]
-
-    def encode(self) -> tuple[int, ...]:
-        """The flat integer form passed to the runtime."""
-        return (len(self.mesh_shape), *self.mesh_shape, self.first_device, *self.axes)
-
-    @classmethod
-    def decode(cls, values) -> "CollectiveGroup":
-        """Read the flat form back."""
-        values = [int(v) for v in values]
-        ndim = values[0]
-        return cls(tuple(values[1:1 + ndim]), values[1 + ndim], tuple(values[2 + ndim:]))
-
-    def members(self, device: int) -> tuple[int, ...]:
-        """The global devices in ``device``'s group, in group order."""
-        import numpy as np
-
-        grid = np.arange(int(np.prod(self.mesh_shape))).reshape(self.mesh_shape)
-        coord = list(np.unravel_index(device - self.first_device, self.mesh_shape))
-        index = tuple(slice(None) if axis in self.axes else coord[axis]
-                      for axis in range(len(self.mesh_shape)))
-        return tuple(int(d) + self.first_device for d in np.ravel(grid[index]))
+#: The module attribute mapping a public function to its entry on every device.
+ENTRIES_ATTR = "tvm_distx.rank_entries"
 
 
 def local_type(ty):
@@ -94,6 +70,33 @@ def local_type(ty):
     return ty
 
 
+def rank_entry(mod: tvm.IRModule, function: str, device: int) -> str | None:
+    """The function ``device`` runs for the public ``function`` of a lowered module.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        The output of :class:`LowerDistIR`.
+    function : str
+        A public function of the module before lowering (``"main"``).
+    device : int
+        A global device id.
+
+    Returns
+    -------
+    str or None
+        The name of the function to call on that device; None when the device
+        takes no part in ``function``.
+    """
+    entries = (mod.attrs or {}).get(ENTRIES_ATTR) if mod.attrs is not None else None
+    if entries is None or function not in entries:
+        return function
+    row = list(entries[function])
+    if device >= len(row) or not row[device]:
+        return None
+    return str(row[device])
+
+
 @module_pass(name="tvm_distx.LowerDistIR")
 class LowerDistIR:
     """Lower a DTensor module (after ``LowerGlobalViewToLocalView``) to rank-local IR.
@@ -101,33 +104,112 @@ class LowerDistIR:
     Raises
     ------
     UnsupportedProgramError
-        For several meshes in one module, a mesh that does not cover the
-        module's devices, or a redistribute that is not legalized yet.
+        For a redistribute that is not legalized yet, or a call of a function
+        that spans several meshes.
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        _check_single_mesh(mod)
+        devices = _module_devices(mod)
         bb = relax.BlockBuilder()
         new_gvs: dict[str, tvm.ir.GlobalVar] = {}
+        entries: dict[str, list[str]] = {}
+        spanning = {gv.name_hint for gv, f in _ir.relax_functions(mod)
+                    if len(function_meshes(f)) > 1}
         for gv in _callees_first(mod):
-            new_gvs[gv.name_hint] = _FunctionLowerer(bb, gv.name_hint, mod[gv], new_gvs).lower()
+            func = mod[gv]
+            name = gv.name_hint
+            _check_no_call_of(name, func, spanning)
+            meshes = function_meshes(func)
+            if len(meshes) <= 1:
+                new_gvs[name] = _FunctionLowerer(bb, name, func, new_gvs).lower()
+                held = set(meshes[0].device_range) if meshes else set(devices)
+                row = [name if d in held else "" for d in devices]
+            else:
+                row = [""] * len(devices)
+                for rank_set in rank_sets(meshes):
+                    version = f"{name}_rank{rank_set[0]}"
+                    _FunctionLowerer(bb, version, func, new_gvs, rank_set).lower()
+                    for d in rank_set:
+                        row[devices.index(d)] = version
+            if _is_public(func):
+                entries[name] = row
         out = dict(bb.get().functions.items())
         for gv, func in mod.functions.items():
             if not isinstance(func, relax.Function):  # TIR kernels keep their GlobalVars
                 out[gv] = func
-        return tvm.IRModule(out, attrs=mod.attrs, global_infos=mod.global_infos)
+        lowered = tvm.IRModule(out, attrs=mod.attrs, global_infos=mod.global_infos)
+        if any(row != [name] * len(devices) for name, row in entries.items()):
+            lowered = lowered.with_attr(ENTRIES_ATTR, entries)
+        return lowered
 
 
-def _check_single_mesh(mod: tvm.IRModule) -> None:
+def _is_public(func: relax.Function) -> bool:
+    return func.attrs is not None and "global_symbol" in func.attrs
+
+
+def _module_devices(mod: tvm.IRModule) -> list[int]:
+    """The global device ids of a module: ``device_num`` or the span of its meshes."""
     from tvm_distx.mesh import module_meshes
 
-    meshes = module_meshes(mod)
-    if len(meshes) > 1:
-        raise UnsupportedProgramError(
-            f"the module has {len(meshes)} meshes ({', '.join(meshes)}); lowering several "
-            "meshes (pipeline stages) needs per-rank programs, which this pass does not make yet",
-            hint="use one mesh for now",
-        )
+    count = 0
+    if mod.attrs is not None and "device_num" in mod.attrs:
+        count = int(mod.attrs["device_num"])
+    for mesh in module_meshes(mod).values():
+        count = max(count, mesh.device_range.stop)
+    return list(range(count))
+
+
+def _types_of(func: relax.Function):
+    yield from (p.ty for p in func.params)
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            yield binding.var.ty
+    yield func.body.body.ty
+
+
+def _meshes_of_type(ty, found: dict) -> None:
+    if isinstance(ty, DTensorType):
+        mesh = DeviceMesh.from_tvm(ty.device_mesh)
+        found.setdefault((mesh.shape, mesh.device_range.start), mesh)
+    elif isinstance(ty, relax.TupleType):
+        for field in ty.fields:
+            _meshes_of_type(field, found)
+
+
+def function_meshes(func: relax.Function) -> list[DeviceMesh]:
+    """The distinct meshes the values of ``func`` live on, in order of appearance."""
+    found: dict = {}
+    for ty in _types_of(func):
+        _meshes_of_type(ty, found)
+    return list(found.values())
+
+
+def rank_sets(meshes: list[DeviceMesh]) -> list[tuple[int, ...]]:
+    """Devices grouped by the meshes they belong to, ordered by their first device.
+
+    All devices of one set run the same program: they hold the same values.
+    """
+    sets: dict[tuple[bool, ...], list[int]] = {}
+    for device in sorted({d for m in meshes for d in m.device_range}):
+        key = tuple(device in m.device_range for m in meshes)
+        sets.setdefault(key, []).append(device)
+    return sorted((tuple(v) for v in sets.values()), key=lambda s: s[0])
+
+
+def _check_no_call_of(name: str, func: relax.Function, spanning: set[str]) -> None:
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar):
+            if expr.op.name_hint in spanning:
+                raise UnsupportedProgramError(
+                    f"'{expr.op.name_hint}' spans several meshes and is called from "
+                    f"'{name}'; only a function that no other function calls may span "
+                    "several meshes (it gets one version per rank set)",
+                    function=name,
+                    hint="inline it into its caller first "
+                    "(relax.transform.InlinePrivateFunctions)",
+                )
+
+    relax.analysis.post_order_visit(func, visit)
 
 
 def _callees_first(mod: tvm.IRModule) -> list[tvm.ir.GlobalVar]:
@@ -159,39 +241,110 @@ def _callees_first(mod: tvm.IRModule) -> list[tvm.ir.GlobalVar]:
 
 
 class _FunctionLowerer(FunctionRewriter):
+    """Write one function rank-locally; with ``rank_set``, only what those devices hold."""
+
     def __init__(self, bb: relax.BlockBuilder, name: str, func: relax.Function,
-                 gvs: dict[str, tvm.ir.GlobalVar]) -> None:
+                 gvs: dict[str, tvm.ir.GlobalVar],
+                 rank_set: tuple[int, ...] | None = None) -> None:
         super().__init__(bb, name)
         self.func = func
         self.gvs = gvs
         self.producers: dict[relax.Var, relax.Call] = {}
+        # all devices of a rank set hold the same values: ask about the first
+        self.device = rank_set[0] if rank_set is not None else None
 
     def lower(self) -> tvm.ir.GlobalVar:
         func = self.func
-        params = [relax.Var(p.name, local_type(p.ty)) for p in func.params]
-        public = func.attrs is not None and "global_symbol" in func.attrs
-        return self.rewrite(func, params, public)
+        params = [relax.Var(p.name, self._local(p.ty)) for p in func.params if self._holds(p.ty)]
+        if self.device is None:
+            return self.rewrite(func, params, _is_public(func))
+        # a version of a function spanning several meshes: its sends are impure
+        # calls, which dataflow blocks cannot hold
+        sends = self._sends()
+        return self.rewrite(func, params, _is_public(func), dataflow=False,
+                            pure=func.is_pure and not sends)
 
+    # -- what this version holds --------------------------------------------------
+    def _holds(self, ty) -> bool:
+        """Whether the devices of this version hold (some of) a value of type ``ty``."""
+        if self.device is None:
+            return True
+        if isinstance(ty, DTensorType):
+            return self.device in DeviceMesh.from_tvm(ty.device_mesh).device_range
+        if isinstance(ty, relax.TupleType):
+            return any(self._holds(f) for f in ty.fields) or not ty.fields
+        return True
+
+    def _held_fields(self, ty) -> list[int]:
+        return [i for i, f in enumerate(ty.fields) if self._holds(f)]
+
+    def _local(self, ty):
+        if self.device is not None and isinstance(ty, relax.TupleType):
+            return relax.TupleType([self._local(ty.fields[i]) for i in self._held_fields(ty)])
+        return local_type(ty)
+
+    def _sends(self) -> bool:
+        for block in self.func.body.blocks:
+            for binding in block.bindings:
+                spec = _send_recv_spec(binding.value)
+                if spec is not None and spec.role(self.device) == "send":
+                    return True
+        return False
+
+    # -- bindings -----------------------------------------------------------------
     def use(self, expr):
         if isinstance(expr, tvm.ir.Constant) and isinstance(expr.ty, DTensorType):
             return tvm.ir.GenericConst(expr.value, local_type(expr.ty))
+        if self.device is not None and isinstance(expr, relax.Tuple):
+            return relax.Tuple([self.use(f) for f in expr.fields if self._holds(f.ty)])
         return super().use(expr)
+
+    def output(self, expr):
+        if not self._holds(expr.ty):
+            return relax.Tuple([])  # this rank set holds none of the results
+        return self.use(expr)
 
     def binding(self, index: int, binding, dataflow: bool) -> None:
         value = binding.value
-        if isinstance(binding, relax.MatchCast):
-            self.match_cast(binding.var, self.use(value), local_type(binding.ty), dataflow)
+        spec = _send_recv_spec(value) if self.device is not None else None
+        if spec is not None and spec.role(self.device) == "send":
+            self._send(binding.var, value, spec)
             return
+        if not self._holds(binding.var.ty):
+            return  # the value lives on a mesh these devices are not in
+        if isinstance(binding, relax.MatchCast):
+            self.match_cast(binding.var, self.use(value), self._local(binding.ty), dataflow)
+            return
+        name = None
         if isinstance(value, relax.Call):
             self.producers[binding.var] = value
-            new = self._call(binding.var, value)
+            new = self._call(binding.var, value, spec)
+            if spec is not None and spec.role(self.device) == "recv":
+                name = _side_name(binding.var.name, "recv")
         elif isinstance(value, relax.TupleGetItem):
-            new = relax.TupleGetItem(self.use(value.tuple_value), value.index)
+            new = self._tuple_get_item(value)
         else:
             new = self.use(value)
-        self.bind(binding.var, new, dataflow)
+        self.bind(binding.var, new, dataflow, name=name)
 
-    def _call(self, var: relax.Var, call: relax.Call):
+    def _tuple_get_item(self, value: relax.TupleGetItem):
+        index = value.index
+        if self.device is not None:
+            index = self._held_fields(value.tuple_value.ty).index(index)
+        return relax.TupleGetItem(self.use(value.tuple_value), index)
+
+    def _send(self, var: relax.Var, call: relax.Call, spec: ccl.SendRecvSpec) -> None:
+        # the source side of a move between meshes: no result on this rank
+        value = self.use(call.args[1].fields[0])
+        send = relax.Call(relax.ExternFunc(ccl.SEND), [value, relax.ShapeExpr(spec.encode())],
+                          ty_args=[relax.ObjectType()])
+        self.bb.emit(send, name_hint=_side_name(var.name, "send"))
+
+    def _call(self, var: relax.Var, call: relax.Call, spec: ccl.SendRecvSpec | None = None):
+        if spec is not None and spec.role(self.device) == "recv":
+            # the destination side of a move between meshes: nothing to send
+            return relax.call_dps_packed(ccl.RECV, relax.Tuple([relax.ShapeExpr(spec.encode())]),
+                                         out_ty=local_type(var.ty))
         args = [self.use(a) for a in call.args]
         if isinstance(call.op, tvm.ir.GlobalVar):
             target = self.gvs.get(call.op.name_hint, call.op)
@@ -242,8 +395,24 @@ class _FunctionLowerer(FunctionRewriter):
         group = CollectiveGroup(mesh.shape, mesh.device_range.start, axes)
         kind = REDUCE_KINDS[str(call.attrs.op_type)]
         packed_args = relax.Tuple([value, relax.prim_value(kind), relax.ShapeExpr(group.encode())])
-        return relax.call_dps_packed("tvm_distx.ccl.allreduce", packed_args,
+        return relax.call_dps_packed(ccl.ALLREDUCE, packed_args,
                                      out_ty=local_type(source.ty))
+
+
+def _side_name(name: str, side: str) -> str:
+    """``y_send_recv`` becomes ``y_send`` or ``y_recv`` on one side of a move."""
+    stem = name[: -len("_send_recv")] if name.endswith("_send_recv") else name
+    return f"{stem}_{side}"
+
+
+def _send_recv_spec(value) -> ccl.SendRecvSpec | None:
+    """The spec of a ``tvm_distx.ccl.send_recv`` call between two meshes, else None."""
+    if not (_ir.is_call_to(value, "relax.call_dps_packed")
+            and isinstance(value.args[0], relax.ExternFunc)
+            and value.args[0].global_symbol == ccl.SEND_RECV):
+        return None
+    spec = ccl.SendRecvSpec.decode(value.args[1].fields[1].values)
+    return spec if spec.src.mesh != spec.dst.mesh else None
 
 
 def reduced_axes(producer: relax.Call, out: TensorSharding) -> tuple[int, ...]:

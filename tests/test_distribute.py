@@ -10,6 +10,7 @@ import tvm
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
+from tvm_distx.legalize.lower_distir import rank_entry
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.pipeline import STAGES
 from tvm_distx.runtime import emulate, shard_array
@@ -50,9 +51,18 @@ def test_distribute_runs_every_stage_and_the_program_equals_numpy(tensor_paralle
         np.testing.assert_allclose(out, shard_array(want, out_sharding, device), atol=1e-5)
 
 
-def test_distribute_refuses_pipeline_stages_for_now():
+def test_distribute_lowers_the_seed_pipeline_to_one_program_per_stage():
     mod = td.load_module(DATA / "seed_pipeline.py")
     rule = ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
-    with pytest.raises(td.UnsupportedProgramError, match="per-rank programs") as info:
-        td.distribute(AnnotateSharding([rule])(mod))
-    assert info.value.function == "main"
+    ranks = td.distribute(AnnotateSharding([rule])(mod))
+    entries = [rank_entry(ranks, "main", d) for d in (0, 1)]
+    assert entries == ["main_rank0", "main_rank1"]
+    rng = np.random.default_rng(5)
+    x, A, B = (0.1 * rng.standard_normal((128, 128), dtype="float32") for _ in range(3))
+    outs = emulate(tvm.compile(ranks, target=tvm.target.Target({"kind": "llvm"})),
+                   [[x, A, B], []], [0, 1], entry=entries)
+
+    def mlp(v):
+        return np.maximum(v @ A, 0) @ B
+
+    np.testing.assert_allclose(outs[1], mlp(mlp(x)), atol=1e-5)

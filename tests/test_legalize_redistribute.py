@@ -10,6 +10,7 @@ from tvm.relax.distributed import DeviceMesh, Placement
 
 import tvm_distx as td
 from tvm_distx.legalize import LegalizeRedistribute, LowerDistIR, LowerGlobalViewToLocalView
+from tvm_distx.legalize.lower_distir import rank_entry
 from tvm_distx.passes import PropagateSharding
 from tvm_distx.runtime import emulate, shard_array
 from tvm_distx.spec import TensorSharding
@@ -96,15 +97,60 @@ def test_collectives_run_along_one_mesh_axis():
     assert [int(v) for v in call.args[1].fields[2].values] == [1]  # gather dim
 
 
-def test_moves_between_meshes_are_refused_for_now():
-    mod = td.load_module(__import__("pathlib").Path(__file__).parent / "data" / "seed_pipeline.py")
-    rule = td.ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
-    from tvm_distx.passes import AnnotateSharding
+def moved_between(src: str, src_mesh: DeviceMesh, dst: str, dst_mesh: DeviceMesh):
+    """x annotated src on one mesh, then dst on another (a move between stages), then relu."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(SHAPE, "float32"))
+    with bb.function("main", [x]):
+        x1 = bb.emit(relax.op.distributed.annotate_sharding(x, src_mesh,
+                                                            Placement.from_text(src)))
+        y = bb.emit(relax.op.distributed.annotate_sharding(x1, dst_mesh,
+                                                           Placement.from_text(dst)),
+                    name_hint="y")
+        z = bb.emit(relax.op.nn.relu(y), name_hint="z")
+        bb.emit_func_output(z)
+    mod = bb.get()
+    mod.update_global_info("mesh", [src_mesh, dst_mesh])
+    return mod
 
-    propagated = PropagateSharding()(AnnotateSharding([rule])(mod))
-    with pytest.raises(td.UnsupportedProgramError, match="per-rank programs") as info:
-        LegalizeRedistribute()(propagated)
-    assert info.value.function == "main"
+
+def mesh(shape, first):
+    return DeviceMesh(list(shape), tvm.ir.Range(first, first + int(np.prod(shape))))
+
+
+BETWEEN = [
+    # disjoint stages of equal and of different sizes
+    ("S[0]", mesh((2,), 0), "S[1]", mesh((2,), 2)),
+    ("R", mesh((2,), 0), "S[2]", mesh((4,), 2)),
+    ("S[0]S[1]", mesh((2, 2), 0), "R", mesh((2,), 4)),
+    # overlapping meshes: devices in both keep what they hold
+    ("R", mesh((2,), 0), "S[0]", mesh((4,), 0)),
+    ("S[1]", mesh((4,), 0), "S[1]R", mesh((2, 2), 0)),
+    ("S[0]", mesh((4,), 0), "S[0]", mesh((2,), 2)),
+]
+
+
+@pytest.mark.parametrize("src,src_mesh,dst,dst_mesh", BETWEEN,
+                         ids=[f"{s}@{a.shape}->{d}@{b.shape}" for s, a, d, b in BETWEEN])
+def test_moves_between_meshes_run_and_equal_numpy(src, src_mesh, dst, dst_mesh):
+    propagated, legal, lowered = pipeline(moved_between(src, src_mesh, dst, dst_mesh))
+    assert packed_calls(legal["main"]) == ["tvm_distx.ccl.send_recv"]
+    src_devices = td.DeviceMesh.from_tvm(src_mesh).device_range
+    dst_devices = td.DeviceMesh.from_tvm(dst_mesh).device_range
+    devices = list(range(max(src_devices.stop, dst_devices.stop)))
+    entries = [rank_entry(lowered, "main", d) for d in devices]
+    in_sharding = TensorSharding.from_type(propagated["main"].params[0].ty)
+    out_sharding = TensorSharding.from_type(propagated["main"].ty.ret)
+    x = np.random.default_rng(4).standard_normal(SHAPE).astype("float32")
+    inputs = [[shard_array(x, in_sharding, d)] if d in src_devices else []
+              for d in devices]
+    outs = emulate(tvm.compile(lowered, target=TARGET), inputs, devices, entry=entries)
+    for device, out in zip(devices, outs):
+        if device in dst_devices:
+            np.testing.assert_array_equal(out, shard_array(np.maximum(x, 0), out_sharding,
+                                                           device))
+        else:  # a device of the source stage only returns nothing
+            assert out in ((), None)
 
 
 def test_a_dimension_split_by_two_mesh_axes_is_refused_before_tvm_gets_it_wrong():

@@ -9,10 +9,14 @@ import pytest
 import tvm
 from tvm import relax
 from tvm.relax.distributed import transform as dist_transform
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
-from tvm_distx.legalize.lower_distir import CollectiveGroup, LowerDistIR
+from tvm_distx.legalize import LegalizeRedistribute
+from tvm_distx.legalize.lower_distir import CollectiveGroup, LowerDistIR, rank_entry
 from tvm_distx.passes import AnnotateSharding, PropagateSharding
 from tvm_distx.runtime import emulate, shard_array
 from tvm_distx.spec import TensorSharding
@@ -21,12 +25,21 @@ DATA = Path(__file__).parent / "data"
 TARGET = tvm.target.Target({"kind": "llvm"})
 
 
-def lower(annotated: tvm.IRModule) -> tuple[tvm.IRModule, tvm.IRModule]:
-    """The order the notes require: legalize, propagate, local view, lower."""
+SPEC = [2, 128, 128, 1, 1, 0, -1, 1, 1, 1, -1]  # 128x128 from mesh (1,)@0 "R" to (1,)@1 "R"
+
+
+def lower(annotated: tvm.IRModule, legalize_redistribute: bool = False,
+          stop: bool = False) -> tuple[tvm.IRModule, tvm.IRModule]:
+    """The order the notes require: legalize, propagate, local view, lower.
+
+    With ``stop``, the second module is the one before ``LowerDistIR``.
+    """
     legal = relax.transform.LegalizeOps()(annotated)
     propagated = PropagateSharding(require_legalized=True)(legal)
     local = dist_transform.LowerGlobalViewToLocalView()(propagated)
-    return propagated, LowerDistIR()(local)
+    if legalize_redistribute:
+        local = LegalizeRedistribute()(local)
+    return propagated, local if stop else LowerDistIR()(local)
 
 
 def run(propagated, lowered, arrays, devices):
@@ -94,12 +107,103 @@ def test_collective_group_members():
     assert CollectiveGroup.decode(column.encode()) == column
 
 
-def test_several_meshes_are_refused_for_now():
+@I.ir_module
+class SeedPipelineRanks:
+    """The seed pipeline lowered: stage 0 (device 0) runs mlp and sends, stage 1 receives."""
+
+    I.module_attrs({"device_num": 2,
+                    "tvm_distx.rank_entries": {"main": ["main_rank0", "main_rank1"]}})
+    I.module_global_infos({"mesh": [R.dist.device_mesh((1,), I.Range(0, 1)),
+                                    R.dist.device_mesh((1,), I.Range(1, 2))]})
+
+    @T.prim_func(private=True, s_tir=True)
+    def matmul(x: T.Buffer((T.int64(128), T.int64(128)), "float32"),
+               A: T.Buffer((T.int64(128), T.int64(128)), "float32"),
+               matmul: T.Buffer((T.int64(128), T.int64(128)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for i0, i1, k in T.grid(T.int64(128), T.int64(128), T.int64(128)):
+            with T.sblock("matmul"):
+                v_i0, v_i1, v_k = T.axis.remap("SSR", [i0, i1, k])
+                T.reads(x[v_i0, v_k], A[v_k, v_i1])
+                T.writes(matmul[v_i0, v_i1])
+                with T.init():
+                    matmul[v_i0, v_i1] = T.float32(0.0)
+                matmul[v_i0, v_i1] = matmul[v_i0, v_i1] + x[v_i0, v_k] * A[v_k, v_i1]
+
+    @T.prim_func(private=True, s_tir=True)
+    def relu(lv0: T.Buffer((T.int64(128), T.int64(128)), "float32"),
+             compute: T.Buffer((T.int64(128), T.int64(128)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for i0, i1 in T.grid(T.int64(128), T.int64(128)):
+            with T.sblock("compute"):
+                v_i0, v_i1 = T.axis.remap("SS", [i0, i1])
+                T.reads(lv0[v_i0, v_i1])
+                T.writes(compute[v_i0, v_i1])
+                compute[v_i0, v_i1] = T.max(lv0[v_i0, v_i1], T.float32(0.0))
+
+    @R.function(pure=False)
+    def main_rank0(x: R.Tensor((128, 128), "float32"), A: R.Tensor((128, 128), "float32"),
+                   B: R.Tensor((128, 128), "float32")) -> R.Tuple:
+        cls = SeedPipelineRanks
+        y: R.Tensor((128, 128), "float32") = cls.mlp(x, A, B)
+        # y, and the weights the second stage also reads, go to device 1
+        y_ann_send = R.call_packed("tvm_distx.ccl.send", y, R.shape(SPEC), ty_args=(R.Any,))
+        A_redist_send = R.call_packed("tvm_distx.ccl.send", A, R.shape(SPEC), ty_args=(R.Any,))
+        B_redist_send = R.call_packed("tvm_distx.ccl.send", B, R.shape(SPEC), ty_args=(R.Any,))
+        return R.tuple()
+
+    @R.function
+    def main_rank1() -> R.Tensor((128, 128), "float32"):
+        cls = SeedPipelineRanks
+        y_ann_recv = R.call_dps_packed("tvm_distx.ccl.recv", (R.shape(SPEC),),
+                                       out_ty=R.Tensor((128, 128), "float32"))
+        A_redist_recv = R.call_dps_packed("tvm_distx.ccl.recv", (R.shape(SPEC),),
+                                          out_ty=R.Tensor((128, 128), "float32"))
+        B_redist_recv = R.call_dps_packed("tvm_distx.ccl.recv", (R.shape(SPEC),),
+                                          out_ty=R.Tensor((128, 128), "float32"))
+        z: R.Tensor((128, 128), "float32") = cls.mlp(y_ann_recv, A_redist_recv, B_redist_recv)
+        return z
+
+    # both stages' versions of mlp (on mesh[0] and mesh[1]) are the same local program
+    @R.function(private=True)
+    def mlp(x: R.Tensor((128, 128), "float32"), A: R.Tensor((128, 128), "float32"),
+            B: R.Tensor((128, 128), "float32")) -> R.Tensor((128, 128), "float32"):
+        cls = SeedPipelineRanks
+        with R.dataflow():
+            lv0 = R.call_tir(cls.matmul, (x, A), out_ty=R.Tensor((128, 128), "float32"))
+            lv1 = R.call_tir(cls.relu, (lv0,), out_ty=R.Tensor((128, 128), "float32"))
+            lv2 = R.call_tir(cls.matmul, (lv1, B), out_ty=R.Tensor((128, 128), "float32"))
+            R.output(lv2)
+        return lv2
+
+
+def test_seed_pipeline_lowers_to_two_stage_programs_with_send_recv(weights):
     mod = td.load_module(DATA / "seed_pipeline.py")
     rule = ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
-    propagated = PropagateSharding()(AnnotateSharding([rule])(mod))
-    with pytest.raises(td.UnsupportedProgramError, match="2 meshes"):
-        LowerDistIR()(propagated)
+    propagated, lowered = lower(AnnotateSharding([rule])(mod), legalize_redistribute=True)
+    tvm.ir.assert_structural_equal(lowered, SeedPipelineRanks)
+    entries = [rank_entry(lowered, "main", d) for d in (0, 1)]
+    assert entries == ["main_rank0", "main_rank1"]
+    # device 0 holds the inputs; device 1 gets everything from it
+    exe = tvm.compile(lowered, target=TARGET)
+    outs = emulate(exe, [list(weights), []], [0, 1], entry=entries)
+    assert outs[0] == ()
+    np.testing.assert_allclose(outs[1], mlp_twice(*weights), rtol=1e-5, atol=1e-5)
+
+
+def test_a_function_spanning_meshes_called_by_another_is_refused():
+    mod = td.load_module(DATA / "seed_pipeline.py")
+    rule = ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
+    _, lowered = lower(AnnotateSharding([rule])(mod), legalize_redistribute=True, stop=True)
+    # wrap main into a caller: main now spans two meshes and is called
+    bb = relax.BlockBuilder(lowered)
+    params = [relax.Var(p.name, p.ty) for p in lowered["main"].params]
+    with bb.function("outer", params):
+        out = bb.emit(relax.Call(lowered.get_global_var("main"), params))
+        bb.emit_func_output(out)
+    with pytest.raises(td.UnsupportedProgramError, match="spans several meshes") as info:
+        LowerDistIR()(bb.get())
+    assert info.value.function == "outer"
 
 
 def test_unlegalized_redistribute_is_refused_with_the_function_named():

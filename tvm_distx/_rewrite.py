@@ -34,21 +34,29 @@ class FunctionRewriter:
         self.name = name
         self.remap: dict[relax.Var, relax.Expr] = {}
 
-    def rewrite(self, func: relax.Function, params: list[relax.Var],
-                public: bool) -> tvm.ir.GlobalVar:
-        """Write ``func`` with new ``params``; returns the new function's GlobalVar."""
+    def rewrite(self, func: relax.Function, params: list[relax.Var], public: bool, *,
+                dataflow: bool = True, pure: bool | None = None) -> tvm.ir.GlobalVar:
+        """Write ``func`` with new ``params``; returns the new function's GlobalVar.
+
+        With ``dataflow=False`` every block is written as a plain binding block
+        (needed for impure calls); ``pure`` overrides the function's purity.
+        """
         self.remap.update(zip(func.params, params))
         attrs = {k: v for k, v in (func.attrs or {}).items() if k != "global_symbol"}
-        with self.bb.function(self.name, params, attrs=attrs or None, pure=func.is_pure,
-                              private=not public):
+        with self.bb.function(self.name, params, attrs=attrs or None,
+                              pure=func.is_pure if pure is None else pure, private=not public):
             index = 0
             for block in func.body.blocks:
-                dataflow = isinstance(block, relax.DataflowBlock)
-                with self.bb.dataflow() if dataflow else nullcontext():
+                in_dataflow = dataflow and isinstance(block, relax.DataflowBlock)
+                with self.bb.dataflow() if in_dataflow else nullcontext():
                     for binding in block.bindings:
-                        self.binding(index, binding, dataflow)
+                        self.binding(index, binding, in_dataflow)
                         index += 1
-            return self.bb.emit_func_output(self.use(func.body.body))
+            return self.bb.emit_func_output(self.output(func.body.body))
+
+    def output(self, expr: relax.Expr) -> relax.Expr:
+        """The rewritten function's result for the original result ``expr``."""
+        return self.use(expr)
 
     def binding(self, index: int, binding, dataflow: bool) -> None:
         """Re-emit the ``index``-th binding of the function."""
@@ -62,12 +70,14 @@ class FunctionRewriter:
             return relax.Tuple([self.use(f) for f in expr.fields])
         return expr
 
-    def bind(self, var: relax.Var, value: relax.Expr, dataflow: bool) -> relax.Var:
-        """Bind ``value`` under ``var``'s name; a dataflow output stays an output."""
+    def bind(self, var: relax.Var, value: relax.Expr, dataflow: bool,
+             name: str | None = None) -> relax.Var:
+        """Bind ``value`` under ``var``'s name (or ``name``); a dataflow output stays one."""
+        name = var.name if name is None else name
         if dataflow and not isinstance(var, relax.DataflowVar):
-            new = self.bb.emit_output(value, name_hint=var.name)
+            new = self.bb.emit_output(value, name_hint=name)
         else:
-            new = self.bb.emit(value, name_hint=var.name)
+            new = self.bb.emit(value, name_hint=name)
         self.remap[var] = new
         return new
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from tvm_distx.legalize.lower_distir import CollectiveGroup
+from tvm_distx import ccl
+from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
 from tvm_distx.spec import TensorSharding
 
 __all__ = ["emulate", "shard_array"]
@@ -40,109 +41,162 @@ def shard_array(array: np.ndarray, sharding: TensorSharding, device: int) -> np.
 
 
 class _Exchange:
-    """Buffers the ranks of one run swap through, one slot per collective call."""
+    """Where the ranks of one run swap buffers.
 
-    def __init__(self, devices: Sequence[int]) -> None:
+    Every call of a communication function is a *meeting* of its participants
+    (a collective's group, or every device of a send/recv): each posts its
+    buffer, waits until all have posted, reads what it needs and leaves. A
+    meeting is identified by its participants and by how many meetings of the
+    same participants each rank has had before, which is the same on every
+    rank because they run the same program order.
+    """
+
+    def __init__(self, devices: Sequence[int], timeout: float) -> None:
         self.devices = tuple(devices)
-        self.barrier = threading.Barrier(len(devices))
-        self.slots: dict[int, dict[int, np.ndarray]] = {}
-        self.lock = threading.Lock()
+        self.timeout = timeout
+        self.cond = threading.Condition()
+        self.meetings: dict[tuple, dict] = {}
+        self.failed: BaseException | None = None
         self.local = threading.local()
 
-    def post(self, array: np.ndarray) -> tuple[int, dict[int, np.ndarray]]:
-        seq = self.local.seq
-        self.local.seq += 1
-        with self.lock:
-            self.slots.setdefault(seq, {})[self.local.device] = array.copy()
-        self.barrier.wait()
-        return seq, self.slots[seq]
+    def meet(self, members: Sequence[int], array: np.ndarray | None,
+             read: Callable[[dict[int, np.ndarray]], None]) -> None:
+        """Post ``array`` to the meeting of ``members``, then ``read`` every posted buffer."""
+        members = tuple(members)
+        me = self.local.device
+        count = self.local.counts.get(members, 0)
+        self.local.counts[members] = count + 1
+        key = (members, count)
+        with self.cond:
+            meeting = self.meetings.setdefault(key, {"posted": {}, "left": 0})
+            meeting["posted"][me] = None if array is None else array.copy()
+            self.cond.notify_all()
+            self._wait(lambda: len(meeting["posted"]) == len(members))
+        read(meeting["posted"])
+        with self.cond:
+            meeting["left"] += 1
+            if meeting["left"] == len(members):
+                del self.meetings[key]
 
-    def done(self, seq: int) -> None:
-        self.barrier.wait()
-        if self.local.device == self.devices[0]:
-            with self.lock:
-                self.slots.pop(seq, None)
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        if not self.cond.wait_for(lambda: ready() or self.failed is not None, self.timeout):
+            raise TimeoutError(f"rank {self.local.device} waited {self.timeout} s for its peers")
+        if self.failed is not None and not ready():
+            raise RuntimeError("another rank failed") from self.failed
+
+    def abort(self, err: BaseException) -> None:
+        with self.cond:
+            self.failed = err
+            self.cond.notify_all()
 
 
 _ACTIVE: list[_Exchange] = []  # the run in progress (runs do not overlap)
 
 
-def _allreduce(x, kind, group, out) -> None:
-    exchange = _ACTIVE[-1]
-    members = CollectiveGroup.decode(group).members(exchange.local.device)
-    seq, posted = exchange.post(np.from_dlpack(x))
-    if int(kind) == 4:
-        result = sum(posted[d] for d in members) / len(members)
-    else:
-        reduce = _REDUCERS[int(kind)]
-        result = posted[members[0]]
-        for d in members[1:]:
-            result = reduce(result, posted[d])
-    np.from_dlpack(out)[...] = result
-    exchange.done(seq)
-
-
-def _group_of(group) -> tuple[_Exchange, tuple[int, ...], int]:
+def _group(group) -> tuple[_Exchange, tuple[int, ...], int]:
     exchange = _ACTIVE[-1]
     device = exchange.local.device
     members = CollectiveGroup.decode(group).members(device)
+    if device not in members:  # pragma: no cover - a lowering bug
+        raise RuntimeError(f"device {device} is not in its own group {members}")
     return exchange, members, members.index(device)
 
 
+def _allreduce(x, kind, group, out) -> None:
+    exchange, members, _ = _group(group)
+    kind = int(kind)
+
+    def read(posted):
+        if kind == 4:
+            result = sum(posted[d] for d in members) / len(members)
+        else:
+            reduce = _REDUCERS[kind]
+            result = posted[members[0]]
+            for d in members[1:]:
+                result = reduce(result, posted[d])
+        np.from_dlpack(out)[...] = result
+
+    exchange.meet(members, np.from_dlpack(x), read)
+
+
 def _local_slice(x, group, axes, out) -> None:
-    _, members, me = _group_of(group)
+    _, members, me = _group(group)
     part = np.split(np.from_dlpack(x), len(members), axis=int(axes[0]))[me]
     np.from_dlpack(out)[...] = part
 
 
 def _allgather(x, group, axes, out) -> None:
-    exchange, members, _ = _group_of(group)
-    seq, posted = exchange.post(np.from_dlpack(x))
-    np.from_dlpack(out)[...] = np.concatenate([posted[d] for d in members], axis=int(axes[0]))
-    exchange.done(seq)
+    exchange, members, _ = _group(group)
+
+    def read(posted):
+        np.from_dlpack(out)[...] = np.concatenate([posted[d] for d in members],
+                                                  axis=int(axes[0]))
+
+    exchange.meet(members, np.from_dlpack(x), read)
 
 
 def _alltoall(x, group, axes, out) -> None:
-    exchange, members, me = _group_of(group)
+    exchange, members, me = _group(group)
     split_dim, concat_dim = int(axes[0]), int(axes[1])
-    seq, posted = exchange.post(np.from_dlpack(x))
-    pieces = [np.split(posted[d], len(members), axis=split_dim)[me] for d in members]
-    np.from_dlpack(out)[...] = np.concatenate(pieces, axis=concat_dim)
-    exchange.done(seq)
+
+    def read(posted):
+        pieces = [np.split(posted[d], len(members), axis=split_dim)[me] for d in members]
+        np.from_dlpack(out)[...] = np.concatenate(pieces, axis=concat_dim)
+
+    exchange.meet(members, np.from_dlpack(x), read)
 
 
-def _send_recv(x, spec, out) -> None:
-    from tvm_distx.legalize.legalize_redistribute import SendRecvSpec
+def _move(x, spec, out) -> None:
+    """Every side of a send/recv: ``x`` is None on a receiver only, ``out`` on a sender only."""
     from tvm_distx.legalize.planner import send_recv_transfers, shard_bounds
 
     exchange = _ACTIVE[-1]
     me = exchange.local.device
     move = SendRecvSpec.decode(spec)
-    seq, posted = exchange.post(np.from_dlpack(x))
-    mine = shard_bounds(move.dst, move.shape, me)
-    target = np.from_dlpack(out)
 
-    def copy(box, sender: int) -> None:
-        held = shard_bounds(move.src, move.shape, sender)
-        source = posted[sender][tuple(slice(a - h0, b - h0) for (a, b), (h0, _) in zip(box, held))]
-        target[tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(box, mine))] = source
+    def read(posted):
+        if out is None:
+            return
+        target = np.from_dlpack(out)
+        mine = shard_bounds(move.dst, move.shape, me)
 
-    own = shard_bounds(move.src, move.shape, me)
-    overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(own, mine))
-    if all(a < b for a, b in overlap):
-        copy(overlap, me)  # what this rank already holds
-    for transfer in send_recv_transfers(move.src, move.dst, move.shape):
-        if transfer.receiver == me:
-            copy(transfer.bounds, transfer.sender)
-    exchange.done(seq)
+        def copy(box, sender: int) -> None:
+            held = shard_bounds(move.src, move.shape, sender)
+            source = posted[sender][tuple(slice(a - h, b - h) for (a, b), (h, _) in zip(box, held))]
+            target[tuple(slice(a - m, b - m) for (a, b), (m, _) in zip(box, mine))] = source
+
+        own = shard_bounds(move.src, move.shape, me)
+        if own is not None:
+            overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(own, mine))
+            if all(a < b for a, b in overlap):
+                copy(overlap, me)  # what this rank already holds
+        for transfer in send_recv_transfers(move.src, move.dst, move.shape):
+            if transfer.receiver == me:
+                copy(transfer.bounds, transfer.sender)
+
+    exchange.meet(move.participants(), None if x is None else np.from_dlpack(x), read)
+
+
+def _send_recv(x, spec, out) -> None:
+    _move(x, spec, out)
+
+
+def _send(x, spec) -> None:
+    _move(x, spec, None)
+
+
+def _recv(spec, out) -> None:
+    _move(None, spec, out)
 
 
 _FUNCTIONS = {
-    "tvm_distx.ccl.send_recv": _send_recv,
-    "tvm_distx.ccl.allreduce": _allreduce,
-    "tvm_distx.ccl.allgather": _allgather,
-    "tvm_distx.ccl.alltoall": _alltoall,
-    "tvm_distx.ccl.local_slice": _local_slice,
+    ccl.ALLREDUCE: _allreduce,
+    ccl.ALLGATHER: _allgather,
+    ccl.ALLTOALL: _alltoall,
+    ccl.LOCAL_SLICE: _local_slice,
+    ccl.SEND_RECV: _send_recv,
+    ccl.SEND: _send,
+    ccl.RECV: _recv,
 }
 
 
@@ -154,7 +208,7 @@ def _register() -> None:
 
 
 def emulate(executable, inputs: Sequence[Sequence[np.ndarray]], devices: Sequence[int],
-            entry: str = "main", timeout: float = 120.0) -> list:
+            entry: str | Sequence[str | None] = "main", timeout: float = 120.0) -> list:
     """Run a compiled rank program on every device, each in its own thread.
 
     Parameters
@@ -162,42 +216,59 @@ def emulate(executable, inputs: Sequence[Sequence[np.ndarray]], devices: Sequenc
     executable : tvm.relax.VMExecutable
         ``tvm.compile`` of the rank-local module.
     inputs : sequence of sequence of numpy.ndarray
-        Per device (in ``devices`` order), the local arguments of ``entry``.
+        Per device (in ``devices`` order), the local arguments of its entry.
     devices : sequence of int
         The global device ids.
-    entry : str
-        The function to run.
+    entry : str or sequence of (str or None)
+        The function every device runs, or one per device (in ``devices``
+        order, None for a device that runs nothing), as
+        :func:`tvm_distx.legalize.lower_distir.rank_entry` gives them.
     timeout : float
-        Seconds to wait for every rank.
+        Seconds to wait for every rank, and for any one meeting of ranks.
 
     Returns
     -------
     list
-        Per device, the numpy result (a tuple for tuple results).
+        Per device, the numpy result (a tuple for tuple results; None for a
+        device that ran nothing).
+
+    Raises
+    ------
+    RuntimeError
+        Naming the first rank that failed, chained to its error.
+    TimeoutError
+        If some rank did not finish in time.
     """
     import tvm
     from tvm import relax
 
+    entries = [entry] * len(devices) if isinstance(entry, str) else list(entry)
+    if len(entries) != len(devices) or len(inputs) != len(devices):
+        raise ValueError(f"{len(devices)} devices need as many entries and inputs, got "
+                         f"{len(entries)} entries and {len(inputs)} inputs")
     _register()
-    exchange = _Exchange(devices)
+    exchange = _Exchange(devices, timeout)
     results: dict[int, object] = {}
     errors: dict[int, BaseException] = {}
 
-    def rank(device: int, args: Sequence[np.ndarray]) -> None:
+    def rank(device: int, name: str | None, args: Sequence[np.ndarray]) -> None:
         exchange.local.device = device
-        exchange.local.seq = 0
+        exchange.local.counts = {}
         try:
+            if name is None:
+                results[device] = None
+                return
             vm = relax.VirtualMachine(executable, tvm.cpu())
-            out = vm[entry](*[tvm.runtime.tensor(a) for a in args])
+            out = vm[name](*[tvm.runtime.tensor(a) for a in args])
             results[device] = _to_numpy(out)
         except BaseException as err:  # reported below, with the rank
             errors[device] = err
-            exchange.barrier.abort()
+            exchange.abort(err)
 
     _ACTIVE.append(exchange)
     try:
-        threads = [threading.Thread(target=rank, args=(d, a), daemon=True)
-                   for d, a in zip(devices, inputs)]
+        threads = [threading.Thread(target=rank, args=(d, e, a), daemon=True)
+                   for d, e, a in zip(devices, entries, inputs)]
         for t in threads:
             t.start()
         for t in threads:
