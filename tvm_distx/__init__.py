@@ -6,7 +6,11 @@ The sharding vocabulary lives at the top level; passes live in
 """
 
 from .errors import (
+    ArgumentError,
+    BundleError,
     CallGraphError,
+    DistxError,
+    LaunchError,
     UnsupportedProgramError,
     IndivisibleShardError,
     MeshError,
@@ -26,6 +30,8 @@ from .rules import ShardingRule
 from .script import load_module
 from .explain import explain
 from .pipeline import distribute
+from .executable import DistExecutable, compile
+from .comm_report import comm_report
 
 __version__ = "0.1.0"
 
@@ -40,6 +46,13 @@ __all__ = [
     "load_module",
     "explain",
     "distribute",
+    "compile",
+    "DistExecutable",
+    "comm_report",
+    "DistxError",
+    "BundleError",
+    "ArgumentError",
+    "LaunchError",
     "ShardingError",
     "PlacementSyntaxError",
     "PlacementRankError",

@@ -17,6 +17,10 @@ from __future__ import annotations
 import threading
 
 __all__ = [
+    "DistxError",
+    "BundleError",
+    "ArgumentError",
+    "LaunchError",
     "ShardingError",
     "PlacementSyntaxError",
     "PlacementRankError",
@@ -46,7 +50,18 @@ def latest_error() -> "ShardingError | None":
     return getattr(_latest, "error", None)
 
 
-class ShardingError(Exception):
+class DistxError(Exception):
+    """Base class of every error ``tvm_distx`` raises on purpose.
+
+    :class:`ShardingError` covers the compiler's input (annotations, rules,
+    programs); the other subclasses cover bundles, run arguments and running
+    ranks. Each has a stable ``rule`` tag and its message ends with a hint.
+    """
+
+    rule: str = "tvm-distx"
+
+
+class ShardingError(DistxError):
     """Base class of every error ``tvm_distx`` raises for bad sharding input.
 
     Parameters
@@ -185,3 +200,53 @@ class UnsupportedProgramError(ShardingError):
     """A construct that sharding propagation does not handle (yet)."""
 
     rule = "unsupported-program"
+
+
+class _RuntimeErrorBase(DistxError):
+    """An error with a message and a hint, outside the compiler (bundles, runs)."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        text = f"[{self.rule}] {message}"
+        if hint:
+            text += f"\nhint: {hint}"
+        super().__init__(text)
+
+
+class BundleError(_RuntimeErrorBase, ValueError):
+    """A bundle is unusable: its manifest, a weight file or the rank count is wrong.
+
+    Raised before any rank computes.
+    """
+
+    rule = "bundle"
+
+
+class ArgumentError(_RuntimeErrorBase, ValueError):
+    """The inputs or options given to compile or run do not fit the program."""
+
+    rule = "argument"
+
+
+class LaunchError(_RuntimeErrorBase, RuntimeError):
+    """A distributed run failed: a rank raised, was killed, or did not finish in time.
+
+    Attributes
+    ----------
+    rank : int or None
+        The first rank that failed, when known.
+    reason : str
+        ``"raised"``, ``"killed"``, ``"timeout"`` or ``"exited"``.
+    details : str
+        The failing rank's traceback or the launcher's last output.
+    """
+
+    rule = "launch"
+
+    def __init__(self, message: str, *, rank: int | None = None, reason: str = "exited",
+                 details: str = "", hint: str | None = None) -> None:
+        self.rank = rank
+        self.reason = reason
+        self.details = details
+        super().__init__(message + (f"\n{details.rstrip()}" if details else ""), hint=hint)

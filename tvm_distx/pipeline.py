@@ -15,7 +15,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-__all__ = ["STAGES", "distribute"]
+__all__ = ["STAGES", "distribute", "run_stages"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,20 +55,30 @@ def distribute(mod: tvm.IRModule, *, dump_dir: str | os.PathLike | None = None) 
     -------
     tvm.IRModule
         The rank-local module: every tensor has its local shape, and
-        communication is ``tvm_distx.ccl.*`` calls.
+        communication is ``tvm_distx.ccl.*`` calls. A function spanning
+        several meshes has one version per rank set; see
+        :func:`tvm_distx.legalize.lower_distir.rank_entry`.
 
     Raises
     ------
     ShardingError
         From any stage, naming the function and the value.
     """
+    return run_stages(mod, dump_dir=dump_dir)[STAGES[-1]]
+
+
+def run_stages(mod: tvm.IRModule, *,
+               dump_dir: str | os.PathLike | None = None) -> dict[str, tvm.IRModule]:
+    """Run every stage of :func:`distribute`; returns the module after each, by stage name."""
     dump = Path(dump_dir) if dump_dir is not None else None
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         (dump / "00_input.py").write_text(mod.script(show_meta=False))
+    out = {}
     for index, (name, stage) in enumerate(_stages(), start=1):
         mod = stage(mod)
+        out[name] = mod
         logger.debug("distribute: %s done", name)
         if dump is not None:
             (dump / f"{index:02d}_{name}.py").write_text(mod.script(show_meta=False))
-    return mod
+    return out

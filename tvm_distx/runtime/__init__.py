@@ -1,5 +1,13 @@
-"""Running rank programs: the emulated backend (MPI and disco backends to come)."""
+"""Running rank programs.
 
-from .emulator import emulate, shard_array
+- :func:`emulate`: every rank in a thread of one process, collectives over numpy
+  (the fast unit-test backend);
+- :mod:`tvm_distx.runtime.mpi_ccl` and :mod:`tvm_distx.runtime.worker`: ranks as
+  MPI processes, launched by :mod:`tvm_distx.runtime.launcher`;
+- :mod:`tvm_distx.runtime.disco`: ranks as disco worker processes on one host.
+"""
 
-__all__ = ["emulate", "shard_array"]
+from .arrays import assemble_array, shard_array
+from .emulator import emulate
+
+__all__ = ["emulate", "shard_array", "assemble_array"]

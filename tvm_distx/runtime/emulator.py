@@ -17,27 +17,12 @@ import numpy as np
 
 from tvm_distx import ccl
 from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
-from tvm_distx.spec import TensorSharding
 
-__all__ = ["emulate", "shard_array"]
+__all__ = ["emulate"]
 
 logger = logging.getLogger(__name__)
 
 _REDUCERS = {0: np.add, 1: np.multiply, 2: np.minimum, 3: np.maximum}
-
-
-def shard_array(array: np.ndarray, sharding: TensorSharding, device: int) -> np.ndarray:
-    """The part of a global ``array`` that ``device`` holds under ``sharding``.
-
-    A dimension split by several mesh axes is split with the lower-numbered
-    mesh axis as the outer (major) split (see :func:`tvm_distx.legalize.planner.shard_bounds`).
-    """
-    from tvm_distx.legalize.planner import shard_bounds
-
-    bounds = shard_bounds(sharding, array.shape, device)
-    if bounds is None:
-        raise ValueError(f"device {device} is not in mesh {sharding.mesh.describe()}")
-    return np.ascontiguousarray(array[tuple(slice(a, b) for a, b in bounds)])
 
 
 class _Exchange:

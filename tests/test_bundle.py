@@ -1,0 +1,182 @@
+"""compile(), run() on emulated ranks, bundles and their manifest: everything short of MPI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tvm_distx as td
+from tvm_distx import ShardingRule
+from tvm_distx.bundle import check_weights, read_manifest, sha256_file
+from tvm_distx.cli import main as cli
+from tvm_distx.passes import AnnotateSharding
+from tvm_distx.runtime.launcher import launch
+
+DATA = Path(__file__).parent / "data"
+
+
+def tensor_parallel():
+    mod = td.load_module(DATA / "seed_tensor_parallel.py")
+    rules = [ShardingRule(param="A", result="S[1]", function="mlp"),
+             ShardingRule(param="B", result="S[0]", function="mlp")]
+    return AnnotateSharding(rules)(mod)
+
+
+def mlp_twice(x, A, B):
+    def mlp(v):
+        return np.maximum(v @ A, 0) @ B
+
+    return mlp(mlp(x))
+
+
+@pytest.fixture(scope="module")
+def exe():
+    return td.compile(tensor_parallel(), target="x86", schedule=False)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(21)
+    return [(0.1 * rng.standard_normal((128, 128))).astype("float32") for _ in range(3)]
+
+
+@pytest.fixture
+def bundle(exe, data, tmp_path):
+    _, A, B = data
+    return exe.export(tmp_path / "bundle", params={"A": A, "B": B})
+
+
+def test_run_on_emulated_ranks_takes_and_returns_global_arrays(exe, data):
+    x, A, B = data
+    np.testing.assert_allclose(exe.run(x, params={"A": A, "B": B}, backend="emulate"),
+                               mlp_twice(x, A, B), atol=1e-5)
+    # positional only, and torch tensors
+    torch = pytest.importorskip("torch")
+    out = exe.run(*[torch.from_numpy(v) for v in data], backend="emulate")
+    np.testing.assert_allclose(out, mlp_twice(x, A, B), atol=1e-5)
+
+
+def test_the_pipeline_runs_each_stage_program_on_its_ranks():
+    mod = td.load_module(DATA / "seed_pipeline.py")
+    rule = ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
+    exe = td.compile(AnnotateSharding([rule])(mod), schedule=False)
+    assert exe.entries["main"] == ["main_rank0", "main_rank1"]
+    rng = np.random.default_rng(2)
+    x, A, B = (0.1 * rng.standard_normal((128, 128), dtype="float32") for _ in range(3))
+    np.testing.assert_allclose(exe.run(x, A, B, backend="emulate"), mlp_twice(x, A, B),
+                               atol=1e-5)
+
+
+def test_manifest_lists_meshes_groups_collectives_and_each_ranks_weight_shard(bundle, data):
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert (manifest["format"], manifest["version"], manifest["num_ranks"]) == (
+        "tvm-distx-bundle", 1, 2)
+    assert manifest["meshes"] == [{"name": "mesh[0]", "shape": [2], "devices": [0, 1]}]
+    assert manifest["ranks"] == [{"rank": 0, "coordinates": {"mesh[0]": [0]}},
+                                 {"rank": 1, "coordinates": {"mesh[0]": [1]}}]
+    assert manifest["process_groups"] == [{"mesh": "mesh[0]", "axis": 0, "groups": [[0, 1]]}]
+    assert manifest["collectives"] == ["tvm_distx.ccl.allreduce"]
+    main = manifest["functions"]["main"]
+    assert main["entries"] == ["main", "main"] and main["weights"] == ["A", "B"]
+    assert [(p["name"], p["placement"]) for p in main["params"]] == [
+        ("x", "R"), ("A", "S[1]"), ("B", "S[0]")]
+    _, A, B = data
+    files = {(w["rank"], w["name"]): w for w in manifest["weight_files"]}
+    assert sorted(files) == [(0, "A"), (0, "B"), (1, "A"), (1, "B")]
+    # each rank's file holds only its shard: A's columns, B's rows
+    np.testing.assert_array_equal(np.load(bundle / files[1, "A"]["file"]), A[:, 64:])
+    np.testing.assert_array_equal(np.load(bundle / files[0, "B"]["file"]), B[:64])
+    assert files[1, "A"]["shape"] == [128, 64]
+    assert files[1, "A"]["sha256"] == sha256_file(bundle / files[1, "A"]["file"])
+    check_weights(read_manifest(bundle))
+
+
+def edit_manifest(bundle: Path, change) -> None:
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: (b / "manifest.json").unlink(), "manifest.json is missing"),
+    (lambda b: (b / "manifest.json").write_text('{"format": "tvm-distx-bundle", "vers'),
+     "not valid JSON"),
+    (lambda b: edit_manifest(b, lambda d: d.pop("version")), "manifest version None"),
+    (lambda b: edit_manifest(b, lambda d: d.update(version=7)), "manifest version 7"),
+    (lambda b: edit_manifest(b, lambda d: d.update(format="other")), "not a tvm-distx manifest"),
+    (lambda b: edit_manifest(b, lambda d: d.pop("weight_files")), "no 'weight_files'"),
+    (lambda b: edit_manifest(b, lambda d: d["functions"]["main"]["entries"].pop()),
+     "lists 1 entries for 2 ranks"),
+], ids=["missing", "truncated", "no-version", "unknown-version", "format", "field", "entries"])
+def test_a_broken_manifest_is_refused(bundle, damage, message):
+    damage(bundle)
+    with pytest.raises(td.BundleError, match=message):
+        launch(bundle, [np.zeros((128, 128), "float32")])
+
+
+def test_a_tampered_missing_or_misshapen_weight_is_refused_before_any_rank_runs(bundle):
+    path = bundle / "weights" / "rank1" / "A.npy"
+    original = path.read_bytes()
+    np.save(path, np.ones((128, 64), "float32"))
+    with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* does not match its sha256"):
+        check_weights(read_manifest(bundle))
+    path.write_bytes(original)
+    check_weights(read_manifest(bundle))
+    # the manifest and the file agree, but not with the program's local shape
+    np.save(path, np.ones((128, 32), "float32"))
+
+    def reshape(d):
+        entry = [w for w in d["weight_files"] if (w["rank"], w["name"]) == (1, "A")][0]
+        entry["shape"], entry["sha256"] = [128, 32], sha256_file(path)
+
+    edit_manifest(bundle, reshape)
+    with pytest.raises(td.BundleError, match="local shape \\[128, 64\\] on rank 1"):
+        check_weights(read_manifest(bundle))
+    path.unlink()
+    with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* is missing"):
+        launch(bundle, [np.zeros((128, 128), "float32")])
+
+
+def test_a_wrong_rank_count_is_refused_before_launching(bundle):
+    with pytest.raises(td.BundleError, match="needs 2 ranks, not 4") as info:
+        launch(bundle, [np.zeros((128, 128), "float32")], num_ranks=4)
+    assert "-n 2" in str(info.value)
+
+
+@pytest.mark.parametrize("args,kwargs,message", [
+    ((), {}, "takes 3 positional input\\(s\\) \\(x, A, B\\), got 0"),
+    ((np.zeros((128, 128), "float32"),), {"params": {"C": 1}}, "no parameter named C"),
+    ((np.zeros((64, 128), "float32"),), {"params": {"A": np.zeros((128, 128), "float32"),
+                                                    "B": np.zeros((128, 128), "float32")}},
+     "input 'x' of 'main' has shape \\(64, 128\\), expected \\(128, 128\\)"),
+    ((np.zeros((128, 128), "float64"),) * 3, {}, "has dtype float64, expected float32"),
+    ((np.zeros((128, 128), "float32"),) * 3, {"backend": "nccl"}, "unknown backend 'nccl'"),
+    ((np.zeros((128, 128), "float32"),) * 3, {"function": "mlp"}, "no public function 'mlp'"),
+])
+def test_bad_run_arguments_name_the_parameter(exe, args, kwargs, message):
+    with pytest.raises(td.ArgumentError, match=message):
+        exe.run(*args, **{"backend": "emulate", **kwargs})
+
+
+def test_rvv_programs_are_refused_on_this_host():
+    exe = td.compile(tensor_parallel(), target="rvv", schedule=False)
+    with pytest.raises(td.ArgumentError, match="cannot run on this host"):
+        exe.run(*[np.zeros((128, 128), "float32")] * 3, backend="emulate")
+
+
+def test_cli_errors_are_one_line_with_a_hint_and_conventional_exit_codes(bundle, tmp_path,
+                                                                         capsys):
+    assert cli(["run", str(tmp_path / "nowhere"), "-n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tvm-distx: error: [bundle]") and "hint:" in err
+    assert "Traceback" not in err
+    assert cli(["run", str(bundle), "-n", "3"]) == 2
+    assert "needs 2 ranks, not 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli(["run", str(bundle)])  # -n is required
+    assert info.value.code == 2

@@ -1,0 +1,258 @@
+"""Bundles: a compiled distributed program, each rank's weights, and a manifest.
+
+A bundle is a directory::
+
+    manifest.json           what the launcher and every rank read (schema below)
+    lib.so                  the rank programs, one library for all ranks
+    weights/rank<d>/<name>.npy   the shard of each weight that device d holds
+
+The manifest (``"format": "tvm-distx-bundle"``, ``"version": 1``) holds:
+
+``num_ranks``
+    How many processes the program needs (device ``d`` is rank ``d``).
+``library``, ``target``
+    The library's file name and the TVM target it was built for.
+``meshes``
+    ``[{"name", "shape", "devices"}]``, every mesh of the program.
+``ranks``
+    ``[{"rank", "coordinates": {mesh name: [coordinate per axis]}}]``, where
+    each rank sits in the meshes that contain it.
+``process_groups``
+    ``[{"mesh", "axis", "groups": [[ranks], ...]}]``: per mesh axis, the
+    groups of ranks its collectives run among.
+``collectives``
+    The ``tvm_distx.ccl.*`` runtime functions the program calls.
+``functions``
+    Per public function: ``entries`` (the function each rank runs, ``null`` for
+    none), ``params`` and ``results`` (name, global shape, dtype, mesh and
+    placement), ``tuple_result``, and ``weights`` (the names of the
+    parameters that are stored in the bundle instead of passed at run time).
+``weight_files``
+    ``[{"rank", "name", "file", "shape", "dtype", "sha256"}]``: each rank's
+    shard of each weight.
+
+:func:`read_manifest` refuses, with a :class:`tvm_distx.BundleError`, a
+missing or unparsable manifest, an unknown format or version, missing fields,
+and (:func:`check_weights`) a weight file that is missing, has the wrong shape
+or dtype, or whose sha256 differs. It runs before any rank computes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import BundleError
+from .mesh import DeviceMesh
+from .signature import FunctionSignature, TensorSpec
+
+__all__ = ["FORMAT", "VERSION", "Manifest", "WeightFile", "read_manifest", "check_weights",
+           "sha256_file"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "tvm-distx-bundle"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """One rank's shard of one weight, as the manifest lists it."""
+
+    rank: int
+    name: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A bundle's manifest, validated (see the module documentation for the schema)."""
+
+    root: Path
+    num_ranks: int
+    library: str
+    target: dict
+    meshes: dict[str, DeviceMesh]
+    functions: dict[str, FunctionSignature]
+    entries: dict[str, tuple[str | None, ...]]
+    weights: dict[str, tuple[str, ...]]
+    weight_files: tuple[WeightFile, ...]
+    collectives: tuple[str, ...]
+    raw: dict
+
+    @property
+    def library_path(self) -> Path:
+        """The absolute path of the bundle's library."""
+        return self.root / self.library
+
+    def entry(self, function: str, rank: int) -> str | None:
+        """The function ``rank`` runs for ``function`` (None: it takes no part)."""
+        return self.entries[self.function(function).name][rank]
+
+    def function(self, name: str) -> FunctionSignature:
+        """The signature of a public function.
+
+        Raises
+        ------
+        BundleError
+            If the bundle has no such function.
+        """
+        if name not in self.functions:
+            raise BundleError(
+                f"the bundle at {self.root} has no function '{name}'",
+                hint=f"it has: {', '.join(self.functions)}",
+            )
+        return self.functions[name]
+
+    def files_of(self, rank: int) -> list[WeightFile]:
+        """The weight files of one rank."""
+        return [w for w in self.weight_files if w.rank == rank]
+
+
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _require(data: dict, key: str, kind, where: str):
+    if key not in data:
+        raise BundleError(f"the manifest has no '{key}' {where}",
+                          hint="rebuild the bundle with DistExecutable.export")
+    value = data[key]
+    if not isinstance(value, kind):
+        raise BundleError(f"'{key}' {where} should be a {kind.__name__}, "
+                          f"got {type(value).__name__}",
+                          hint="rebuild the bundle with DistExecutable.export")
+    return value
+
+
+def read_manifest(bundle: str | os.PathLike) -> Manifest:
+    """Read and validate a bundle's ``manifest.json``.
+
+    Parameters
+    ----------
+    bundle : path
+        The bundle directory.
+
+    Returns
+    -------
+    Manifest
+
+    Raises
+    ------
+    BundleError
+        If the manifest is missing, not JSON, of another format or version, or
+        lacks a field.
+    """
+    root = Path(bundle)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{root} is not a tvm-distx bundle: {MANIFEST} is missing",
+                          hint="make one with tvm_distx.compile(...).export(dir)")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BundleError(f"{path} is not valid JSON ({err})",
+                          hint="the file is corrupt or truncated; export the bundle again") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise BundleError(f"{path} is not a tvm-distx manifest (format "
+                          f"{data.get('format') if isinstance(data, dict) else None!r})",
+                          hint=f'a manifest starts with "format": "{FORMAT}"')
+    version = data.get("version")
+    if version != VERSION:
+        raise BundleError(
+            f"{path} has manifest version {version!r}; this tvm-distx reads version {VERSION}",
+            hint="export the bundle again with this version of tvm-distx",
+        )
+    try:
+        return _parse(root, data)
+    except BundleError:
+        raise
+    except (KeyError, TypeError, ValueError) as err:
+        raise BundleError(f"{path} is malformed: {type(err).__name__}: {err}",
+                          hint="export the bundle again") from None
+
+
+def _parse(root: Path, data: dict) -> Manifest:
+    num_ranks = _require(data, "num_ranks", int, "at the top level")
+    if num_ranks < 1:
+        raise BundleError(f"num_ranks must be positive, got {num_ranks}")
+    meshes = {}
+    for m in _require(data, "meshes", list, "at the top level"):
+        devices = [int(d) for d in m["devices"]]
+        meshes[str(m["name"])] = DeviceMesh(tuple(int(n) for n in m["shape"]),
+                                            range(devices[0], devices[-1] + 1), str(m["name"]))
+    functions, entries, weights = {}, {}, {}
+    for name, f in _require(data, "functions", dict, "at the top level").items():
+        params = tuple(TensorSpec.from_json(p, meshes) for p in f["params"])
+        results = tuple(TensorSpec.from_json(r, meshes) for r in f["results"])
+        functions[name] = FunctionSignature(name, params, results, bool(f["tuple_result"]))
+        row = tuple(e if e else None for e in f["entries"])
+        if len(row) != num_ranks:
+            raise BundleError(f"function '{name}' lists {len(row)} entries for {num_ranks} ranks")
+        entries[name] = row
+        weights[name] = tuple(str(w) for w in f.get("weights", []))
+    files = tuple(
+        WeightFile(int(w["rank"]), str(w["name"]), str(w["file"]),
+                   tuple(int(n) for n in w["shape"]), str(w["dtype"]), str(w["sha256"]))
+        for w in _require(data, "weight_files", list, "at the top level"))
+    return Manifest(root, num_ranks, str(_require(data, "library", str, "at the top level")),
+                    dict(data.get("target") or {}), meshes, functions, entries, weights, files,
+                    tuple(str(c) for c in data.get("collectives", [])), data)
+
+
+def check_weights(manifest: Manifest, ranks: Sequence[int] | None = None) -> None:
+    """Check the weight files of ``ranks`` (all by default) against the manifest.
+
+    Raises
+    ------
+    BundleError
+        For a missing file, a sha256 mismatch, or a shape or dtype that differs
+        from the manifest's.
+    """
+    wanted = set(range(manifest.num_ranks) if ranks is None else ranks)
+    expected = {(p.name, r): p.sharding.local_shape(p.shape)
+                for f in manifest.functions.values() for p in f.params
+                for r in range(manifest.num_ranks) if p.held_by(r)}
+    for w in manifest.weight_files:
+        if w.rank not in wanted:
+            continue
+        path = manifest.root / w.file
+        where = f"weight '{w.name}' of rank {w.rank} ({path})"
+        if not path.is_file():
+            raise BundleError(f"{where} is missing", hint="export the bundle again")
+        if sha256_file(path) != w.sha256:
+            raise BundleError(f"{where} does not match its sha256 in the manifest",
+                              hint="the file was changed or corrupted; export the bundle again")
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as err:
+            raise BundleError(f"{where} is not a numpy array file ({err})") from None
+        want = expected.get((w.name, w.rank))
+        if want is not None and tuple(want) != w.shape:
+            raise BundleError(
+                f"{where}: the manifest lists shape {list(w.shape)} but the program's "
+                f"parameter '{w.name}' has local shape {list(want)} on rank {w.rank}",
+                hint="the manifest was edited; export the bundle again",
+            )
+        if tuple(array.shape) != w.shape or str(array.dtype) != w.dtype:
+            raise BundleError(
+                f"{where} holds {array.dtype}{list(array.shape)}, the manifest says "
+                f"{w.dtype}{list(w.shape)}",
+                hint="export the bundle again",
+            )

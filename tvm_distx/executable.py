@@ -1,0 +1,343 @@
+"""``tvm_distx.compile``: one executable for all ranks, run on any backend, exported as a bundle.
+
+::
+
+    exe = tvm_distx.compile(annotated, target="x86")
+    y = exe.run(x, params={"A": A, "B": B}, backend="mpi")   # global numpy in and out
+    exe.export("bundle/", params={"A": A, "B": B})           # library, weight shards, manifest
+
+:func:`compile` runs :func:`tvm_distx.distribute` (propagation, local view,
+redistribution, rank programs), schedules the kernels for CPU targets, and
+builds one library holding every rank's program. :class:`DistExecutable`
+keeps the global signature (shapes, dtypes, shardings) of each public
+function, so it can cut global inputs into shards and put results together.
+
+Backends of :meth:`DistExecutable.run`:
+
+``"mpi"``
+    One process per rank under ``mpiexec`` (:mod:`tvm_distx.runtime.launcher`).
+``"disco"``
+    TVM's disco ``ProcessSession`` on this host, with our shared-memory
+    collectives (:mod:`tvm_distx.runtime.disco`).
+``"emulate"``
+    Every rank in a thread of this process (:func:`tvm_distx.runtime.emulate`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from . import _ir, ccl
+from .bundle import FORMAT, MANIFEST, VERSION, sha256_file
+from .errors import ArgumentError
+from .mesh import DeviceMesh, module_meshes
+from .signature import FunctionSignature
+from .targets import resolve_target
+
+__all__ = ["DistExecutable", "compile"]
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("mpi", "disco", "emulate")
+
+
+def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
+            dump_dir: str | os.PathLike | None = None, **target_options) -> "DistExecutable":
+    """Compile an annotated global-view module into one executable for all ranks.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        A module with sharding annotations (see
+        :class:`tvm_distx.passes.AnnotateSharding`) and its meshes.
+    target : str or tvm.target.Target
+        ``"x86"`` (this host's CPU), ``"rvv"`` (RISC-V with the vector
+        extension), or any ``tvm.target.Target``.
+    schedule : bool
+        Apply our CPU kernel schedules (:mod:`tvm_distx.schedule`).
+    dump_dir : path, optional
+        Write the module after every stage of :func:`tvm_distx.distribute`.
+    **target_options
+        Options of the named target (for ``"rvv"``: ``vlen``, ``cc``).
+
+    Returns
+    -------
+    DistExecutable
+
+    Raises
+    ------
+    ShardingError
+        From any stage, naming the function and the value.
+    """
+    from .pipeline import run_stages
+
+    resolved = resolve_target(target, **target_options)
+    stages = run_stages(mod, dump_dir=dump_dir)
+    propagated, lowered = stages["propagate_sharding"], stages["lower_distir"]
+    signatures = {gv.name_hint: FunctionSignature.from_function(gv.name_hint, func)
+                  for gv, func in _ir.relax_functions(propagated)
+                  if func.attrs is not None and "global_symbol" in func.attrs}
+    built = lowered
+    if schedule and resolved.schedulable:
+        from .schedule import schedule_module
+
+        built = schedule_module(lowered, resolved.target)
+    logger.info("building for %s", resolved.name)
+    vm_exec = tvm.compile(built, target=resolved.target)
+    return DistExecutable(lowered, signatures, vm_exec, resolved)
+
+
+class DistExecutable:
+    """The compiled rank programs of a distributed module.
+
+    Attributes
+    ----------
+    module : tvm.IRModule
+        The rank-local module that was built.
+    signatures : dict of str to FunctionSignature
+        The global view of each public function.
+    num_ranks : int
+        How many ranks (devices) the program runs on.
+    entries : dict of str to list
+        Per public function, the function each rank runs (None: none).
+    """
+
+    def __init__(self, module: tvm.IRModule, signatures: dict[str, FunctionSignature],
+                 vm_exec, target) -> None:
+        from .legalize.lower_distir import _module_devices, rank_entry
+
+        self.module = module
+        self.signatures = signatures
+        self.vm_exec = vm_exec
+        self.target = target
+        self.num_ranks = len(_module_devices(module))
+        self.entries = {name: [rank_entry(module, name, d) for d in range(self.num_ranks)]
+                        for name in signatures}
+        self.meshes = module_meshes(module)
+
+    # ---------------------------------------------------------------- running
+    def run(self, *inputs, params: Mapping | None = None, backend: str = "mpi",
+            function: str = "main", timeout: float = 300.0, **options):
+        """Run on every rank with global inputs; return the global result.
+
+        Parameters
+        ----------
+        *inputs : array
+            The global values of the parameters not given in ``params``, in
+            order (numpy arrays or torch tensors).
+        params : mapping of str to array, optional
+            Global values by parameter name (weights, typically).
+        backend : {"mpi", "disco", "emulate"}
+            How the ranks run (see the module documentation).
+        function : str
+            The public function to run.
+        timeout : float
+            Seconds before a stuck run is stopped.
+        **options
+            Passed to the backend (for ``"mpi"``: ``hosts``, ``mpiexec``,
+            ``env``).
+
+        Returns
+        -------
+        numpy.ndarray or tuple of numpy.ndarray
+
+        Raises
+        ------
+        ArgumentError
+            For an unknown backend or function, or inputs that do not fit.
+        LaunchError
+            If a rank fails or the run times out.
+        """
+        signature = self._signature(function)
+        if backend not in BACKENDS:
+            raise ArgumentError(f"unknown backend {backend!r}",
+                                hint=f"use one of {', '.join(BACKENDS)}")
+        if not self.target.runnable_here:
+            raise ArgumentError(f"a program built for {self.target.name} cannot run on this host",
+                                hint="export it with .export(dir) and run the bundle on the "
+                                "target machines")
+        if backend == "mpi":
+            return self._run_mpi(inputs, params, function, timeout, options)
+        values = signature.bind(list(inputs), params)
+        per_rank = [[_shard(spec, value, rank) for spec, value in zip(signature.params, values)
+                     if spec.held_by(rank)] for rank in range(self.num_ranks)]
+        entries = self.entries[function]
+        if backend == "emulate":
+            from .runtime import emulate
+
+            outs = emulate(self.vm_exec, per_rank, list(range(self.num_ranks)), entry=entries,
+                           timeout=timeout)
+        else:
+            from .runtime.disco import run_disco
+
+            with tempfile.TemporaryDirectory(prefix="tvm-distx-disco-") as tmp:
+                library = Path(tmp) / "lib.so"
+                self.vm_exec.export_library(str(library))
+                outs = run_disco(library, entries, per_rank, timeout=timeout)
+        return _assemble(signature, outs)
+
+    def _run_mpi(self, inputs, params, function, timeout, options):
+        from .runtime.launcher import launch
+
+        with tempfile.TemporaryDirectory(prefix="tvm-distx-bundle-") as tmp:
+            self.export(tmp)
+            return launch(tmp, list(inputs), params=params, function=function, timeout=timeout,
+                          **options)
+
+    def _signature(self, function: str) -> FunctionSignature:
+        if function not in self.signatures:
+            raise ArgumentError(f"the program has no public function '{function}'",
+                                hint=f"it has: {', '.join(self.signatures)}")
+        return self.signatures[function]
+
+    # ---------------------------------------------------------------- bundles
+    def export(self, directory: str | os.PathLike, *, params: Mapping | None = None,
+               function: str = "main") -> Path:
+        """Write a self-contained bundle: the library, each rank's weight shards, a manifest.
+
+        Parameters
+        ----------
+        directory : path
+            Created if missing; an existing bundle there is replaced.
+        params : mapping of str to array, optional
+            Global weights by parameter name of ``function``. Each rank's file
+            holds only its shard.
+        function : str
+            The function whose parameters ``params`` names.
+
+        Returns
+        -------
+        pathlib.Path
+            The bundle directory.
+
+        Raises
+        ------
+        ArgumentError
+            For an unknown parameter or a weight of the wrong shape or dtype.
+        """
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        signature = self._signature(function)
+        weights = dict(params or {})
+        if weights:  # checks names, shapes and dtypes
+            free = [p for p in signature.params if p.name not in weights]
+            signature.bind([np.zeros(p.shape, p.dtype) for p in free], weights)
+        if (root / "weights").exists():
+            shutil.rmtree(root / "weights")
+        files = []
+        for spec in signature.params:
+            if spec.name not in weights:
+                continue
+            value = _as_array(weights[spec.name])
+            for rank in range(self.num_ranks):
+                if not spec.held_by(rank):
+                    continue
+                rel = Path("weights") / f"rank{rank}" / f"{spec.name}.npy"
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                np.save(root / rel, _shard(spec, value, rank))
+                files.append({"rank": rank, "name": spec.name, "file": str(rel),
+                              "shape": list(spec.local_shape), "dtype": spec.dtype,
+                              "sha256": sha256_file(root / rel)})
+        self._write_library(root)
+        manifest = self._manifest(files, {function: sorted(weights)})
+        (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        logger.info("bundle written to %s (%d weight files)", root, len(files))
+        return root
+
+    def _write_library(self, root: Path) -> None:
+        self.target.export_library(self.vm_exec, root / "lib.so")
+
+    def _manifest(self, files: list[dict], weights: dict[str, list[str]]) -> dict:
+        names = {(m.shape, m.device_range.start): name for name, m in self.meshes.items()}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "library": "lib.so",
+            "target": self.target.describe(),
+            "num_ranks": self.num_ranks,
+            "meshes": [{"name": name, "shape": list(m.shape), "devices": list(m.devices)}
+                       for name, m in self.meshes.items()],
+            "ranks": [{"rank": r, "coordinates": _coordinates(self.meshes, r)}
+                      for r in range(self.num_ranks)],
+            "process_groups": _process_groups(self.meshes),
+            "collectives": sorted(_collectives(self.module)),
+            "functions": {
+                name: {"entries": [e or None for e in self.entries[name]],
+                       "params": [p.to_json(names) for p in sig.params],
+                       "results": [r.to_json(names) for r in sig.results],
+                       "tuple_result": sig.tuple_result,
+                       "weights": weights.get(name, [])}
+                for name, sig in self.signatures.items()
+            },
+            "weight_files": files,
+        }
+
+
+def _as_array(value) -> np.ndarray:
+    if hasattr(value, "detach") and hasattr(value, "numpy"):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _shard(spec, value, rank: int) -> np.ndarray:
+    from .runtime.arrays import shard_array
+
+    return shard_array(_as_array(value), spec.sharding, rank)
+
+
+def _assemble(signature: FunctionSignature, outs: Sequence):
+    from .runtime.arrays import assemble_array
+
+    results = []
+    for index, spec in enumerate(signature.results):
+        shards = {}
+        for rank in spec.sharding.mesh.device_range:
+            out = outs[rank]
+            if out is None:
+                continue
+            held = [s for s in signature.results if s.held_by(rank)]
+            fields = list(out) if signature.tuple_result else [out]
+            shards[rank] = fields[held.index(spec)]
+        results.append(assemble_array(shards, spec.sharding, spec.shape))
+    return tuple(results) if signature.tuple_result else results[0]
+
+
+def _coordinates(meshes: dict[str, DeviceMesh], rank: int) -> dict[str, list[int]]:
+    out = {}
+    for name, mesh in meshes.items():
+        if rank in mesh.device_range:
+            coord = np.unravel_index(rank - mesh.device_range.start, mesh.shape)
+            out[name] = [int(c) for c in coord]
+    return out
+
+
+def _process_groups(meshes: dict[str, DeviceMesh]) -> list[dict]:
+    groups = []
+    for name, mesh in meshes.items():
+        for axis in range(mesh.ndim):
+            group = ccl.CollectiveGroup.along(mesh, (axis,))
+            groups.append({"mesh": name, "axis": axis,
+                           "groups": [list(g) for g in group.all_groups()]})
+    return groups
+
+
+def _collectives(mod: tvm.IRModule) -> set[str]:
+    found: set[str] = set()
+
+    def visit(expr):
+        if isinstance(expr, relax.ExternFunc) and expr.global_symbol.startswith("tvm_distx.ccl."):
+            found.add(str(expr.global_symbol))
+
+    for _, func in _ir.relax_functions(mod):
+        relax.analysis.post_order_visit(func, visit)
+    return found

@@ -1,0 +1,92 @@
+"""Cutting global arrays into the shards each device holds, and putting them back."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from tvm_distx.spec import TensorSharding
+
+__all__ = ["shard_array", "assemble_array", "first_holder"]
+
+
+def shard_array(array: np.ndarray, sharding: TensorSharding, device: int) -> np.ndarray:
+    """The part of a global ``array`` that ``device`` holds under ``sharding``.
+
+    A dimension split by several mesh axes is split with the lower-numbered
+    mesh axis as the outer (major) split (see
+    :func:`tvm_distx.legalize.planner.shard_bounds`).
+
+    Raises
+    ------
+    ValueError
+        If ``device`` is not in the sharding's mesh.
+    """
+    from tvm_distx.legalize.planner import shard_bounds
+
+    bounds = shard_bounds(sharding, array.shape, device)
+    if bounds is None:
+        raise ValueError(f"device {device} is not in mesh {sharding.mesh.describe()}")
+    return np.ascontiguousarray(array[tuple(slice(a, b) for a, b in bounds)])
+
+
+def assemble_array(shards: Mapping[int, np.ndarray], sharding: TensorSharding,
+                   shape: tuple[int, ...]) -> np.ndarray:
+    """The global array from the shards of the devices of ``sharding``'s mesh.
+
+    Parameters
+    ----------
+    shards : mapping of int to numpy.ndarray
+        Per device, its local block. A device may be left out when another
+        device present holds the same block (a replica).
+    sharding : TensorSharding
+        How the array is laid out.
+    shape : tuple of int
+        The global shape.
+
+    Returns
+    -------
+    numpy.ndarray
+
+    Raises
+    ------
+    ValueError
+        If some block is held by no device given, or a block has the wrong shape.
+    """
+    from tvm_distx.legalize.planner import shard_bounds
+
+    blocks: dict[tuple, np.ndarray] = {}
+    wanted = []
+    for device in sharding.mesh.device_range:
+        bounds = shard_bounds(sharding, shape, device)
+        wanted.append((device, bounds))
+        if device in shards and bounds not in blocks:
+            block = np.asarray(shards[device])
+            want = tuple(b - a for a, b in bounds)
+            if block.shape != want:
+                raise ValueError(f"device {device} returned shape {block.shape}, expected {want}")
+            blocks[bounds] = block
+    out = None
+    for device, bounds in wanted:
+        if bounds not in blocks:
+            raise ValueError(f"no device returned the block of device {device} "
+                             f"of mesh {sharding.mesh.describe()}")
+        block = blocks[bounds]
+        if out is None:
+            out = np.empty(shape, block.dtype)
+        out[tuple(slice(a, b) for a, b in bounds)] = block
+    return out
+
+
+def first_holder(sharding: TensorSharding, shape: tuple[int, ...], device: int) -> bool:
+    """Whether ``device`` is the lowest device of its mesh holding its block.
+
+    One copy of every block is enough to assemble an array; replicas are
+    skipped.
+    """
+    from tvm_distx.legalize.planner import shard_bounds
+
+    mine = shard_bounds(sharding, shape, device)
+    return all(shard_bounds(sharding, shape, d) != mine
+               for d in sharding.mesh.device_range if d < device)

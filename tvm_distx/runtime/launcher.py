@@ -1,0 +1,241 @@
+"""Launching a bundle on MPI ranks: ``mpiexec -n N python -m tvm_distx.runtime.worker``.
+
+:func:`launch` reads only the bundle's manifest to set everything up. Before
+any rank starts it checks the rank count and every weight file (see
+:func:`tvm_distx.bundle.check_weights`), cuts the global inputs into each
+rank's shards in a private job directory (``tempfile``), and then runs
+``mpiexec`` from the ``mpich`` wheel (or ``mpiexec=``). Across hosts the same
+call takes ``hosts=["node0", "node1"]``, which becomes ``mpiexec -hosts
+node0,node1``; the bundle and the job directory must then be on a shared
+file system, or at the same path on every host.
+
+Failures stop the whole job and raise :class:`tvm_distx.LaunchError` naming
+the rank:
+
+* a rank raises: it writes its traceback and aborts the job;
+* a rank is killed: ``mpiexec`` tears the others down and says which rank;
+* the job outlives ``timeout``: the process group is terminated, then killed,
+  and the ranks that had not finished are named with what they were doing.
+
+The job directory is always removed, and ``mpiexec`` runs in its own process
+session so that no rank outlives the call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from tvm_distx.bundle import Manifest, check_weights, read_manifest
+from tvm_distx.errors import ArgumentError, BundleError, LaunchError
+from tvm_distx.runtime.arrays import assemble_array, shard_array
+
+__all__ = ["launch", "mpiexec_path"]
+
+logger = logging.getLogger(__name__)
+
+#: How ``mpiexec`` (MPICH's hydra) reports a rank that died of a signal.
+_KILLED = re.compile(r"RANK\s+(\d+)\s+PID\s+\d+\s+RUNNING AT\s+\S+\s*\n[=\s]*KILLED BY SIGNAL:\s*(\d+)")
+
+
+def mpiexec_path() -> str:
+    """The ``mpiexec`` to use: the one next to this Python (the ``mpich`` wheel's), else PATH's.
+
+    Raises
+    ------
+    LaunchError
+        If there is none.
+    """
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise LaunchError("no mpiexec found",
+                          hint='install the "mpich" wheel (pip install mpich) in this environment')
+    return found
+
+
+def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping | None = None,
+           num_ranks: int | None = None, function: str = "main", timeout: float = 300.0,
+           hosts: Sequence[str] | None = None, mpiexec: str | None = None,
+           env: Mapping[str, str] | None = None) -> list[np.ndarray] | tuple:
+    """Run a bundle's function on MPI ranks and return its global results.
+
+    Parameters
+    ----------
+    bundle : path
+        A directory written by :meth:`tvm_distx.DistExecutable.export`.
+    inputs : sequence of array
+        The global values of the function's parameters that are not weights
+        stored in the bundle (nor given in ``params``), in order.
+    params : mapping of str to array, optional
+        Global values by parameter name (for weights not in the bundle).
+    num_ranks : int, optional
+        The ``-n`` to launch with; it must equal the manifest's.
+    function : str
+        The public function to run.
+    timeout : float
+        Seconds before the job is stopped.
+    hosts : sequence of str, optional
+        Hosts for ``mpiexec -hosts``.
+    mpiexec : str, optional
+        The ``mpiexec`` executable (default: :func:`mpiexec_path`).
+    env : mapping, optional
+        Extra environment variables for the ranks.
+
+    Returns
+    -------
+    numpy.ndarray or tuple of numpy.ndarray
+        The global result (a tuple for a tuple-returning function).
+
+    Raises
+    ------
+    BundleError
+        For a bad manifest or weight file, or a rank count that differs from
+        the bundle's; nothing is launched then.
+    ArgumentError
+        For inputs that do not fit the function.
+    LaunchError
+        If a rank fails or the job times out.
+    """
+    manifest = read_manifest(bundle)
+    if num_ranks is not None and num_ranks != manifest.num_ranks:
+        raise BundleError(f"the bundle at {manifest.root} needs {manifest.num_ranks} ranks, "
+                          f"not {num_ranks}", hint=f"launch it with -n {manifest.num_ranks}")
+    signature = manifest.function(function)
+    check_weights(manifest)
+    stored = set(manifest.weights.get(function, ()))
+    runtime_params = dict(params or {})
+    overlap = stored & set(runtime_params)
+    if overlap:
+        raise ArgumentError(f"{', '.join(sorted(overlap))} are weights stored in the bundle",
+                            hint="do not pass them again")
+    # bind the run-time inputs against the parameters that are not stored weights
+    free = type(signature)(signature.name,
+                           tuple(p for p in signature.params if p.name not in stored),
+                           signature.results, signature.tuple_result)
+    values = free.bind(list(inputs), runtime_params)
+    job = Path(tempfile.mkdtemp(prefix="tvm-distx-job-"))
+    try:
+        _write_inputs(job, manifest, free.params, values)
+        _run_mpiexec(manifest, job, function, timeout, hosts, mpiexec, env)
+        return _read_results(job, manifest, signature)
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+
+
+def _write_inputs(job: Path, manifest: Manifest, specs, values) -> None:
+    for rank in range(manifest.num_ranks):
+        folder = job / f"rank{rank}" / "in"
+        folder.mkdir(parents=True)
+        for spec, value in zip(specs, values):
+            if spec.held_by(rank):
+                np.save(folder / f"{spec.name}.npy", shard_array(value, spec.sharding, rank))
+
+
+def _run_mpiexec(manifest: Manifest, job: Path, function: str, timeout: float,
+                 hosts, mpiexec, env) -> None:
+    command = [mpiexec or mpiexec_path(), "-n", str(manifest.num_ranks)]
+    if hosts:
+        command += ["-hosts", ",".join(hosts)]
+    command += [sys.executable, "-m", "tvm_distx.runtime.worker", str(manifest.root.resolve()),
+                str(job), "--function", function]
+    full_env = {**os.environ, **(env or {})}
+    log = job / "mpiexec.log"
+    logger.info("launching %s", " ".join(command))
+    started = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            unfinished = _unfinished(job, manifest.num_ranks)
+            raise LaunchError(
+                f"the job did not finish within {timeout:g} s; ranks not done: "
+                + ", ".join(f"{r} ({state})" for r, state in unfinished),
+                rank=unfinished[0][0] if unfinished else None, reason="timeout",
+                hint="a rank is stuck (often in a collective some rank never reached); "
+                "raise timeout= if the program is just slow",
+            ) from None
+        finally:
+            _stop(proc)
+    logger.info("mpiexec finished in %.2f s with code %d", time.monotonic() - started, code)
+    if code != 0:
+        raise _failure(job, manifest.num_ranks, code, log.read_text(errors="replace"))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End ``mpiexec`` and everything it started (its own process group)."""
+    if proc.poll() is None:
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    try:  # ranks that escaped mpiexec's teardown share its process group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _unfinished(job: Path, num_ranks: int) -> list[tuple[int, str]]:
+    out = []
+    for rank in range(num_ranks):
+        status = job / f"rank{rank}" / "status"
+        state = status.read_text().strip() if status.is_file() else "not started"
+        if state != "done":
+            out.append((rank, state))
+    return out
+
+
+def _failure(job: Path, num_ranks: int, code: int, log: str) -> LaunchError:
+    raised = [(r, job / f"rank{r}" / "error.txt") for r in range(num_ranks)]
+    raised = [(r, p) for r, p in raised if p.is_file()]
+    if raised:
+        rank, path = min(raised, key=lambda item: item[1].stat().st_mtime)
+        text = path.read_text(errors="replace")
+        last = text.strip().splitlines()[-1] if text.strip() else "an error"
+        return LaunchError(f"rank {rank} failed: {last}", rank=rank, reason="raised",
+                           details=text)
+    killed = _KILLED.search(log)
+    if killed:
+        rank, sig = int(killed.group(1)), int(killed.group(2))
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        return LaunchError(f"rank {rank} was killed by signal {sig} ({name})", rank=rank,
+                           reason="killed", details=_tail(log))
+    return LaunchError(f"mpiexec exited with code {code}", reason="exited", details=_tail(log))
+
+
+def _tail(text: str, lines: int = 20) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _read_results(job: Path, manifest: Manifest, signature):
+    results = []
+    for index, spec in enumerate(signature.results):
+        shards = {}
+        for rank in spec.sharding.mesh.device_range:
+            path = job / f"rank{rank}" / f"out{index}.npy"
+            if path.is_file():
+                shards[rank] = np.load(path, allow_pickle=False)
+        results.append(assemble_array(shards, spec.sharding, spec.shape))
+    return tuple(results) if signature.tuple_result else results[0]
