@@ -42,3 +42,17 @@ def test_tensor_parallel_mlp_reports_its_all_reduces():
     assert report.rows[0].bytes_per_rank == 2 * 128 * 128 * 4 // 2
     text = str(report)
     assert "allreduce" in text and "total bytes received per rank: 65,536" in text
+
+
+def test_moves_between_pipeline_stages_are_send_recv_rows_naming_both_meshes():
+    mod = td.load_module(DATA / "seed_pipeline.py")
+    rule = ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
+    propagated = PropagateSharding(require_legalized=True)(
+        relax.transform.LegalizeOps()(AnnotateSharding([rule])(mod)))
+    report = comm_report(propagated)
+    block = 128 * 128 * 4  # stage 1 receives y and both weights whole
+    assert [(r.value, r.collective, r.mesh_axis, r.src, r.dst, r.bytes_per_rank)
+            for r in report.rows] == [
+        (v, "send_recv", None, "R on mesh[0]", "R on mesh[1]", block)
+        for v in ("y_ann", "A_redist", "B_redist")]
+    assert report.total_bytes_per_rank == 3 * block

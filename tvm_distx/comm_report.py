@@ -79,6 +79,9 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
     from tvm_distx.legalize.legalize_redistribute import ALLOW_SEND_RECV
     from tvm_distx.legalize.planner import plan_redistribute
 
+    from .mesh import module_meshes
+
+    names = {(m.shape, m.device_range.start): name for name, m in module_meshes(mod).items()}
     rows: list[CommRow] = []
     for gv, func in _ir.relax_functions(mod):
         producers: dict = {}
@@ -92,13 +95,25 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
                     shape = _ir.static_shape(binding.var.ty)
                     plan = plan_redistribute(src, dst, shape, binding.var.ty.tensor_ty.dtype,
                                              allow_send_recv=ALLOW_SEND_RECV)
+                    between = src.mesh != dst.mesh
                     for step in plan.steps:
                         rows.append(CommRow(gv.name_hint, binding.var.name, step.mesh_axis,
-                                            step.collective.name.lower(), str(step.src.placement),
-                                            str(step.dst.placement), step.bytes_received))
+                                            step.collective.name.lower(),
+                                            _where(step.src, names, between),
+                                            _where(step.dst, names, between),
+                                            step.bytes_received))
                 elif _ir.is_call_to(value, "relax.ccl.allreduce"):
                     rows.extend(_allreduce_rows(gv.name_hint, binding.var, value, producers))
     return CommReport(tuple(rows))
+
+
+def _where(step_sharding: TensorSharding, names: dict, between: bool) -> str:
+    """A step's placement; with its mesh's name when the move goes between meshes."""
+    text = str(step_sharding.placement)
+    if not between:
+        return text
+    mesh = step_sharding.mesh
+    return f"{text} on {names.get((mesh.shape, mesh.device_range.start), mesh.describe())}"
 
 
 def _allreduce_rows(function: str, var, call, producers) -> list[CommRow]:

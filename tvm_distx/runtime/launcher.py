@@ -45,8 +45,13 @@ __all__ = ["launch", "mpiexec_path"]
 
 logger = logging.getLogger(__name__)
 
-#: How ``mpiexec`` (MPICH's hydra) reports a rank that died of a signal.
-_KILLED = re.compile(r"RANK\s+(\d+)\s+PID\s+\d+\s+RUNNING AT\s+\S+\s*\n[=\s]*KILLED BY SIGNAL:\s*(\d+)")
+#: How ``mpiexec`` (MPICH's hydra) reports a process that died: its PID, then its exit code.
+_BAD_EXIT = re.compile(r"PID\s+(\d+)\s+RUNNING AT\s+\S+\s*\n[=\s]*EXIT CODE:\s*(\d+)")
+
+#: Where MPICH keeps its intra-node shared memory. A job that dies leaves its
+#: segments behind; the launcher removes the ones that appeared during a failed job.
+SHM_DIR = Path("/dev/shm")
+SHM_PATTERN = "mpich_shm_*"
 
 
 def mpiexec_path() -> str:
@@ -156,26 +161,50 @@ def _run_mpiexec(manifest: Manifest, job: Path, function: str, timeout: float,
     log = job / "mpiexec.log"
     logger.info("launching %s", " ".join(command))
     started = time.monotonic()
+    segments = _segments()
+    try:
+        code = _wait(command, full_env, log, job, manifest.num_ranks, timeout)
+    except BaseException:
+        _remove_new_segments(segments)
+        raise
+    logger.info("mpiexec finished in %.2f s with code %d", time.monotonic() - started, code)
+    if code != 0:
+        _remove_new_segments(segments)
+        raise _failure(job, manifest.num_ranks, code, log.read_text(errors="replace"))
+
+
+def _segments() -> set[Path]:
+    return set(SHM_DIR.glob(SHM_PATTERN)) if SHM_DIR.is_dir() else set()
+
+
+def _remove_new_segments(before: set[Path]) -> None:
+    for path in _segments() - before:
+        logger.info("removing %s, left by the failed job", path)
+        path.unlink(missing_ok=True)
+
+
+def _wait(command, full_env, log: Path, job: Path, num_ranks: int, timeout: float) -> int:
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True)
         try:
-            code = proc.wait(timeout=timeout)
+            return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _stop(proc)
-            unfinished = _unfinished(job, manifest.num_ranks)
+            unfinished = _unfinished(job, num_ranks)
+            straggler = _straggler(unfinished)
+            blame = (f"rank {straggler} never reached the collective its peers wait in; "
+                     if straggler is not None else "")
             raise LaunchError(
-                f"the job did not finish within {timeout:g} s; ranks not done: "
-                + ", ".join(f"{r} ({state})" for r, state in unfinished),
-                rank=unfinished[0][0] if unfinished else None, reason="timeout",
+                f"the job did not finish within {timeout:g} s; {blame}ranks not done: "
+                + ", ".join(f"{r} ({state}, {calls} collectives)"
+                            for r, state, calls in unfinished),
+                rank=straggler, reason="timeout",
                 hint="a rank is stuck (often in a collective some rank never reached); "
                 "raise timeout= if the program is just slow",
             ) from None
         finally:
             _stop(proc)
-    logger.info("mpiexec finished in %.2f s with code %d", time.monotonic() - started, code)
-    if code != 0:
-        raise _failure(job, manifest.num_ranks, code, log.read_text(errors="replace"))
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -197,14 +226,27 @@ def _stop(proc: subprocess.Popen) -> None:
         pass
 
 
-def _unfinished(job: Path, num_ranks: int) -> list[tuple[int, str]]:
+def _unfinished(job: Path, num_ranks: int) -> list[tuple[int, str, int]]:
+    """The ranks that did not finish: (rank, last status, collectives entered)."""
     out = []
     for rank in range(num_ranks):
-        status = job / f"rank{rank}" / "status"
+        folder = job / f"rank{rank}"
+        status = folder / "status"
         state = status.read_text().strip() if status.is_file() else "not started"
+        progress = folder / "progress"
+        calls = int(np.fromfile(progress, dtype=np.int64)[0]) if progress.is_file() else 0
         if state != "done":
-            out.append((rank, state))
+            out.append((rank, state, calls))
     return out
+
+
+def _straggler(unfinished: list[tuple[int, str, int]]) -> int | None:
+    """The one rank that entered fewer collectives than the others, if there is one."""
+    if len(unfinished) < 2:
+        return unfinished[0][0] if unfinished else None
+    fewest = min(calls for _, _, calls in unfinished)
+    behind = [rank for rank, _, calls in unfinished if calls == fewest]
+    return behind[0] if len(behind) == 1 else None
 
 
 def _failure(job: Path, num_ranks: int, code: int, log: str) -> LaunchError:
@@ -216,12 +258,21 @@ def _failure(job: Path, num_ranks: int, code: int, log: str) -> LaunchError:
         last = text.strip().splitlines()[-1] if text.strip() else "an error"
         return LaunchError(f"rank {rank} failed: {last}", rank=rank, reason="raised",
                            details=text)
-    killed = _KILLED.search(log)
-    if killed:
-        rank, sig = int(killed.group(1)), int(killed.group(2))
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
-        return LaunchError(f"rank {rank} was killed by signal {sig} ({name})", rank=rank,
-                           reason="killed", details=_tail(log))
+    pids = {}
+    for r in range(num_ranks):
+        path = job / f"rank{r}" / "pid"
+        if path.is_file():
+            pids[int(path.read_text())] = r
+    for match in _BAD_EXIT.finditer(log):
+        pid, status = int(match.group(1)), int(match.group(2))
+        if pid in pids:
+            rank = pids[pid]
+            try:
+                name = signal.Signals(status).name
+            except ValueError:
+                name = "no signal"
+            return LaunchError(f"rank {rank} (pid {pid}) died with status {status} ({name})",
+                               rank=rank, reason="killed", details=_tail(log))
     return LaunchError(f"mpiexec exited with code {code}", reason="exited", details=_tail(log))
 
 

@@ -12,7 +12,8 @@ Rank ``r`` (its rank in ``MPI.COMM_WORLD``) is device ``r``. It:
 4. writes the result blocks it is the first to hold to ``JOB/rank<r>/out<i>.npy``.
 
 Its progress is in ``JOB/rank<r>/status`` (``started``, ``loaded``,
-``running <entry>``, ``done``). On any error it writes the traceback to
+``running <entry>``, ``done``), its process id in ``pid``, and the number of
+collectives it has entered in ``progress`` (a memory-mapped counter). On any error it writes the traceback to
 ``JOB/rank<r>/error.txt`` and aborts the whole job (``MPI.COMM_WORLD.Abort``),
 so no rank waits forever for it.
 
@@ -51,25 +52,34 @@ def _fault(rank: int) -> str | None:
     return kind if where.strip() == str(rank) else None
 
 
-def _arm_fault(kind: str) -> None:
-    """Make the first collective this rank calls die or hang (test hook)."""
+def _count_collectives(folder: Path, fault: str | None) -> None:
+    """Wrap every collective to count the calls this rank has made, in ``progress``.
+
+    The count lives in a memory-mapped file, so the launcher can read it after
+    a timeout: the rank that made fewer calls than its peers is the one that
+    never reached the collective the others wait in. With a ``kill`` or
+    ``hang`` fault (test hook), the first call dies or hangs before it counts.
+    """
     import tvm
     import tvm_ffi
 
     from tvm_distx import ccl
 
-    def armed(name, original):
+    counter = np.memmap(folder / "progress", dtype=np.int64, mode="w+", shape=(1,))
+
+    def wrap(original):
         def call(*args):
-            if kind == "kill":
+            if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            while kind == "hang":
+            while fault == "hang":
                 time.sleep(1)
+            counter[0] += 1
             return original(*args)
 
         return call
 
     for name in ccl.FUNCTIONS:
-        tvm_ffi.register_global_func(name, armed(name, tvm.get_global_func(name)), override=True)
+        tvm_ffi.register_global_func(name, wrap(tvm.get_global_func(name)), override=True)
 
 
 def run(bundle: Path, job: Path, function: str) -> None:
@@ -80,6 +90,7 @@ def run(bundle: Path, job: Path, function: str) -> None:
     rank = comm.Get_rank()
     folder = job / f"rank{rank}"
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pid").write_text(str(os.getpid()))
     _status(folder, "started")
     try:
         _run(bundle, folder, function, comm, rank)
@@ -113,8 +124,7 @@ def _run(bundle: Path, folder: Path, function: str, comm, rank: int) -> None:
     from tvm_distx.runtime import mpi_ccl
 
     mpi_ccl.install(comm)  # before the VM exists: it resolves functions once
-    if fault in ("kill", "hang"):
-        _arm_fault(fault)
+    _count_collectives(folder, fault if fault in ("kill", "hang") else None)
     _status(folder, "loaded")
     if entry is not None:
         weights = set(manifest.weights.get(function, ()))
