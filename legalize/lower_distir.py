@@ -51,7 +51,8 @@ from tvm_distx.ccl import REDUCE_KINDS, CollectiveGroup
 from tvm_distx.mesh import DeviceMesh
 from tvm_distx.spec import TensorSharding
 
-__all__ = ["LowerDistIR", "CollectiveGroup", "ENTRIES_ATTR", "local_type", "rank_entry"]
+__all__ = ["LowerDistIR", "CollectiveGroup", "ENTRIES_ATTR", "local_type", "rank_entry",
+           "module_devices", "function_meshes", "rank_sets"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def rank_entry(mod: tvm.IRModule, function: str, device: int) -> str | None:
         The name of the function to call on that device; None when the device
         takes no part in ``function``.
     """
-    entries = (mod.attrs or {}).get(ENTRIES_ATTR) if mod.attrs is not None else None
+    entries = mod.attrs.get(ENTRIES_ATTR) if mod.attrs is not None else None
     if entries is None or function not in entries:
         return function
     row = list(entries[function])
@@ -109,7 +110,7 @@ class LowerDistIR:
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        devices = _module_devices(mod)
+        devices = module_devices(mod)
         bb = relax.BlockBuilder()
         new_gvs: dict[str, tvm.ir.GlobalVar] = {}
         entries: dict[str, list[str]] = {}
@@ -147,8 +148,8 @@ def _is_public(func: relax.Function) -> bool:
     return func.attrs is not None and "global_symbol" in func.attrs
 
 
-def _module_devices(mod: tvm.IRModule) -> list[int]:
-    """The global device ids of a module: ``device_num`` or the span of its meshes."""
+def module_devices(mod: tvm.IRModule) -> list[int]:
+    """The global device ids of a module: ``0 .. device_num - 1``, or up to its last mesh's."""
     from tvm_distx.mesh import module_meshes
 
     count = 0

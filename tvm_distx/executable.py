@@ -114,13 +114,13 @@ class DistExecutable:
 
     def __init__(self, module: tvm.IRModule, signatures: dict[str, FunctionSignature],
                  vm_exec, target) -> None:
-        from .legalize.lower_distir import _module_devices, rank_entry
+        from .legalize.lower_distir import module_devices, rank_entry
 
         self.module = module
         self.signatures = signatures
         self.vm_exec = vm_exec
         self.target = target
-        self.num_ranks = len(_module_devices(module))
+        self.num_ranks = len(module_devices(module))
         self.entries = {name: [rank_entry(module, name, d) for d in range(self.num_ranks)]
                         for name in signatures}
         self.meshes = module_meshes(module)
