@@ -35,7 +35,7 @@ def mlp_twice(x, A, B):
 
 @pytest.fixture(scope="module")
 def exe():
-    return td.compile(tensor_parallel(), target="x86", schedule=False)
+    return td.compile(tensor_parallel(), target="x86")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_run_on_emulated_ranks_takes_and_returns_global_arrays(exe, data):
 def test_the_pipeline_runs_each_stage_program_on_its_ranks():
     mod = td.load_module(DATA / "seed_pipeline.py")
     rule = ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
-    exe = td.compile(AnnotateSharding([rule])(mod), schedule=False)
+    exe = td.compile(AnnotateSharding([rule])(mod))
     assert exe.entries["main"] == ["main_rank0", "main_rank1"]
     rng = np.random.default_rng(2)
     x, A, B = (0.1 * rng.standard_normal((128, 128), dtype="float32") for _ in range(3))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,9 +72,26 @@ class ResolvedTarget:
             vm_exec.export_library(str(path), cc=self.cc)
 
 
-def x86_target() -> tvm.target.Target:
-    """LLVM for this host's CPU (``mcpu`` from LLVM's host detection)."""
-    return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()})
+def x86_target(num_cores: int | None = None) -> tvm.target.Target:
+    """LLVM for this host's CPU.
+
+    ``"mcpu": "native"`` is not understood by this TVM (it silently yields
+    generic code), so the CPU name is asked from LLVM.
+
+    Parameters
+    ----------
+    num_cores : int, optional
+        Recorded as the target's ``num-cores``; ``os.cpu_count()`` by default.
+
+    Returns
+    -------
+    tvm.target.Target
+        ``{"kind": "llvm", "mcpu": <host cpu>, "num-cores": n}``.
+    """
+    cores = num_cores if num_cores is not None else (os.cpu_count() or 1)
+    return tvm.target.Target({"kind": "llvm",
+                              "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
+                              "num-cores": int(cores)})
 
 
 def rvv_target(vlen: int | None = None) -> tvm.target.Target:

@@ -1,0 +1,182 @@
+"""Benchmark our scheduled x86 matmul against numpy, side by side in one run.
+
+For every shape it builds ``R.matmul`` through ``LegalizeOps`` and
+:class:`tvm_distx.schedule.ScheduleCPU`, compiles the kernel with
+``tvm.compile`` for the host CPU, checks it against numpy, then times both in
+alternating rounds and prints a markdown table of GFLOP/s (medians over the
+rounds) and their ratio.
+
+Both sides run on every core: numpy through its multithreaded BLAS, TVM
+through its own thread pool (sized by :func:`tvm_distx.schedule.use_cpu_threads`,
+since TVM would otherwise take half the cores on x86). Only the kernel is
+timed, with preallocated outputs on both sides (``np.matmul(..., out=)``).
+The two thread pools spin for a while after each call, so the script pauses
+between the two sides. The machine may be shared: compare the ratios, and
+repeat runs.
+
+Usage::
+
+    python scripts/bench/kernels.py                      # the default shapes
+    python scripts/bench/kernels.py --sizes 512 1024 --rounds 7
+    python scripts/bench/kernels.py --shapes 128x128x64  # M x K x N
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tvm_distx.schedule import (  # noqa: E402 - the path above comes first
+    DEFAULT_RULES, MatmulRule, ScheduleCPU, use_cpu_threads, x86_target)
+
+import numpy as np  # noqa: E402
+import tvm  # noqa: E402
+from tvm import relax  # noqa: E402
+
+#: The tensor-parallel MLP shards of tests/data/seed_tensor_parallel.py on 2
+#: ranks: x @ A-shard (column split) and relu(.) @ B-shard (row split).
+TP_SHAPES = [("TP x @ A-shard", 128, 128, 64), ("TP h @ B-shard", 128, 64, 128)]
+SQUARE_SIZES = [256, 512, 1024, 2048]
+
+
+def matmul_kernel(m: int, k: int, n: int, target: tvm.target.Target,
+                  rule: MatmulRule | None = None, schedule: bool = True):
+    """Compile ``(m, k) @ (k, n)`` in float32; return the kernel's module."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((m, k), "float32"))
+    w = relax.Var("w", relax.TensorType((k, n), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, w))
+        bb.emit_func_output(out)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    if schedule:
+        mod = ScheduleCPU(target, (rule,) if rule is not None else DEFAULT_RULES)(mod)
+    (kernel,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    if schedule and not kernel.attrs.get("tirx.is_scheduled", False):
+        raise RuntimeError(f"the {m}x{k}x{n} matmul was not scheduled")
+    kernel_mod = tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")})
+    return tvm.compile(kernel_mod, target=target).mod
+
+
+def _calls_for(flop: float, seconds: float = 0.05) -> int:
+    """Calls per timed sample: about ``seconds`` at 100 GFLOP/s."""
+    return max(1, int(seconds * 100e9 / flop))
+
+
+def time_numpy(a: np.ndarray, b: np.ndarray, c: np.ndarray, calls: int, samples: int) -> float:
+    """Median seconds per ``np.matmul(a, b, out=c)``."""
+    for _ in range(max(2, calls // 4)):
+        np.matmul(a, b, out=c)
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(calls):
+            np.matmul(a, b, out=c)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def time_tvm(kernel, args, calls: int, samples: int) -> float:
+    """Median seconds per kernel call, with TVM's own timer."""
+    timer = kernel.time_evaluator("main", tvm.cpu(), number=calls, repeat=samples,
+                                  min_repeat_ms=0)
+    return float(np.median(timer(*args).results))
+
+
+def bench(label: str, m: int, k: int, n: int, target, rounds: int, pause: float,
+          rule: MatmulRule | None, baseline: bool) -> dict:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), dtype="float32")
+    b = rng.standard_normal((k, n), dtype="float32")
+    c = np.empty((m, n), "float32")
+    kernel = matmul_kernel(m, k, n, target, rule)
+    args = [tvm.runtime.tensor(v) for v in (a, b, np.zeros((m, n), "float32"))]
+    kernel["main"](*args)
+    np.testing.assert_allclose(args[2].numpy(), a @ b, rtol=1e-3, atol=1e-3 * np.sqrt(k))
+
+    flop = 2.0 * m * n * k
+    calls = _calls_for(flop)
+    ours, theirs, ratios = [], [], []
+    for _ in range(rounds):
+        time.sleep(pause)
+        t_np = time_numpy(a, b, c, calls, samples=3)
+        time.sleep(pause)
+        t_tvm = time_tvm(kernel, args, calls, samples=3)
+        theirs.append(flop / t_np / 1e9)
+        ours.append(flop / t_tvm / 1e9)
+        ratios.append(t_np / t_tvm)
+    row = {"label": label, "shape": f"{m}x{k}x{n}", "numpy": statistics.median(theirs),
+           "tvm": statistics.median(ours), "ratio": statistics.median(ratios),
+           "ratio_min": min(ratios), "ratio_max": max(ratios), "default": None}
+    if baseline:
+        plain = matmul_kernel(m, k, n, target, schedule=False)
+        row["default"] = flop / time_tvm(plain, args, max(1, calls // 50), samples=1) / 1e9
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="*", default=SQUARE_SIZES,
+                        help="square sizes N (N x N x N)")
+    parser.add_argument("--shapes", nargs="*", default=None,
+                        help="extra M x K x N shapes, as 128x128x64")
+    parser.add_argument("--no-tp", action="store_true", help="skip the TP MLP shard shapes")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds")
+    parser.add_argument("--pause", type=float, default=0.2,
+                        help="seconds between numpy and TVM, so the idle pool stops spinning")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="TVM's threads (default: TVM_NUM_THREADS, else every core); numpy "
+                             "uses its BLAS default, see OPENBLAS_NUM_THREADS")
+    parser.add_argument("--rows", type=int, default=None, help="register tile rows (mr)")
+    parser.add_argument("--vectors", type=int, default=None,
+                        help="register tile columns, in vector registers")
+    parser.add_argument("--no-pack", action="store_true", help="do not pack the B panels")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also time TVM's default (unscheduled) build, sizes <= 512 only")
+    opts = parser.parse_args(argv)
+
+    threads = opts.threads or os.cpu_count() or 1
+    if opts.threads:
+        os.environ["TVM_NUM_THREADS"] = str(threads)
+    tvm_threads = use_cpu_threads(threads)  # before any kernel runs in this thread
+    target = x86_target(tvm_threads)
+    rule = None
+    if opts.rows or opts.vectors or opts.no_pack:
+        rule = MatmulRule(rows=opts.rows, vectors=opts.vectors, pack=not opts.no_pack)
+
+    shapes = [(f"square {s}", s, s, s) for s in opts.sizes]
+    for text in opts.shapes or []:
+        m, k, n = (int(v) for v in text.lower().split("x"))
+        shapes.append((f"{m}x{k}x{n}", m, k, n))
+    if not opts.no_tp:
+        shapes += TP_SHAPES
+
+    print(f"target: {target.attrs['mcpu']}, TVM threads: {tvm_threads}, "
+          f"numpy {np.__version__}, rounds: {opts.rounds}, rule: {rule or 'default'}\n")
+    header = "| kernel | M x K x N | numpy GFLOP/s | ours GFLOP/s | ours / numpy (min-max) |"
+    rule_line = "|---|---|---:|---:|---:|"
+    if opts.baseline:
+        header += " TVM default GFLOP/s |"
+        rule_line += "---:|"
+    print(header)
+    print(rule_line, flush=True)
+    for label, m, k, n in shapes:
+        row = bench(label, m, k, n, target, opts.rounds, opts.pause, rule,
+                    opts.baseline and max(m, k, n) <= 512)
+        line = (f"| {row['label']} | {row['shape']} | {row['numpy']:.1f} | {row['tvm']:.1f} | "
+                f"{row['ratio']:.2f} ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) |")
+        if opts.baseline:
+            line += f" {row['default']:.1f} |" if row["default"] is not None else " - |"
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
