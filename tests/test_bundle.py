@@ -180,3 +180,10 @@ def test_cli_errors_are_one_line_with_a_hint_and_conventional_exit_codes(bundle,
     with pytest.raises(SystemExit) as info:
         cli(["run", str(bundle)])  # -n is required
     assert info.value.code == 2
+
+
+def test_disco_backend_gives_the_emulators_numbers_bit_for_bit(exe, data):
+    x, A, B = data
+    disco = exe.run(x, params={"A": A, "B": B}, backend="disco")
+    np.testing.assert_array_equal(disco, exe.run(x, params={"A": A, "B": B}, backend="emulate"))
+    np.testing.assert_allclose(disco, mlp_twice(x, A, B), atol=1e-5)

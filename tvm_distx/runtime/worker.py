@@ -82,6 +82,16 @@ def _count_collectives(folder: Path, fault: str | None) -> None:
         tvm_ffi.register_global_func(name, wrap(tvm.get_global_func(name)), override=True)
 
 
+def _threads_per_rank(comm) -> None:
+    """Share this host's cores between its ranks (TVM's pool reads TVM_NUM_THREADS once)."""
+    from mpi4py import MPI
+
+    if "TVM_NUM_THREADS" in os.environ:
+        return
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+    os.environ["TVM_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
+
+
 def run(bundle: Path, job: Path, function: str) -> None:
     """Run this process's rank of ``function`` (see the module documentation)."""
     from mpi4py import MPI
@@ -107,6 +117,7 @@ def _run(bundle: Path, folder: Path, function: str, comm, rank: int) -> None:
     from tvm_distx.errors import BundleError
     from tvm_distx.runtime.arrays import first_holder
 
+    _threads_per_rank(comm)
     manifest = read_manifest(bundle)
     if comm.Get_size() != manifest.num_ranks:
         raise BundleError(f"the bundle needs {manifest.num_ranks} ranks, the job has "

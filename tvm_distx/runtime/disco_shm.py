@@ -1,0 +1,440 @@
+"""Collectives over one shared-memory segment, for the ranks of a disco run.
+
+Every rank maps the same anonymous segment (a ``memfd``, see
+:mod:`tvm_distx.runtime.disco`). It holds, in this order:
+
+* control words (int64): the first failed rank plus one, one status per rank,
+  the byte count and the operation tag each rank posts in the current round,
+  and an ``n x n`` matrix of signal counters (``signals[i, j]``: how many
+  barriers ``i`` has entered with ``j``; only rank ``i`` writes row ``i``);
+* an error-message area per rank (the tail of its traceback);
+* a data slot per rank (what the rank posts to a meeting);
+* the pickled inputs of every rank, written by the controller.
+
+A *meeting* of some members is the only primitive: each member copies its bytes
+into its own slot, a barrier among the members, each copies what it needs out
+of the others' slots, a second barrier. Longer buffers go in rounds of one slot
+each. A barrier bumps the signal counters towards every other member and waits
+until each of them has bumped its counter towards this rank as often, by
+polling (first yielding the CPU, then with a growing sleep up to 1 ms; no
+futex, no lock). Two ranks meet in the same order on both sides (they run
+their programs in order), so a barrier needs no other identity; each post
+carries a tag of the operation and its members, checked after the first
+barrier, so mismatched programs fail instead of exchanging garbage. The data is copied before the counter is stored, and x86-64
+keeps stores (and loads) in program order, so a reader that sees the counter
+sees the data; a weakly ordered CPU would need fences here.
+
+Every wait polls the failed word and stops at the run's deadline, so a rank
+that raises stops its peers within a few milliseconds and nothing waits forever.
+
+The functions of :mod:`tvm_distx.ccl` (same semantics as the emulator of
+:mod:`tvm_distx.runtime.emulator`, bit for bit) and the per-CCL functions of
+TVM's own disco builtins (``runtime.disco..allreduce`` and so on, the empty CCL
+name that disco workers use unless a C++ CCL set one) are registered over the
+segment by :func:`install`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import mmap
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from tvm_distx import ccl
+from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
+
+__all__ = ["Layout", "ShmComm", "PeerFailedError", "install", "RUNNING", "DONE", "FAILED",
+           "ABORTED", "TIMED_OUT"]
+
+logger = logging.getLogger(__name__)
+
+#: Rank status words: running, done, failed (first), aborted (after another
+#: rank failed), timed out (waited past the deadline; failed first).
+RUNNING, DONE, FAILED, ABORTED, TIMED_OUT = 0, 1, 2, 3, 4
+
+_ERROR_BYTES = 4096
+_MAX_SLEEP = 1e-3  # seconds: the longest sleep between polls
+_YIELDS = 100  # polls that only yield the CPU before sleeping
+_REDUCERS = {0: np.add, 1: np.multiply, 2: np.minimum, 3: np.maximum}
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank of the run failed, so this one stopped waiting for it."""
+
+    def __init__(self, rank: int | None) -> None:
+        super().__init__("the controller stopped the run" if rank is None
+                         else f"rank {rank} failed")
+        self.rank = rank
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything is in the segment.
+
+    Parameters
+    ----------
+    world : int
+        The number of ranks.
+    slot_bytes : int
+        The size of each rank's data slot (longer posts go in rounds).
+    input_bytes : int
+        The size of the controller's input area.
+    """
+
+    world: int
+    slot_bytes: int
+    input_bytes: int
+
+    @property
+    def words(self) -> int:
+        """The number of int64 control words."""
+        return 1 + 3 * self.world + self.world * self.world
+
+    @property
+    def errors_offset(self) -> int:
+        """Where the error messages start."""
+        return 8 * self.words
+
+    @property
+    def slots_offset(self) -> int:
+        """Where the data slots start."""
+        return self.errors_offset + self.world * _ERROR_BYTES
+
+    @property
+    def inputs_offset(self) -> int:
+        """Where the input area starts."""
+        return self.slots_offset + self.world * self.slot_bytes
+
+    @property
+    def size(self) -> int:
+        """The segment size in bytes."""
+        return self.inputs_offset + self.input_bytes
+
+
+class ShmComm:
+    """One rank's view of the segment.
+
+    Parameters
+    ----------
+    buf : mmap.mmap
+        The mapped segment.
+    layout : Layout
+        Its layout.
+    rank : int
+        This rank (its global device id).
+    deadline : float
+        ``time.time()`` after which every wait raises ``TimeoutError``.
+    """
+
+    def __init__(self, buf: mmap.mmap, layout: Layout, rank: int, deadline: float) -> None:
+        n = layout.world
+        self.layout, self.rank, self.deadline = layout, rank, deadline
+        words = np.frombuffer(buf, np.int64, layout.words)
+        self.failed = words[0:1]
+        self.status = words[1:1 + n]
+        self.sizes = words[1 + n:1 + 2 * n]
+        self.tags = words[1 + 2 * n:1 + 3 * n]
+        self.signals = words[1 + 3 * n:].reshape(n, n)
+        self.errors = np.frombuffer(buf, np.uint8, n * _ERROR_BYTES,
+                                    layout.errors_offset).reshape(n, _ERROR_BYTES)
+        self.slots = np.frombuffer(buf, np.uint8, n * layout.slot_bytes,
+                                   layout.slots_offset).reshape(n, layout.slot_bytes)
+        self.inputs = np.frombuffer(buf, np.uint8, layout.input_bytes, layout.inputs_offset)
+        self.seen = np.zeros(n, np.int64)  # signals consumed from each peer (local)
+        self.timed_out = False
+
+    # ------------------------------------------------------------------ state
+    def finish(self, status: int, message: str = "", rank: int | None = None) -> None:
+        """Record a final status and error message, for this rank unless ``rank`` is given."""
+        rank = self.rank if rank is None else rank
+        if message:
+            data = message.encode("utf-8", "replace")[-(_ERROR_BYTES - 1):]
+            self.errors[rank, :len(data)] = np.frombuffer(data, np.uint8)
+            self.errors[rank, len(data)] = 0
+        self.status[rank] = status
+
+    def fail(self, message: str, rank: int | None = None) -> None:
+        """Record an error: FAILED (or TIMED_OUT), or ABORTED if another rank failed first."""
+        rank = self.rank if rank is None else rank
+        if self.failed[0] in (0, rank + 1):
+            self.failed[0] = rank + 1
+            timed_out = self.timed_out and rank == self.rank
+            self.finish(TIMED_OUT if timed_out else FAILED, message, rank)
+        else:
+            self.finish(ABORTED, message, rank)
+
+    def abort(self) -> None:
+        """Stop every rank's waits (the controller gives up on the run)."""
+        if self.failed[0] == 0:
+            self.failed[0] = self.layout.world + 1
+
+    def message(self, rank: int) -> str:
+        """The error message that ``rank`` recorded."""
+        raw = self.errors[rank].tobytes()
+        return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+    # ------------------------------------------------------------------ waiting
+    def _wait(self, peer: int, target: int) -> None:
+        me, polls, delay = self.rank, 0, 1e-5
+        while self.signals[peer, me] < target:
+            failed = int(self.failed[0])
+            if failed and failed != me + 1:
+                raise PeerFailedError(failed - 1 if failed <= self.layout.world else None)
+            if time.time() > self.deadline:
+                self.timed_out = True
+                raise TimeoutError(f"rank {me} timed out waiting for rank {peer}")
+            polls += 1
+            if polls < _YIELDS:  # a peer that is about to arrive: give it the core
+                os.sched_yield()
+            else:
+                time.sleep(delay)
+                delay = min(2 * delay, _MAX_SLEEP)
+
+    def barrier(self, members: Sequence[int]) -> None:
+        """Wait until every one of ``members`` (this rank among them) has arrived."""
+        me = self.rank
+        peers = [p for p in members if p != me]
+        for p in peers:
+            self.signals[me, p] += 1
+        for p in peers:
+            self.seen[p] += 1
+            self._wait(p, self.seen[p])
+
+    def meet(self, what: str, members: Sequence[int], data: np.ndarray | None,
+             want: Sequence[int]) -> dict[int, np.ndarray]:
+        """Post ``data`` to a meeting of ``members``; returns the raw bytes of each in ``want``.
+
+        Every member must call with the same ``what`` (the operation, checked:
+        ranks that run mismatched programs get an error, not garbage) and
+        ``members``. ``data`` None posts nothing (zero bytes). The arrays
+        returned are private copies (this rank's own entry is a view of ``data``).
+        """
+        me, cap = self.rank, self.layout.slot_bytes
+        members = tuple(members)
+        tag = zlib.crc32(f"{what} {members}".encode())
+        mine = _raw(data)
+        out: dict[int, np.ndarray] = {me: mine} if me in want else {}
+        offset = 0
+        while True:
+            chunk = mine[offset:offset + cap]
+            self.slots[me, :len(chunk)] = chunk
+            self.sizes[me] = len(mine)
+            self.tags[me] = tag
+            self.barrier(members)
+            other = [p for p in members if self.tags[p] != tag]
+            if other:
+                raise RuntimeError(f"rank {me} is in {what} over ranks {list(members)} but rank "
+                                   f"{other[0]} is in another call: the ranks' programs do not "
+                                   "match")
+            total = max(int(self.sizes[p]) for p in members)
+            for p in want:
+                if p == me:
+                    continue
+                if p not in out:
+                    out[p] = np.empty(int(self.sizes[p]), np.uint8)
+                count = min(cap, len(out[p]) - offset)
+                if count > 0:
+                    out[p][offset:offset + count] = self.slots[p, :count]
+            self.barrier(members)
+            offset += cap
+            if offset >= total:
+                return out
+
+
+def _raw(data: np.ndarray | None) -> np.ndarray:
+    if data is None:
+        return np.empty(0, np.uint8)
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
+def _as(raw: np.ndarray, like: np.ndarray, shape: Sequence[int] | None = None) -> np.ndarray:
+    return raw.view(like.dtype).reshape(like.shape if shape is None else tuple(shape))
+
+
+# ---------------------------------------------------------------------- the active run
+_ACTIVE: list[ShmComm] = []  # the comm of this process's rank, while it runs
+
+
+def _comm() -> ShmComm:
+    if not _ACTIVE:
+        raise RuntimeError("no disco run is in progress in this process")
+    return _ACTIVE[-1]
+
+
+@functools.lru_cache(maxsize=256)
+def _members(group: tuple[int, ...], device: int) -> tuple[int, tuple[int, ...]]:
+    members = CollectiveGroup.decode(group).members(device)
+    if device not in members:  # pragma: no cover - a lowering bug
+        raise RuntimeError(f"device {device} is not in its own group {members}")
+    return members.index(device), members
+
+
+def _group(group) -> tuple[ShmComm, tuple[int, ...], int]:
+    comm = _comm()
+    index, members = _members(tuple(int(v) for v in group), comm.rank)
+    return comm, members, index
+
+
+# ---------------------------------------------------------------------- tvm_distx.ccl.*
+def _allreduce(x, kind, group, out) -> None:
+    comm, members, _ = _group(group)
+    mine = np.from_dlpack(x)
+    raw = comm.meet("allreduce", members, mine, members)
+    posted = [_as(raw[d], mine) for d in members]
+    kind = int(kind)
+    if kind == 4:  # the same expression as the emulator, for the same bits
+        result = sum(posted) / len(members)
+    else:
+        result = posted[0]
+        for value in posted[1:]:
+            result = _REDUCERS[kind](result, value)
+    np.from_dlpack(out)[...] = result
+
+
+def _allgather(x, group, axes, out) -> None:
+    comm, members, _ = _group(group)
+    mine = np.from_dlpack(x)
+    raw = comm.meet("allgather", members, mine, members)
+    np.from_dlpack(out)[...] = np.concatenate([_as(raw[d], mine) for d in members],
+                                              axis=int(axes[0]))
+
+
+def _alltoall(x, group, axes, out) -> None:
+    comm, members, me = _group(group)
+    split, concat = int(axes[0]), int(axes[1])
+    mine = np.from_dlpack(x)
+    raw = comm.meet("alltoall", members, mine, members)
+    pieces = [np.split(_as(raw[d], mine), len(members), axis=split)[me] for d in members]
+    np.from_dlpack(out)[...] = np.concatenate(pieces, axis=concat)
+
+
+def _local_slice(x, group, axes, out) -> None:
+    _, members, me = _group(group)
+    np.from_dlpack(out)[...] = np.split(np.from_dlpack(x), len(members), axis=int(axes[0]))[me]
+
+
+def _move(x, spec, out) -> None:
+    """Every side of a send/recv: ``x`` is None on a receiver only, ``out`` on a sender only."""
+    from tvm_distx.legalize.planner import send_recv_transfers, shard_bounds
+
+    comm = _comm()
+    me = comm.rank
+    move = SendRecvSpec.decode(spec)
+    transfers = [t for t in send_recv_transfers(move.src, move.dst, move.shape)
+                 if t.receiver == me]
+    mine = None if x is None else np.from_dlpack(x)
+    senders = sorted({t.sender for t in transfers})
+    raw = comm.meet("send/recv", move.participants(), mine, senders)
+    if out is None:
+        return
+    target = np.from_dlpack(out)
+    box = shard_bounds(move.dst, move.shape, me)
+
+    def copy(piece, sender: int, held: np.ndarray) -> None:
+        start = shard_bounds(move.src, move.shape, sender)
+        source = held[tuple(slice(a - h, b - h) for (a, b), (h, _) in zip(piece, start))]
+        target[tuple(slice(a - m, b - m) for (a, b), (m, _) in zip(piece, box))] = source
+
+    own = shard_bounds(move.src, move.shape, me)
+    if own is not None:  # what this rank already holds
+        overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(own, box))
+        if all(a < b for a, b in overlap):
+            copy(overlap, me, mine)
+    for t in transfers:
+        held = shard_bounds(move.src, move.shape, t.sender)
+        copy(t.bounds, t.sender, _as(raw[t.sender], target, [b - a for a, b in held]))
+
+
+def _send_recv(x, spec, out) -> None:
+    _move(x, spec, out)
+
+
+def _send(x, spec) -> None:
+    _move(x, spec, None)
+
+
+def _recv(spec, out) -> None:
+    _move(None, spec, out)
+
+
+# ---------------------------------------------------------------------- TVM's disco builtins
+# TVM's lowered programs call ``runtime.disco.allreduce`` and friends, which
+# dispatch to ``runtime.disco.<ccl>.<name>`` with the worker's CCL name: empty,
+# since only a C++ CCL sets it. The group is every worker (one worker group).
+def _meet_all(what: str, data, want) -> tuple[int, tuple[int, ...], dict[int, np.ndarray]]:
+    comm = _comm()
+    members = tuple(range(comm.layout.world))
+    raw = comm.meet(what, members, data, members if want is None else want)
+    return comm.rank, members, raw
+
+
+def _disco_allreduce(send, kind, in_group, recv) -> None:
+    world = _comm().layout.world
+    _allreduce(send, kind, CollectiveGroup((world,), 0, (0,)).encode(), recv)
+
+
+def _disco_allgather(send, in_group, recv) -> None:
+    _, members, raw = _meet_all("allgather", np.from_dlpack(send), None)
+    target = np.from_dlpack(recv)
+    target[...] = _as(np.concatenate([raw[d] for d in members]), target)
+
+
+def _disco_broadcast_from_worker0(send, in_group, recv) -> None:
+    data = np.from_dlpack(send) if _comm().rank == 0 else None
+    _, _, raw = _meet_all("broadcast_from_worker0", data, [0])
+    target = np.from_dlpack(recv)
+    target[...] = _as(raw[0], target)
+
+
+def _disco_scatter_from_worker0(send, in_group, recv) -> None:
+    data = np.from_dlpack(send) if _comm().rank == 0 else None
+    rank, members, raw = _meet_all("scatter_from_worker0", data, [0])
+    target = np.from_dlpack(recv)
+    target[...] = _as(np.split(raw[0], len(members))[rank], target)
+
+
+def _disco_gather_to_worker0(send, in_group, recv) -> None:
+    first = _comm().rank == 0
+    _, members, raw = _meet_all("gather_to_worker0", np.from_dlpack(send), None if first else ())
+    if first:
+        target = np.from_dlpack(recv)
+        target[...] = _as(np.concatenate([raw[d] for d in members]), target)
+
+
+_FUNCTIONS = {
+    ccl.ALLREDUCE: _allreduce,
+    ccl.ALLGATHER: _allgather,
+    ccl.ALLTOALL: _alltoall,
+    ccl.LOCAL_SLICE: _local_slice,
+    ccl.SEND_RECV: _send_recv,
+    ccl.SEND: _send,
+    ccl.RECV: _recv,
+    "runtime.disco..allreduce": _disco_allreduce,
+    "runtime.disco..allgather": _disco_allgather,
+    "runtime.disco..broadcast_from_worker0": _disco_broadcast_from_worker0,
+    "runtime.disco..scatter_from_worker0": _disco_scatter_from_worker0,
+    "runtime.disco..gather_to_worker0": _disco_gather_to_worker0,
+}
+
+
+def install(comm: ShmComm | None) -> None:
+    """Make ``comm`` this process's communicator and register the functions over it.
+
+    Registration is repeated on every run: another backend (the emulator) may
+    have overridden the same names in this process since. None uninstalls.
+    """
+    import tvm_ffi
+
+    _ACTIVE.clear()
+    if comm is None:
+        return
+    _ACTIVE.append(comm)
+    for name, func in _FUNCTIONS.items():
+        tvm_ffi.register_global_func(name, func, override=True)
