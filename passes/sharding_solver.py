@@ -452,6 +452,10 @@ class FunctionAnalysis:
         mesh = self.program.mesh_named(DeviceMesh.from_tvm(call.attrs.device_mesh))
         sharding = TensorSharding(mesh, Placement.from_tvm(call.attrs.placement))
         what = "annotate_sharding" if _ir.is_call_to(call, _ANNOTATE) else "redistribute"
+        # written in the IR directly, it has not been checked yet (TVM accepts "S[2]"
+        # on a 2-D mesh)
+        sharding.placement.validate(mesh, _ir.static_shape(b.var.ty) or None,
+                                    function=self.name, var=b.var.name)
         self._set(b.var, 0, Decision(sharding, Strength.SOURCE, f"{what} {sharding} in '{self.name}'"))
         source = call.args[0]
         if what == "annotate_sharding" and isinstance(source, relax.Var):

@@ -761,3 +761,21 @@ def test_a_constant_that_would_need_sharding_is_refused():
     with pytest.raises(td.UnsupportedValueError, match="constant") as info:
         PropagateSharding()(mod)
     assert (info.value.function, info.value.var) == ("main", "y")
+
+
+def test_an_annotation_written_in_the_ir_is_validated_against_its_mesh():
+    """TVM accepts "S[2]" on a 2-D mesh; propagation names the mistake."""
+    from tvm.relax.distributed import DeviceMesh, Placement
+
+    mesh = DeviceMesh([2, 2], tvm.ir.Range(0, 4))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((8, 12, 4), "float32"))
+    with bb.function("main", [x]):
+        y = bb.emit(relax.op.distributed.annotate_sharding(x, mesh, Placement.from_text("S[2]")),
+                    name_hint="y")
+        bb.emit_func_output(bb.emit(relax.op.nn.relu(y)))
+    mod = bb.get()
+    mod.update_global_info("mesh", [mesh])
+    with pytest.raises(td.PlacementRankError, match="placement has 1 entries") as info:
+        PropagateSharding()(mod)
+    assert (info.value.function, info.value.var) == ("main", "y")
