@@ -119,9 +119,24 @@ class TestRebuilding:
 
 class TestHierarchy:
     @pytest.mark.parametrize("cls", ALL_ERRORS + [ScriptError])
-    def test_every_error_is_a_sharding_error(self, cls):
-        assert issubclass(cls, ShardingError)
+    def test_every_error_is_a_distx_error(self, cls):
+        assert issubclass(cls, errors.DistxError)
         assert issubclass(cls, Exception)
+
+    @pytest.mark.parametrize("cls", [c for c in ALL_ERRORS if c.rule not in
+                                     ("tvm-distx", "bundle", "argument", "launch")])
+    def test_every_compiler_error_is_a_sharding_error(self, cls):
+        assert issubclass(cls, ShardingError)
+
+    @pytest.mark.parametrize("err", [
+        errors.BundleError("bad manifest", hint="export again"),
+        errors.ArgumentError("bad input"),
+        errors.LaunchError("rank 1 failed", rank=1, reason="raised", details="Traceback ..."),
+    ])
+    def test_runtime_errors_pickle_with_their_fields(self, err):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+        assert getattr(back, "rank", None) == getattr(err, "rank", None)
 
     @pytest.mark.parametrize(
         "cls",

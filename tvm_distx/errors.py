@@ -213,6 +213,17 @@ class _RuntimeErrorBase(DistxError):
             text += f"\nhint: {hint}"
         super().__init__(text)
 
+    def __reduce__(self):
+        return _rebuild, (type(self), dict(self.__dict__), self.args)
+
+
+def _rebuild(cls, state: dict, args: tuple) -> "_RuntimeErrorBase":
+    """Unpickle an error with its fields (its constructor takes keywords)."""
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
 
 class BundleError(_RuntimeErrorBase, ValueError):
     """A bundle is unusable: its manifest, a weight file or the rank count is wrong.
