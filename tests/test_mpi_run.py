@@ -120,9 +120,12 @@ def test_cli_runs_a_bundle_whose_ranks_load_only_their_weight_shards(tensor_para
     x, A, B = weights
     bundle = tensor_parallel.export(tmp_path / "bundle", params={"A": A, "B": B})
     np.save(tmp_path / "x.npy", x)
-    done = subprocess.run([sys.executable, "-m", "tvm_distx", "run", str(bundle), "-n", "2",
-                           "-i", str(tmp_path / "x.npy"), "-o", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300)
+    assert "`x` float32[128, 128]" in (bundle / "README.md").read_text()
+    # the bundle's own launch script, which runs `tvm-distx run BUNDLE -n 2`
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run([str(bundle / "run.sh"), "-i", str(tmp_path / "x.npy"),
+                           "-o", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     np.testing.assert_allclose(np.load(tmp_path / "out" / "out0.npy"), mlp_twice(x, A, B),
                                rtol=1e-5, atol=1e-5)

@@ -43,8 +43,9 @@ def _run(args: argparse.Namespace) -> int:
             inputs.append(np.load(path, allow_pickle=False))
         except ValueError as err:
             raise ArgumentError(f"input file {path} is not a .npy array ({err})") from None
+    hosts = [h for h in args.hosts.split(",") if h] if args.hosts else None
     results = launch(args.bundle, inputs, num_ranks=args.n, function=args.function,
-                     timeout=args.timeout)
+                     timeout=args.timeout, hosts=hosts)
     results = results if isinstance(results, tuple) else (results,)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -70,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="global inputs, in parameter order")
     run.add_argument("-o", "--output", default="out", help="directory for the results")
     run.add_argument("--timeout", type=float, default=300.0)
+    run.add_argument("--hosts", default=None,
+                     help="comma-separated hosts for mpiexec -hosts (the bundle must be at the "
+                     "same path on each)")
     run.set_defaults(handler=_run)
     return parser
 

@@ -251,6 +251,8 @@ class DistExecutable:
         self._write_library(root)
         manifest = self._manifest(files, {function: sorted(weights)})
         (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _write_launcher(root, self.num_ranks, self.target.name, signature,
+                        set(weights))
         logger.info("bundle written to %s (%d weight files)", root, len(files))
         return root
 
@@ -281,6 +283,46 @@ class DistExecutable:
             },
             "weight_files": files,
         }
+
+
+_LAUNCH_SCRIPT = """#!/bin/sh
+# Run this bundle on {n} MPI ranks: ./run.sh [-i input.npy ...] [-o out/]
+# On several hosts: HOSTS=node0,node1 ./run.sh ...  (the bundle must be at the same
+# path on every host). Needs tvm-distx, TVM's runtime and mpi4py on every host.
+HERE="$(cd "$(dirname "$0")" && pwd)"
+exec tvm-distx run "$HERE" -n {n} ${{HOSTS:+--hosts "$HOSTS"}} "$@"
+"""
+
+
+def _write_launcher(root: Path, num_ranks: int, target: str, signature: FunctionSignature,
+                    weights: set[str]) -> None:
+    """A launch script and a README beside the manifest."""
+    script = root / "run.sh"
+    script.write_text(_LAUNCH_SCRIPT.format(n=num_ranks))
+    script.chmod(0o755)
+    inputs = [p for p in signature.params if p.name not in weights]
+    lines = [
+        f"# tvm-distx bundle: {signature.name} on {num_ranks} ranks, target {target}",
+        "",
+        "| file | contents |",
+        "|---|---|",
+        "| `manifest.json` | meshes, rank coordinates, process groups, collectives, "
+        "entries, signatures, weight files with sha256 |",
+        "| `lib.so` | the rank programs (one library for all ranks) |",
+        "| `weights/rank<d>/<name>.npy` | the shard of each weight that rank d holds |",
+        "| `run.sh` | `mpiexec` launch through `tvm-distx run` |",
+        "",
+        "Inputs, in order, as global `.npy` files: "
+        + (", ".join(f"`{p.name}` {p.dtype}{list(p.shape)}" for p in inputs) or "none"),
+        "",
+        "```sh",
+        "./run.sh " + " ".join(f"-i {p.name}.npy" for p in inputs) + " -o out/",
+        "HOSTS=node0,node1 ./run.sh ...   # across hosts",
+        "```",
+        "",
+        "Every rank needs Python with tvm-distx, TVM's runtime and mpi4py for its machine.",
+    ]
+    (root / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def _as_array(value) -> np.ndarray:
