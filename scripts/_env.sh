@@ -25,3 +25,12 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
 fi
 
 export PATH="$VENV/bin:$PATH"
+
+# The RISC-V cross compiler and qemu user-mode emulation, for RVV bundles checked under
+# qemu (Debian packages, installed once when missing).
+if ! command -v riscv64-linux-gnu-gcc >/dev/null 2>&1 || ! command -v qemu-riscv64 >/dev/null 2>&1; then
+    echo "[setup] installing gcc-riscv64-linux-gnu and qemu-user with apt-get"
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc-riscv64-linux-gnu qemu-user >/dev/null
+fi

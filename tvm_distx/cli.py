@@ -1,5 +1,9 @@
 """The ``tvm-distx`` command line (also ``python -m tvm_distx``).
 
+``tvm-distx bundle MODULE.py --rules rules.json [--weights w.npz] --target x86|rvv -o DIR``
+compiles an annotated module into a bundle (``--check`` runs an RVV bundle's kernels
+under qemu).
+
 ``tvm-distx run BUNDLE -n N [--backend mpi] [--function main] [-i x.npy ...] [-o OUT]``
 runs a bundle on N ranks. Inputs are global ``.npy`` files in the order of
 the function's parameters that are not weights stored in the bundle; the
@@ -55,6 +59,43 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _bundle(args: argparse.Namespace) -> int:
+    import json
+
+    from . import compile as compile_module
+    from .passes import AnnotateSharding
+    from .rules import ShardingRule
+    from .script import load_module
+
+    mod = load_module(args.module)
+    if args.rules:
+        try:
+            data = json.loads(Path(args.rules).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ArgumentError(f"cannot read rules from {args.rules}: {err}",
+                                hint='give a JSON list such as [{"param": "A", "result": '
+                                '"S[1]", "function": "mlp"}]') from None
+        rules = [ShardingRule(**{**r, "args": {int(k): v for k, v in r.get("args", {}).items()}})
+                 for r in data]
+        mod = AnnotateSharding(rules)(mod)
+    weights = {}
+    if args.weights:
+        with np.load(args.weights, allow_pickle=False) as archive:
+            weights = {name: archive[name] for name in archive.files}
+    options = {"vlen": args.vlen} if args.vlen else {}
+    exe = compile_module(mod, target=args.target, **options)
+    out = exe.export(args.output, params=weights, function=args.function)
+    if args.check and exe.target.is_riscv:
+        from .rvv import check_kernels
+
+        checks = check_kernels(out / "kernels", vlen=args.vlen or 128)
+        for check in checks:
+            sys.stdout.write(f"kernel {check.name}: max |error| {check.max_error:g} under qemu, "
+                             f"vector code {'ran' if check.vector_ran else 'absent'}\n")
+    sys.stdout.write(f"wrote the {exe.target.name} bundle for {exe.num_ranks} ranks to {out}\n")
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tvm-distx",
                                      description="Sharding, lowering and multi-rank execution "
@@ -75,6 +116,18 @@ def _parser() -> argparse.ArgumentParser:
                      help="comma-separated hosts for mpiexec -hosts (the bundle must be at the "
                      "same path on each)")
     run.set_defaults(handler=_run)
+    bundle = sub.add_parser("bundle", help="compile an annotated module into a bundle")
+    bundle.add_argument("module", type=Path, help="a TVMScript file")
+    bundle.add_argument("--rules", type=Path, help="sharding rules, a JSON list of "
+                        "ShardingRule fields")
+    bundle.add_argument("--weights", type=Path, help="an .npz of global weights by parameter")
+    bundle.add_argument("--target", default="x86", choices=["x86", "rvv"])
+    bundle.add_argument("--vlen", type=int, default=None, help="RVV vector length in bits")
+    bundle.add_argument("--function", default="main")
+    bundle.add_argument("--check", action="store_true",
+                        help="for rvv: run every kernel under qemu against this host")
+    bundle.add_argument("-o", "--output", type=Path, required=True)
+    bundle.set_defaults(handler=_bundle)
     return parser
 
 

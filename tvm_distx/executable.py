@@ -94,7 +94,7 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
         built = schedule_module(lowered, resolved.target)
     logger.info("building for %s", resolved.name)
     vm_exec = tvm.compile(built, target=resolved.target)
-    return DistExecutable(lowered, signatures, vm_exec, resolved)
+    return DistExecutable(lowered, signatures, vm_exec, resolved, built=built)
 
 
 class DistExecutable:
@@ -113,10 +113,11 @@ class DistExecutable:
     """
 
     def __init__(self, module: tvm.IRModule, signatures: dict[str, FunctionSignature],
-                 vm_exec, target) -> None:
+                 vm_exec, target, built: tvm.IRModule | None = None) -> None:
         from .legalize.lower_distir import module_devices, rank_entry
 
         self.module = module
+        self.built = built if built is not None else module
         self.signatures = signatures
         self.vm_exec = vm_exec
         self.target = target
@@ -258,6 +259,12 @@ class DistExecutable:
 
     def _write_library(self, root: Path) -> None:
         self.target.export_library(self.vm_exec, root / "lib.so")
+        if self.target.is_riscv:
+            # no TVM runtime for riscv64 here: the kernels, alone, are checked under qemu
+            from .rvv import write_kernels
+
+            write_kernels(self.built, self.target.target, root / "kernels",
+                          cc=self.target.cc or "riscv64-linux-gnu-gcc")
 
     def _manifest(self, files: list[dict], weights: dict[str, list[str]]) -> dict:
         names = {(m.shape, m.device_range.start): name for name, m in self.meshes.items()}
@@ -311,6 +318,9 @@ def _write_launcher(root: Path, num_ranks: int, target: str, signature: Function
         "| `lib.so` | the rank programs (one library for all ranks) |",
         "| `weights/rank<d>/<name>.npy` | the shard of each weight that rank d holds |",
         "| `run.sh` | `mpiexec` launch through `tvm-distx run` |",
+        *(["| `kernels/` | the kernels alone (`kernels.so`, their TIR and arguments), "
+           "checked under qemu with `tvm_distx.rvv.check_kernels` |"]
+          if (root / "kernels").is_dir() else []),
         "",
         "Inputs, in order, as global `.npy` files: "
         + (", ".join(f"`{p.name}` {p.dtype}{list(p.shape)}" for p in inputs) or "none"),
