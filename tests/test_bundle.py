@@ -187,3 +187,14 @@ def test_disco_backend_gives_the_emulators_numbers_bit_for_bit(exe, data):
     disco = exe.run(x, params={"A": A, "B": B}, backend="disco")
     np.testing.assert_array_equal(disco, exe.run(x, params={"A": A, "B": B}, backend="emulate"))
     np.testing.assert_allclose(disco, mlp_twice(x, A, B), atol=1e-5)
+
+
+@pytest.mark.parametrize("example,rule", [
+    ("seed_mesh2x2.py", ShardingRule(callee="mlp", args={0: "S[0]R", 1: "RS[1]", 2: "RS[0]"})),
+    ("seed_pipeline.py", ShardingRule(callee="mlp", args={0: "R"},
+                                      meshes=["mesh[0]", "mesh[1]"])),
+], ids=["2x2-on-4-workers", "pipeline-on-2-workers"])
+def test_disco_runs_the_2x2_mesh_and_the_pipeline(example, rule, data):
+    exe = td.compile(AnnotateSharding([rule])(td.load_module(DATA / example)))
+    np.testing.assert_allclose(exe.run(*data, backend="disco"), mlp_twice(*data),
+                               rtol=1e-5, atol=1e-5)

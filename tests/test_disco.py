@@ -116,6 +116,16 @@ def test_a_failing_rank_is_named_quickly_and_leaves_nothing_behind(tensor_parall
     assert "Traceback" in str(info.value)
 
 
+def test_a_killed_worker_is_named_and_the_run_stops(tensor_parallel, clean, monkeypatch):
+    library, _, shards, _, _ = tensor_parallel
+    monkeypatch.setenv("TVM_DISTX_FAULT", "1:kill")
+    start = time.monotonic()
+    with pytest.raises(td.LaunchError, match=r"rank 1 failed: .*exited with code -9") as info:
+        run_disco(library, ["main", "main"], shards, timeout=60)
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 15
+
+
 def test_ranks_that_run_different_programs_get_an_error_not_garbage(tensor_parallel, clean):
     library, _, shards, _, _ = tensor_parallel
     # rank 0 reaches its allreduce while rank 1, which runs nothing, hands in its result

@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import mmap
+import os
 import pickle
+import signal
 import sys
 import traceback
 from typing import Sequence
@@ -110,6 +112,7 @@ def _run(job: dict, comm: ShmComm) -> None:
     from tvm import relax
 
     rank, world = comm.rank, comm.layout.world
+    _inject_fault(rank)
     try:
         offset, length = job["inputs"][rank]
         args = pickle.loads(comm.inputs[offset:offset + length])
@@ -128,6 +131,19 @@ def _run(job: dict, comm: ShmComm) -> None:
     if rank == 0:
         RESULTS[job["job"]] = [pickle.loads(posted[d]) for d in everyone]
     comm.finish(DONE)
+
+
+def _inject_fault(rank: int) -> None:
+    """The test hook of :mod:`tvm_distx.runtime.worker` (``TVM_DISTX_FAULT="<rank>:kill"``).
+
+    Only ``kill`` applies to disco workers (a raising rank is tested with bad
+    inputs); rank 0 is a thread of the controller and is never killed.
+    """
+    from tvm_distx.runtime.worker import FAULT_ENV
+
+    where, _, kind = os.environ.get(FAULT_ENV, "").partition(":")
+    if kind == "kill" and rank != 0 and where.strip() == str(rank):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _to_numpy(value):
