@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,8 +69,14 @@ class ResolvedTarget:
         """Write ``vm_exec``'s shared library, cross-linked when the target needs it."""
         if self.cc is None:
             vm_exec.export_library(str(path))
-        else:
-            vm_exec.export_library(str(path), cc=self.cc)
+            return
+        if shutil.which(self.cc) is None:
+            raise ArgumentError(
+                f"the {self.name} target links with {self.cc}, which is not installed",
+                hint="apt-get install gcc-riscv64-linux-gnu" if "riscv64" in self.cc
+                else f"install {self.cc} or pass cc= to tvm_distx.compile",
+            )
+        vm_exec.export_library(str(path), cc=self.cc)
 
 
 def x86_target(num_cores: int | None = None) -> tvm.target.Target:
