@@ -182,3 +182,18 @@ class TestScriptErrors:
         with pytest.raises(ScriptError) as info:
             load_module(path)
         assert str(path) in str(info.value)
+
+
+def test_a_printed_dtensor_module_loads_back(tmp_path):
+    """TVM prints R.DTensor and R.device_mesh, which its own parser only knows under R.dist."""
+    import tvm
+
+    from tvm_distx import ShardingRule
+    from tvm_distx.passes import AnnotateSharding, PropagateSharding
+
+    mod = load_module(Path(__file__).parent / "data" / "seed_tensor_parallel.py")
+    mod = PropagateSharding()(AnnotateSharding(
+        [ShardingRule(param="A", result="S[1]", function="mlp")])(mod))
+    (tmp_path / "printed.py").write_text(mod.script(show_meta=False))
+    assert "R.DTensor(" in (tmp_path / "printed.py").read_text()
+    tvm.ir.assert_structural_equal(load_module(tmp_path / "printed.py"), mod)

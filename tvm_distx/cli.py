@@ -1,22 +1,35 @@
 """The ``tvm-distx`` command line (also ``python -m tvm_distx``).
 
-``tvm-distx bundle MODULE.py --rules rules.json [--weights w.npz] --target x86|rvv -o DIR``
-compiles an annotated module into a bundle (``--check`` runs an RVV bundle's kernels
-under qemu).
+==============  ===========================================================================
+subcommand      what it does
+==============  ===========================================================================
+``annotate``    ``MODULE.py --rules R`` -> the module with ``annotate_sharding`` calls
+``propagate``   ``MODULE.py [--rules R]`` -> every tensor typed ``R.DTensor``
+``explain``     ``MODULE.py [--rules R] [--value F:V] [--png P]`` -> the sharding tables,
+                the comm report, and optionally how one value is cut across the ranks
+``plan``        ``MODULE.py [--rules R]`` -> the comm report: every collective, bytes/rank
+``compile``     ``MODULE.py [--rules R] [--weights W.npz] --target x86|rvv -o DIR`` -> a
+                bundle
+``bundle``      as ``compile``, and for ``--target rvv`` every kernel is checked under qemu
+``run``         ``BUNDLE -n N [--backend mpi|disco] [-i X.npy ...] [-o OUT]`` -> results
+==============  ===========================================================================
 
-``tvm-distx run BUNDLE -n N [--backend mpi] [--function main] [-i x.npy ...] [-o OUT]``
-runs a bundle on N ranks. Inputs are global ``.npy`` files in the order of
-the function's parameters that are not weights stored in the bundle; the
-results are written to ``OUT/out0.npy``, ``OUT/out1.npy``, ...
+``MODULE.py`` is a TVMScript file. Rules are a JSON or YAML list of
+:class:`tvm_distx.ShardingRule` fields, for example
+``[{"param": "A", "result": "S[1]", "function": "mlp"}]``. ``annotate`` and
+``propagate`` print TVMScript, or write it with ``-o``.
 
-Errors are one readable line and a hint on stderr (the traceback only with
-``--verbose``). Exit codes: 0 success, 1 a run that failed, 2 bad usage or
-input (argparse's convention), 130 interrupted.
+Errors are one readable line and a hint on stderr; the traceback only with
+``--verbose``. Long steps show progress on a terminal, and nothing when the
+output is not one. Exit codes: 0 success, 1 a run that failed, 2 bad usage or
+input, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
 import sys
 from pathlib import Path
@@ -32,13 +45,174 @@ logger = logging.getLogger(__name__)
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
+# ---------------------------------------------------------------------- inputs
+def _read_rules(path: Path | None) -> list:
+    from .rules import ShardingRule
+
+    if path is None:
+        return []
+    try:
+        text = Path(path).read_text()
+        if Path(path).suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except (OSError, ValueError) as err:  # JSON and YAML errors are ValueErrors
+        raise ArgumentError(f"cannot read rules from {path}: {err}",
+                            hint='give a JSON or YAML list such as [{"param": "A", '
+                            '"result": "S[1]", "function": "mlp"}]') from None
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise ArgumentError(f"rules in {path} must be a list of objects",
+                            hint='for example [{"callee": "mlp", "args": {"0": "R"}}]')
+    rules = []
+    for index, fields in enumerate(data):
+        fields = dict(fields)
+        if "args" in fields:
+            fields["args"] = {int(k): v for k, v in dict(fields["args"]).items()}
+        try:
+            rules.append(ShardingRule(**fields))
+        except TypeError as err:
+            raise ArgumentError(f"rule {index} in {path}: {err}",
+                                hint="fields are callee, op, param, args, result, function, "
+                                "meshes") from None
+    return rules
+
+
+def _load(args: argparse.Namespace):
+    from .passes import AnnotateSharding
+    from .script import load_module
+
+    if not Path(args.module).is_file():
+        raise ArgumentError(f"module file {args.module} does not exist")
+    mod = load_module(args.module)
+    rules = _read_rules(getattr(args, "rules", None))
+    return AnnotateSharding(rules)(mod) if rules else mod
+
+
+def _write_module(mod, output: Path | None) -> None:
+    text = mod.script(show_meta=False)
+    if output is None:
+        sys.stdout.write(text + "\n")
+    else:
+        Path(output).write_text(text + "\n")
+        sys.stderr.write(f"wrote {output}\n")
+
+
+@contextlib.contextmanager
+def _progress(description: str):
+    """A spinner with elapsed time on a terminal; silent when stderr is not one."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True,
+                  disable=not console.is_terminal) as progress:
+        progress.add_task(description, total=None)
+        yield
+
+
+# ---------------------------------------------------------------------- subcommands
+def _annotate(args: argparse.Namespace) -> int:
+    if args.rules is None:
+        raise ArgumentError("annotate needs --rules", hint="tvm-distx annotate model.py "
+                            "--rules rules.json")
+    _write_module(_load(args), args.output)
+    return EXIT_OK
+
+
+def _propagate(args: argparse.Namespace) -> int:
+    from tvm import relax
+
+    from .passes import PropagateSharding
+
+    mod = _load(args)
+    if args.legalize:
+        mod = relax.transform.LegalizeOps()(mod)
+    _write_module(PropagateSharding(require_legalized=args.legalize)(mod), args.output)
+    return EXIT_OK
+
+
+def _propagated(args: argparse.Namespace):
+    from .pipeline import run_stages
+
+    with _progress("propagating and lowering"):
+        return run_stages(_load(args))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .comm_report import comm_report
+    from .views import comm_table
+
+    report = comm_report(_propagated(args)["local_view"])
+    Console().print(comm_table(report))
+    return EXIT_OK
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .comm_report import comm_report
+    from .views import comm_table, plot_value, sharding_tables, show_value
+
+    stages = _propagated(args)
+    console = Console()
+    for table in sharding_tables(stages["propagate_sharding"]):
+        console.print(table)
+    console.print(comm_table(comm_report(stages["local_view"])))
+    if args.value:
+        function, _, value = args.value.partition(":")
+        if not value:
+            raise ArgumentError(f"--value takes FUNCTION:VALUE, got {args.value!r}",
+                                hint="for example --value mlp:A")
+        show_value(stages["propagate_sharding"], function, value, console=console)
+        if args.png:
+            plot_value(stages["propagate_sharding"], function, value, path=args.png)
+            console.print(f"wrote {args.png}")
+    return EXIT_OK
+
+
+def _compile(args: argparse.Namespace, check: bool = False) -> int:
+    from . import compile as compile_module
+
+    mod = _load(args)
+    weights = {}
+    if args.weights:
+        try:
+            with np.load(args.weights, allow_pickle=False) as archive:
+                weights = {name: archive[name] for name in archive.files}
+        except (OSError, ValueError) as err:
+            raise ArgumentError(f"cannot read weights from {args.weights}: {err}",
+                                hint="give an .npz of global weights keyed by parameter "
+                                "name (numpy.savez)") from None
+    options = {"vlen": args.vlen} if args.vlen else {}
+    with _progress(f"compiling for {args.target}"):
+        exe = compile_module(mod, target=args.target, **options)
+    with _progress(f"exporting {exe.num_ranks} ranks' weight shards"):
+        out = exe.export(args.output, params=weights, function=args.function)
+    if (check or args.check) and exe.target.is_riscv:
+        from .rvv import check_kernels
+
+        with _progress("checking every kernel under qemu"):
+            checks = check_kernels(out / "kernels", vlen=args.vlen or 128)
+        for c in checks:
+            sys.stdout.write(f"kernel {c.name}: max |error| {c.max_error:g} under qemu, "
+                             f"vector code {'ran' if c.vector_ran else 'absent'}\n")
+    sys.stdout.write(f"wrote the {exe.target.name} bundle for {exe.num_ranks} ranks to {out}\n")
+    return EXIT_OK
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    return _compile(args, check=True)
+
+
 def _run(args: argparse.Namespace) -> int:
     from .runtime.launcher import launch
 
-    if args.backend != "mpi":
-        raise ArgumentError(f"a bundle runs with --backend mpi, not {args.backend!r}",
-                            hint="use tvm_distx.compile(...).run(backend='disco') from Python "
-                            "for disco")
     inputs = []
     for path in args.inputs:
         if not Path(path).is_file():
@@ -48,8 +222,10 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise ArgumentError(f"input file {path} is not a .npy array ({err})") from None
     hosts = [h for h in args.hosts.split(",") if h] if args.hosts else None
-    results = launch(args.bundle, inputs, num_ranks=args.n, function=args.function,
-                     timeout=args.timeout, hosts=hosts)
+    with _progress(f"running {args.n} ranks ({args.backend})"):
+        results = launch(args.bundle, inputs, num_ranks=args.n, function=args.function,
+                         timeout=args.timeout, backend=args.backend,
+                         **({"hosts": hosts} if hosts else {}))
     results = results if isinstance(results, tuple) else (results,)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,41 +235,11 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _bundle(args: argparse.Namespace) -> int:
-    import json
-
-    from . import compile as compile_module
-    from .passes import AnnotateSharding
-    from .rules import ShardingRule
-    from .script import load_module
-
-    mod = load_module(args.module)
-    if args.rules:
-        try:
-            data = json.loads(Path(args.rules).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ArgumentError(f"cannot read rules from {args.rules}: {err}",
-                                hint='give a JSON list such as [{"param": "A", "result": '
-                                '"S[1]", "function": "mlp"}]') from None
-        rules = [ShardingRule(**{**r, "args": {int(k): v for k, v in r.get("args", {}).items()}})
-                 for r in data]
-        mod = AnnotateSharding(rules)(mod)
-    weights = {}
-    if args.weights:
-        with np.load(args.weights, allow_pickle=False) as archive:
-            weights = {name: archive[name] for name in archive.files}
-    options = {"vlen": args.vlen} if args.vlen else {}
-    exe = compile_module(mod, target=args.target, **options)
-    out = exe.export(args.output, params=weights, function=args.function)
-    if args.check and exe.target.is_riscv:
-        from .rvv import check_kernels
-
-        checks = check_kernels(out / "kernels", vlen=args.vlen or 128)
-        for check in checks:
-            sys.stdout.write(f"kernel {check.name}: max |error| {check.max_error:g} under qemu, "
-                             f"vector code {'ran' if check.vector_ran else 'absent'}\n")
-    sys.stdout.write(f"wrote the {exe.target.name} bundle for {exe.num_ranks} ranks to {out}\n")
-    return EXIT_OK
+# ---------------------------------------------------------------------- parser
+def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = False) -> None:
+    parser.add_argument("module", type=Path, help="a TVMScript file")
+    parser.add_argument("--rules", type=Path, required=rules_required,
+                        help="sharding rules: a JSON or YAML list of ShardingRule fields")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,31 +249,56 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="log progress and show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a bundle on N ranks")
-    run.add_argument("bundle", type=Path, help="a directory written by DistExecutable.export")
-    run.add_argument("-n", type=int, required=True, help="the number of ranks")
-    run.add_argument("--backend", default="mpi", choices=["mpi", "disco"])
-    run.add_argument("--function", default="main")
-    run.add_argument("-i", "--inputs", nargs="*", default=[], metavar="NPY",
-                     help="global inputs, in parameter order")
-    run.add_argument("-o", "--output", default="out", help="directory for the results")
-    run.add_argument("--timeout", type=float, default=300.0)
-    run.add_argument("--hosts", default=None,
-                     help="comma-separated hosts for mpiexec -hosts (the bundle must be at the "
-                     "same path on each)")
-    run.set_defaults(handler=_run)
-    bundle = sub.add_parser("bundle", help="compile an annotated module into a bundle")
-    bundle.add_argument("module", type=Path, help="a TVMScript file")
-    bundle.add_argument("--rules", type=Path, help="sharding rules, a JSON list of "
-                        "ShardingRule fields")
-    bundle.add_argument("--weights", type=Path, help="an .npz of global weights by parameter")
-    bundle.add_argument("--target", default="x86", choices=["x86", "rvv"])
-    bundle.add_argument("--vlen", type=int, default=None, help="RVV vector length in bits")
-    bundle.add_argument("--function", default="main")
-    bundle.add_argument("--check", action="store_true",
-                        help="for rvv: run every kernel under qemu against this host")
-    bundle.add_argument("-o", "--output", type=Path, required=True)
-    bundle.set_defaults(handler=_bundle)
+
+    p = sub.add_parser("annotate", help="add sharding annotations from rules")
+    _module_arguments(p)
+    p.add_argument("-o", "--output", type=Path, help="write TVMScript here (default stdout)")
+    p.set_defaults(handler=_annotate)
+
+    p = sub.add_parser("propagate", help="propagate sharding through the whole module")
+    _module_arguments(p)
+    p.add_argument("--legalize", action="store_true",
+                   help="run LegalizeOps first (what compile does)")
+    p.add_argument("-o", "--output", type=Path, help="write TVMScript here (default stdout)")
+    p.set_defaults(handler=_propagate)
+
+    p = sub.add_parser("explain", help="sharding tables, comm report, one value's layout")
+    _module_arguments(p)
+    p.add_argument("--value", help="FUNCTION:VALUE to draw across the mesh")
+    p.add_argument("--png", type=Path, help="also draw --value into this PNG")
+    p.set_defaults(handler=_explain)
+
+    p = sub.add_parser("plan", help="the comm report: every collective with bytes per rank")
+    _module_arguments(p)
+    p.set_defaults(handler=_plan)
+
+    for name, handler, text in (("compile", _compile, "compile into a bundle"),
+                                ("bundle", _bundle, "compile into a bundle; for rvv, check "
+                                 "every kernel under qemu")):
+        p = sub.add_parser(name, help=text)
+        _module_arguments(p)
+        p.add_argument("--weights", type=Path, help="an .npz of global weights by parameter")
+        p.add_argument("--target", default="x86", choices=["x86", "rvv"])
+        p.add_argument("--vlen", type=int, default=None, help="RVV vector length in bits")
+        p.add_argument("--function", default="main")
+        p.add_argument("--check", action="store_true",
+                       help="for rvv: run every kernel under qemu against this host")
+        p.add_argument("-o", "--output", type=Path, required=True)
+        p.set_defaults(handler=handler)
+
+    p = sub.add_parser("run", help="run a bundle on N ranks")
+    p.add_argument("bundle", type=Path, help="a directory written by compile or bundle")
+    p.add_argument("-n", type=int, required=True, help="the number of ranks")
+    p.add_argument("--backend", default="mpi", choices=["mpi", "disco"])
+    p.add_argument("--function", default="main")
+    p.add_argument("-i", "--inputs", nargs="*", default=[], metavar="NPY",
+                   help="global inputs, in parameter order")
+    p.add_argument("-o", "--output", default="out", help="directory for the results")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--hosts", default=None,
+                   help="comma-separated hosts for mpiexec -hosts (the bundle must be at the "
+                   "same path on each)")
+    p.set_defaults(handler=_run)
     return parser
 
 

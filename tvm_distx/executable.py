@@ -42,6 +42,7 @@ from .bundle import FORMAT, MANIFEST, VERSION, sha256_file
 from .errors import ArgumentError
 from .mesh import DeviceMesh, module_meshes
 from .signature import FunctionSignature
+from .runtime.arrays import assemble_results
 from .targets import resolve_target
 
 __all__ = ["DistExecutable", "compile"]
@@ -185,7 +186,7 @@ class DistExecutable:
                 library = Path(tmp) / "lib.so"
                 self.vm_exec.export_library(str(library))
                 outs = run_disco(library, entries, per_rank, timeout=timeout)
-        return _assemble(signature, outs)
+        return assemble_results(signature, outs)
 
     def _run_mpi(self, inputs, params, function, timeout, options):
         from .runtime.launcher import launch
@@ -345,23 +346,6 @@ def _shard(spec, value, rank: int) -> np.ndarray:
     from .runtime.arrays import shard_array
 
     return shard_array(_as_array(value), spec.sharding, rank)
-
-
-def _assemble(signature: FunctionSignature, outs: Sequence):
-    from .runtime.arrays import assemble_array
-
-    results = []
-    for index, spec in enumerate(signature.results):
-        shards = {}
-        for rank in spec.sharding.mesh.device_range:
-            out = outs[rank]
-            if out is None:
-                continue
-            held = [s for s in signature.results if s.held_by(rank)]
-            fields = list(out) if signature.tuple_result else [out]
-            shards[rank] = fields[held.index(spec)]
-        results.append(assemble_array(shards, spec.sharding, spec.shape))
-    return tuple(results) if signature.tuple_result else results[0]
 
 
 def _coordinates(meshes: dict[str, DeviceMesh], rank: int) -> dict[str, list[int]]:

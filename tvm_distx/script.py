@@ -54,6 +54,7 @@ def load_module(path: str | os.PathLike):
     except SyntaxError as err:
         raise ScriptError(f"{path} is not valid Python: line {err.lineno}: {err.msg}") from None
 
+    script_relax = _relax_as_printed(script_relax)
     modules = {"ir": script_ir, "relax": script_relax, "tirx": script_tir, "tir": script_tir}
     names = {"I": script_ir, "R": script_relax, "T": script_tir}
     classes = []
@@ -80,3 +81,20 @@ def load_module(path: str | os.PathLike):
     if not isinstance(mod, tvm.IRModule):
         raise ScriptError(f"{path} does not define an IRModule (got {type(mod).__name__})")
     return mod
+
+
+def _relax_as_printed(relax_script):
+    """TVMScript's ``R`` that also reads what TVM prints.
+
+    TVM prints ``R.DTensor`` and ``R.device_mesh``, but its parser knows them
+    only as ``R.dist.DTensor`` and ``R.dist.device_mesh``; with these aliases a
+    printed module (``mod.script()``, our stage dumps) loads back as it is.
+    """
+    import types
+
+    namespace = types.ModuleType(relax_script.__name__)
+    namespace.__dict__.update(relax_script.__dict__)
+    for name in ("DTensor", "device_mesh"):
+        if not hasattr(relax_script, name):
+            setattr(namespace, name, getattr(relax_script.dist, name))
+    return namespace

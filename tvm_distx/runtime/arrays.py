@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from tvm_distx.spec import TensorSharding
 
-__all__ = ["shard_array", "assemble_array", "first_holder"]
+__all__ = ["shard_array", "assemble_array", "assemble_results", "first_holder"]
 
 
 def shard_array(array: np.ndarray, sharding: TensorSharding, device: int) -> np.ndarray:
@@ -90,3 +90,32 @@ def first_holder(sharding: TensorSharding, shape: tuple[int, ...], device: int) 
     mine = shard_bounds(sharding, shape, device)
     return all(shard_bounds(sharding, shape, d) != mine
                for d in sharding.mesh.device_range if d < device)
+
+
+def assemble_results(signature, outs: Sequence):
+    """The global results of a function from what every device returned.
+
+    Parameters
+    ----------
+    signature : tvm_distx.signature.FunctionSignature
+        The function's global signature.
+    outs : sequence
+        Per device (device ``d`` at index ``d``), its entry's result: a tensor,
+        a tuple of the result tensors it holds, or None when it ran nothing.
+
+    Returns
+    -------
+    numpy.ndarray or tuple of numpy.ndarray
+    """
+    results = []
+    for spec in signature.results:
+        shards = {}
+        for device in spec.sharding.mesh.device_range:
+            out = outs[device]
+            if out is None:
+                continue
+            held = [s for s in signature.results if s.held_by(device)]
+            fields = list(out) if signature.tuple_result else [out]
+            shards[device] = fields[held.index(spec)]
+        results.append(assemble_array(shards, spec.sharding, spec.shape))
+    return tuple(results) if signature.tuple_result else results[0]

@@ -75,7 +75,8 @@ def mpiexec_path() -> str:
 def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping | None = None,
            num_ranks: int | None = None, function: str = "main", timeout: float = 300.0,
            hosts: Sequence[str] | None = None, mpiexec: str | None = None,
-           env: Mapping[str, str] | None = None) -> list[np.ndarray] | tuple:
+           env: Mapping[str, str] | None = None,
+           backend: str = "mpi") -> np.ndarray | tuple:
     """Run a bundle's function on MPI ranks and return its global results.
 
     Parameters
@@ -99,6 +100,9 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
         The ``mpiexec`` executable (default: :func:`mpiexec_path`).
     env : mapping, optional
         Extra environment variables for the ranks.
+    backend : {"mpi", "disco"}
+        ``"disco"`` runs the bundle's ranks as disco workers on this host
+        instead (``hosts``, ``mpiexec`` and ``env`` do not apply).
 
     Returns
     -------
@@ -132,6 +136,10 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
                            tuple(p for p in signature.params if p.name not in stored),
                            signature.results, signature.tuple_result)
     values = free.bind(list(inputs), runtime_params)
+    if backend == "disco":
+        return _run_disco(manifest, signature, free.params, values, timeout)
+    if backend != "mpi":
+        raise ArgumentError(f"unknown backend {backend!r}", hint="use mpi or disco")
     job = Path(tempfile.mkdtemp(prefix="tvm-distx-job-"))
     try:
         _write_inputs(job, manifest, free.params, values)
@@ -139,6 +147,23 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
         return _read_results(job, manifest, signature)
     finally:
         shutil.rmtree(job, ignore_errors=True)
+
+
+def _run_disco(manifest: Manifest, signature, specs, values, timeout: float):
+    from tvm_distx.runtime.arrays import assemble_results
+    from tvm_distx.runtime.disco import run_disco
+
+    given = {spec.name: value for spec, value in zip(specs, values)}
+    per_rank = []
+    for rank in range(manifest.num_ranks):
+        files = {w.name: manifest.root / w.file for w in manifest.files_of(rank)}
+        per_rank.append([
+            np.load(files[spec.name], allow_pickle=False) if spec.name not in given
+            else shard_array(given[spec.name], spec.sharding, rank)
+            for spec in signature.params if spec.held_by(rank)])
+    entries = [manifest.entry(signature.name, r) for r in range(manifest.num_ranks)]
+    outs = run_disco(manifest.library_path, entries, per_rank, timeout=timeout)
+    return assemble_results(signature, outs)
 
 
 def _write_inputs(job: Path, manifest: Manifest, specs, values) -> None:
