@@ -159,9 +159,13 @@ def _explain(args: argparse.Namespace) -> int:
     from .comm_report import comm_report
     from .views import comm_table, plot_value, sharding_tables, show_value
 
-    stages = _propagated(args)
+    from .pipeline import run_stages
+
+    annotated = _load(args)
+    with _progress("propagating and lowering"):
+        stages = run_stages(annotated)
     console = Console()
-    for table in sharding_tables(stages["propagate_sharding"]):
+    for table in sharding_tables(annotated):
         console.print(table)
     console.print(comm_table(comm_report(stages["local_view"])))
     if args.value:
@@ -169,9 +173,9 @@ def _explain(args: argparse.Namespace) -> int:
         if not value:
             raise ArgumentError(f"--value takes FUNCTION:VALUE, got {args.value!r}",
                                 hint="for example --value mlp:A")
-        show_value(stages["propagate_sharding"], function, value, console=console)
+        show_value(annotated, function, value, console=console)
         if args.png:
-            plot_value(stages["propagate_sharding"], function, value, path=args.png)
+            plot_value(annotated, function, value, path=args.png)
             console.print(f"wrote {args.png}")
     return EXIT_OK
 

@@ -1,0 +1,117 @@
+"""The tvm-distx command line: each subcommand, its errors and its exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+
+import tvm_distx as td
+from tvm_distx import ShardingRule
+from tvm_distx.cli import main as cli
+from tvm_distx.passes import AnnotateSharding, PropagateSharding
+
+DATA = Path(__file__).parent / "data"
+TP = str(DATA / "seed_tensor_parallel.py")
+TP_RULES = [{"param": "A", "result": "S[1]", "function": "mlp"},
+            {"param": "B", "result": "S[0]", "function": "mlp"}]
+
+
+@pytest.fixture
+def rules(tmp_path):
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps(TP_RULES))
+    return str(path)
+
+
+def expected_annotation():
+    return AnnotateSharding([ShardingRule(**r) for r in TP_RULES])(td.load_module(TP))
+
+
+def test_annotate_writes_the_same_module_as_the_pass(rules, tmp_path):
+    assert cli(["annotate", TP, "--rules", rules, "-o", str(tmp_path / "out.py")]) == 0
+    tvm.ir.assert_structural_equal(td.load_module(tmp_path / "out.py"), expected_annotation())
+
+
+def test_yaml_rules_and_propagate_to_stdout(tmp_path, capsys):
+    path = tmp_path / "rules.yaml"
+    path.write_text("- {param: A, result: 'S[1]', function: mlp}\n"
+                    "- {param: B, result: 'S[0]', function: mlp}\n")
+    assert cli(["propagate", TP, "--rules", str(path)]) == 0
+    out = capsys.readouterr().out
+    back = tvm.script.from_source(out.replace("R.DTensor", "R.dist.DTensor")
+                                  .replace("R.device_mesh", "R.dist.device_mesh"))
+    tvm.ir.assert_structural_equal(back, PropagateSharding()(expected_annotation()))
+
+
+def test_plan_prints_the_all_reduce_with_its_bytes(rules, capsys):
+    assert cli(["plan", TP, "--rules", rules]) == 0
+    out = capsys.readouterr().out
+    assert "allreduce" in out and "65,536 (64.0 KiB)" in out
+
+
+def test_explain_prints_tables_the_comm_report_and_one_value(rules, tmp_path, capsys):
+    assert cli(["explain", TP, "--rules", rules, "--value", "mlp:A",
+                "--png", str(tmp_path / "a.png")]) == 0
+    out = capsys.readouterr().out
+    assert "function mlp" in out and "function main" in out
+    assert "allreduce" in out and "[0:128, 64:128]" in out
+    assert (tmp_path / "a.png").is_file()
+
+
+def test_compile_then_run_a_bundle_on_disco(rules, tmp_path):
+    rng = np.random.default_rng(4)
+    x, A, B = (0.1 * rng.standard_normal((128, 128), dtype="float32") for _ in range(3))
+    np.savez(tmp_path / "w.npz", A=A, B=B)
+    np.save(tmp_path / "x.npy", x)
+    assert cli(["compile", TP, "--rules", rules, "--weights", str(tmp_path / "w.npz"),
+                "-o", str(tmp_path / "bundle")]) == 0
+    assert cli(["run", str(tmp_path / "bundle"), "-n", "2", "--backend", "disco",
+                "-i", str(tmp_path / "x.npy"), "-o", str(tmp_path / "out")]) == 0
+
+    def mlp(v):
+        return np.maximum(v @ A, 0) @ B
+
+    np.testing.assert_allclose(np.load(tmp_path / "out" / "out0.npy"), mlp(mlp(x)), atol=1e-5)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["annotate", TP], "annotate needs --rules"),
+    (["propagate", "nowhere.py"], "module file nowhere.py does not exist"),
+    (["propagate", TP, "--rules", "RULES_NOT_JSON"], "cannot read rules"),
+    (["propagate", TP, "--rules", "RULES_BAD_FIELD"], "rule 0 in .*unexpected keyword"),
+    (["propagate", TP, "--rules", "RULES_BAD_PLACEMENT"], "\\[sharding-rule\\] placement \"Q\\[1\\]\""),
+    (["compile", TP, "--weights", "nowhere.npz", "-o", "OUT"], "cannot read weights"),
+])
+def test_bad_input_is_one_line_with_a_hint_and_exit_code_2(argv, message, tmp_path, capsys):
+    files = {"RULES_NOT_JSON": "[{", "RULES_BAD_FIELD": '[{"parm": "A"}]',
+             "RULES_BAD_PLACEMENT": '[{"param": "A", "result": "Q[1]", "function": "mlp"}]'}
+    for key, text in files.items():
+        (tmp_path / key).write_text(text)
+    argv = [str(tmp_path / a) if a in files or a == "OUT" else a for a in argv]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tvm-distx: error: ")
+    assert "Traceback" not in err
+    import re
+
+    assert re.search(message, err), err
+
+
+def test_verbose_shows_the_traceback_and_a_real_process_exits_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tvm_distx", "--verbose", "run",
+                           str(tmp_path), "-n", "2"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "Traceback" in done.stderr and "[bundle]" in done.stderr
+    quiet = subprocess.run([sys.executable, "-m", "tvm_distx", "run", str(tmp_path), "-n", "2"],
+                           capture_output=True, text=True)
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
+    assert "\x1b[" not in quiet.stderr  # no progress or colour when not a terminal
+    usage = subprocess.run([sys.executable, "-m", "tvm_distx", "frobnicate"],
+                           capture_output=True, text=True)
+    assert usage.returncode == 2 and "invalid choice" in usage.stderr
