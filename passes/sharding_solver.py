@@ -528,7 +528,7 @@ def _replicated_plan(known, n_operands, n_outputs) -> OperandPlan | None:
         return None
     mesh = max(decided, key=lambda d: int(d.strength)).sharding.mesh
     rep = replicated(mesh)
-    return OperandPlan(mesh, (rep,) * n_operands, (rep,) * n_outputs, None)
+    return OperandPlan(mesh, (rep,) * n_operands, (rep,) * n_outputs)
 
 
 def _flat_args(call: relax.Call) -> list[relax.Expr]:

@@ -159,9 +159,12 @@ def _explain(args: argparse.Namespace) -> int:
     from .comm_report import comm_report
     from .views import comm_table, plot_value, sharding_tables, show_value
 
+    from tvm import relax
+
     from .pipeline import run_stages
 
-    annotated = _load(args)
+    # legalized first, as compile does: TVM types few high-level operators on DTensors
+    annotated = relax.transform.LegalizeOps()(_load(args))
     with _progress("propagating and lowering"):
         stages = run_stages(annotated)
     console = Console()

@@ -1,0 +1,102 @@
+"""PyTorch models through from_torch and the presets, run on ranks and compared with PyTorch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tvm_distx as td
+from tvm_distx.frontend import from_torch, relax_name
+from tvm_distx.presets import data_and_model, data_parallel, megatron, with_meshes
+
+sys.path.insert(0, str(Path(__file__).parent / "models"))
+from transformer import Transformer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    net = Transformer(layers=2).eval()
+    x = torch.randn(2, 16, 256)
+    with torch.no_grad():
+        want = net(x).numpy()
+    mod, weights = from_torch(net, (x,))
+    return mod, weights, x.numpy(), want
+
+
+def test_weights_keep_their_pytorch_names(model):
+    mod, weights, _, _ = model
+    assert relax_name("layers.0.mlp.fc1.weight") == "p_layers_0_mlp_fc1_weight"
+    assert weights["p_layers_0_mlp_fc1_weight"].shape == (1024, 256)
+    assert [p.name for p in mod["main"].params][:2] == ["x", "p_layers_0_ln1_weight"]
+    assert len(weights) == 2 * 16  # per block: 2 layer norms, 4 projections, 2 linears
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(model):
+    mod, _, _, _ = model
+    return td.compile(megatron().apply(with_meshes(mod, [(2,)])))
+
+
+def test_megatron_transformer_on_two_mpi_ranks_equals_pytorch(model, tensor_parallel):
+    _, weights, x, want = model
+    out = tensor_parallel.run(x, params=weights, backend="mpi")
+    np.testing.assert_allclose(out, want, atol=1e-4)
+
+
+def test_megatron_holds_half_of_each_split_weight_and_all_reduces_per_block(model):
+    mod, weights, x, want = model
+    from tvm import relax
+
+    annotated = megatron().apply(with_meshes(mod, [(2,)]))
+    # TVM types layer_norm on DTensors only after LegalizeOps
+    report = td.explain(relax.transform.LegalizeOps()(annotated))
+    assert report.row("main", "p_layers_0_mlp_fc1_weight").local_shape == (512, 256)
+    assert report.row("main", "p_layers_1_attn_out_proj_weight").local_shape == (256, 128)
+    from tvm_distx.pipeline import run_stages
+
+    rows = td.comm_report(run_stages(annotated)["local_view"]).rows
+    # one all-reduce completes each row-parallel layer: 2 per block, 2 blocks
+    assert [r.collective for r in rows].count("allreduce") == 4
+    np.testing.assert_allclose(td.compile(annotated).run(x, params=weights, backend="emulate"),
+                               want, atol=1e-4)
+
+
+def test_data_parallel_and_an_override(model):
+    mod, weights, x, want = model
+    exe = td.compile(data_parallel().apply(with_meshes(mod, [(2,)])))
+    assert exe.signatures["main"].params[0].sharding.placement.entries[0].is_shard()
+    np.testing.assert_allclose(exe.run(x, params=weights, backend="emulate"), want, atol=1e-4)
+    # an override: keep the MLP's second layer replicated
+    preset = megatron().override({"*fc2_weight": "R"})
+    placements = preset.placements(list(weights))
+    assert placements["p_layers_0_mlp_fc2_weight"] == ("R", None)
+    assert placements["p_layers_0_mlp_fc1_weight"] == ("S[0]", None)
+
+
+def test_a_preset_for_another_model_is_refused(model):
+    mod, _, _, _ = model
+    with pytest.raises(td.RuleError, match="no parameter of 'main' matches"):
+        megatron(column=("*wq",), column_bias=(), row=("*wo",)).rules(mod)
+
+
+def test_from_torch_errors_name_the_cause():
+    class DataDependent(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # not traceable
+                return x
+            return -x
+
+    with pytest.raises(td.ArgumentError, match="torch.export could not trace DataDependent"):
+        from_torch(DataDependent(), (torch.randn(3),))
+
+
+def test_data_and_model_on_a_2x2_mesh(model):
+    mod, weights, x, want = model
+    exe = td.compile(data_and_model().apply(with_meshes(mod, [(2, 2)])))
+    assert exe.num_ranks == 4
+    np.testing.assert_allclose(exe.run(x, params=weights, backend="emulate"), want, atol=1e-4)

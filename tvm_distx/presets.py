@@ -1,0 +1,143 @@
+"""Sharding presets: the usual parallel layouts as name patterns over a model's weights.
+
+A :class:`Preset` maps glob patterns over the parameter names of ``main``
+(as :func:`tvm_distx.frontend.from_torch` names them, ``p_layers_0_mlp_fc1_weight``) to
+placements, and turns into :class:`tvm_distx.ShardingRule` objects for one
+module with :meth:`Preset.rules`. Later patterns win, so a user overrides a
+preset by adding patterns (:meth:`Preset.override`).
+
+PyTorch's ``Linear`` stores its weight as ``(out, in)``, so:
+
+* column parallel (the output features split): weight ``S[0]``, bias ``S[0]``;
+* row parallel (the input features split): weight ``S[1]``, bias replicated;
+  the matmul then yields partial sums, completed by one all-reduce.
+
+:func:`megatron` puts the first MLP layer and the q/k/v projections column
+parallel and the second MLP layer and the output projection row parallel: one
+all-reduce per MLP and one per attention block, as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import tvm
+
+from .errors import RuleError
+from .rules import ShardingRule
+
+__all__ = ["Preset", "megatron", "data_parallel", "data_and_model", "with_meshes"]
+
+logger = logging.getLogger(__name__)
+
+COLUMN_WEIGHTS = ("*q_proj_weight", "*k_proj_weight", "*v_proj_weight", "*fc1_weight")
+COLUMN_BIASES = ("*q_proj_bias", "*k_proj_bias", "*v_proj_bias", "*fc1_bias")
+ROW_WEIGHTS = ("*out_proj_weight", "*fc2_weight")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Placements for parameters of ``main`` chosen by glob patterns (later ones win).
+
+    Parameters
+    ----------
+    patterns : tuple of (str, str, str or None)
+        ``(glob over parameter names, placement, mesh)``; mesh None means the
+        module's only mesh.
+    """
+
+    patterns: tuple[tuple[str, str, str | None], ...] = field(default_factory=tuple)
+
+    def override(self, patterns: dict[str, str], mesh: str | None = None) -> "Preset":
+        """A preset with ``patterns`` (glob -> placement) added after these (they win)."""
+        return Preset(self.patterns + tuple((g, p, mesh) for g, p in patterns.items()))
+
+    def placements(self, names: Sequence[str]) -> dict[str, tuple[str, str | None]]:
+        """The placement (and mesh) each matching name gets."""
+        chosen: dict[str, tuple[str, str | None]] = {}
+        for glob, placement, mesh in self.patterns:
+            for name in names:
+                if fnmatch.fnmatchcase(name, glob):
+                    chosen[name] = (placement, mesh)
+        return chosen
+
+    def rules(self, mod: tvm.IRModule, function: str = "main") -> list[ShardingRule]:
+        """The sharding rules this preset gives ``mod``'s parameters.
+
+        Raises
+        ------
+        RuleError
+            If no pattern matches any parameter (a preset for another model).
+        """
+        names = [p.name for p in mod[function].params]
+        chosen = self.placements(names)
+        if not chosen:
+            raise RuleError(f"no parameter of '{function}' matches the preset's patterns "
+                            f"({', '.join(g for g, _, _ in self.patterns)})",
+                            function=function,
+                            hint=f"its parameters are {', '.join(names[:8])}...; override the "
+                            "preset's patterns")
+        return [ShardingRule(param=name, result=placement, function=function,
+                             **({"meshes": mesh} if mesh else {}))
+                for name, (placement, mesh) in chosen.items()]
+
+    def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+        """``mod`` annotated with :meth:`rules`."""
+        from .passes import AnnotateSharding
+
+        return AnnotateSharding(self.rules(mod, function))(mod)
+
+
+def megatron(column: Sequence[str] = COLUMN_WEIGHTS, column_bias: Sequence[str] = COLUMN_BIASES,
+             row: Sequence[str] = ROW_WEIGHTS, model_axis: int = 0, mesh_ndim: int = 1) -> Preset:
+    """Megatron-style tensor parallelism on mesh axis ``model_axis``.
+
+    Column-parallel weights and biases are split on their output features,
+    row-parallel weights on their input features.
+    """
+    def on_axis(entry: str) -> str:
+        entries = ["R"] * mesh_ndim
+        entries[model_axis] = entry
+        return "".join(entries)
+
+    patterns = [(g, on_axis("S[0]"), None) for g in (*column, *column_bias)]
+    patterns += [(g, on_axis("S[1]"), None) for g in row]
+    return Preset(tuple(patterns))
+
+
+def data_parallel(inputs: Sequence[str] = ("x",), batch_dim: int = 0, data_axis: int = 0,
+                  mesh_ndim: int = 1) -> Preset:
+    """Inputs split along their batch dimension on mesh axis ``data_axis``; weights replicated."""
+    entries = ["R"] * mesh_ndim
+    entries[data_axis] = f"S[{batch_dim}]"
+    return Preset(tuple((name, "".join(entries), None) for name in inputs))
+
+
+def data_and_model(inputs: Sequence[str] = ("x",), batch_dim: int = 0) -> Preset:
+    """A 2-D mesh: data parallel on mesh axis 0, Megatron tensor parallel on axis 1."""
+    data = data_parallel(inputs, batch_dim, data_axis=0, mesh_ndim=2)
+    model = megatron(model_axis=1, mesh_ndim=2)
+    return Preset(data.patterns + model.patterns)
+
+
+def with_meshes(mod: tvm.IRModule, shapes: Sequence[Sequence[int]]) -> tvm.IRModule:
+    """``mod`` with device meshes ``mesh[0]``, ``mesh[1]``, ... of these shapes, back to back.
+
+    ``with_meshes(mod, [(2,)])`` is one mesh of devices 0-1; ``[(1,), (1,)]`` two
+    pipeline stages on devices 0 and 1.
+    """
+    from tvm.relax.distributed import DeviceMesh
+
+    meshes, first = [], 0
+    for shape in shapes:
+        size = 1
+        for extent in shape:
+            size *= int(extent)
+        meshes.append(DeviceMesh([int(n) for n in shape], tvm.ir.Range(first, first + size)))
+        first += size
+    out = mod.clone() if hasattr(mod, "clone") else mod
+    out.update_global_info("mesh", meshes)
+    return out
