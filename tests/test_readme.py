@@ -26,5 +26,7 @@ def test_readme_python_blocks_run(capsys):
     assert "function main" in out and "function mlp_1" in out  # the sharding table
     error = float(out.split("max |error|:")[1].split()[0])
     assert error < 1e-5  # the emulated two-rank run equals numpy
+    error = float(out.split("torch max |error|:")[1].split()[0])
+    assert error < 1e-4  # the imported transformer equals PyTorch
     error = float(out.split("mpi max |error|:")[1].split()[0])
     assert error < 1e-5  # and so does the run on two MPI ranks
