@@ -59,6 +59,7 @@ __all__ = [
     "REDUCE_KINDS",
     "CollectiveGroup",
     "SendRecvSpec",
+    "Piece",
 ]
 
 ALLREDUCE = "tvm_distx.ccl.allreduce"
@@ -188,9 +189,66 @@ class SendRecvSpec:
             return "recv"
         return None
 
+    def pieces(self, device: int) -> list["Piece"]:
+        """What ``device`` copies into its destination block, and from which device.
+
+        The part it already holds comes first (``sender == device``), then one
+        piece per transfer it receives, in the order every backend posts them.
+        Empty for a device outside the destination mesh.
+        """
+        from tvm_distx.legalize.planner import send_recv_transfers, shard_bounds
+
+        mine = shard_bounds(self.dst, self.shape, device)
+        if mine is None:
+            return []
+        out = []
+        own = shard_bounds(self.src, self.shape, device)
+        if own is not None:
+            overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(own, mine))
+            if all(a < b for a, b in overlap):
+                out.append(Piece(device, _within(overlap, own), _within(overlap, mine)))
+        for t in send_recv_transfers(self.src, self.dst, self.shape):
+            if t.receiver == device:
+                held = shard_bounds(self.src, self.shape, t.sender)
+                out.append(Piece(t.sender, _within(t.bounds, held), _within(t.bounds, mine)))
+        return out
+
+    def sends(self, device: int) -> list[tuple[int, tuple[slice, ...]]]:
+        """What ``device`` sends: ``(receiver, slices of its source block)``, in posting order."""
+        from tvm_distx.legalize.planner import send_recv_transfers, shard_bounds
+
+        held = shard_bounds(self.src, self.shape, device)
+        return [(t.receiver, _within(t.bounds, held))
+                for t in send_recv_transfers(self.src, self.dst, self.shape)
+                if t.sender == device and t.receiver != device]
+
     def participants(self) -> tuple[int, ...]:
         """Every device of either mesh, in increasing order."""
         return tuple(sorted(set(self.src.mesh.device_range) | set(self.dst.mesh.device_range)))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box a device copies into its destination block.
+
+    Parameters
+    ----------
+    sender : int
+        The device holding it (the receiver itself for data it keeps).
+    source : tuple of slice
+        Where the box lies in the sender's source block.
+    target : tuple of slice
+        Where it goes in the receiver's destination block.
+    """
+
+    sender: int
+    source: tuple[slice, ...]
+    target: tuple[slice, ...]
+
+
+def _within(box, block) -> tuple[slice, ...]:
+    """A global box as slices of a block (both as ``(start, stop)`` per dimension)."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, block))
 
 
 def _encode_sharding(sharding: TensorSharding) -> tuple[int, ...]:

@@ -322,34 +322,25 @@ def _local_slice(x, group, axes, out) -> None:
 
 def _move(x, spec, out) -> None:
     """Every side of a send/recv: ``x`` is None on a receiver only, ``out`` on a sender only."""
-    from tvm_distx.legalize.planner import send_recv_transfers, shard_bounds
+    from tvm_distx.legalize.planner import shard_bounds
 
     comm = _comm()
     me = comm.rank
     move = SendRecvSpec.decode(spec)
-    transfers = [t for t in send_recv_transfers(move.src, move.dst, move.shape)
-                 if t.receiver == me]
+    pieces = move.pieces(me) if out is not None else []
     mine = None if x is None else np.from_dlpack(x)
-    senders = sorted({t.sender for t in transfers})
+    senders = sorted({p.sender for p in pieces if p.sender != me})
     raw = comm.meet("send/recv", move.participants(), mine, senders)
     if out is None:
         return
     target = np.from_dlpack(out)
-    box = shard_bounds(move.dst, move.shape, me)
-
-    def copy(piece, sender: int, held: np.ndarray) -> None:
-        start = shard_bounds(move.src, move.shape, sender)
-        source = held[tuple(slice(a - h, b - h) for (a, b), (h, _) in zip(piece, start))]
-        target[tuple(slice(a - m, b - m) for (a, b), (m, _) in zip(piece, box))] = source
-
-    own = shard_bounds(move.src, move.shape, me)
-    if own is not None:  # what this rank already holds
-        overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(own, box))
-        if all(a < b for a, b in overlap):
-            copy(overlap, me, mine)
-    for t in transfers:
-        held = shard_bounds(move.src, move.shape, t.sender)
-        copy(t.bounds, t.sender, _as(raw[t.sender], target, [b - a for a, b in held]))
+    for piece in pieces:
+        if piece.sender == me:
+            held = mine
+        else:
+            block = shard_bounds(move.src, move.shape, piece.sender)
+            held = _as(raw[piece.sender], target, [b - a for a, b in block])
+        target[piece.target] = held[piece.source]
 
 
 def _send_recv(x, spec, out) -> None:

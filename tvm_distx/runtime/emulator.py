@@ -133,31 +133,15 @@ def _alltoall(x, group, axes, out) -> None:
 
 def _move(x, spec, out) -> None:
     """Every side of a send/recv: ``x`` is None on a receiver only, ``out`` on a sender only."""
-    from tvm_distx.legalize.planner import send_recv_transfers, shard_bounds
-
     exchange = _ACTIVE[-1]
     me = exchange.local.device
     move = SendRecvSpec.decode(spec)
 
     def read(posted):
-        if out is None:
-            return
-        target = np.from_dlpack(out)
-        mine = shard_bounds(move.dst, move.shape, me)
-
-        def copy(box, sender: int) -> None:
-            held = shard_bounds(move.src, move.shape, sender)
-            source = posted[sender][tuple(slice(a - h, b - h) for (a, b), (h, _) in zip(box, held))]
-            target[tuple(slice(a - m, b - m) for (a, b), (m, _) in zip(box, mine))] = source
-
-        own = shard_bounds(move.src, move.shape, me)
-        if own is not None:
-            overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(own, mine))
-            if all(a < b for a, b in overlap):
-                copy(overlap, me)  # what this rank already holds
-        for transfer in send_recv_transfers(move.src, move.dst, move.shape):
-            if transfer.receiver == me:
-                copy(transfer.bounds, transfer.sender)
+        if out is not None:
+            target = np.from_dlpack(out)
+            for piece in move.pieces(me):
+                target[piece.target] = posted[piece.sender][piece.source]
 
     exchange.meet(move.participants(), None if x is None else np.from_dlpack(x), read)
 
