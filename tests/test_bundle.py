@@ -16,6 +16,8 @@ from tvm_distx.cli import main as cli
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime.launcher import launch
 
+from reference import mlp_twice  # noqa: E402
+
 DATA = Path(__file__).parent / "data"
 
 
@@ -25,12 +27,6 @@ def tensor_parallel():
              ShardingRule(param="B", result="S[0]", function="mlp")]
     return AnnotateSharding(rules)(mod)
 
-
-def mlp_twice(x, A, B):
-    def mlp(v):
-        return np.maximum(v @ A, 0) @ B
-
-    return mlp(mlp(x))
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from tvm_distx.passes import AnnotateSharding, PropagateSharding
 from tvm_distx.runtime import emulate, shard_array
 from tvm_distx.spec import TensorSharding
 
+from reference import mlp_twice  # noqa: E402
+
 DATA = Path(__file__).parent / "data"
 TARGET = tvm.target.Target({"kind": "llvm"})
 
@@ -48,12 +50,6 @@ def run(propagated, lowered, arrays, devices):
               for d in devices]
     return emulate(tvm.compile(lowered, target=TARGET), inputs, devices)
 
-
-def mlp_twice(x, A, B):
-    def mlp(v):
-        return np.maximum(v @ A, 0) @ B
-
-    return mlp(mlp(x))
 
 
 @pytest.fixture(scope="module")
