@@ -139,6 +139,10 @@ class LowerDistIR:
             if not isinstance(func, relax.Function):  # TIR kernels keep their GlobalVars
                 out[gv] = func
         lowered = tvm.IRModule(out, attrs=mod.attrs, global_infos=mod.global_infos)
+        if not relax.analysis.check_well_formed(lowered):  # a bug of ours, never silent
+            raise UnsupportedProgramError(
+                "lowering produced a malformed module (an internal error of tvm_distx)",
+                hint="please report it with the module; run with dump_dir= to see the stages")
         if any(row != [name] * len(devices) for name, row in entries.items()):
             lowered = lowered.with_attr(ENTRIES_ATTR, entries)
         return lowered
@@ -256,7 +260,9 @@ class _FunctionLowerer(FunctionRewriter):
 
     def lower(self) -> tvm.ir.GlobalVar:
         func = self.func
-        params = [relax.Var(p.name, self._local(p.ty)) for p in func.params if self._holds(p.ty)]
+        # the parameters these devices hold, each mapped to its rank-local version
+        params = {p: relax.Var(p.name, self._local(p.ty)) for p in func.params
+                  if self._holds(p.ty)}
         if self.device is None:
             return self.rewrite(func, params, _is_public(func))
         # a version of a function spanning several meshes: its sends are impure

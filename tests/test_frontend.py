@@ -11,7 +11,8 @@ import torch
 
 import tvm_distx as td
 from tvm_distx.frontend import from_torch, relax_name
-from tvm_distx.presets import data_and_model, data_parallel, megatron, with_meshes
+from tvm_distx.presets import (data_and_model, data_parallel, megatron, pipeline_stages,
+                               with_meshes)
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 from transformer import Transformer  # noqa: E402
@@ -100,3 +101,14 @@ def test_data_and_model_on_a_2x2_mesh(model):
     exe = td.compile(data_and_model().apply(with_meshes(mod, [(2, 2)])))
     assert exe.num_ranks == 4
     np.testing.assert_allclose(exe.run(x, params=weights, backend="emulate"), want, atol=1e-4)
+
+
+def test_pipeline_stages_run_one_layer_per_rank_on_mpi(model):
+    mod, weights, x, want = model
+    preset = pipeline_stages(2, ["mesh[0]", "mesh[1]"])
+    exe = td.compile(preset.apply(with_meshes(mod, [(1,), (1,)])))
+    assert exe.entries["main"] == ["main_rank0", "main_rank1"]
+    # each stage program takes only its own layer's weights
+    assert all("layers_1" not in p.name for p in exe.module["main_rank0"].params)
+    assert all("layers_0" not in p.name for p in exe.module["main_rank1"].params)
+    np.testing.assert_allclose(exe.run(x, params=weights, backend="mpi"), want, atol=1e-4)

@@ -214,3 +214,27 @@ def test_unlegalized_redistribute_is_refused_with_the_function_named():
         LowerDistIR()(local)
     # callees are lowered first: the version of mlp that takes a row-split x
     assert info.value.function == "mlp_1"
+
+
+def test_each_stage_program_gets_exactly_the_parameters_its_mesh_holds():
+    """Stage 1 holds w; stage 0 holds x and sends it. Parameters must not shift."""
+    from tvm.relax.distributed import DeviceMesh, Placement
+
+    first, second = (DeviceMesh([1], tvm.ir.Range(d, d + 1)) for d in (0, 1))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    w = relax.Var("w", relax.TensorType((4, 8), "float32"))
+    with bb.function("main", [x, w]):
+        on0 = bb.emit(relax.op.distributed.annotate_sharding(x, first, Placement.from_text("R")))
+        w1 = bb.emit(relax.op.distributed.annotate_sharding(w, second, Placement.from_text("R")))
+        moved = bb.emit(relax.op.distributed.annotate_sharding(
+            relax.op.nn.relu(on0), second, Placement.from_text("R")))
+        bb.emit_func_output(bb.emit(relax.op.subtract(moved, w1)))
+    mod = bb.get()
+    mod.update_global_info("mesh", [first, second])
+    exe = td.compile(mod, schedule=False)
+    assert [p.name for p in exe.module["main_rank0"].params] == ["x"]
+    assert [p.name for p in exe.module["main_rank1"].params] == ["w"]
+    rng = np.random.default_rng(3)
+    xv, wv = rng.standard_normal((2, 4, 8), dtype="float32")
+    np.testing.assert_array_equal(exe.run(xv, wv, backend="emulate"), np.maximum(xv, 0) - wv)

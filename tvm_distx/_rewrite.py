@@ -34,14 +34,25 @@ class FunctionRewriter:
         self.name = name
         self.remap: dict[relax.Var, relax.Expr] = {}
 
-    def rewrite(self, func: relax.Function, params: list[relax.Var], public: bool, *,
+    def rewrite(self, func: relax.Function,
+                params: list[relax.Var] | dict[relax.Var, relax.Var], public: bool, *,
                 dataflow: bool = True, pure: bool | None = None) -> tvm.ir.GlobalVar:
         """Write ``func`` with new ``params``; returns the new function's GlobalVar.
 
-        With ``dataflow=False`` every block is written as a plain binding block
-        (needed for impure calls); ``pure`` overrides the function's purity.
+        ``params`` replaces ``func``'s parameters one for one, or is a dict from
+        the original parameters kept to their replacements (the others are
+        dropped). With ``dataflow=False`` every block is written as a plain
+        binding block (needed for impure calls); ``pure`` overrides the
+        function's purity.
         """
-        self.remap.update(zip(func.params, params))
+        if isinstance(params, dict):
+            self.remap.update(params)
+            params = list(params.values())
+        else:
+            if len(params) != len(func.params):
+                raise ValueError(f"{len(params)} parameters for {len(func.params)}; "
+                                 "pass a dict to drop some")
+            self.remap.update(zip(func.params, params))
         attrs = {k: v for k, v in (func.attrs or {}).items() if k != "global_symbol"}
         with self.bb.function(self.name, params, attrs=attrs or None,
                               pure=func.is_pure if pure is None else pure, private=not public):

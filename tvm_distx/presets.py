@@ -29,7 +29,8 @@ import tvm
 from .errors import RuleError
 from .rules import ShardingRule
 
-__all__ = ["Preset", "megatron", "data_parallel", "data_and_model", "with_meshes"]
+__all__ = ["Preset", "megatron", "data_parallel", "data_and_model", "pipeline_stages",
+           "with_meshes"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,22 @@ def data_and_model(inputs: Sequence[str] = ("x",), batch_dim: int = 0) -> Preset
     data = data_parallel(inputs, batch_dim, data_axis=0, mesh_ndim=2)
     model = megatron(model_axis=1, mesh_ndim=2)
     return Preset(data.patterns + model.patterns)
+
+
+def pipeline_stages(num_layers: int, meshes: Sequence[str], inputs: Sequence[str] = ("x",),
+                    layer_pattern: str = "*layers_{i}_*") -> Preset:
+    """Layer ``i``'s weights replicated on stage ``i * len(meshes) // num_layers``.
+
+    The inputs start on the first stage; propagation moves the activations from
+    one stage to the next (a send/recv between the rank sets).
+    """
+    if num_layers < len(meshes):
+        raise RuleError(f"{num_layers} layers cannot fill {len(meshes)} stages",
+                        hint="use at most one stage per layer")
+    patterns = [(name, "R", meshes[0]) for name in inputs]
+    patterns += [(layer_pattern.format(i=i), "R", meshes[i * len(meshes) // num_layers])
+                 for i in range(num_layers)]
+    return Preset(tuple(patterns))
 
 
 def with_meshes(mod: tvm.IRModule, shapes: Sequence[Sequence[int]]) -> tvm.IRModule:
