@@ -26,8 +26,8 @@ def relax_name(torch_name: str) -> str:
     return "p_" + torch_name.replace(".", "_")
 
 
-def from_torch(module, example_inputs: tuple, *,
-               unwrap_single_result: bool = True) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
+def from_torch(module, example_inputs: tuple, *, unwrap_single_result: bool = True,
+               decompose: bool = False) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
     """Import a PyTorch module as a Relax module whose weights are named parameters of ``main``.
 
     Parameters
@@ -38,6 +38,11 @@ def from_torch(module, example_inputs: tuple, *,
         Inputs of the traced forward.
     unwrap_single_result : bool
         Return a tensor, not a 1-tuple, when the model returns one tensor.
+    decompose : bool
+        Run torch.export's decompositions first. Off by default: they turn a
+        4-D attention matmul into a reshape that merges batch and heads and a
+        3-D batch matmul, across which a split of the heads cannot be kept
+        (the heads would be all-gathered); the 4-D matmul keeps them split.
 
     Returns
     -------
@@ -68,7 +73,8 @@ def from_torch(module, example_inputs: tuple, *,
                             "flow) or export it yourself") from None
     try:
         mod = from_exported_program(exported, keep_params_as_input=True,
-                                    unwrap_unit_return_tuple=unwrap_single_result)
+                                    unwrap_unit_return_tuple=unwrap_single_result,
+                                    run_ep_decomposition=decompose)
     except Exception as err:  # the frontend raises assertion and key errors
         raise UnsupportedProgramError(
             f"TVM's PyTorch frontend cannot translate {type(module).__name__}: "
