@@ -29,12 +29,19 @@ def rules(tmp_path):
     return str(path)
 
 
+def tvm_distx(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the real command line in a new process."""
+    return subprocess.run([sys.executable, "-m", "tvm_distx", *argv], capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def expected_annotation():
     return AnnotateSharding([ShardingRule(**r) for r in TP_RULES])(td.load_module(TP))
 
 
 def test_annotate_writes_the_same_module_as_the_pass(rules, tmp_path):
-    assert cli(["annotate", TP, "--rules", rules, "-o", str(tmp_path / "out.py")]) == 0
+    done = tvm_distx("annotate", TP, "--rules", rules, "-o", str(tmp_path / "out.py"))
+    assert done.returncode == 0, done.stderr
     tvm.ir.assert_structural_equal(td.load_module(tmp_path / "out.py"), expected_annotation())
 
 
@@ -42,26 +49,61 @@ def test_yaml_rules_and_propagate_to_stdout(tmp_path, capsys):
     path = tmp_path / "rules.yaml"
     path.write_text("- {param: A, result: 'S[1]', function: mlp}\n"
                     "- {param: B, result: 'S[0]', function: mlp}\n")
-    assert cli(["propagate", TP, "--rules", str(path)]) == 0
-    out = capsys.readouterr().out
+    done = tvm_distx("propagate", TP, "--rules", str(path))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     back = tvm.script.from_source(out.replace("R.DTensor", "R.dist.DTensor")
                                   .replace("R.device_mesh", "R.dist.device_mesh"))
     tvm.ir.assert_structural_equal(back, PropagateSharding()(expected_annotation()))
 
 
 def test_plan_prints_the_all_reduce_with_its_bytes(rules, capsys):
-    assert cli(["plan", TP, "--rules", rules]) == 0
-    out = capsys.readouterr().out
+    done = tvm_distx("plan", TP, "--rules", rules)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     assert "allreduce" in out and "65,536 (64.0 KiB)" in out
 
 
 def test_explain_prints_tables_the_comm_report_and_one_value(rules, tmp_path, capsys):
-    assert cli(["explain", TP, "--rules", rules, "--value", "mlp:A",
-                "--png", str(tmp_path / "a.png")]) == 0
-    out = capsys.readouterr().out
+    done = tvm_distx("explain", TP, "--rules", rules, "--value", "mlp:A",
+                     "--png", str(tmp_path / "a.png"))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     assert "function mlp" in out and "function main" in out
     assert "allreduce" in out and "[0:128, 64:128]" in out
     assert (tmp_path / "a.png").is_file()
+
+
+def test_run_failures_exit_1_and_bad_rank_counts_exit_2(rules, tmp_path):
+    rng = np.random.default_rng(4)
+    np.savez(tmp_path / "w.npz", **{k: rng.standard_normal((128, 128), dtype="float32")
+                                    for k in ("A", "B")})
+    assert tvm_distx("compile", TP, "--rules", rules, "--weights", str(tmp_path / "w.npz"),
+                     "-o", str(tmp_path / "bundle")).returncode == 0
+    np.save(tmp_path / "x.npy", np.zeros((128, 64), "float32"))  # the wrong shape
+    done = tvm_distx("run", str(tmp_path / "bundle"), "-n", "2", "-i", str(tmp_path / "x.npy"))
+    assert done.returncode == 2 and "[argument] input 'x' of 'main' has shape" in done.stderr
+    done = tvm_distx("run", str(tmp_path / "bundle"), "-n", "3")
+    assert done.returncode == 2 and "needs 2 ranks, not 3" in done.stderr
+    np.save(tmp_path / "x.npy", np.zeros((128, 128), "float32"))
+    import os
+
+    env = {**os.environ, "TVM_DISTX_FAULT": "1:raise"}
+    failed = subprocess.run([sys.executable, "-m", "tvm_distx", "run", str(tmp_path / "bundle"),
+                             "-n", "2", "-i", str(tmp_path / "x.npy"), "--timeout", "60"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert failed.returncode == 1 and "[launch] rank 1 failed" in failed.stderr
+
+
+def test_bundle_for_rvv_checks_every_kernel_under_qemu(rules, tmp_path):
+    import shutil
+
+    if shutil.which("qemu-riscv64") is None:
+        pytest.skip("qemu-user missing (tests/test_rvv.py fails for it in CI)")
+    done = tvm_distx("bundle", TP, "--rules", rules, "--target", "rvv",
+                     "-o", str(tmp_path / "rvv"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("vector code ran") == 2
 
 
 def test_compile_then_run_a_bundle_on_disco(rules, tmp_path):
@@ -69,10 +111,13 @@ def test_compile_then_run_a_bundle_on_disco(rules, tmp_path):
     x, A, B = (0.1 * rng.standard_normal((128, 128), dtype="float32") for _ in range(3))
     np.savez(tmp_path / "w.npz", A=A, B=B)
     np.save(tmp_path / "x.npy", x)
-    assert cli(["compile", TP, "--rules", rules, "--weights", str(tmp_path / "w.npz"),
-                "-o", str(tmp_path / "bundle")]) == 0
-    assert cli(["run", str(tmp_path / "bundle"), "-n", "2", "--backend", "disco",
-                "-i", str(tmp_path / "x.npy"), "-o", str(tmp_path / "out")]) == 0
+    done = tvm_distx("compile", TP, "--rules", rules, "--weights", str(tmp_path / "w.npz"),
+                     "-o", str(tmp_path / "bundle"))
+    assert done.returncode == 0, done.stderr
+    assert "wrote the x86 bundle for 2 ranks" in done.stdout
+    done = tvm_distx("run", str(tmp_path / "bundle"), "-n", "2", "--backend", "disco",
+                     "-i", str(tmp_path / "x.npy"), "-o", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
 
     def mlp(v):
         return np.maximum(v @ A, 0) @ B
@@ -94,8 +139,10 @@ def test_bad_input_is_one_line_with_a_hint_and_exit_code_2(argv, message, tmp_pa
     for key, text in files.items():
         (tmp_path / key).write_text(text)
     argv = [str(tmp_path / a) if a in files or a == "OUT" else a for a in argv]
-    assert cli(argv) == 2
-    err = capsys.readouterr().err
+    done = tvm_distx(*argv)
+    assert done.returncode == 2
+    err = done.stderr
+    assert not (tmp_path / "OUT").exists()  # no partial output
     assert err.startswith("tvm-distx: error: ")
     assert "Traceback" not in err
     import re
