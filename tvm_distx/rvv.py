@@ -31,7 +31,7 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
-from .errors import DistxError
+from .errors import _RuntimeErrorBase
 
 __all__ = ["QemuError", "KernelArg", "Kernel", "KernelCheck", "write_kernels", "read_kernels",
            "vector_instructions", "build_harness", "run_kernel", "check_kernels",
@@ -47,14 +47,10 @@ VECTOR_MNEMONICS = ("vsetvli", "vle32.v", "vse32.v", "vfmacc.vv", "vfmacc.vf", "
 _DLPACK_CODES = {"int": 0, "uint": 1, "float": 2}
 
 
-class QemuError(DistxError, RuntimeError):
+class QemuError(_RuntimeErrorBase, RuntimeError):
     """A RISC-V kernel could not be built or run under qemu."""
 
     rule = "qemu"
-
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
-        self.message, self.hint = message, hint
-        super().__init__(f"[{self.rule}] {message}" + (f"\nhint: {hint}" if hint else ""))
 
 
 @dataclass(frozen=True)
