@@ -136,7 +136,9 @@ def worker_processes() -> list[str]:
 
 def leftovers() -> tuple[set, set]:
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    jobs = {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("tvm-distx-")}
+    # the launcher's job directories and the bundles run() exports
+    jobs = {p for p in os.listdir(tempfile.gettempdir())
+            if p.startswith(("tvm-distx-job-", "tvm-distx-bundle-"))}
     return shm, jobs
 
 
