@@ -49,6 +49,7 @@ from tvm_distx.errors import LaunchError
 from tvm_distx.runtime import disco_worker
 from tvm_distx.runtime.disco_shm import (ABORTED, FAILED, RUNNING, TIMED_OUT, Layout,
                                          ShmComm)
+from tvm_distx.runtime.rank_env import rank_environment
 
 __all__ = ["run_disco"]
 
@@ -239,7 +240,7 @@ class _Pool:
             to_worker, from_worker = os.pipe(), os.pipe()
             cmd = [sys.executable, "-c", _LAUNCH.format(entrypoint=entrypoint), str(worker_id),
                    str(workers), str(groups), str(to_worker[0]), str(from_worker[1])]
-            env = dict(os.environ)
+            env = rank_environment()
             env.setdefault("TVM_NUM_THREADS", "1")  # the ranks are the parallelism
             try:
                 proc = subprocess.Popen(cmd, env=env,

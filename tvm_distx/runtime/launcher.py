@@ -40,6 +40,7 @@ import numpy as np
 from tvm_distx.bundle import Manifest, check_weights, read_manifest
 from tvm_distx.errors import ArgumentError, BundleError, LaunchError
 from tvm_distx.runtime.arrays import assemble_array, shard_array
+from tvm_distx.runtime.rank_env import rank_environment
 
 __all__ = ["launch", "mpiexec_path"]
 
@@ -182,7 +183,7 @@ def _run_mpiexec(manifest: Manifest, job: Path, function: str, timeout: float,
         command += ["-hosts", ",".join(hosts)]
     command += [sys.executable, "-m", "tvm_distx.runtime.worker", str(manifest.root.resolve()),
                 str(job), "--function", function]
-    full_env = {**os.environ, **(env or {})}
+    full_env = rank_environment(os.environ, env)
     log = job / "mpiexec.log"
     logger.info("launching %s", " ".join(command))
     started = time.monotonic()
