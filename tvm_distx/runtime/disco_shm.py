@@ -8,13 +8,17 @@ Every rank maps the same anonymous segment (a ``memfd``, see
   and an ``n x n`` matrix of signal counters (``signals[i, j]``: how many
   barriers ``i`` has entered with ``j``; only rank ``i`` writes row ``i``);
 * an error-message area per rank (the tail of its traceback);
-* a data slot per rank (what the rank posts to a meeting);
+* a data slot per rank (what the rank posts to a meeting), page-aligned;
 * the pickled inputs of every rank, written by the controller.
 
 A *meeting* of some members is the only primitive: each member copies its bytes
-into its own slot, a barrier among the members, each copies what it needs out
-of the others' slots, a second barrier. Longer buffers go in rounds of one slot
-each. A barrier bumps the signal counters towards every other member and waits
+into its own slot, a barrier among the members, each reads what it needs from
+the slots, a second barrier. Longer buffers go in rounds of one slot each. The
+all-reduce, all-gather and all-to-all read the slots in place
+(:meth:`ShmComm.exchange`): they reduce or copy straight from the slots into
+their output, so a rank's data is copied once into its slot and once out of the
+slots, with no allocation per call; an all-to-all posts only the pieces of the
+other members. A barrier bumps the signal counters towards every other member and waits
 until each of them has bumped its counter towards this rank as often, by
 polling (first yielding the CPU, then with a growing sleep up to 1 ms; no
 futex, no lock). Two ranks meet in the same order on both sides (they run
@@ -38,12 +42,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import mmap
 import os
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -60,6 +65,7 @@ logger = logging.getLogger(__name__)
 RUNNING, DONE, FAILED, ABORTED, TIMED_OUT = 0, 1, 2, 3, 4
 
 _ERROR_BYTES = 4096
+_PAGE = 4096
 _MAX_SLEEP = 1e-3  # seconds: the longest sleep between polls
 _YIELDS = 100  # polls that only yield the CPU before sleeping
 _REDUCERS = {0: np.add, 1: np.multiply, 2: np.minimum, 3: np.maximum}
@@ -104,8 +110,9 @@ class Layout:
 
     @property
     def slots_offset(self) -> int:
-        """Where the data slots start."""
-        return self.errors_offset + self.world * _ERROR_BYTES
+        """Where the data slots start (page-aligned, so posts are aligned for every dtype)."""
+        end = self.errors_offset + self.world * _ERROR_BYTES
+        return -(-end // _PAGE) * _PAGE
 
     @property
     def inputs_offset(self) -> int:
@@ -148,6 +155,7 @@ class ShmComm:
                                    layout.slots_offset).reshape(n, layout.slot_bytes)
         self.inputs = np.frombuffer(buf, np.uint8, layout.input_bytes, layout.inputs_offset)
         self.seen = np.zeros(n, np.int64)  # signals consumed from each peer (local)
+        self._scratch = np.empty(0, np.uint8)  # packing space of all-to-alls (local)
         self.timed_out = False
 
     # ------------------------------------------------------------------ state
@@ -216,16 +224,42 @@ class ShmComm:
         ``members``. ``data`` None posts nothing (zero bytes). The arrays
         returned are private copies (this rank's own entry is a view of ``data``).
         """
+        me = self.rank
+        mine = _raw(data)
+        out: dict[int, np.ndarray] = {me: mine} if me in want else {}
+        peers = [p for p in want if p != me]
+
+        def copy(offset: int, chunks: dict[int, np.ndarray]) -> None:
+            for p in peers:
+                if p not in out:
+                    out[p] = np.empty(int(self.sizes[p]), np.uint8)
+                chunk = chunks[p]
+                out[p][offset:offset + len(chunk)] = chunk
+
+        self.exchange(what, members, mine, copy)
+        return out
+
+    def exchange(self, what: str, members: Sequence[int],
+                 data: np.ndarray | Sequence[np.ndarray] | None,
+                 consume: Callable[[int, dict[int, np.ndarray]], None]) -> None:
+        """A meeting whose posts are read in place, in the shared slots, by ``consume``.
+
+        The rounds of :meth:`meet` without its private copies: in every round,
+        between the two barriers, ``consume(offset, chunks)`` gets the round's
+        byte offset and, for every member, a ``uint8`` view of its chunk (bytes
+        ``[offset, offset + len(chunk))`` of what it posted; empty past its
+        end) in its slot. The views are valid only during that call. ``data``
+        may be a list of arrays, posted one after the other.
+        """
         me, cap = self.rank, self.layout.slot_bytes
         members = tuple(members)
         tag = zlib.crc32(f"{what} {members}".encode())
-        mine = _raw(data)
-        out: dict[int, np.ndarray] = {me: mine} if me in want else {}
+        segments = [_raw(d) for d in data] if isinstance(data, (list, tuple)) else [_raw(data)]
+        total = sum(len(segment) for segment in segments)
         offset = 0
         while True:
-            chunk = mine[offset:offset + cap]
-            self.slots[me, :len(chunk)] = chunk
-            self.sizes[me] = len(mine)
+            _copy_range(segments, offset, self.slots[me, :max(0, min(cap, total - offset))])
+            self.sizes[me] = total
             self.tags[me] = tag
             self.barrier(members)
             other = [p for p in members if self.tags[p] != tag]
@@ -233,25 +267,38 @@ class ShmComm:
                 raise RuntimeError(f"rank {me} is in {what} over ranks {list(members)} but rank "
                                    f"{other[0]} is in another call: the ranks' programs do not "
                                    "match")
-            total = max(int(self.sizes[p]) for p in members)
-            for p in want:
-                if p == me:
-                    continue
-                if p not in out:
-                    out[p] = np.empty(int(self.sizes[p]), np.uint8)
-                count = min(cap, len(out[p]) - offset)
-                if count > 0:
-                    out[p][offset:offset + count] = self.slots[p, :count]
+            sizes = {p: int(self.sizes[p]) for p in members}
+            consume(offset, {p: self.slots[p, :max(0, min(cap, sizes[p] - offset))]
+                             for p in members})
             self.barrier(members)
             offset += cap
-            if offset >= total:
-                return out
+            if offset >= max(sizes.values()):
+                return
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """A private ``uint8`` buffer of ``nbytes`` (contents undefined), reused by later calls."""
+        if self._scratch.size < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch[:nbytes]
 
 
 def _raw(data: np.ndarray | None) -> np.ndarray:
     if data is None:
         return np.empty(0, np.uint8)
     return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
+def _copy_range(segments: Sequence[np.ndarray], offset: int, target: np.ndarray) -> None:
+    """Copy bytes ``[offset, offset + len(target))`` of the concatenated ``segments``."""
+    filled, base = 0, 0
+    for segment in segments:
+        end = base + len(segment)
+        if filled < len(target) and end > offset + filled:
+            start = offset + filled - base
+            count = min(len(segment) - start, len(target) - filled)
+            target[filled:filled + count] = segment[start:start + count]
+            filled += count
+        base = end
 
 
 def _as(raw: np.ndarray, like: np.ndarray, shape: Sequence[int] | None = None) -> np.ndarray:
@@ -286,33 +333,112 @@ def _group(group) -> tuple[ShmComm, tuple[int, ...], int]:
 def _allreduce(x, kind, group, out) -> None:
     comm, members, _ = _group(group)
     mine = np.from_dlpack(x)
-    raw = comm.meet("allreduce", members, mine, members)
-    posted = [_as(raw[d], mine) for d in members]
+    target = np.from_dlpack(out)
     kind = int(kind)
-    if kind == 4:  # the same expression as the emulator, for the same bits
-        result = sum(posted) / len(members)
-    else:
-        result = posted[0]
-        for value in posted[1:]:
-            result = _REDUCERS[kind](result, value)
-    np.from_dlpack(out)[...] = result
+    if kind == 4 or not target.flags.c_contiguous:
+        raw = comm.meet("allreduce", members, mine, members)
+        posted = [_as(raw[d], mine) for d in members]
+        if kind == 4:  # the same expression as the emulator, for the same bits
+            result = sum(posted) / len(members)
+        else:
+            result = posted[0]
+            for value in posted[1:]:
+                result = _REDUCERS[kind](result, value)
+        target[...] = result
+        return
+    # Reduce every round's chunks straight from the slots into ``out``, in member
+    # order: the same operations on the same values as the emulator, so the same bits.
+    reduce, flat, itemsize = _REDUCERS[kind], target.reshape(-1), mine.itemsize
+
+    def fold(offset: int, chunks: dict[int, np.ndarray]) -> None:
+        parts = [chunks[d].view(mine.dtype) for d in members]
+        into = flat[offset // itemsize:offset // itemsize + len(parts[0])]
+        if len(parts) == 1:
+            np.copyto(into, parts[0])
+            return
+        reduce(parts[0], parts[1], out=into)
+        for part in parts[2:]:
+            reduce(into, part, out=into)
+
+    comm.exchange("allreduce", members, mine, fold)
 
 
 def _allgather(x, group, axes, out) -> None:
     comm, members, _ = _group(group)
     mine = np.from_dlpack(x)
-    raw = comm.meet("allgather", members, mine, members)
-    np.from_dlpack(out)[...] = np.concatenate([_as(raw[d], mine) for d in members],
-                                              axis=int(axes[0]))
+    # Member k's block, flattened, is column block k of ``out`` seen as (outer, p, inner).
+    blocks = _columns(np.from_dlpack(out), int(axes[0]), len(members))
+
+    def place(offset: int, chunks: dict[int, np.ndarray]) -> None:
+        for k, d in enumerate(members):
+            _write_range(blocks[:, k, :], offset, chunks[d])
+
+    comm.exchange("allgather", members, mine, place)
 
 
 def _alltoall(x, group, axes, out) -> None:
     comm, members, me = _group(group)
-    split, concat = int(axes[0]), int(axes[1])
+    split, concat, p = int(axes[0]), int(axes[1]), len(members)
     mine = np.from_dlpack(x)
-    raw = comm.meet("alltoall", members, mine, members)
-    pieces = [np.split(_as(raw[d], mine), len(members), axis=split)[me] for d in members]
-    np.from_dlpack(out)[...] = np.concatenate(pieces, axis=concat)
+    # Piece k (for member k) of the block, flattened, is row k of ``pieces``;
+    # they are packed only when the split dimension is not the outermost non-trivial one.
+    raw = _raw(mine)
+    if math.prod(mine.shape[:split]) != 1:
+        packed = comm.scratch(raw.size).reshape(p, -1)
+        np.copyto(packed.reshape(p, math.prod(mine.shape[:split]), -1),
+                  _columns(mine, split, p).transpose(1, 0, 2))
+        raw = packed.reshape(-1)
+    pieces = raw.reshape(p, -1)
+    size = pieces.shape[1]
+    # Member k's piece, flattened, is column block k of ``out`` seen as (outer, p, inner).
+    blocks = _columns(np.from_dlpack(out), concat, p)
+    _write_range(blocks[:, me, :], 0, pieces[me])  # this rank's own piece moves locally
+
+    def place(offset: int, chunks: dict[int, np.ndarray]) -> None:
+        for k, d in enumerate(members):
+            if k == me:
+                continue
+            # member k posts the pieces of every member but itself, in member order
+            lo = (me - (me > k)) * size
+            chunk = chunks[d]
+            start, stop = max(lo, offset), min(lo + size, offset + len(chunk))
+            if start < stop:
+                _write_range(blocks[:, k, :], start - lo, chunk[start - offset:stop - offset])
+
+    comm.exchange("alltoall", members, [pieces[k] for k in range(p) if k != me], place)
+
+
+def _columns(array: np.ndarray, dim: int, parts: int) -> np.ndarray:
+    """The bytes of a C-contiguous ``array`` as ``(outer, parts, inner)`` along ``dim``.
+
+    Block ``k`` of ``parts`` equal blocks along ``dim``, flattened, is ``[:, k, :]``.
+    """
+    if not array.flags.c_contiguous:
+        raise ValueError("the disco collectives need C-contiguous tensors")
+    outer = math.prod(array.shape[:dim])
+    inner = array.nbytes // (outer * parts) if outer * parts else 0
+    return array.reshape(-1).view(np.uint8).reshape(outer, parts, inner)
+
+
+def _write_range(target: np.ndarray, offset: int, data: np.ndarray) -> None:
+    """Write ``data``, bytes ``[offset, offset + len(data))`` of the row-major
+    flattening of the 2-D ``target``, into ``target``."""
+    if not len(data):
+        return
+    cols = target.shape[1]
+    row, col = divmod(offset, cols)
+    done = 0
+    if col:  # the end of a first, partial row
+        done = min(cols - col, len(data))
+        target[row, col:col + done] = data[:done]
+        row += 1
+    full = (len(data) - done) // cols
+    if full:
+        target[row:row + full] = data[done:done + full * cols].reshape(full, cols)
+        done += full * cols
+        row += full
+    if done < len(data):  # the start of a last, partial row
+        target[row, :len(data) - done] = data[done:]
 
 
 def _local_slice(x, group, axes, out) -> None:
