@@ -99,6 +99,30 @@ def test_allreduce(m: DeviceMesh, axes, kind: str, dtype: str) -> None:
     group_call(name, m, axes, run)
 
 
+def test_allreduce_bits(m: DeviceMesh, kind: str, shape, dtype: str = "float32") -> None:
+    """Floats whose sum depends on the order: the bits of a fold in member order."""
+    name = f"allreduce-bits-{kind}-{dtype}-{shape}-mesh{m.shape}"
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    everyone = (rng.standard_normal((m.size, *shape))
+                * 10.0 ** rng.integers(-4, 5, (m.size, *shape))).astype(dtype)
+    if kind == "prod":
+        everyone = (1 + everyone / 1e5).astype(dtype)
+
+    def run(group, members, _):
+        out = empty(shape, dtype)
+        tvm.get_global_func(ccl.ALLREDUCE)(tensor(everyone[RANK]), ccl.REDUCE_KINDS[kind],
+                                           group, out)
+        fold = np.multiply if kind == "prod" else np.add
+        want = everyone[members[0]]
+        for d in members[1:]:
+            want = fold(want, everyone[d])
+        if kind == "avg":
+            want = want / len(members)
+        check(name, out, want.astype(dtype))
+
+    group_call(name, m, (0,), run)
+
+
 def gathered(name: str, members, shape, dtype) -> np.ndarray:
     """The global array of one group (each group of a mesh has its own)."""
     return data(f"{name}-{members}", shape, dtype)
@@ -250,6 +274,10 @@ def main() -> None:
     for dtype in ("float16", "float64", "int32", "int64"):
         test_allreduce(world, (0,), "sum", dtype)
     test_allreduce(world, (0,), "avg", "int32")
+    for kind in ("sum", "avg", "prod"):  # bitwise, as every backend folds
+        for shape in ((5, 7), (256, 1030)):  # not divisible by the ranks; large
+            test_allreduce_bits(world, kind, shape)
+    test_allreduce_bits(world, "sum", (3, 3), "float64")
     for dim in (0, 1, 2):
         test_allgather(world, (0,), dim)
         test_local_slice(world, (0,), dim)

@@ -335,20 +335,18 @@ def _allreduce(x, kind, group, out) -> None:
     mine = np.from_dlpack(x)
     target = np.from_dlpack(out)
     kind = int(kind)
-    if kind == 4 or not target.flags.c_contiguous:
+    reduce = np.add if kind == 4 else _REDUCERS[kind]
+    if not target.flags.c_contiguous:
         raw = comm.meet("allreduce", members, mine, members)
         posted = [_as(raw[d], mine) for d in members]
-        if kind == 4:  # the same expression as the emulator, for the same bits
-            result = sum(posted) / len(members)
-        else:
-            result = posted[0]
-            for value in posted[1:]:
-                result = _REDUCERS[kind](result, value)
-        target[...] = result
+        result = posted[0]
+        for value in posted[1:]:
+            result = reduce(result, value)
+        target[...] = result / len(members) if kind == 4 else result
         return
     # Reduce every round's chunks straight from the slots into ``out``, in member
     # order: the same operations on the same values as the emulator, so the same bits.
-    reduce, flat, itemsize = _REDUCERS[kind], target.reshape(-1), mine.itemsize
+    flat, itemsize = target.reshape(-1), mine.itemsize
 
     def fold(offset: int, chunks: dict[int, np.ndarray]) -> None:
         parts = [chunks[d].view(mine.dtype) for d in members]
@@ -361,6 +359,11 @@ def _allreduce(x, kind, group, out) -> None:
             reduce(into, part, out=into)
 
     comm.exchange("allreduce", members, mine, fold)
+    if kind == 4:  # the average: the sum, then one division
+        if target.dtype.kind in "fc":
+            np.divide(target, len(members), out=target)
+        else:  # numpy's sum / n stored back: truncated toward zero
+            target[...] = target / len(members)
 
 
 def _allgather(x, group, axes, out) -> None:

@@ -22,6 +22,10 @@ How data moves:
   collectives in the same order, so they also create the communicator
   together. A group of the whole world uses the world's communicator, and a
   group of one rank needs none: its collectives copy.
+* ``allreduce`` of floats over more than two ranks (sum, product, average)
+  folds the members' values in member order, as the other backends do, so
+  every backend gives the same bits (see ``_allreduce_in_member_order``);
+  otherwise it is MPI's ``Allreduce``.
 * ``allgather`` along dimension 0 receives straight into the output; along
   another dimension it receives the blocks into a scratch buffer and
   interleaves them into the output with one copy. ``alltoall`` packs and
@@ -63,6 +67,8 @@ logger = logging.getLogger(__name__)
 
 _AVG = ccl.REDUCE_KINDS["avg"]
 _TAG = 77
+#: Reduce kinds whose floating-point result depends on the order (sum, product, average).
+_ORDERED = (ccl.REDUCE_KINDS["sum"], ccl.REDUCE_KINDS["prod"], _AVG)
 #: The function a rank calls in a send/recv, by (sends, receives).
 _ROLES = {(True, True): ccl.SEND_RECV, (True, False): ccl.SEND, (False, True): ccl.RECV}
 _Slices = tuple[slice, ...]
@@ -204,13 +210,47 @@ class MpiCollectives:
             if not in_place:
                 np.copyto(recv, send)
             return
-        self.communicator(members).Allreduce(self.mpi.IN_PLACE if in_place else send, recv,
-                                             op=op)
+        if len(members) > 2 and recv.dtype.kind in "fc" and code in _ORDERED:
+            self._allreduce_in_member_order(send, recv, code, members)
+        else:
+            self.communicator(members).Allreduce(self.mpi.IN_PLACE if in_place else send,
+                                                 recv, op=op)
         if code == _AVG:
             if recv.dtype.kind == "f":
                 np.divide(recv, len(members), out=recv)
             else:  # like numpy's sum / n stored back: truncated toward zero
                 recv[...] = recv / len(members)
+
+    def _allreduce_in_member_order(self, send: np.ndarray, recv: np.ndarray, code: int,
+                                   members: tuple[int, ...]) -> None:
+        """A sum or product of floats over more than two ranks, folded in member order.
+
+        Floating-point addition is not associative, and MPI picks its reduction
+        tree by size and rank count, so its bits differ from those of the other
+        backends. Here, as in a reduce-scatter then all-gather (the bytes of
+        MPI's own algorithm for large buffers), each member receives one chunk
+        of every member's buffer (an all-to-all), folds the chunks in member
+        order, ``((x0 + x1) + x2) + ...``, as the emulator and the disco backend
+        do, and the folded chunks are gathered into ``recv``.
+        """
+        p, n = len(members), send.size
+        chunk = -(-n // p)
+        padded = self.scratch((p, chunk), send.dtype, slot=0)
+        padded.reshape(-1)[:n] = send.reshape(-1)
+        padded.reshape(-1)[n:] = 0
+        got = self.scratch((p, chunk), send.dtype, slot=1)
+        comm = self.communicator(members)
+        comm.Alltoall(padded, got)
+        fold = np.multiply if code == 1 else np.add
+        mine = self.scratch((chunk,), send.dtype, slot=2)
+        fold(got[0], got[1], out=mine)
+        for part in got[2:]:
+            fold(mine, part, out=mine)
+        if chunk * p == n:
+            comm.Allgather(mine, recv.reshape(p, chunk))
+        else:
+            comm.Allgather(mine, padded)
+            recv.reshape(-1)[...] = padded.reshape(-1)[:n]
 
     def allgather(self, x: Tensor, group: Sequence[int], axes: Sequence[int],
                   out: Tensor) -> None:
