@@ -1,0 +1,65 @@
+"""Helpers shared by the benchmarks of ``scripts/bench/`` (not a benchmark itself).
+
+Every benchmark prints markdown tables of medians and of ratios measured side by
+side in one run; these helpers keep that output uniform.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+from typing import Iterable, Sequence
+
+#: The repository root (so the benchmarks run from a checkout without installing).
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def median(values: Iterable[float]) -> float:
+    """The median of ``values``."""
+    return statistics.median(list(values))
+
+
+def spread(values: Sequence[float]) -> str:
+    """``"min-max"`` of ratios, two decimals."""
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence], align: str | None = None) -> str:
+    """A markdown table; ``align`` has one character per column: ``l`` or ``r``."""
+    align = align or "l" + "r" * (len(headers) - 1)
+    rule = ["---" if a == "l" else "---:" for a in align]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(rule) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def mpiexec() -> str:
+    """The ``mpiexec`` of the ``mpich`` wheel (next to this Python), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise SystemExit("no mpiexec found: install the mpich wheel (pip install mpich)")
+    return found
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python, with the repository importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes as B, KiB or MiB with up to two decimals."""
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{n:.0f} B"

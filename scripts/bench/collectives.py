@@ -1,0 +1,333 @@
+"""Collectives on 2 ranks: ours over MPI (via the VM), mpi4py, our disco shared memory, gloo.
+
+Measured for all-reduce (sum), all-gather and all-to-all of float32 buffers of
+1, 4, 16 and 64 MiB **per rank** (the size of each rank's input; an all-gather's
+output is twice that), on 2 ranks of this host:
+
+(a) **ours, MPI, through the VM**: a tiny Relax module whose functions call
+    ``R.call_dps_packed("tvm_distx.ccl.allreduce" | "allgather" | "alltoall", ...)``
+    with the argument encodings of :mod:`tvm_distx.ccl` (the calls our lowering
+    emits), built for the host; :func:`tvm_distx.runtime.mpi_ccl.install` runs
+    before the ``relax.VirtualMachine`` is created, as in our MPI worker. Each
+    call includes what a lowered program pays: the VM's dispatch and the
+    allocation of the output by the VM's (pooled) allocator.
+(b) **raw mpi4py** ``Allreduce`` / ``Allgather`` / ``Alltoall`` on preallocated
+    numpy buffers, in the same processes; and (b') the same calls on buffers
+    allocated by TVM (``tvm.runtime.empty``, viewed through DLPack), which
+    isolates what the memory costs from what our code costs.
+(c) **our disco shared-memory collectives** (:mod:`tvm_distx.runtime.disco_shm`):
+    the same Relax module in a second VM created after
+    :func:`tvm_distx.runtime.disco_shm.install`, over a :class:`ShmComm` on one
+    ``memfd`` segment with the slot size that ``run_disco`` uses (rank 0 creates
+    it, rank 1 maps it through ``/proc/<pid>/fd``, since here ``mpiexec`` rather
+    than disco started the processes). It is exactly what a disco worker runs,
+    minus disco's start-up.
+(d) **torch.distributed gloo** over TCP on 127.0.0.1: ``all_reduce`` (in place,
+    as gloo does it), ``all_gather_into_tensor`` and ``all_to_all_single`` on
+    preallocated tensors.
+
+The all-to-all moves a ``(1, n)`` block to ``(2, n / 2)`` (split along
+dimension 1, concatenate along 0), a layout that needs no packing on any side.
+
+All four run in the same two processes, started by ``mpiexec -n 2`` (the
+``mpich`` wheel's). A *sample* is ``k`` back-to-back calls between two MPI
+barriers, timed on every rank, the slowest rank counting; ``k`` grows as the
+size shrinks. Each round takes one sample of every contender for every size and
+collective, in an order that rotates from round to round; the tables show
+medians over the rounds, and ratios as the median of per-round ratios. Every
+contender's output is checked against numpy first.
+
+Both processes start with the environment our launcher gives every rank
+(:func:`tvm_distx.runtime.rank_env.rank_environment`), which adds
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: numpy asks for transparent huge pages
+for its large buffers (``madvise``), TVM's allocator does not, and on a host
+whose huge pages are ``madvise``-only MPI moves data between 4 KiB pages
+markedly slower; with the tunable glibc's ``malloc`` asks for huge pages too, so
+the VM's tensors get them as well. To show what that setting is worth, (a) and
+(b) run once more in a second job without it (``TVM_DISTX_HUGEPAGES=0``);
+``--no-plain`` skips that job.
+
+Usage::
+
+    python scripts/bench/collectives.py                       # both jobs, 7 rounds
+    python scripts/bench/collectives.py --sizes 1 4 --rounds 3
+    mpiexec -n 2 python scripts/bench/collectives.py --rank-job out.json   # one job (internal)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import child_env, median, mpiexec, spread, table  # noqa: E402
+
+SIZES_MIB = [1, 4, 16, 64]
+OPS = ["allreduce", "allgather", "alltoall"]
+CONTENDERS = ["vm", "raw", "shm", "gloo", "rawtvm"]
+LABELS = {"vm": "(a) ours MPI via VM", "raw": "(b) mpi4py", "shm": "(c) ours disco shm",
+          "gloo": "(d) gloo", "rawtvm": "(b') mpi4py on TVM buffers"}
+
+
+# ---------------------------------------------------------------------- inside the ranks
+def _module(world: int, sizes: list[int]):
+    """The Relax module calling our collectives, one function per collective and size."""
+    import tvm
+    from tvm import relax
+
+    from tvm_distx import ccl
+    from tvm_distx.ccl import CollectiveGroup
+
+    group = relax.ShapeExpr(CollectiveGroup((world,), 0, (0,)).encode())
+    bb = relax.BlockBuilder()
+    for mib in sizes:
+        n = mib * (1 << 20) // 4
+        flat = relax.Var("x", relax.TensorType((n,), "float32"))
+        calls = {
+            "allreduce": (flat, ccl.ALLREDUCE, [flat, relax.prim_value(0), group], (n,)),
+            "allgather": (flat, ccl.ALLGATHER, [flat, group, relax.ShapeExpr([0])],
+                          (world * n,)),
+        }
+        row = relax.Var("x", relax.TensorType((1, n), "float32"))
+        calls["alltoall"] = (row, ccl.ALLTOALL, [row, group, relax.ShapeExpr([1, 0])],
+                             (world, n // world))
+        for op, (param, name, args, shape) in calls.items():
+            with bb.function(f"{op}_{mib}", [param]):
+                out = bb.emit(relax.call_dps_packed(name, relax.Tuple(args),
+                                                    out_ty=relax.TensorType(shape, "float32")))
+                bb.emit_func_output(out)
+    return tvm.compile(bb.get(), target=tvm.target.Target({"kind": "llvm"}))
+
+
+def _shm_comm(comm):
+    """A :class:`ShmComm` of this rank on a memfd segment laid out as ``run_disco`` does."""
+    import mmap
+
+    from tvm_distx.runtime.disco import _SLOT_BYTES
+    from tvm_distx.runtime.disco_shm import Layout, ShmComm
+
+    layout = Layout(comm.Get_size(), _SLOT_BYTES, 0)
+    path = None
+    if comm.Get_rank() == 0:
+        fd = os.memfd_create("tvm_distx_bench")
+        os.ftruncate(fd, layout.size)
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+    path = comm.bcast(path)
+    fd = os.open(path, os.O_RDWR)
+    buf = mmap.mmap(fd, layout.size)
+    comm.Barrier()  # rank 1 has mapped it before anyone moves on
+    return ShmComm(buf, layout, comm.Get_rank(), time.time() + 3600)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_job(out_path: str, sizes: list[int], rounds: int, contenders: list[str]) -> None:
+    """One MPI job: every contender, every size and collective, ``rounds`` times."""
+    import warnings
+
+    import numpy as np
+    from mpi4py import MPI
+
+    import tvm
+    from tvm import relax
+
+    from tvm_distx.runtime import disco_shm, mpi_ccl
+
+    warnings.filterwarnings("ignore")
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    exe = _module(world, sizes)
+    vms = {}
+    if "vm" in contenders:
+        mpi_ccl.install(comm)  # before the VM: it resolves its functions once
+        vms["vm"] = relax.VirtualMachine(exe, tvm.cpu())
+    shm = None
+    if "shm" in contenders:
+        shm = _shm_comm(comm)
+        disco_shm.install(shm)
+        vms["shm"] = relax.VirtualMachine(exe, tvm.cpu())
+    dist = None
+    if "gloo" in contenders:
+        import torch
+        import torch.distributed as dist
+
+        port = comm.bcast(_free_port() if rank == 0 else None)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+
+    def sample(fn, reps: int) -> float:
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        elapsed = (time.perf_counter() - start) / reps
+        comm.Barrier()
+        return comm.allreduce(elapsed, op=MPI.MAX)
+
+    cases = []  # (mib, op, {contender: (call, check)})
+    keep = []
+    for mib in sizes:
+        n = mib * (1 << 20) // 4
+        everyone = [(np.arange(n, dtype=np.float32) % 1000) * (r + 1) for r in range(world)]
+        x = everyone[rank]
+        want = {"allreduce": sum(everyone), "allgather": np.concatenate(everyone),
+                "alltoall": np.stack([np.split(e, world)[rank] for e in everyone])}
+        outs = {"allreduce": np.empty(n, np.float32),
+                "allgather": np.empty(world * n, np.float32),
+                "alltoall": np.empty(n, np.float32)}
+        tx, trow = tvm.runtime.tensor(x), tvm.runtime.tensor(x.reshape(1, n))
+        keep += [tx, trow, outs]
+        for op in OPS:
+            arg = trow if op == "alltoall" else tx
+            fns = {}  # contender: (one call, its output after the call)
+            for key, vm in vms.items():
+                func = vm[f"{op}_{mib}"]
+                fns[key] = (lambda f=func, a=arg: f(a), lambda result: result.numpy())
+            out = outs[op]
+            mpi_op = {"allreduce": comm.Allreduce, "allgather": comm.Allgather,
+                      "alltoall": comm.Alltoall}[op]
+            if "raw" in contenders:
+                fns["raw"] = (lambda f=mpi_op, i=x, o=out: f(i, o), lambda _, o=out: o)
+            if "rawtvm" in contenders:
+                tvm_in = np.from_dlpack(tx)
+                tvm_out = np.from_dlpack(tvm.runtime.empty(out.shape, "float32"))
+                keep.append(tvm_out)
+                fns["rawtvm"] = (lambda f=mpi_op, i=tvm_in, o=tvm_out: f(i, o),
+                                 lambda _, o=tvm_out: o)
+            if dist is not None:
+                import torch
+
+                # its own output; gloo reduces in place: start from x for the check
+                t_in = torch.from_numpy(x)
+                t_out = torch.from_numpy(x.copy() if op == "allreduce" else np.empty_like(out))
+                keep.append(t_out)
+                gloo_op = {"allreduce": lambda o=t_out: dist.all_reduce(o),
+                           "allgather": lambda i=t_in, o=t_out: dist.all_gather_into_tensor(o, i),
+                           "alltoall": lambda i=t_in, o=t_out: dist.all_to_all_single(o, i)}[op]
+                fns["gloo"] = (gloo_op, lambda _, o=t_out: o.numpy())
+            for key, (fn, read) in fns.items():  # warm up, and check the numbers
+                got = read(fn())
+                if not np.array_equal(got.reshape(-1), want[op].reshape(-1)):
+                    raise SystemExit(f"rank {rank}: {key} {op} {mib} MiB gives wrong numbers")
+            cases.append((mib, op, {k: f for k, (f, _) in fns.items()}))
+
+    if shm is not None and "vm" in vms:  # the MPI VM must not have picked up the shm functions
+        disco_shm.install(None)
+        vms["vm"][f"allreduce_{sizes[0]}"](keep[0])
+        disco_shm.install(shm)
+
+    times: dict[str, list[float]] = {}
+    order = [c for c in CONTENDERS if c in contenders]
+    for r in range(rounds):
+        rotated = order[r % len(order):] + order[:r % len(order)]
+        for mib, op, fns in cases:
+            reps = max(2, 32 // mib)
+            for key in rotated:
+                times.setdefault(f"{key} {op} {mib}", []).append(sample(fns[key], reps))
+    if dist is not None:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(times))
+
+
+# ---------------------------------------------------------------------- the controller
+def run_job(sizes, rounds, contenders, hugepages: bool, timeout: float) -> dict:
+    """Start one 2-rank MPI job of :func:`rank_job` in the environment our launcher
+    gives ranks (``hugepages=False``: without its huge-page tunable); returns its samples."""
+    from tvm_distx.runtime.rank_env import HUGEPAGES_ENV, rank_environment
+
+    with tempfile.TemporaryDirectory(prefix="tvm-distx-bench-") as tmp:
+        out = Path(tmp) / "times.json"
+        command = [mpiexec(), "-n", "2", sys.executable, str(Path(__file__).resolve()),
+                   "--rank-job", str(out), "--rounds", str(rounds),
+                   "--sizes", *map(str, sizes), "--contenders", *contenders]
+        env = rank_environment(child_env(TVM_NUM_THREADS="1", OMP_NUM_THREADS="1"),
+                               {HUGEPAGES_ENV: "1" if hugepages else "0"})
+        done = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+            raise SystemExit(f"the MPI job failed with exit code {done.returncode}")
+        return json.loads(out.read_text())
+
+
+def _ms(values) -> str:
+    return f"{median(values) * 1e3:.2f}"
+
+
+def report(times: dict, plain: dict | None, sizes: list[int]) -> str:
+    main_rows, ratio_rows = [], []
+    for op in OPS:
+        for mib in sizes:
+            t = {c: times[f"{c} {op} {mib}"] for c in CONTENDERS if f"{c} {op} {mib}" in times}
+            row = [op, f"{mib} MiB"] + [_ms(t[c]) if c in t else "-" for c in CONTENDERS]
+            main_rows.append(row)
+            ratios = [op, f"{mib} MiB"]
+            for fast, slow in (("vm", "raw"), ("vm", "rawtvm"), ("shm", "gloo"), ("shm", "raw")):
+                if fast in t and slow in t:
+                    per_round = [b / a for a, b in zip(t[fast], t[slow])]
+                    ratios.append(f"{median(per_round):.2f} ({spread(per_round)})")
+                else:
+                    ratios.append("-")
+            if plain is not None:
+                h = {c: plain[f"{c} {op} {mib}"] for c in ("vm", "raw")}
+                per_round = [b / a for a, b in zip(h["vm"], h["raw"])]
+                ratios += [_ms(h["vm"]), _ms(h["raw"]),
+                           f"{median(per_round):.2f} ({spread(per_round)})"]
+            ratio_rows.append(ratios)
+    out = ["Milliseconds per call, 2 ranks, float32, size = each rank's input (medians):", "",
+           table(["collective", "size"] + [LABELS[c] for c in CONTENDERS], main_rows), "",
+           "Speed ratios (time of the second / time of the first; > 1: the first is faster):",
+           ""]
+    headers = ["collective", "size", "(a) vs (b): mpi4py / ours MPI",
+               "(a) vs (b'): mpi4py on TVM buffers / ours MPI",
+               "(c) vs (d): gloo / disco shm", "(c) vs (b): mpi4py / disco shm"]
+    if plain is not None:
+        headers += ["(a) ms, plain malloc", "(b) ms, plain malloc",
+                    "(a) vs (b), plain malloc: mpi4py / ours MPI"]
+    out.append(table(headers, ratio_rows))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="*", default=SIZES_MIB, help="MiB per rank")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--contenders", nargs="*", default=CONTENDERS, choices=CONTENDERS)
+    parser.add_argument("--no-plain", action="store_true",
+                        help="skip the second MPI job, without the launcher's huge-page tunable")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per MPI job")
+    parser.add_argument("--json", help="also write every sample to this JSON file")
+    parser.add_argument("--rank-job", metavar="JSON", help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.rank_job:
+        rank_job(opts.rank_job, opts.sizes, opts.rounds, opts.contenders)
+        return 0
+
+    started = time.perf_counter()
+    times = run_job(opts.sizes, opts.rounds, opts.contenders, True, opts.timeout)
+    plain = None
+    if not opts.no_plain and {"vm", "raw"} <= set(opts.contenders):
+        plain = run_job(opts.sizes, opts.rounds, ["vm", "raw"], False, opts.timeout)
+    print(f"2 ranks under mpiexec on {os.cpu_count()} cores, {opts.rounds} rounds "
+          f"({time.perf_counter() - started:.0f} s)\n")
+    print(report(times, plain, opts.sizes))
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"sizes": opts.sizes, "times": times,
+                                               "plain_malloc": plain}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
