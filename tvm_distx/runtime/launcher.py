@@ -13,7 +13,11 @@ Failures stop the whole job and raise :class:`tvm_distx.LaunchError` naming
 the rank:
 
 * a rank raises: it writes its traceback and aborts the job;
-* a rank is killed: ``mpiexec`` tears the others down and says which rank;
+* a rank is killed: ``mpiexec`` tears the others down. Which rank died first
+  comes from a watcher thread holding a ``pidfd`` of every rank on this host
+  (``mpiexec`` names whichever process it noticed, often one it killed
+  itself in the teardown); its exit status comes from ``mpiexec``'s report
+  when that names it;
 * the job outlives ``timeout``: the process group is terminated, then killed,
   and the ranks that had not finished are named with what they were doing.
 
@@ -26,11 +30,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -189,14 +196,14 @@ def _run_mpiexec(manifest: Manifest, job: Path, function: str, timeout: float,
     started = time.monotonic()
     segments = _segments()
     try:
-        code = _wait(command, full_env, log, job, manifest.num_ranks, timeout)
+        code, died = _wait(command, full_env, log, job, manifest.num_ranks, timeout)
     except BaseException:
         _remove_new_segments(segments)
         raise
     logger.info("mpiexec finished in %.2f s with code %d", time.monotonic() - started, code)
     if code != 0:
         _remove_new_segments(segments)
-        raise _failure(job, manifest.num_ranks, code, log.read_text(errors="replace"))
+        raise _failure(job, manifest.num_ranks, code, log.read_text(errors="replace"), died)
 
 
 def _segments() -> set[Path]:
@@ -209,12 +216,16 @@ def _remove_new_segments(before: set[Path]) -> None:
         path.unlink(missing_ok=True)
 
 
-def _wait(command, full_env, log: Path, job: Path, num_ranks: int, timeout: float) -> int:
+def _wait(command, full_env, log: Path, job: Path, num_ranks: int,
+          timeout: float) -> tuple[int, tuple[int, int] | None]:
+    """Run ``mpiexec``; returns its exit code and the (rank, pid) that died first, if any."""
+    watch = _DeathWatch(job, num_ranks)
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True)
+        watch.start()
         try:
-            return proc.wait(timeout=timeout)
+            return proc.wait(timeout=timeout), watch.result()
         except subprocess.TimeoutExpired:
             _stop(proc)
             unfinished = _unfinished(job, num_ranks)
@@ -231,6 +242,78 @@ def _wait(command, full_env, log: Path, job: Path, num_ranks: int, timeout: floa
             ) from None
         finally:
             _stop(proc)
+            watch.result()
+
+
+class _DeathWatch(threading.Thread):
+    """Notes the first rank of this host whose process ends without having finished.
+
+    Every rank writes ``<pid> <host>`` to its ``pid`` file as it starts; the
+    watcher opens a ``pidfd`` for each one on this host and waits on them all
+    with ``select``, so the first exit is seen as it happens, before
+    ``mpiexec``'s teardown ends the others. A rank that ends after writing
+    ``done`` or its ``error.txt`` finished (or reported its own failure).
+    """
+
+    _POLL = 0.02  # seconds between looks for new pid files
+
+    def __init__(self, job: Path, num_ranks: int) -> None:
+        super().__init__(name="tvm-distx-death-watch", daemon=True)
+        self.job, self.num_ranks = job, num_ranks
+        self.first: tuple[int, int] | None = None
+        self._done = threading.Event()
+
+    def result(self) -> tuple[int, int] | None:
+        """Stop watching; the (rank, pid) that died first, or None."""
+        self._done.set()
+        if self.is_alive():
+            self.join()
+        return self.first
+
+    def _finished(self, rank: int) -> bool:
+        folder = self.job / f"rank{rank}"
+        status = folder / "status"
+        return (folder / "error.txt").exists() or (
+            status.is_file() and status.read_text().strip() == "done")
+
+    def run(self) -> None:
+        host, watched, fds = socket.gethostname(), set(), {}
+        try:
+            while self.first is None:
+                for rank in set(range(self.num_ranks)) - watched:
+                    try:
+                        pid_text, _, where = (self.job / f"rank{rank}" / "pid").read_text(
+                        ).partition(" ")
+                        pid = int(pid_text)
+                    except (OSError, ValueError):  # not started, or half written
+                        continue
+                    if not where.strip():  # half written
+                        continue
+                    watched.add(rank)
+                    if where.strip() != host:
+                        continue  # another host: its processes are not ours to see
+                    try:
+                        fds[os.pidfd_open(pid)] = (rank, pid)
+                    except ProcessLookupError:  # already gone
+                        if not self._finished(rank):
+                            self.first = (rank, pid)
+                    except OSError:  # no pidfd on this kernel: mpiexec's word only
+                        return
+                if self.first is not None or (self._done.is_set() and not fds):
+                    return
+                ready = select.select(list(fds), [], [], self._POLL)[0] if fds else []
+                if not fds:
+                    self._done.wait(self._POLL)
+                for fd in ready:
+                    rank, pid = fds.pop(fd)
+                    os.close(fd)
+                    if self.first is None and not self._finished(rank):
+                        self.first = (rank, pid)
+                if self._done.is_set() and not ready:
+                    return
+        finally:
+            for fd in fds:
+                os.close(fd)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -275,7 +358,8 @@ def _straggler(unfinished: list[tuple[int, str, int]]) -> int | None:
     return behind[0] if len(behind) == 1 else None
 
 
-def _failure(job: Path, num_ranks: int, code: int, log: str) -> LaunchError:
+def _failure(job: Path, num_ranks: int, code: int, log: str,
+             died: tuple[int, int] | None = None) -> LaunchError:
     raised = [(r, job / f"rank{r}" / "error.txt") for r in range(num_ranks)]
     raised = [(r, p) for r, p in raised if p.is_file()]
     if raised:
@@ -284,22 +368,29 @@ def _failure(job: Path, num_ranks: int, code: int, log: str) -> LaunchError:
         last = text.strip().splitlines()[-1] if text.strip() else "an error"
         return LaunchError(f"rank {rank} failed: {last}", rank=rank, reason="raised",
                            details=text)
-    pids = {}
-    for r in range(num_ranks):
-        path = job / f"rank{r}" / "pid"
-        if path.is_file():
-            pids[int(path.read_text())] = r
-    for match in _BAD_EXIT.finditer(log):
-        pid, status = int(match.group(1)), int(match.group(2))
-        if pid in pids:
-            rank = pids[pid]
-            try:
-                name = signal.Signals(status).name
-            except ValueError:
-                name = "no signal"
-            return LaunchError(f"rank {rank} (pid {pid}) died with status {status} ({name})",
-                               rank=rank, reason="killed", details=_tail(log))
-    return LaunchError(f"mpiexec exited with code {code}", reason="exited", details=_tail(log))
+    statuses = {int(m.group(1)): int(m.group(2)) for m in _BAD_EXIT.finditer(log)}
+    if died is None:  # no watcher's word (ranks on other hosts): mpiexec's report
+        pids = {}
+        for r in range(num_ranks):
+            path = job / f"rank{r}" / "pid"
+            if path.is_file():
+                pids[int(path.read_text().split()[0])] = r
+        died = next(((pids[pid], pid) for pid in statuses if pid in pids), None)
+    if died is None:
+        return LaunchError(f"mpiexec exited with code {code}", reason="exited",
+                           details=_tail(log))
+    rank, pid = died
+    status = statuses.get(pid)
+    if status is None:
+        how = "died without reporting an error (killed, or it exited early)"
+    else:
+        try:
+            name = signal.Signals(status).name
+        except ValueError:
+            name = "no signal"
+        how = f"died with status {status} ({name})"
+    return LaunchError(f"rank {rank} (pid {pid}) {how}", rank=rank, reason="killed",
+                       details=_tail(log))
 
 
 def _tail(text: str, lines: int = 20) -> str:

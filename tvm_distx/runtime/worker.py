@@ -28,6 +28,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -100,7 +101,7 @@ def run(bundle: Path, job: Path, function: str) -> None:
     rank = comm.Get_rank()
     folder = job / f"rank{rank}"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "pid").write_text(str(os.getpid()))
+    (folder / "pid").write_text(f"{os.getpid()} {socket.gethostname()}")
     _status(folder, "started")
     try:
         _run(bundle, folder, function, comm, rank)
