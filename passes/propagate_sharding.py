@@ -39,6 +39,7 @@ from .sharding_solver import (
     Strength,
     UnsupportedProgramError,
     decide_operands,
+    _field_type,
     _replicated_plan,
     call_site,
 )
@@ -408,7 +409,11 @@ class _FunctionEmitter(FunctionRewriter):
         if sig is None:
             plan = _replicated_plan(known, len(operands), len(outputs))
         else:
-            shapes = [_ir.static_shape(o.ty) for o in operands] + [None] * len(outputs)
+            # the outputs' shapes too, as in the analysis: a split that divides an
+            # operand but not a result (a reshape of 12 into 3 x 4 on 4 devices)
+            # must be dropped here as well, or the kernel gets an uneven shard
+            shapes = [_ir.static_shape(o.ty) for o in operands] + [
+                _ir.static_shape(_field_type(v.ty, s)) for v, s in outputs]
             plan = decide_operands(sig, known, shapes)
         if plan is None:  # nothing sharded reaches this call: it stays as it is
             self._plain(b, call, dataflow)
