@@ -61,13 +61,15 @@ class _Legalizer(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, function: str) -> None:
         super().__init__(mod)
         self.function = function
+        self.bound: dict[relax.Var, relax.Expr] = {}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        self.bound[binding.var] = binding.value
         if not _ir.is_call_to(binding.value, "relax.dist.redistribute"):
             super().visit_var_binding_(binding)
             return
         source = self.visit_expr(binding.value.args[0])
-        src = TensorSharding.from_type(source.ty)
+        src = self._true_sharding(binding.value.args[0])
         dst = TensorSharding.from_type(binding.var.ty)
         shape = _ir.static_shape(binding.var.ty)
         if src is None or dst is None or shape is None or None in shape:
@@ -87,6 +89,28 @@ class _Legalizer(PyExprMutator):
             self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
         else:
             self.set_var_remap(binding.var, value)
+
+    def _true_sharding(self, value) -> TensorSharding | None:
+        """The sharding ``value`` really has, which its type may not say.
+
+        TVM's local-view pass types the result of the all-reduce it adds after
+        a sharded contraction as replicated on every mesh axis. It is not: the
+        all-reduce completes partial sums and keeps its input's layout (for
+        example ``"R, S[0]"`` on a 2x4 mesh). Planning from the wrong type
+        would skip steps (an all-gather along the other mesh axis) and give
+        shards of the wrong shape; the all-reduce's input type is the truth
+        (as in :class:`~tvm_distx.legalize.LowerDistIR`).
+        """
+        seen = set()
+        while isinstance(value, relax.Var) and value in self.bound and value not in seen:
+            seen.add(value)
+            bound = self.bound[value]
+            if _ir.is_call_to(bound, "relax.ccl.allreduce"):
+                return TensorSharding.from_type(bound.args[0].ty)
+            if not isinstance(bound, relax.Var):
+                break
+            value = bound
+        return TensorSharding.from_type(value.ty)
 
     def _emit_step(self, value, step, var: relax.Var):
         mesh = step.src.mesh

@@ -39,6 +39,7 @@ from .sharding_solver import (
     Strength,
     UnsupportedProgramError,
     decide_operands,
+    _field_type,
     _replicated_plan,
     call_site,
 )
@@ -408,18 +409,33 @@ class _FunctionEmitter(FunctionRewriter):
         if sig is None:
             plan = _replicated_plan(known, len(operands), len(outputs))
         else:
-            shapes = [_ir.static_shape(o.ty) for o in operands] + [None] * len(outputs)
+            # the outputs' shapes too, as in the analysis: a split that divides an
+            # operand but not a result (a reshape of 12 into 3 x 4 on 4 devices)
+            # must be dropped here as well, or the kernel gets an uneven shard
+            shapes = [_ir.static_shape(o.ty) for o in operands] + [
+                _ir.static_shape(_field_type(v.ty, s)) for v, s in outputs]
             plan = decide_operands(sig, known, shapes)
         if plan is None:  # nothing sharded reaches this call: it stays as it is
             self._plain(b, call, dataflow)
             return
-        moved = {}
+        # One value may be several operands that need different shardings (x @ x
+        # with x split on its columns: the left operand keeps the split, the right
+        # one is split on its rows), so replacements are kept per occurrence, in
+        # operand order, not one per value.
+        moved: dict[relax.Expr, list[relax.Expr]] = {}
         for operand, needed in zip(operands, plan.operands):
             if isinstance(operand, relax.Var):
-                moved[operand] = self._moved(operand, needed)
+                moved.setdefault(operand, []).append(self._moved(operand, needed))
             elif isinstance(operand, tvm.ir.Constant):
-                moved[operand] = self._constant(operand, needed, b.var)
-        new_call = _substitute(call, lambda v: moved.get(v, self.use(v)))
+                moved.setdefault(operand, []).append(self._constant(operand, needed, b.var))
+
+        def replace(value):
+            queue = moved.get(value)
+            if not queue:
+                return self.use(value)
+            return queue.pop(0) if len(queue) > 1 else queue[0]
+
+        new_call = _substitute(call, replace)
         if _ir.is_call_to(call, _CALL_TIR):
             new_call = self._typed_call_tir(new_call, plan, b.var)
         try:

@@ -236,3 +236,36 @@ def test_a_redistributed_dataflow_output_stays_an_output():
                    [0, 1])
     for device, out in zip((0, 1), outs):
         np.testing.assert_array_equal(out, shard_array(np.maximum(data, 0), dst, device))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4)])
+def test_a_redistribute_after_a_partial_sum_plans_from_the_all_reduce_input_layout(mesh_shape):
+    # Found by the randomized tests. x1 @ x2 with the contraction split along mesh
+    # axis 0 and rows along axis 1 is all-reduced over axis 0 only: the result is
+    # "R, S[0]", though TVM types it "R, R". Moving it to "S[1], R" needs a local
+    # slice along axis 0 and an all-gather along axis 1; planning from the
+    # all-reduce's type dropped the all-gather and each rank returned a wrong shape.
+    n = int(np.prod(mesh_shape))
+    mesh = DeviceMesh(list(mesh_shape), tvm.ir.Range(0, n))
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType((16, 16), "float32"))
+    b = relax.Var("b", relax.TensorType((16, 12), "float32"))
+
+    def annotate(value, placement):
+        return relax.op.distributed.annotate_sharding(value, mesh, Placement.from_text(placement))
+
+    with bb.function("main", [a, b]):
+        a1 = bb.emit(annotate(a, "RS[0]"))
+        b1 = bb.emit(annotate(b, "S[0]R"))
+        c = bb.emit(relax.op.matmul(a1, b1))
+        bb.emit_func_output(bb.emit(annotate(c, "S[1]R")))
+    mod = bb.get()
+    mod.update_global_info("mesh", [mesh])
+    _, legal, _ = pipeline(mod)
+    # (the first local slice moves a to "S[1], S[0]" for the matmul)
+    assert packed_calls(legal["main"])[-2:] == ["tvm_distx.ccl.local_slice",
+                                                "tvm_distx.ccl.allgather"]
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((16, 16), "float32"), rng.standard_normal((16, 12), "float32")
+    out = td.compile(mod, schedule=False).run(x, y, backend="emulate")
+    np.testing.assert_allclose(out, x @ y, rtol=1e-5, atol=1e-4)

@@ -779,3 +779,52 @@ def test_an_annotation_written_in_the_ir_is_validated_against_its_mesh():
     with pytest.raises(td.PlacementRankError, match="placement has 1 entries") as info:
         PropagateSharding()(mod)
     assert (info.value.function, info.value.var) == ("main", "y")
+
+
+def test_a_reshape_whose_result_the_split_does_not_divide_runs_replicated():
+    # Found by the randomized tests. (4, 12) split 4 ways on dim 1 reshaped to
+    # (4, 3, 4): the 12 maps to the 3, which 4 devices cannot split. The kernel must
+    # take a replicated operand (an all-gather first); it was given the shard and
+    # TVM's local-view pass stopped with an InternalError.
+    mesh = relax.distributed.DeviceMesh([4], tvm.ir.Range(0, 4))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 12), "float32"))
+    with bb.function("main", [x]):
+        x1 = bb.emit(relax.op.distributed.annotate_sharding(
+            x, mesh, relax.distributed.Placement.from_text("S[1]")))
+        bb.emit_func_output(bb.emit(relax.op.reshape(x1, (4, 3, 4))))
+    mod = bb.get()
+    mod.update_global_info("mesh", [mesh])
+    out = propagate(relax.transform.LegalizeOps()(mod))
+    kernel = next(b for block in out["main"].body.blocks for b in block.bindings
+                  if isinstance(b.value, relax.Call) and "call_tir" in b.value.op.name)
+    assert str(kernel.value.args[1].fields[0].ty.placement).strip('"') == "R"
+    assert str(kernel.var.ty.placement).strip('"') == "R"
+    value = np.arange(48, dtype="float32").reshape(4, 12)
+    got = td.compile(mod, schedule=False).run(value, backend="emulate")
+    np.testing.assert_array_equal(got, value.reshape(4, 3, 4))
+
+
+@pytest.mark.parametrize("placement", ["S[1]", "S[0]"])
+def test_one_value_as_two_operands_needing_different_shardings(placement):
+    # Found by the randomized tests: x @ x with x split on one dimension. The left
+    # operand and the right one need different splits of the same value; both
+    # uses were replaced by one redistributed copy and lowering produced a
+    # malformed module.
+    mesh = relax.distributed.DeviceMesh([2], tvm.ir.Range(0, 2))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((6, 6), "float32"))
+    with bb.function("main", [x]):
+        x1 = bb.emit(relax.op.distributed.annotate_sharding(
+            x, mesh, relax.distributed.Placement.from_text(placement)))
+        bb.emit_func_output(bb.emit(relax.op.matmul(x1, x1)))
+    mod = bb.get()
+    mod.update_global_info("mesh", [mesh])
+    out = propagate(relax.transform.LegalizeOps()(mod))
+    kernel = next(b for block in out["main"].body.blocks for b in block.bindings
+                  if isinstance(b.value, relax.Call) and "call_tir" in b.value.op.name)
+    lhs, rhs = (str(f.ty.placement).strip('"') for f in kernel.value.args[1].fields)
+    assert lhs != rhs  # the contraction is split alike on both sides
+    value = np.random.default_rng(4).standard_normal((6, 6), "float32")
+    got = td.compile(mod, schedule=False).run(value, backend="emulate")
+    np.testing.assert_allclose(got, value @ value, rtol=1e-5, atol=1e-5)
