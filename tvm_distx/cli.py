@@ -95,9 +95,15 @@ def _write_module(mod, output: Path | None) -> None:
     text = mod.script(show_meta=False)
     if output is None:
         sys.stdout.write(text + "\n")
-    else:
+        return
+    try:
         Path(output).write_text(text + "\n")
-        sys.stderr.write(f"wrote {output}\n")
+    except OSError as err:
+        with contextlib.suppress(OSError):  # no half-written file
+            Path(output).unlink()
+        raise ArgumentError(f"cannot write {output}: {err.strerror}",
+                            hint="give -o a path in an existing, writable directory") from None
+    sys.stderr.write(f"wrote {output}\n")
 
 
 @contextlib.contextmanager
@@ -243,6 +249,27 @@ def _run(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- parser
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`ArgumentError` on bad usage instead of exiting."""
+
+    def error(self, message: str):
+        raise ArgumentError(message, hint=f"see {self.prog} --help")
+
+
+def _positive(kind):
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
 def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = False) -> None:
     parser.add_argument("module", type=Path, help="a TVMScript file")
     parser.add_argument("--rules", type=Path, required=rules_required,
@@ -250,7 +277,7 @@ def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = Fa
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tvm-distx",
+    parser = _Parser(prog="tvm-distx",
                                      description="Sharding, lowering and multi-rank execution "
                                      "for TVM Relax's distributed IR.")
     parser.add_argument("--verbose", "-v", action="store_true",
@@ -286,7 +313,8 @@ def _parser() -> argparse.ArgumentParser:
         _module_arguments(p)
         p.add_argument("--weights", type=Path, help="an .npz of global weights by parameter")
         p.add_argument("--target", default="x86", choices=["x86", "rvv"])
-        p.add_argument("--vlen", type=int, default=None, help="RVV vector length in bits")
+        p.add_argument("--vlen", type=_positive(int), default=None,
+                       help="RVV vector length in bits")
         p.add_argument("--function", default="main")
         p.add_argument("--check", action="store_true",
                        help="for rvv: run every kernel under qemu against this host")
@@ -295,13 +323,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a bundle on N ranks")
     p.add_argument("bundle", type=Path, help="a directory written by compile or bundle")
-    p.add_argument("-n", type=int, required=True, help="the number of ranks")
+    p.add_argument("-n", type=_positive(int), required=True, help="the number of ranks")
     p.add_argument("--backend", default="mpi", choices=["mpi", "disco"])
     p.add_argument("--function", default="main")
     p.add_argument("-i", "--inputs", nargs="*", default=[], metavar="NPY",
                    help="global inputs, in parameter order")
     p.add_argument("-o", "--output", default="out", help="directory for the results")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=_positive(float), default=300.0,
+                   help="seconds before a stuck run is stopped")
     p.add_argument("--hosts", default=None,
                    help="comma-separated hosts for mpiexec -hosts (the bundle must be at the "
                    "same path on each)")
@@ -312,7 +341,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ArgumentError as err:  # bad usage: argparse's conventional exit, our message
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"tvm-distx: error: {err}\n")
+        raise SystemExit(EXIT_USAGE) from None
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
