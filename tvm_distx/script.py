@@ -169,7 +169,7 @@ def _global_meshes(cls: ast.ClassDef):
 
 def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
     """Check every literal mesh reference and DTensor placement of a module class."""
-    from .errors import MeshError, UnknownMeshError
+    from .errors import MeshError, PlacementSyntaxError, UnknownMeshError
     from .placement import Placement
 
     meshes = _global_meshes(cls) if cls is not None else None
@@ -217,9 +217,14 @@ def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
             return
         mesh = resolve(ref, function, var)
         text = _literal(placement_node) if placement_node is not None else None
-        if mesh is None or not isinstance(text, str) or name != "DTensor":
-            return  # annotate_sharding's placement is checked by propagation, with its shape
-        placement = Placement.parse(text)
+        if mesh is None or not isinstance(text, str):
+            return
+        try:
+            placement = Placement.parse(text)
+        except PlacementSyntaxError as err:  # say where it was written
+            raise PlacementSyntaxError(err.message, function=function, var=var,
+                                       placement=text, hint=err.hint) from None
+        # annotate_sharding and redistribute: the operand's shape is checked by propagation
         shape = _literal(shape_node) if shape_node is not None else None
         if isinstance(shape, (tuple, list)):
             shape = tuple(n if isinstance(n, int) else None for n in shape)
@@ -227,20 +232,21 @@ def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
             shape = None
         placement.validate(mesh, shape, function=function, var=var)
 
+    def calls(tree):
+        return [n for n in ast.walk(tree) if isinstance(n, ast.Call)] if tree is not None else []
+
     for node in cls.body:
         if not isinstance(node, ast.FunctionDef):
             continue
         for arg in node.args.args:
-            for call in (n for n in ast.walk(arg) if isinstance(n, ast.Call)):
+            for call in calls(arg):
                 check_call(call, node.name, arg.arg)
-        for call in (n for n in ast.walk(node.returns) if isinstance(n, ast.Call)) \
-                if node.returns is not None else ():
-            check_call(call, node.name, "the result")
-        for stmt in ast.walk(node):
+        for stmt in ast.walk(node):  # the body before the result type: its variables are named
             if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
                 var = next((t.id for t in targets if isinstance(t, ast.Name)), None)
                 for sub in (stmt.value, getattr(stmt, "annotation", None)):
-                    for call in (n for n in ast.walk(sub) if isinstance(n, ast.Call)) \
-                            if sub is not None else ():
+                    for call in calls(sub):
                         check_call(call, node.name, var)
+        for call in calls(node.returns):
+            check_call(call, node.name, None)

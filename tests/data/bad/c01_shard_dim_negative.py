@@ -1,5 +1,5 @@
 # A negative tensor dimension in a placement.
-# expect: PlacementSyntaxError: non-negative integer tensor dimension, got -1
+# expect: PlacementSyntaxError: in function 'main', variable 'a', placement "S[-1]": cannot parse
 # run: propagate
 from tvm.script import ir as I
 from tvm.script import relax as R
