@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -69,8 +70,8 @@ def _read_rules(path: Path | None) -> list:
     rules = []
     for index, fields in enumerate(data):
         fields = dict(fields)
-        if "args" in fields:
-            fields["args"] = {int(k): v for k, v in dict(fields["args"]).items()}
+        if isinstance(fields.get("args"), dict):  # JSON keys are text: "0" is position 0
+            fields["args"] = {_position(k): v for k, v in fields["args"].items()}
         try:
             rules.append(ShardingRule(**fields))
         except TypeError as err:
@@ -78,6 +79,27 @@ def _read_rules(path: Path | None) -> list:
                                 hint="fields are callee, op, param, args, result, function, "
                                 "meshes") from None
     return rules
+
+
+def _position(key):
+    """An argument position from a JSON or YAML key; anything else is left for the rule to refuse."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
+
+
+def _writable_file(path: Path | None, option: str) -> None:
+    """Refuse, before any work, an output file whose directory does not exist."""
+    if path is not None and not Path(path).parent.is_dir():
+        raise ArgumentError(f"cannot write {option} {path}: {Path(path).parent} is not a directory",
+                            hint=f"give {option} a path in an existing directory")
+
+
+def _output_directory(path: Path, option: str) -> None:
+    """Refuse, before any work, an output directory that is an existing file."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ArgumentError(f"{option} {path} is not a directory (it is an existing file)",
+                            hint=f"give {option} a new or existing directory")
 
 
 def _load(args: argparse.Namespace):
@@ -122,6 +144,7 @@ def _progress(description: str):
 
 # ---------------------------------------------------------------------- subcommands
 def _annotate(args: argparse.Namespace) -> int:
+    _writable_file(args.output, "-o")
     if args.rules is None:
         raise ArgumentError("annotate needs --rules", hint="tvm-distx annotate model.py "
                             "--rules rules.json")
@@ -134,6 +157,7 @@ def _propagate(args: argparse.Namespace) -> int:
 
     from .passes import PropagateSharding
 
+    _writable_file(args.output, "-o")
     mod = _load(args)
     if args.legalize:
         mod = relax.transform.LegalizeOps()(mod)
@@ -170,6 +194,7 @@ def _explain(args: argparse.Namespace) -> int:
     from .pipeline import run_stages
 
     # legalized first, as compile does: TVM types few high-level operators on DTensors
+    _writable_file(args.png, "--png")
     annotated = relax.transform.LegalizeOps()(_load(args))
     with _progress("propagating and lowering"):
         stages = run_stages(annotated)
@@ -184,7 +209,10 @@ def _explain(args: argparse.Namespace) -> int:
                                 hint="for example --value mlp:A")
         show_value(annotated, function, value, console=console)
         if args.png:
-            plot_value(annotated, function, value, path=args.png)
+            try:
+                plot_value(annotated, function, value, path=args.png)
+            except OSError as err:
+                raise ArgumentError(f"cannot write --png {args.png}: {err.strerror}") from None
             console.print(f"wrote {args.png}")
     return EXIT_OK
 
@@ -192,13 +220,17 @@ def _explain(args: argparse.Namespace) -> int:
 def _compile(args: argparse.Namespace, check: bool = False) -> int:
     from . import compile as compile_module
 
+    _output_directory(args.output, "-o")
     mod = _load(args)
     weights = {}
     if args.weights:
         try:
-            with np.load(args.weights, allow_pickle=False) as archive:
+            loaded = np.load(args.weights, allow_pickle=False)
+            if not hasattr(loaded, "files"):  # a .npy: one array, no names
+                raise ValueError("it holds one array, not arrays named by parameter")
+            with loaded as archive:
                 weights = {name: archive[name] for name in archive.files}
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
             raise ArgumentError(f"cannot read weights from {args.weights}: {err}",
                                 hint="give an .npz of global weights keyed by parameter "
                                 "name (numpy.savez)") from None
@@ -226,6 +258,7 @@ def _bundle(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from .runtime.launcher import launch
 
+    _output_directory(args.output, "-o")  # before any rank starts, not after the run
     inputs = []
     for path in args.inputs:
         if not Path(path).is_file():
