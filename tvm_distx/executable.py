@@ -225,9 +225,13 @@ class DistExecutable:
         Raises
         ------
         ArgumentError
-            For an unknown parameter or a weight of the wrong shape or dtype.
+            For an unknown parameter, a weight of the wrong shape or dtype, or a
+            ``directory`` that is an existing file. Nothing is left behind then.
         """
         root = Path(directory)
+        if root.exists() and not root.is_dir():
+            raise ArgumentError(f"cannot export to {root}: it is an existing file",
+                                hint="give a new or existing directory")
         signature = self._signature(function)
         weights = dict(params or {})
         if weights:  # checks names, shapes and dtypes, before anything is written
