@@ -246,6 +246,10 @@ def _parse(root: Path, data: dict) -> Manifest:
             weights[name] = tuple(str(w) for w in f.get("weights", []))
         if len(row) != num_ranks:
             raise BundleError(f"function '{name}' lists {len(row)} entries for {num_ranks} ranks")
+        unknown = sorted(set(weights[name]) - {p.name for p in functions[name].params})
+        if unknown:
+            raise BundleError(f"function '{name}' stores weight(s) {', '.join(map(repr, unknown))}"
+                              f", which are not among its parameters", hint="export the bundle again")
         entries[name] = row
     files = []
     for index, w in enumerate(_require(data, "weight_files", list, "at the top level")):
@@ -268,13 +272,21 @@ def check_weights(manifest: Manifest, ranks: Sequence[int] | None = None) -> Non
     Raises
     ------
     BundleError
-        For a missing file, a sha256 mismatch, or a shape or dtype that differs
-        from the manifest's.
+        For a stored weight with no file listed, a missing file, a sha256
+        mismatch, or a shape or dtype that differs from the manifest's.
     """
     wanted = set(range(manifest.num_ranks) if ranks is None else ranks)
     expected = {(p.name, r): p.sharding.local_shape(p.shape)
                 for f in manifest.functions.values() for p in f.params
                 for r in range(manifest.num_ranks) if p.held_by(r)}
+    listed = {(w.name, w.rank) for w in manifest.weight_files}
+    for function, stored in manifest.weights.items():
+        for p in manifest.functions[function].params:
+            for r in sorted(wanted):
+                if p.name in stored and p.held_by(r) and (p.name, r) not in listed:
+                    raise BundleError(
+                        f"weight '{p.name}' of rank {r} is stored in the bundle, but the "
+                        "manifest lists no file for it", hint="export the bundle again")
     for w in manifest.weight_files:
         if w.rank not in wanted:
             continue
