@@ -88,10 +88,23 @@ def load_module(path: str | os.PathLike):
     try:
         mod = tvm.script.from_source(decorators + source, extra_vars=names)
     except Exception as err:  # TVM reports parse errors as DiagnosticError
-        raise ScriptError(f"TVM could not parse {path}: {err}") from None
+        raise ScriptError(f"TVM could not parse {path}: {err}", hint=_parse_hint(str(err))) \
+            from None
     if not isinstance(mod, tvm.IRModule):
         raise ScriptError(f"{path} does not define an IRModule (got {type(mod).__name__})")
     return mod
+
+
+#: What some of TVM's parse errors mean for DistIR modules: (text in TVM's message, hint).
+_PARSE_HINTS = (
+    ("FInferType attribute registered to op: relax.dist.redistribute",
+     "R.dist.redistribute takes a DTensor: give its operand an R.dist.DTensor type, or "
+     "use R.dist.annotate_sharding on a plain tensor"),
+)
+
+
+def _parse_hint(message: str) -> str | None:
+    return next((hint for text, hint in _PARSE_HINTS if text in message), None)
 
 
 def _relax_as_printed(relax_script):
