@@ -20,6 +20,7 @@ Functions that no sharding reaches are left as they are.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 import tvm
@@ -95,6 +96,16 @@ def propagate(mod: tvm.IRModule, *, require_legalized: bool = False) -> Propagat
                 f"({sites}{f' and {more} more' if more > 0 else ''}); relax.transform.LegalizeOps "
                 "skips such calls, so legalizing after propagation loses collectives")
         if require_legalized:
+            opaque = [site for site in result.unlegalized if not _legalizable(site[2])]
+            if opaque:  # LegalizeOps cannot help: say so, instead of asking for it
+                fn, var, op = opaque[0]
+                raise UnsupportedProgramError(
+                    f"{op} at '{var}' takes sharded operands, but it has no legalization "
+                    "to TIR, so sharding propagation cannot see what it computes",
+                    function=fn, var=var,
+                    hint="keep its operands replicated (annotate them \"R\"), or write it "
+                    "as a TIR function called with R.call_tir",
+                )
             raise UnsupportedProgramError(
                 text, function=result.unlegalized[0][0], var=result.unlegalized[0][1],
                 hint="run relax.transform.LegalizeOps() before PropagateSharding "
@@ -446,7 +457,7 @@ class _FunctionEmitter(FunctionRewriter):
             op_name = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
             raise UnsupportedProgramError(
                 f"TVM cannot type {op_name} on sharded operands: "
-                f"{str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}",
+                f"{_tvm_reason(err)}",
                 function=self.name,
                 var=b.var.name,
                 hint="run relax.transform.LegalizeOps() before PropagateSharding; TVM 0.27 has "
@@ -507,6 +518,37 @@ class _FunctionEmitter(FunctionRewriter):
 
 
 # --------------------------------------------------------------------------- helpers
+def _legalizable(op_name: str) -> bool:
+    """Whether ``relax.transform.LegalizeOps`` can lower this operator to TIR."""
+    try:
+        return tvm.ir.Op.get(op_name).get_attr("FLegalize") is not None
+    except Exception:  # noqa: BLE001  (an unknown name: not legalizable)
+        return False
+
+
+def _tvm_reason(err: Exception) -> str:
+    """The last line of a TVM error, with printed operators shortened to their names.
+
+    TVM prints an operator in a message as its whole ``ir.Op(...)`` object
+    (description, arguments, attributes); the name is what a user needs.
+    """
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    line = text.splitlines()[-1]
+    out, start = [], 0
+    while (begin := line.find("ir.Op(", start)) >= 0:
+        depth, end = 0, begin + len("ir.Op")
+        for end in range(begin + len("ir.Op"), len(line)):
+            depth += {"(": 1, ")": -1}.get(line[end], 0)
+            if depth == 0:
+                break
+        name = re.search(r'name="([^"]+)"', line[begin:end])
+        out.append(line[start:begin] + (name.group(1) if name else "an operator"))
+        start = end + 1
+    return "".join(out) + line[start:]
+
+
 def _is_public(func: relax.Function) -> bool:
     return func.attrs is not None and "global_symbol" in func.attrs
 

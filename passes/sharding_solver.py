@@ -454,7 +454,8 @@ class FunctionAnalysis:
         what = "annotate_sharding" if _ir.is_call_to(call, _ANNOTATE) else "redistribute"
         # written in the IR directly, it has not been checked yet (TVM accepts "S[2]"
         # on a 2-D mesh)
-        sharding.placement.validate(mesh, _ir.static_shape(b.var.ty) or None,
+        # () is a scalar's shape, not an unknown one: a scalar cannot be sharded
+        sharding.placement.validate(mesh, _ir.static_shape(b.var.ty),
                                     function=self.name, var=b.var.name)
         self._set(b.var, 0, Decision(sharding, Strength.SOURCE, f"{what} {sharding} in '{self.name}'"))
         source = call.args[0]

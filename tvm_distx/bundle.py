@@ -43,6 +43,7 @@ import hashlib
 import json
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -156,8 +157,9 @@ def read_manifest(bundle: str | os.PathLike) -> Manifest:
     Raises
     ------
     BundleError
-        If the manifest is missing, not JSON, of another format or version, or
-        lacks a field.
+        If the manifest is missing, not JSON, of another format or version, lacks
+        a field, has a placement that does not fit its mesh, or its library is
+        missing.
     """
     root = Path(bundle)
     path = root / MANIFEST
@@ -188,31 +190,79 @@ def read_manifest(bundle: str | os.PathLike) -> Manifest:
                           hint="export the bundle again") from None
 
 
+@contextmanager
+def _entry(where: str):
+    """Report a malformed part of the manifest by where it is."""
+    try:
+        yield
+    except BundleError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        what = f"no field {err}" if type(err) is KeyError else f"{type(err).__name__}: {err}"
+        raise BundleError(f"{where} of the manifest is malformed ({what})",
+                          hint="export the bundle again") from None
+
+
 def _parse(root: Path, data: dict) -> Manifest:
     num_ranks = _require(data, "num_ranks", int, "at the top level")
     if num_ranks < 1:
         raise BundleError(f"num_ranks must be positive, got {num_ranks}")
     meshes = {}
-    for m in _require(data, "meshes", list, "at the top level"):
-        devices = [int(d) for d in m["devices"]]
-        meshes[str(m["name"])] = DeviceMesh(tuple(int(n) for n in m["shape"]),
-                                            range(devices[0], devices[-1] + 1), str(m["name"]))
+    for index, m in enumerate(_require(data, "meshes", list, "at the top level")):
+        with _entry(f"mesh {index}"):
+            devices = [int(d) for d in m["devices"]]
+            mesh = DeviceMesh(tuple(int(n) for n in m["shape"]),
+                              range(devices[0], devices[-1] + 1), str(m["name"]))
+        if mesh.device_range.stop > num_ranks:
+            raise BundleError(f"mesh '{mesh.name}' spans devices {mesh.device_range.start}.."
+                              f"{mesh.device_range.stop - 1}, but the bundle has {num_ranks} "
+                              "ranks", hint="export the bundle again")
+        meshes[mesh.name] = mesh
     functions, entries, weights = {}, {}, {}
     for name, f in _require(data, "functions", dict, "at the top level").items():
-        params = tuple(TensorSpec.from_json(p, meshes) for p in f["params"])
-        results = tuple(TensorSpec.from_json(r, meshes) for r in f["results"])
-        functions[name] = FunctionSignature(name, params, results, bool(f["tuple_result"]))
-        row = tuple(e if e else None for e in f["entries"])
+        specs = {}
+        for kind in ("params", "results"):
+            with _entry(f"function '{name}'"):
+                items = list(f[kind])
+            for index, p in enumerate(items):
+                with _entry(f"{kind[:-1]} {index} of function '{name}'"):
+                    if p["mesh"] not in meshes:
+                        raise BundleError(
+                            f"{kind[:-1]} {index} of function '{name}' is on mesh "
+                            f"'{p['mesh']}', which the manifest does not list "
+                            f"(it has: {', '.join(meshes) or 'none'})",
+                            hint="export the bundle again")
+                    spec = TensorSpec.from_json(p, meshes)
+                    # a placement that does not fit its mesh or shape would cut the
+                    # inputs wrongly, without an error, once the ranks run
+                    spec.sharding.placement.validate(spec.sharding.mesh, spec.shape,
+                                                     var=spec.name)
+                specs.setdefault(kind, []).append(spec)
+        with _entry(f"function '{name}'"):
+            functions[name] = FunctionSignature(name, tuple(specs.get("params", ())),
+                                                tuple(specs.get("results", ())),
+                                                bool(f["tuple_result"]))
+            row = tuple(e if e else None for e in f["entries"])
+            weights[name] = tuple(str(w) for w in f.get("weights", []))
         if len(row) != num_ranks:
             raise BundleError(f"function '{name}' lists {len(row)} entries for {num_ranks} ranks")
+        unknown = sorted(set(weights[name]) - {p.name for p in functions[name].params})
+        if unknown:
+            raise BundleError(f"function '{name}' stores weight(s) {', '.join(map(repr, unknown))}"
+                              f", which are not among its parameters", hint="export the bundle again")
         entries[name] = row
-        weights[name] = tuple(str(w) for w in f.get("weights", []))
-    files = tuple(
-        WeightFile(int(w["rank"]), str(w["name"]), str(w["file"]),
-                   tuple(int(n) for n in w["shape"]), str(w["dtype"]), str(w["sha256"]))
-        for w in _require(data, "weight_files", list, "at the top level"))
-    return Manifest(root, num_ranks, str(_require(data, "library", str, "at the top level")),
-                    dict(data.get("target") or {}), meshes, functions, entries, weights, files,
+    files = []
+    for index, w in enumerate(_require(data, "weight_files", list, "at the top level")):
+        with _entry(f"weight file {index}"):
+            files.append(WeightFile(int(w["rank"]), str(w["name"]), str(w["file"]),
+                                    tuple(int(n) for n in w["shape"]), str(w["dtype"]),
+                                    str(w["sha256"])))
+    library = _require(data, "library", str, "at the top level")
+    if not (root / library).is_file():
+        raise BundleError(f"the bundle's library {root / library} is missing",
+                          hint="export the bundle again")
+    return Manifest(root, num_ranks, library, dict(data.get("target") or {}), meshes,
+                    functions, entries, weights, tuple(files),
                     tuple(str(c) for c in data.get("collectives", [])), data)
 
 
@@ -222,13 +272,21 @@ def check_weights(manifest: Manifest, ranks: Sequence[int] | None = None) -> Non
     Raises
     ------
     BundleError
-        For a missing file, a sha256 mismatch, or a shape or dtype that differs
-        from the manifest's.
+        For a stored weight with no file listed, a missing file, a sha256
+        mismatch, or a shape or dtype that differs from the manifest's.
     """
     wanted = set(range(manifest.num_ranks) if ranks is None else ranks)
     expected = {(p.name, r): p.sharding.local_shape(p.shape)
                 for f in manifest.functions.values() for p in f.params
                 for r in range(manifest.num_ranks) if p.held_by(r)}
+    listed = {(w.name, w.rank) for w in manifest.weight_files}
+    for function, stored in manifest.weights.items():
+        for p in manifest.functions[function].params:
+            for r in sorted(wanted):
+                if p.name in stored and p.held_by(r) and (p.name, r) not in listed:
+                    raise BundleError(
+                        f"weight '{p.name}' of rank {r} is stored in the bundle, but the "
+                        "manifest lists no file for it", hint="export the bundle again")
     for w in manifest.weight_files:
         if w.rank not in wanted:
             continue

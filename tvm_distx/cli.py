@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -69,8 +70,8 @@ def _read_rules(path: Path | None) -> list:
     rules = []
     for index, fields in enumerate(data):
         fields = dict(fields)
-        if "args" in fields:
-            fields["args"] = {int(k): v for k, v in dict(fields["args"]).items()}
+        if isinstance(fields.get("args"), dict):  # JSON keys are text: "0" is position 0
+            fields["args"] = {_position(k): v for k, v in fields["args"].items()}
         try:
             rules.append(ShardingRule(**fields))
         except TypeError as err:
@@ -78,6 +79,27 @@ def _read_rules(path: Path | None) -> list:
                                 hint="fields are callee, op, param, args, result, function, "
                                 "meshes") from None
     return rules
+
+
+def _position(key):
+    """An argument position from a JSON or YAML key; anything else is left for the rule to refuse."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
+
+
+def _writable_file(path: Path | None, option: str) -> None:
+    """Refuse, before any work, an output file whose directory does not exist."""
+    if path is not None and not Path(path).parent.is_dir():
+        raise ArgumentError(f"cannot write {option} {path}: {Path(path).parent} is not a directory",
+                            hint=f"give {option} a path in an existing directory")
+
+
+def _output_directory(path: Path, option: str) -> None:
+    """Refuse, before any work, an output directory that is an existing file."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise ArgumentError(f"{option} {path} is not a directory (it is an existing file)",
+                            hint=f"give {option} a new or existing directory")
 
 
 def _load(args: argparse.Namespace):
@@ -95,9 +117,15 @@ def _write_module(mod, output: Path | None) -> None:
     text = mod.script(show_meta=False)
     if output is None:
         sys.stdout.write(text + "\n")
-    else:
+        return
+    try:
         Path(output).write_text(text + "\n")
-        sys.stderr.write(f"wrote {output}\n")
+    except OSError as err:
+        with contextlib.suppress(OSError):  # no half-written file
+            Path(output).unlink()
+        raise ArgumentError(f"cannot write {output}: {err.strerror}",
+                            hint="give -o a path in an existing, writable directory") from None
+    sys.stderr.write(f"wrote {output}\n")
 
 
 @contextlib.contextmanager
@@ -116,6 +144,7 @@ def _progress(description: str):
 
 # ---------------------------------------------------------------------- subcommands
 def _annotate(args: argparse.Namespace) -> int:
+    _writable_file(args.output, "-o")
     if args.rules is None:
         raise ArgumentError("annotate needs --rules", hint="tvm-distx annotate model.py "
                             "--rules rules.json")
@@ -128,6 +157,7 @@ def _propagate(args: argparse.Namespace) -> int:
 
     from .passes import PropagateSharding
 
+    _writable_file(args.output, "-o")
     mod = _load(args)
     if args.legalize:
         mod = relax.transform.LegalizeOps()(mod)
@@ -164,6 +194,7 @@ def _explain(args: argparse.Namespace) -> int:
     from .pipeline import run_stages
 
     # legalized first, as compile does: TVM types few high-level operators on DTensors
+    _writable_file(args.png, "--png")
     annotated = relax.transform.LegalizeOps()(_load(args))
     with _progress("propagating and lowering"):
         stages = run_stages(annotated)
@@ -178,7 +209,10 @@ def _explain(args: argparse.Namespace) -> int:
                                 hint="for example --value mlp:A")
         show_value(annotated, function, value, console=console)
         if args.png:
-            plot_value(annotated, function, value, path=args.png)
+            try:
+                plot_value(annotated, function, value, path=args.png)
+            except OSError as err:
+                raise ArgumentError(f"cannot write --png {args.png}: {err.strerror}") from None
             console.print(f"wrote {args.png}")
     return EXIT_OK
 
@@ -186,13 +220,17 @@ def _explain(args: argparse.Namespace) -> int:
 def _compile(args: argparse.Namespace, check: bool = False) -> int:
     from . import compile as compile_module
 
+    _output_directory(args.output, "-o")
     mod = _load(args)
     weights = {}
     if args.weights:
         try:
-            with np.load(args.weights, allow_pickle=False) as archive:
+            loaded = np.load(args.weights, allow_pickle=False)
+            if not hasattr(loaded, "files"):  # a .npy: one array, no names
+                raise ValueError("it holds one array, not arrays named by parameter")
+            with loaded as archive:
                 weights = {name: archive[name] for name in archive.files}
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
             raise ArgumentError(f"cannot read weights from {args.weights}: {err}",
                                 hint="give an .npz of global weights keyed by parameter "
                                 "name (numpy.savez)") from None
@@ -220,6 +258,7 @@ def _bundle(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from .runtime.launcher import launch
 
+    _output_directory(args.output, "-o")  # before any rank starts, not after the run
     inputs = []
     for path in args.inputs:
         if not Path(path).is_file():
@@ -243,6 +282,27 @@ def _run(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- parser
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`ArgumentError` on bad usage instead of exiting."""
+
+    def error(self, message: str):
+        raise ArgumentError(message, hint=f"see {self.prog} --help")
+
+
+def _positive(kind):
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
 def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = False) -> None:
     parser.add_argument("module", type=Path, help="a TVMScript file")
     parser.add_argument("--rules", type=Path, required=rules_required,
@@ -250,7 +310,7 @@ def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = Fa
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tvm-distx",
+    parser = _Parser(prog="tvm-distx",
                                      description="Sharding, lowering and multi-rank execution "
                                      "for TVM Relax's distributed IR.")
     parser.add_argument("--verbose", "-v", action="store_true",
@@ -286,7 +346,8 @@ def _parser() -> argparse.ArgumentParser:
         _module_arguments(p)
         p.add_argument("--weights", type=Path, help="an .npz of global weights by parameter")
         p.add_argument("--target", default="x86", choices=["x86", "rvv"])
-        p.add_argument("--vlen", type=int, default=None, help="RVV vector length in bits")
+        p.add_argument("--vlen", type=_positive(int), default=None,
+                       help="RVV vector length in bits")
         p.add_argument("--function", default="main")
         p.add_argument("--check", action="store_true",
                        help="for rvv: run every kernel under qemu against this host")
@@ -295,13 +356,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a bundle on N ranks")
     p.add_argument("bundle", type=Path, help="a directory written by compile or bundle")
-    p.add_argument("-n", type=int, required=True, help="the number of ranks")
+    p.add_argument("-n", type=_positive(int), required=True, help="the number of ranks")
     p.add_argument("--backend", default="mpi", choices=["mpi", "disco"])
     p.add_argument("--function", default="main")
     p.add_argument("-i", "--inputs", nargs="*", default=[], metavar="NPY",
                    help="global inputs, in parameter order")
     p.add_argument("-o", "--output", default="out", help="directory for the results")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=_positive(float), default=300.0,
+                   help="seconds before a stuck run is stopped")
     p.add_argument("--hosts", default=None,
                    help="comma-separated hosts for mpiexec -hosts (the bundle must be at the "
                    "same path on each)")
@@ -312,7 +374,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ArgumentError as err:  # bad usage: argparse's conventional exit, our message
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"tvm-distx: error: {err}\n")
+        raise SystemExit(EXIT_USAGE) from None
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -225,15 +225,29 @@ class DistExecutable:
         Raises
         ------
         ArgumentError
-            For an unknown parameter or a weight of the wrong shape or dtype.
+            For an unknown parameter, a weight of the wrong shape or dtype, or a
+            ``directory`` that is an existing file. Nothing is left behind then.
         """
         root = Path(directory)
-        root.mkdir(parents=True, exist_ok=True)
+        if root.exists() and not root.is_dir():
+            raise ArgumentError(f"cannot export to {root}: it is an existing file",
+                                hint="give a new or existing directory")
         signature = self._signature(function)
         weights = dict(params or {})
-        if weights:  # checks names, shapes and dtypes
+        if weights:  # checks names, shapes and dtypes, before anything is written
             free = [p for p in signature.params if p.name not in weights]
             signature.bind([np.zeros(p.shape, p.dtype) for p in free], weights)
+        created = not root.exists()
+        try:
+            return self._export(root, signature, weights, function)
+        except BaseException:
+            if created:  # no partial bundle left behind
+                shutil.rmtree(root, ignore_errors=True)
+            raise
+
+    def _export(self, root: Path, signature: FunctionSignature, weights: dict,
+                function: str) -> Path:
+        root.mkdir(parents=True, exist_ok=True)
         if (root / "weights").exists():
             shutil.rmtree(root / "weights")
         files = []

@@ -128,8 +128,14 @@ class ShardingRule:
         if meshes is None:
             refs: tuple[MeshRef, ...] = ()
         else:
-            if isinstance(meshes, str):
+            if isinstance(meshes, (str, MeshRef)):
                 meshes = [meshes]
+            if not isinstance(meshes, (list, tuple)):
+                raise RuleError(
+                    f"meshes= in the rule for {kind}={target!r} must be a mesh reference or a "
+                    f"list of them, got {meshes!r}",
+                    hint='write meshes="mesh[0]" or meshes=["mesh[0]", "mesh[1]"]',
+                )
             try:
                 refs = tuple(MeshRef.parse(m) for m in meshes)
             except MeshError as err:

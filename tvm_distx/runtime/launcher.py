@@ -123,10 +123,13 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
         For a bad manifest or weight file, or a rank count that differs from
         the bundle's; nothing is launched then.
     ArgumentError
-        For inputs that do not fit the function.
+        For inputs that do not fit the function, or a timeout that is not positive.
     LaunchError
         If a rank fails or the job times out.
     """
+    if not timeout > 0:
+        raise ArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}",
+                            hint="for example timeout=300")
     manifest = read_manifest(bundle)
     if num_ranks is not None and num_ranks != manifest.num_ranks:
         raise BundleError(f"the bundle at {manifest.root} needs {manifest.num_ranks} ranks, "

@@ -1,0 +1,19 @@
+# One placement entry on a 2x2 mesh.
+# expect: PlacementRankError: has 1 entr
+# run: propagate
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+
+@I.ir_module
+class Module:
+    I.module_attrs({"device_num": 4})
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2, 2), I.Range(0, 4))]})
+
+    @R.function
+    def main(x: R.Tensor((8, 8), "float32")) -> R.Tensor((8, 8), "float32"):
+        with R.dataflow():
+            a = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[0]")
+            b = R.nn.relu(a)
+            R.output(b)
+        return b

@@ -1,0 +1,20 @@
+# Control flow (R.If) in a function with sharded values.
+# expect: UnsupportedProgramError: 
+# run: propagate
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+
+@I.ir_module
+class Module:
+    I.module_attrs({"device_num": 2})
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor((8, 8), "float32"), c: R.Tensor((), "bool")) -> R.Tensor((8, 8), "float32"):
+        a = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[0]")
+        if c:
+            y = R.nn.relu(a)
+        else:
+            y = R.negative(a)
+        return y

@@ -1,0 +1,23 @@
+# A closure defined inside a function with sharded values.
+# expect: UnsupportedProgramError: 
+# run: propagate
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+
+@I.ir_module
+class Module:
+    I.module_attrs({"device_num": 2})
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor((8, 8), "float32")) -> R.Tensor((8, 8), "float32"):
+        a = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[0]")
+
+        @R.function
+        def inner(v: R.Tensor((8, 8), "float32")) -> R.Tensor((8, 8), "float32"):
+            w = R.nn.relu(v)
+            return w
+
+        y = inner(a)
+        return y
