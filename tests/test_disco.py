@@ -306,3 +306,28 @@ def test_a_post_larger_than_a_slot_goes_in_rounds():
     for r in range(3):
         for p in range(3):
             np.testing.assert_array_equal(got[r][p], posts[p])
+
+
+def test_a_shutdown_that_blocks_on_a_stuck_worker_is_ended_by_killing_it(monkeypatch):
+    """Disco's shutdown waits for its workers; one that never answers must not hang us."""
+    import subprocess
+    import sys
+
+    from tvm_distx.runtime import disco
+
+    monkeypatch.setattr(disco, "_GRACE", 0.5)
+    pool = disco._Pool(-1)
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ours, theirs = os.pipe()
+    pool.procs[1], pool.pipes[1] = stuck, (ours, theirs)
+
+    class Session:  # shutdown returns only once the worker is gone, like a pipe read
+        def shutdown(self):
+            stuck.wait()
+
+    started = time.monotonic()
+    disco._shutdown(Session(), pool)
+    assert time.monotonic() - started < 5
+    assert stuck.poll() is not None  # killed
+    os.close(ours)
+    os.close(theirs)

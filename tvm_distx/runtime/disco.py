@@ -151,10 +151,7 @@ def _run(library: str, entries: list, inputs: list, timeout: float) -> list:
         pool.kill([w for w, p in pool.procs.items()
                    if p.poll() is not None or view is None or view.status[w] == RUNNING])
         if sess is not None:
-            try:
-                sess.shutdown()
-            except Exception:  # noqa: BLE001 - keep cleaning up
-                logger.warning("disco session shutdown failed", exc_info=True)
+            _shutdown(sess, pool)
             del sess
         pool.reap(_GRACE)
         pool.close()
@@ -166,6 +163,33 @@ def _run(library: str, entries: list, inputs: list, timeout: float) -> list:
             except BufferError:  # a traceback holds a view; the GC unmaps it
                 pass
         os.close(fd)
+
+
+def _shutdown(sess, pool: "_Pool") -> None:
+    """``sess.shutdown()``, which must not hang the caller.
+
+    Disco's shutdown writes a command to every worker and waits for them; a
+    worker that neither exits nor reads (stuck, or half dead) would block it
+    forever. It runs in a thread: past ``_GRACE`` seconds every worker is
+    killed, which ends any wait on their pipes; a shutdown still blocked after
+    that is abandoned with a warning (its thread is a daemon).
+    """
+
+    def shut() -> None:
+        try:
+            sess.shutdown()
+        except Exception:  # noqa: BLE001 - keep cleaning up
+            logger.warning("disco session shutdown failed", exc_info=True)
+
+    thread = threading.Thread(target=shut, name="tvm-distx-disco-shutdown", daemon=True)
+    thread.start()
+    thread.join(_GRACE)
+    if thread.is_alive():
+        logger.warning("disco session shutdown is stuck; killing every worker")
+        pool.kill([w for w, p in pool.procs.items() if p.poll() is None])
+        thread.join(_GRACE)
+        if thread.is_alive():
+            logger.error("disco session shutdown did not return; abandoning it")
 
 
 def _segment(size: int) -> int:
