@@ -84,8 +84,12 @@ class _Legalizer(PyExprMutator):
         value = source
         for step in plan.steps:
             value = self._emit_step(value, step, binding.var)
-        if isinstance(value, relax.DataflowVar) and not isinstance(binding.var, relax.DataflowVar):
-            # the redistributed value leaves its dataflow block: keep it an output
+        mistyped = not plan.steps and TensorSharding.from_type(value.ty) != dst
+        if mistyped or (isinstance(value, relax.DataflowVar)
+                        and not isinstance(binding.var, relax.DataflowVar)):
+            # the redistributed value leaves its dataflow block: keep it an output;
+            # or nothing moves but the source's type is TVM's wrong one (see
+            # _true_sharding): keep the binding, whose type is the true layout
             self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
         else:
             self.set_var_remap(binding.var, value)

@@ -6,6 +6,15 @@ split overwrites the other and the kernels get wrong shapes (see
 ``../shared/NOTES-tvm.md``). This wrapper refuses such a module with a
 :class:`tvm_distx.UnsupportedProgramError` before TVM's pass runs, and
 otherwise delegates to it.
+
+TVM's pass also types the all-reduce it adds after a kernel with a split
+reduction as replicated on every mesh axis, which on a 2-D mesh it is not
+(it keeps the kernel's layout, ``"S[1], R"`` say). Passed to a Relax function
+whose parameter says ``"S[1], R"``, that wrong type fails TVM's call type check.
+So before TVM's pass, every sharded kernel result passed to a Relax function
+goes through a redistribute to its own sharding: TVM types a redistribute by
+its destination, and :class:`~tvm_distx.legalize.LegalizeRedistribute` plans
+it from the true layout (no step at all).
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 from tvm.relax.distributed import transform as dist_transform
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvm_distx import _ir
 from tvm_distx._pass import module_pass
@@ -29,7 +39,49 @@ class LowerGlobalViewToLocalView:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for gv, func in _ir.relax_functions(mod):
             _check(gv.name_hint, func)
-        return dist_transform.LowerGlobalViewToLocalView()(mod)
+        return dist_transform.LowerGlobalViewToLocalView()(_pin_call_arguments(mod))
+
+
+def _pin_call_arguments(mod: tvm.IRModule) -> tvm.IRModule:
+    """Route sharded kernel results passed to Relax functions through a redistribute."""
+    out = mod.clone()
+    for gv, func in _ir.relax_functions(mod):
+        out[gv] = _Pinner(mod).visit_expr(func)
+    return out
+
+
+@mutator
+class _Pinner(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.mod = mod
+        self.kernels: set = set()  # vars bound to a kernel with a sharded result
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        if _ir.is_call_to(value, "relax.call_tir") and _sharded(binding.var.ty):
+            self.kernels.add(binding.var)
+        if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar) and \
+                isinstance(self.mod[value.op], relax.Function) and \
+                any(a in self.kernels for a in value.args):
+            args = [self._pinned(a) if a in self.kernels else self.visit_expr(a)
+                    for a in value.args]
+            call = self.builder_.normalize(
+                relax.Call(value.op, args, value.attrs, value.ty_args, value.span))
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, call))
+            return
+        super().visit_var_binding_(binding)
+
+    def _pinned(self, var: relax.Var) -> relax.Var:
+        new = self.visit_expr(var)
+        ty = var.ty
+        move = relax.op.distributed.redistribute(new, ty.device_mesh, ty.placement)
+        return self.builder_.emit(move, name_hint=f"{var.name}_pin")
+
+
+def _sharded(ty) -> bool:
+    sharding = TensorSharding.from_type(ty)
+    return sharding is not None and not sharding.placement.is_replicated()
 
 
 def _check(name: str, func: relax.Function) -> None:

@@ -38,6 +38,7 @@ first), and ``R.dist.redistribute`` must already be legalized.
 from __future__ import annotations
 
 import logging
+from typing import Mapping
 
 import tvm
 from tvm import relax
@@ -390,7 +391,7 @@ class _FunctionLowerer(FunctionRewriter):
         source = call.args[0]
         producer = self.producers.get(source)
         out = TensorSharding.from_type(source.ty)
-        axes = reduced_axes(producer, out) if producer is not None else ()
+        axes = reduced_axes(producer, out, self.producers) if producer is not None else ()
         if not axes:
             raise UnsupportedProgramError(
                 "cannot tell which mesh axes this all-reduce runs over",
@@ -422,12 +423,22 @@ def _send_recv_spec(value) -> ccl.SendRecvSpec | None:
     return spec if spec.src.mesh != spec.dst.mesh else None
 
 
-def reduced_axes(producer: relax.Call, out: TensorSharding) -> tuple[int, ...]:
-    """Mesh axes that shard an input of ``producer`` but replicate its result."""
+def reduced_axes(producer: relax.Call, out: TensorSharding,
+                 producers: Mapping[relax.Var, relax.Expr] | None = None) -> tuple[int, ...]:
+    """Mesh axes that shard an input of ``producer`` but replicate its result.
+
+    ``producers`` (variable to bound value) lets an input that is itself an
+    all-reduce result count with its true layout, its own input's, instead of
+    the all-replicated type TVM's local-view pass gives it (a reduction of a
+    matmul's result on a 2-D mesh).
+    """
     inputs = []
     for arg in producer.args:
         items = arg.fields if isinstance(arg, relax.Tuple) else [arg]
         for item in items:
+            bound = producers.get(item) if producers is not None else None
+            if _ir.is_call_to(bound, "relax.ccl.allreduce"):
+                item = bound.args[0]
             sharding = TensorSharding.from_type(item.ty)
             if sharding is not None:
                 inputs.append(sharding)

@@ -458,7 +458,10 @@ def _step(scope: _Scope) -> None:
     shape = scope.shapes[x]
     rank = len(shape)
     if kind == "unary":
-        scope.emit(Op(draw.choice(("tanh", "exp", "relu")), (x,), shape))
+        unary = draw.choice(("tanh", "exp", "relu"))
+        if unary == "exp":  # bounded first: exp of a large value overflows float32
+            x = scope.emit(Op("tanh", (x,), shape))
+        scope.emit(Op(unary, (x,), shape))
     elif kind == "binary":
         _binary(scope, x)
     elif kind == "matmul" and rank >= 2:

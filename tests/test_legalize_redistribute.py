@@ -269,3 +269,26 @@ def test_a_redistribute_after_a_partial_sum_plans_from_the_all_reduce_input_layo
     x, y = rng.standard_normal((16, 16), "float32"), rng.standard_normal((16, 12), "float32")
     out = td.compile(mod, schedule=False).run(x, y, backend="emulate")
     np.testing.assert_allclose(out, x @ y, rtol=1e-5, atol=1e-4)
+
+
+def test_a_partial_sum_passed_to_a_function_on_a_2x2_mesh():
+    # Found by the randomized tests. sum over a dimension split along mesh axis 1
+    # is all-reduced over that axis and stays "S[1], R"; TVM types the all-reduce
+    # "R, R", and the call of f (parameter "S[1], R") failed TVM's type check.
+    mesh = DeviceMesh([2, 2], tvm.ir.Range(0, 4))
+    bb = relax.BlockBuilder()
+    p = relax.Var("p", relax.TensorType((6, 4), "float32"))
+    with bb.function("f", [p], private=True):
+        bb.emit_func_output(bb.emit(relax.op.max(p, axis=[0])))
+    f = bb.get().get_global_var("f")
+    x = relax.Var("x", relax.TensorType((6, 4, 16), "float32"))
+    with bb.function("main", [x]):
+        x1 = bb.emit(relax.op.distributed.annotate_sharding(x, mesh,
+                                                            Placement.from_text("S[1]S[2]")))
+        s = bb.emit(relax.op.sum(x1, axis=[2]))
+        bb.emit_func_output(bb.emit(relax.Call(f, [s])))
+    mod = bb.get()
+    mod.update_global_info("mesh", [mesh])
+    value = np.random.default_rng(6).standard_normal((6, 4, 16), "float32")
+    got = td.compile(mod, schedule=False).run(value, backend="emulate")
+    np.testing.assert_allclose(got, value.sum(axis=2).max(axis=0), rtol=1e-5, atol=1e-5)

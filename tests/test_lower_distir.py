@@ -238,3 +238,27 @@ def test_each_stage_program_gets_exactly_the_parameters_its_mesh_holds():
     rng = np.random.default_rng(3)
     xv, wv = rng.standard_normal((2, 4, 8), dtype="float32")
     np.testing.assert_array_equal(exe.run(xv, wv, backend="emulate"), np.maximum(xv, 0) - wv)
+
+
+def test_a_reduction_of_an_all_reduced_matmul_on_a_2x4_mesh():
+    # Found by the randomized tests. x @ w is all-reduced over mesh axis 1 and keeps
+    # its rows split along axis 0 ("S[0], R"), though TVM types it "R, R". Summing
+    # it over the rows needs a second all-reduce over axis 0; read from TVM's type,
+    # lowering could not tell which axes and refused a valid program.
+    from tvm.relax.distributed import DeviceMesh, Placement
+
+    mesh = DeviceMesh([2, 4], tvm.ir.Range(0, 8))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((16, 12), "float32"))
+    w = relax.Var("w", relax.TensorType((12, 6), "float32"))
+    with bb.function("main", [x, w]):
+        x1 = bb.emit(relax.op.distributed.annotate_sharding(x, mesh, Placement.from_text("S[0]R")))
+        w1 = bb.emit(relax.op.distributed.annotate_sharding(w, mesh, Placement.from_text("RS[0]")))
+        y = bb.emit(relax.op.matmul(x1, w1))
+        bb.emit_func_output(bb.emit(relax.op.sum(y, axis=[0])))
+    mod = bb.get()
+    mod.update_global_info("mesh", [mesh])
+    rng = np.random.default_rng(9)
+    a, b = rng.standard_normal((16, 12), "float32"), rng.standard_normal((12, 6), "float32")
+    got = td.compile(mod, schedule=False).run(a, b, backend="emulate")
+    np.testing.assert_allclose(got, (a @ b).sum(axis=0), rtol=1e-5, atol=1e-4)

@@ -122,7 +122,7 @@ def _allreduce_rows(function: str, var, call, producers) -> list[CommRow]:
     source = call.args[0]
     sharding = TensorSharding.from_type(source.ty)
     producer = producers.get(source)
-    axes = reduced_axes(producer, sharding) if producer is not None else ()
+    axes = reduced_axes(producer, sharding, producers) if producer is not None else ()
     shape = sharding.local_shape(_ir.static_shape(source.ty))
     itemsize = np.dtype(str(source.ty.tensor_ty.dtype)).itemsize
     local = int(np.prod(shape)) * itemsize
