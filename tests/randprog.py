@@ -748,10 +748,13 @@ def _numpy_op(program: Program, op: Op, a: list[np.ndarray]) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- checking
-#: The documented refusal a generated program may meet: a kernel whose operand
-#: has one dimension split by two mesh axes (``"S[0]S[0]"``, README and
-#: ``legalize/local_view.py``). Nothing else may be refused.
+#: The documented refusals a generated program may meet (README and
+#: ``legalize/local_view.py``): a kernel whose operand has one dimension split by
+#: two mesh axes (``"S[0]S[0]"``), and a kernel (a reshape on a 2-D mesh) whose
+#: index mixes loops of dimensions split along different mesh axes, which TVM's
+#: local-view lowering cannot shard. Nothing else may be refused.
 DOUBLE_SPLIT_REFUSAL = "with one dimension split by several mesh axes"
+LOOP_CONFLICT_REFUSAL = "an index mixes loop variables of dimensions split along different"
 
 #: Relative tolerance of the comparison with numpy (float32 against float64).
 RTOL = 1e-4
@@ -760,15 +763,17 @@ ATOL = 1e-4
 
 
 def is_documented_refusal(err: BaseException) -> bool:
-    """Whether ``err`` is the one refusal a valid random program may meet.
+    """Whether ``err`` is one of the refusals a valid random program may meet.
 
     That is :class:`tvm_distx.UnsupportedProgramError` naming a kernel operand
-    with one dimension split by several mesh axes. Any other error (another
-    ``ShardingError``, a TVM ``InternalError``, an assertion) is a failure.
+    with one dimension split by several mesh axes, or a kernel whose loops TVM
+    cannot shard. Any other error (another ``ShardingError``, a TVM
+    ``InternalError``, an assertion) is a failure.
     """
     from tvm_distx.errors import UnsupportedProgramError
 
-    return isinstance(err, UnsupportedProgramError) and DOUBLE_SPLIT_REFUSAL in str(err)
+    return isinstance(err, UnsupportedProgramError) and (
+        DOUBLE_SPLIT_REFUSAL in str(err) or LOOP_CONFLICT_REFUSAL in str(err))
 
 
 def has_double_split(program: Program) -> bool:

@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
@@ -66,3 +68,26 @@ def test_distribute_lowers_the_seed_pipeline_to_one_program_per_stage():
         return np.maximum(v @ A, 0) @ B
 
     np.testing.assert_allclose(outs[1], mlp(mlp(x)), atol=1e-5)
+
+
+def test_a_reshape_whose_loops_tvm_cannot_shard_is_refused_by_name():
+    """Found by the randomized tests: TVM's local view stops with an InternalError."""
+
+    @I.ir_module
+    class ReshapeOn2x4:
+        I.module_attrs({"device_num": 8})
+        I.module_global_infos({"mesh": [R.dist.device_mesh((2, 4), I.Range(0, 8))]})
+
+        @R.function
+        def main(x: R.Tensor((4, 4), "float32")) -> R.Tensor((4, 2, 2), "float32"):
+            with R.dataflow():
+                a = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[1]S[0]")
+                y = R.reshape(a, (4, 2, 2))
+                R.output(y)
+            return y
+
+    with pytest.raises(td.UnsupportedProgramError,
+                       match="cannot give the loops of kernel 'reshape' one sharding each") as err:
+        td.distribute(ReshapeOn2x4)
+    assert err.value.function == "main" and err.value.var == "y"
+    assert "S[1]S[0]" in str(err.value) and err.value.hint

@@ -80,8 +80,8 @@ def case_counts(request):
     mpi = COUNTS["mpi ok"] + COUNTS["mpi refused"]
     refused = COUNTS["emulate refused"] + COUNTS["mpi refused"]
     line = (f"random programs: {emulated + mpi} cases checked ({emulated} emulated, {mpi} on "
-            f"MPI); {refused} of them refused as documented (a dimension split by two mesh "
-            f"axes), the others equal to numpy")
+            f"MPI); {refused} of them refused as documented (a kernel on a dimension split "
+            f"by two mesh axes, or whose loops TVM cannot shard), the others equal to numpy")
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     if reporter is not None and capture is not None:
