@@ -879,7 +879,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     print(f"stress: {args.cases} cases from seed {first} in {elapsed:.0f} s: "
           f"{counts['ok']} equal to numpy, {counts['refused']} refused as documented "
-          f"(dimension split by two mesh axes), {counts['failed']} failed"
+          f"(README, known limits), {counts['failed']} failed"
           + (f" (seeds {', '.join(map(str, failed))})" if failed else ""), flush=True)
     return 1 if failed else 0
 

@@ -5,8 +5,9 @@ permute_dims, softmax, private functions called once or twice, changes of
 placement) on meshes (2,), (4,), (2, 2) and (2, 4). Each is compiled with
 :func:`tvm_distx.compile` and run on every rank; the global result must equal
 numpy's on one process (float32 against float64, ``rtol=atol=1e-4``) with the
-exact shape. The only refusal accepted is the documented one, a kernel on a
-dimension split by two mesh axes, and only as that exact error.
+exact shape. The only refusals accepted are the documented ones (README, known
+limits): a kernel on a dimension split by two mesh axes, and a kernel whose
+loops TVM's local view cannot shard, each only as its exact error.
 
 * Emulated ranks: hypothesis draws programs (``derandomize=True``: every
   run checks the same cases; a failure is printed with its program and
