@@ -11,6 +11,15 @@ output is twice that), on 2 ranks of this host:
     before the ``relax.VirtualMachine`` is created, as in our MPI worker. Each
     call includes what a lowered program pays: the VM's dispatch and the
     allocation of the output by the VM's (pooled) allocator.
+(a') **the same, into a fixed output**: the call writes into a tensor the caller
+    passes (an impure ``call_packed``), as a collective whose result is an
+    intermediate of a lowered program writes into memory the VM's planner reuses
+    from call to call. In (a) the collective's result is the function's result:
+    the VM keeps the previous result in a register until the next call returns,
+    so consecutive calls alternate between two output buffers, and at 4 MiB two
+    buffers no longer sit in the caches as one does (raw mpi4py alternating two
+    outputs is as much slower).
+(b'') **raw mpi4py alternating two output buffers**, as (a) does.
 (b) **raw mpi4py** ``Allreduce`` / ``Allgather`` / ``Alltoall`` on preallocated
     numpy buffers, in the same processes; and (b') the same calls on buffers
     allocated by TVM (``tvm.runtime.empty``, viewed through DLPack), which
@@ -70,9 +79,11 @@ from _common import child_env, median, mpiexec, spread, table  # noqa: E402
 
 SIZES_MIB = [1, 4, 16, 64]
 OPS = ["allreduce", "allgather", "alltoall"]
-CONTENDERS = ["vm", "raw", "shm", "gloo", "rawtvm"]
-LABELS = {"vm": "(a) ours MPI via VM", "raw": "(b) mpi4py", "shm": "(c) ours disco shm",
-          "gloo": "(d) gloo", "rawtvm": "(b') mpi4py on TVM buffers"}
+CONTENDERS = ["vm", "vminto", "raw", "shm", "gloo", "rawtvm", "raw2"]
+LABELS = {"vm": "(a) ours MPI via VM", "vminto": "(a') ours MPI via VM, fixed output",
+          "raw": "(b) mpi4py", "shm": "(c) ours disco shm",
+          "gloo": "(d) gloo", "rawtvm": "(b') mpi4py on TVM buffers",
+          "raw2": "(b'') mpi4py, two outputs in turn"}
 
 
 # ---------------------------------------------------------------------- inside the ranks
@@ -102,6 +113,12 @@ def _module(world: int, sizes: list[int]):
                 out = bb.emit(relax.call_dps_packed(name, relax.Tuple(args),
                                                     out_ty=relax.TensorType(shape, "float32")))
                 bb.emit_func_output(out)
+            # the same call writing into a caller's tensor (as into planned memory)
+            into = relax.Var("out", relax.TensorType(shape, "float32"))
+            with bb.function(f"{op}_{mib}_into", [param, into], pure=False):
+                bb.emit(relax.Call(relax.ExternFunc(name), [*args, into],
+                                   ty_args=[relax.ObjectType()]))
+                bb.emit_func_output(into)
     return tvm.compile(bb.get(), target=tvm.target.Target({"kind": "llvm"}))
 
 
@@ -150,7 +167,7 @@ def rank_job(out_path: str, sizes: list[int], rounds: int, contenders: list[str]
     rank, world = comm.Get_rank(), comm.Get_size()
     exe = _module(world, sizes)
     vms = {}
-    if "vm" in contenders:
+    if {"vm", "vminto"} & set(contenders):
         mpi_ccl.install(comm)  # before the VM: it resolves its functions once
         vms["vm"] = relax.VirtualMachine(exe, tvm.cpu())
     shm = None
@@ -195,11 +212,27 @@ def rank_job(out_path: str, sizes: list[int], rounds: int, contenders: list[str]
             for key, vm in vms.items():
                 func = vm[f"{op}_{mib}"]
                 fns[key] = (lambda f=func, a=arg: f(a), lambda result: result.numpy())
+            if "vminto" in contenders:
+                func = vms["vm"][f"{op}_{mib}_into"]
+                fixed = tvm.runtime.empty(outs[op].shape if op != "alltoall"
+                                          else (world, n // world), "float32")
+                keep.append(fixed)
+                fns["vminto"] = (lambda f=func, a=arg, o=fixed: f(a, o),
+                                 lambda result: result.numpy())
             out = outs[op]
             mpi_op = {"allreduce": comm.Allreduce, "allgather": comm.Allgather,
                       "alltoall": comm.Alltoall}[op]
             if "raw" in contenders:
                 fns["raw"] = (lambda f=mpi_op, i=x, o=out: f(i, o), lambda _, o=out: o)
+            if "raw2" in contenders:  # what (a) does: two output buffers in turn
+                turns = [out, np.empty_like(out)]
+                keep.append(turns)
+
+                def alternate(f=mpi_op, i=x, o=turns):
+                    o.reverse()
+                    f(i, o[0])
+
+                fns["raw2"] = (alternate, lambda _, o=turns: o[0])
             if "rawtvm" in contenders:
                 tvm_in = np.from_dlpack(tx)
                 tvm_out = np.from_dlpack(tvm.runtime.empty(out.shape, "float32"))
@@ -274,7 +307,8 @@ def report(times: dict, plain: dict | None, sizes: list[int]) -> str:
             row = [op, f"{mib} MiB"] + [_ms(t[c]) if c in t else "-" for c in CONTENDERS]
             main_rows.append(row)
             ratios = [op, f"{mib} MiB"]
-            for fast, slow in (("vm", "raw"), ("vm", "rawtvm"), ("shm", "gloo"), ("shm", "raw")):
+            for fast, slow in (("vm", "raw"), ("vminto", "raw"), ("vm", "rawtvm"), ("raw2", "raw"),
+                               ("shm", "gloo"), ("shm", "raw")):
                 if fast in t and slow in t:
                     per_round = [b / a for a, b in zip(t[fast], t[slow])]
                     ratios.append(f"{median(per_round):.2f} ({spread(per_round)})")
@@ -291,7 +325,9 @@ def report(times: dict, plain: dict | None, sizes: list[int]) -> str:
            "Speed ratios (time of the second / time of the first; > 1: the first is faster):",
            ""]
     headers = ["collective", "size", "(a) vs (b): mpi4py / ours MPI",
+               "(a') vs (b): mpi4py / ours MPI, fixed output",
                "(a) vs (b'): mpi4py on TVM buffers / ours MPI",
+               "(b'') vs (b): one output / two in turn",
                "(c) vs (d): gloo / disco shm", "(c) vs (b): mpi4py / disco shm"]
     if plain is not None:
         headers += ["(a) ms, plain malloc", "(b) ms, plain malloc",

@@ -181,7 +181,10 @@ def plot(data: dict, path: Path) -> None:
     coll = data.get("collectives")
     if coll:
         sizes, times = coll["sizes"], coll["times"]
-        styles = {"vm": ("(a) ours MPI via VM", "o-"), "raw": ("(b) mpi4py", "s-"),
+        styles = {"vm": ("(a) ours MPI via VM", "o-"),
+                  "vminto": ("(a') ours MPI via VM, fixed output", "o:"),
+                  "raw": ("(b) mpi4py", "s-"),
+                  "raw2": ("(b'') mpi4py, two outputs in turn", "s--"),
                   "rawtvm": ("(b') mpi4py on TVM buffers", "s:"),
                   "shm": ("(c) ours disco shm", "o--"), "gloo": ("(d) gloo", "^-")}
         for ax, op in zip(coll_axes, ("allreduce", "allgather", "alltoall")):
