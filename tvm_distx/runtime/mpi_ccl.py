@@ -478,22 +478,25 @@ def _deinterleave(array: np.ndarray, pieces: np.ndarray, dim: int) -> None:
     np.copyto(pieces.reshape(p, outer, -1), array.reshape(outer, p, -1).transpose(1, 0, 2))
 
 
-def _within(box, origin) -> _Slices:
-    """The global ``box`` as slices of the block that starts at ``origin``."""
-    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
-
-
-def _contiguous(box, block) -> bool:
-    """Whether ``box`` (global bounds) is one contiguous run of the C-ordered ``block``."""
-    extents = [b - a for a, b in box]
-    full = [b - a for a, b in block]
+def _contiguous(where: _Slices, block: tuple[int, ...]) -> bool:
+    """Whether the box ``where`` is one contiguous run of a C-ordered ``block``."""
+    extents = [s.stop - s.start for s in where]
     outer = next((i for i, e in enumerate(extents) if e != 1), len(extents))
-    return extents[outer + 1:] == full[outer + 1:]
+    return extents[outer + 1:] == list(block[outer + 1:])
+
+
+def _extent(bounds) -> tuple[int, ...] | None:
+    return None if bounds is None else tuple(b - a for a, b in bounds)
 
 
 def _plan_move(move: SendRecvSpec, rank: int, world: int) -> _P2PPlan:
-    """What ``rank`` receives, sends and keeps in ``move``."""
-    from tvm_distx.legalize.planner import send_recv_transfers, shard_bounds
+    """What ``rank`` receives, sends and keeps in ``move``.
+
+    The transfers are :meth:`SendRecvSpec.pieces` and :meth:`SendRecvSpec.sends`,
+    the derivation every backend shares; this adds where each non-contiguous
+    box is packed in the scratch buffer.
+    """
+    from tvm_distx.legalize.planner import shard_bounds
 
     last = max(move.participants())
     if last >= world:
@@ -503,28 +506,25 @@ def _plan_move(move: SendRecvSpec, rank: int, world: int) -> _P2PPlan:
         raise CollectiveGroupError(
             f"rank {rank} called a send/recv of devices {move.participants()}, which it is "
             "not one of")
-    held = shard_bounds(move.src, move.shape, rank)
-    mine = shard_bounds(move.dst, move.shape, rank)
+    src_shape = _extent(shard_bounds(move.src, move.shape, rank))
+    dst_shape = _extent(shard_bounds(move.dst, move.shape, rank))
     scratch = 0
 
-    def transfer(peer: int, box, block) -> _Transfer:
+    def transfer(peer: int, where: _Slices, block: tuple[int, ...]) -> _Transfer:
         nonlocal scratch
-        if _contiguous(box, block):
-            return _Transfer(peer, _within(box, block), None)
-        offset, scratch = scratch, scratch + math.prod(b - a for a, b in box)
-        return _Transfer(peer, _within(box, block), offset)
+        if _contiguous(where, block):
+            return _Transfer(peer, where, None)
+        offset, scratch = scratch, scratch + math.prod(s.stop - s.start for s in where)
+        return _Transfer(peer, where, offset)
 
-    transfers = send_recv_transfers(move.src, move.dst, move.shape)
-    recvs = tuple(transfer(t.sender, t.bounds, mine) for t in transfers if t.receiver == rank)
-    sends = tuple(transfer(t.receiver, t.bounds, held) for t in transfers if t.sender == rank)
-    keep = None
-    if held is not None and mine is not None:
-        common = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(held, mine))
-        if all(a < b for a, b in common):
-            keep = (_within(common, mine), _within(common, held))
-    return _P2PPlan(None if held is None else tuple(b - a for a, b in held),
-                    None if mine is None else tuple(b - a for a, b in mine),
-                    recvs, sends, keep, scratch)
+    keep, recvs = None, []
+    for piece in move.pieces(rank):
+        if piece.sender == rank:
+            keep = (piece.target, piece.source)
+        else:
+            recvs.append(transfer(piece.sender, piece.target, dst_shape))
+    sends = [transfer(receiver, where, src_shape) for receiver, where in move.sends(rank)]
+    return _P2PPlan(src_shape, dst_shape, tuple(recvs), tuple(sends), keep, scratch)
 
 
 # ---------------------------------------------------------------------- installation
