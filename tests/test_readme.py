@@ -9,13 +9,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_python_blocks_run(capsys):
+def test_readme_python_blocks_run(capsys, tmp_path):
+    # The examples run from a checkout (they read tests/...) and write a bundle
+    # into the working directory: run them in a scratch directory that links it.
+    (tmp_path / "tests").symlink_to(ROOT / "tests")
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(blocks) >= 2
     namespace: dict = {}
     cwd = os.getcwd()
-    os.chdir(ROOT)
+    os.chdir(tmp_path)
     try:
         for block in blocks:
             exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
@@ -30,3 +33,4 @@ def test_readme_python_blocks_run(capsys):
     assert error < 1e-4  # the imported transformer equals PyTorch
     error = float(out.split("mpi max |error|:")[1].split()[0])
     assert error < 1e-5  # and so does the run on two MPI ranks
+    assert (tmp_path / "bundle" / "manifest.json").is_file()  # the exported bundle
