@@ -1,11 +1,17 @@
-"""``LowerGlobalViewToLocalView``: TVM's pass, refusing what it gets wrong.
+"""``LowerGlobalViewToLocalView``: TVM's pass, steered around what it gets wrong.
 
 TVM's pass rewrites each ``call_tir`` on DTensors into a kernel over the local
 shard. When two mesh axes split the same tensor dimension (``"S[0]S[0]"``), one
 split overwrites the other and the kernels get wrong shapes (see
-``../shared/NOTES-tvm.md``). This wrapper refuses such a module with a
-:class:`tvm_distx.UnsupportedProgramError` before TVM's pass runs, and
-otherwise delegates to it.
+``../shared/NOTES-tvm.md``). So before TVM's pass, such a kernel runs with each
+dimension split by its first mesh axis only: a later mesh axis that splits a
+dimension an earlier one already splits becomes ``R`` in every operand and the
+result (``"S[0]S[0]"`` becomes ``"S[0]R"``). Operands get there through a
+redistribute (an all-gather along that axis), and the result goes back through
+one (a local slice), so the values around the kernel keep the sharding
+propagation gave them. This costs that all-gather. (Only a kernel with several
+results on such a split is refused, with an
+:class:`~tvm_distx.UnsupportedProgramError`.)
 
 TVM's pass also types the all-reduce it adds after a kernel with a split
 reduction as replicated on every mesh axis, which on a 2-D mesh it is not
@@ -21,35 +27,52 @@ the index expressions as written. A kernel whose index mixes loop variables of
 dimensions split along different mesh axes (a legalized ``reshape`` on a 2-D
 mesh, say, whose unsimplified index of one dimension mentions the loops of
 another) stops it with ``InternalError: A loop cannot have different
-sharding``. That becomes an :class:`~tvm_distx.UnsupportedProgramError`
-naming the function and the kernel's result, found by lowering each sharded
-kernel alone.
+sharding``. On that error the kernels with sharded operands are simplified
+(``s_tir.transform.StmtSimplify`` knows the block ranges, so
+``x[((j * 2 + k) // 4 + i) % 4, (j * 2 + k) % 4]`` becomes ``x[i, j * 2 + k]``)
+and TVM's pass runs again. Only a module that still fails becomes an
+:class:`~tvm_distx.UnsupportedProgramError` naming the function and the
+kernel's result, found by lowering each sharded kernel alone. A module TVM
+lowers at once keeps its kernels exactly as written.
 """
 
 from __future__ import annotations
 
+import logging
+
 import tvm
 from tvm import relax
+from tvm.relax.distributed import DTensorType
 from tvm.relax.distributed import transform as dist_transform
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvm_distx import _ir
 from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
+from tvm_distx.placement import Placement, Replicate
 from tvm_distx.spec import TensorSharding
 
-__all__ = ["LowerGlobalViewToLocalView"]
+__all__ = ["LowerGlobalViewToLocalView", "split_once"]
+
+logger = logging.getLogger(__name__)
 
 
 @module_pass(name="tvm_distx.LowerGlobalViewToLocalView")
 class LowerGlobalViewToLocalView:
-    """Check for dimensions split by several mesh axes, then run TVM's pass."""
+    """TVM's local-view lowering, on kernels rewritten so that it can lower them."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        for gv, func in _ir.relax_functions(mod):
-            _check(gv.name_hint, func)
+        mod = _pin_call_arguments(split_once(mod))
         try:
-            return dist_transform.LowerGlobalViewToLocalView()(_pin_call_arguments(mod))
+            return dist_transform.LowerGlobalViewToLocalView()(mod)
+        except tvm.error.InternalError as err:
+            if _LOOP_CONFLICT not in str(err):
+                raise _explain(mod, err) from None
+        mod, kernels = _simplify_sharded_kernels(mod)
+        logger.info("TVM's local view could not shard the loops as written; retrying with "
+                    "simplified indices in %s", ", ".join(sorted(kernels)))
+        try:
+            return dist_transform.LowerGlobalViewToLocalView()(mod)
         except tvm.error.InternalError as err:
             raise _explain(mod, err) from None
 
@@ -97,6 +120,28 @@ def _sharded_kernels(mod: tvm.IRModule):
                         _sharded(v.ty) for v in [*value.args[1].fields, binding.var]
                         if hasattr(v, "ty")):
                     yield gv.name_hint, binding
+
+
+def _simplify_sharded_kernels(mod: tvm.IRModule) -> tuple[tvm.IRModule, set[str]]:
+    """``mod`` with the index expressions of every sharded kernel simplified.
+
+    Each ``call_tir`` callee with a sharded operand or result goes through
+    ``s_tir.transform.StmtSimplify``, which uses the block iteration ranges to
+    fold the ``//`` and ``%`` a legalized reshape writes. The kernels compute
+    the same values.
+    """
+    from tvm.s_tir.transform import StmtSimplify
+
+    out = mod.clone()
+    done: set[str] = set()
+    for _, binding in _sharded_kernels(mod):
+        callee = binding.value.args[0]
+        if callee.name_hint in done or not isinstance(mod[callee], tvm.tirx.PrimFunc):
+            continue
+        simplified = StmtSimplify()(tvm.IRModule({callee: mod[callee]}))[callee]
+        out.update_func(callee, simplified)
+        done.add(callee.name_hint)
+    return out, done
 
 
 def _alone(mod: tvm.IRModule, binding: relax.VarBinding) -> tvm.IRModule:
@@ -157,29 +202,129 @@ def _sharded(ty) -> bool:
     return sharding is not None and not sharding.placement.is_replicated()
 
 
-def _check(name: str, func: relax.Function) -> None:
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            value = binding.value
-            if not _ir.is_call_to(value, "relax.call_tir"):
-                continue
-            operands = list(value.args[1].fields) + [binding.var]
-            for operand in operands:
-                sharding = TensorSharding.from_type(operand.ty)
-                if sharding is None:
-                    continue
-                dims = [e.dim for e in sharding.placement.entries if e.is_shard()]
-                if len(dims) != len(set(dims)):
-                    raise UnsupportedProgramError(
-                        f"a kernel reads or writes '{_label(operand)}' with one dimension split "
-                        f"by several mesh axes; TVM's local-view lowering computes wrong shard "
-                        "shapes for that",
-                        function=name,
-                        var=binding.var.name,
-                        placement=str(sharding.placement),
-                        hint="shard that dimension along one mesh axis only, or redistribute "
-                        "the value before the kernel",
-                    )
+def split_once(mod: tvm.IRModule) -> tvm.IRModule:
+    """Run every kernel with each tensor dimension split by one mesh axis at most.
+
+    A mesh axis that splits a dimension an earlier mesh axis of the same tensor
+    already splits is replicated instead, in every operand and in the result of
+    that kernel (the per-axis choice keeps the kernel's shardings consistent).
+    Operands that change get an ``R.dist.redistribute`` before the kernel, and a
+    result that changes gets one after it back to its own sharding, so nothing
+    outside the kernel changes. Kernels without such a split are untouched.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        A module after sharding propagation (global view).
+
+    Returns
+    -------
+    tvm.IRModule
+        The module, with the kernels TVM's local view would get wrong rewritten.
+    """
+    out = mod.clone()
+    for gv, func in _ir.relax_functions(mod):
+        rewriter = _SplitOnce(mod, gv.name_hint)
+        new = rewriter.visit_expr(func)
+        if rewriter.single:  # drop moves back that only fed the next such kernel
+            new = relax.analysis.remove_all_unused(new)
+        out[gv] = new
+    return out
+
+
+@mutator
+class _SplitOnce(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, function: str) -> None:
+        super().__init__(mod)
+        self.function = function
+        # result var of a rewritten kernel -> (its value before the move back, that placement)
+        self.single: dict[relax.Var, tuple[relax.Var, Placement]] = {}
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        if not _ir.is_call_to(value, "relax.call_tir"):
+            super().visit_var_binding_(binding)
+            return
+        operands = list(value.args[1].fields)
+        dropped = _later_splits([o.ty for o in operands] + _tensor_types(binding.var.ty))
+        if not dropped:
+            super().visit_var_binding_(binding)
+            return
+        result = binding.var.ty
+        if not isinstance(result, DTensorType):
+            raise UnsupportedProgramError(
+                "a kernel with several results has one dimension split by several mesh axes, "
+                "which TVM's local-view lowering computes wrong shard shapes for",
+                function=self.function, var=binding.var.name,
+                hint="shard that dimension along one mesh axis only, or redistribute "
+                "the value before the kernel")
+        kernel = value.args[0].name_hint
+        args = []
+        for operand in operands:
+            new = self.visit_expr(operand)
+            single = _without(operand.ty, dropped)
+            if single is not None and self.single.get(operand, (None, None))[1] == single:
+                new = self.single[operand][0]  # the previous kernel's result, before its move
+            elif single is not None:
+                new = self._source_of_move(new)
+                logger.info("%s: kernel '%s' reads '%s' (\"%s\") as \"%s\": TVM's local view "
+                            "cannot split one dimension by several mesh axes", self.function,
+                            kernel, _label(operand), Placement.from_tvm(operand.ty.placement),
+                            single)
+                new = self.builder_.emit(relax.op.distributed.redistribute(
+                    new, operand.ty.device_mesh, single.to_tvm()),
+                    name_hint=f"{_label(operand)}_split_once")
+            args.append(new)
+        single = _without(result, dropped)
+        ty = result if single is None else DTensorType(result.tensor_ty, result.device_mesh,
+                                                       single.to_tvm())
+        call = self.builder_.normalize(relax.Call(
+            value.op, [value.args[0], relax.Tuple(args), *value.args[2:]], value.attrs, [ty],
+            value.span))
+        if single is None:
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, call))
+            return
+        inner = self.builder_.emit(call, name_hint=f"{binding.var.name}_split_once")
+        self.single[binding.var] = (inner, single)
+        back = relax.op.distributed.redistribute(inner, result.device_mesh, result.placement)
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(back)))
+
+    def _source_of_move(self, var: relax.Expr) -> relax.Expr:
+        """The source of ``var`` if it is bound to a redistribute, so one move does both."""
+        bound = self.lookup_binding(var) if isinstance(var, relax.Var) else None
+        if bound is not None and _ir.is_call_to(bound, "relax.dist.redistribute"):
+            return bound.args[0]
+        return var
+
+
+def _tensor_types(ty) -> list:
+    """``ty``, or its fields if it is a tuple type."""
+    return list(ty.fields) if isinstance(ty, relax.TupleType) else [ty]
+
+
+def _later_splits(types) -> set[int]:
+    """Mesh axes that split a dimension an earlier mesh axis splits, in any of ``types``."""
+    dropped = set()
+    for ty in types:
+        if not isinstance(ty, DTensorType):
+            continue
+        seen = set()
+        for axis, entry in enumerate(Placement.from_tvm(ty.placement).entries):
+            if entry.is_shard():
+                if entry.dim in seen:
+                    dropped.add(axis)
+                seen.add(entry.dim)
+    return dropped
+
+
+def _without(ty, axes: set[int]) -> Placement | None:
+    """``ty``'s placement with ``axes`` replicated; None if that changes nothing."""
+    if not isinstance(ty, DTensorType):
+        return None
+    entries = Placement.from_tvm(ty.placement).entries
+    if not any(entries[a].is_shard() for a in axes):
+        return None
+    return Placement(tuple(Replicate() if a in axes else e for a, e in enumerate(entries)))
 
 
 def _label(expr) -> str:

@@ -70,22 +70,36 @@ def test_distribute_lowers_the_seed_pipeline_to_one_program_per_stage():
     np.testing.assert_allclose(outs[1], mlp(mlp(x)), atol=1e-5)
 
 
-def test_a_reshape_whose_loops_tvm_cannot_shard_is_refused_by_name():
-    """Found by the randomized tests: TVM's local view stops with an InternalError."""
+@I.ir_module
+class ReshapeOn2x4:
+    """Found by the randomized tests: as legalized, TVM's local view cannot shard it."""
 
-    @I.ir_module
-    class ReshapeOn2x4:
-        I.module_attrs({"device_num": 8})
-        I.module_global_infos({"mesh": [R.dist.device_mesh((2, 4), I.Range(0, 8))]})
+    I.module_attrs({"device_num": 8})
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2, 4), I.Range(0, 8))]})
 
-        @R.function
-        def main(x: R.Tensor((4, 4), "float32")) -> R.Tensor((4, 2, 2), "float32"):
-            with R.dataflow():
-                a = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[1]S[0]")
-                y = R.reshape(a, (4, 2, 2))
-                R.output(y)
-            return y
+    @R.function
+    def main(x: R.Tensor((4, 4), "float32")) -> R.Tensor((4, 2, 2), "float32"):
+        with R.dataflow():
+            a = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[1]S[0]")
+            y = R.reshape(a, (4, 2, 2))
+            R.output(y)
+        return y
 
+
+def test_a_reshape_whose_loops_tvm_cannot_shard_as_written_lowers_once_simplified(caplog):
+    # The legalized index x[((j * 2 + k) // 4 + i) % 4, (j * 2 + k) % 4] mentions i
+    # in the column, which is split on the other mesh axis; simplified it is x[i, j * 2 + k].
+    with caplog.at_level("INFO", logger="tvm_distx.legalize.local_view"):
+        exe = td.compile(ReshapeOn2x4, target="x86")
+    assert "retrying with simplified indices in reshape" in caplog.text
+    x = np.arange(16, dtype="float32").reshape(4, 4)
+    np.testing.assert_array_equal(exe.run(x, backend="emulate"), x.reshape(4, 2, 2))
+
+
+def test_a_kernel_whose_loops_tvm_cannot_shard_even_simplified_is_refused_by_name(monkeypatch):
+    from tvm_distx.legalize import local_view
+
+    monkeypatch.setattr(local_view, "_simplify_sharded_kernels", lambda mod: (mod, {"reshape"}))
     with pytest.raises(td.UnsupportedProgramError,
                        match="cannot give the loops of kernel 'reshape' one sharding each") as err:
         td.distribute(ReshapeOn2x4)
