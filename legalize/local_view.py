@@ -224,6 +224,8 @@ def split_once(mod: tvm.IRModule) -> tvm.IRModule:
     """
     out = mod.clone()
     for gv, func in _ir.relax_functions(mod):
+        if not any(_later_splits(_kernel_types(binding)) for binding in _kernels(func)):
+            continue
         rewriter = _SplitOnce(mod, gv.name_hint)
         new = rewriter.visit_expr(func)
         if rewriter.single:  # drop moves back that only fed the next such kernel
@@ -246,7 +248,7 @@ class _SplitOnce(PyExprMutator):
             super().visit_var_binding_(binding)
             return
         operands = list(value.args[1].fields)
-        dropped = _later_splits([o.ty for o in operands] + _tensor_types(binding.var.ty))
+        dropped = _later_splits(_kernel_types(binding))
         if not dropped:
             super().visit_var_binding_(binding)
             return
@@ -297,9 +299,19 @@ class _SplitOnce(PyExprMutator):
         return var
 
 
-def _tensor_types(ty) -> list:
-    """``ty``, or its fields if it is a tuple type."""
-    return list(ty.fields) if isinstance(ty, relax.TupleType) else [ty]
+def _kernels(func: relax.Function):
+    """The bindings of ``func`` to a ``call_tir``."""
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            if _ir.is_call_to(binding.value, "relax.call_tir"):
+                yield binding
+
+
+def _kernel_types(binding: relax.VarBinding) -> list:
+    """The types of a kernel's operands, then of its result (or results)."""
+    result = binding.var.ty
+    results = list(result.fields) if isinstance(result, relax.TupleType) else [result]
+    return [operand.ty for operand in binding.value.args[1].fields] + results
 
 
 def _later_splits(types) -> set[int]:
