@@ -151,6 +151,7 @@ class _ModuleRewriter:
         self.tvm_meshes = _tvm_meshes(mod)
         self.bb = relax.BlockBuilder()
         self.versions: dict[_Version, FunctionAnalysis] = {}
+        self.reached: set[str] = set()  # names of the functions some version is of
         self.order: list[_Version] = []
         self.names: dict[_Version, str] = {}
         self.emitted: dict[_Version, tvm.ir.GlobalVar] = {}
@@ -165,9 +166,7 @@ class _ModuleRewriter:
         for gv, func in functions:
             # Roots: public functions, and private ones that no root reaches but that
             # carry annotations of their own (TVM's pass rewrites those too).
-            if not _is_public(func) and (
-                any(v.name == gv.name_hint for v in self.versions) or not _annotated(func)
-            ):
+            if not _is_public(func) and (gv.name_hint in self.reached or not _annotated(func)):
                 continue
             analysis = self.program.final(gv.name_hint, (None,) * len(func.params))
             if not analysis.is_sharded():
@@ -175,6 +174,7 @@ class _ModuleRewriter:
                 continue
             root = _Version(gv.name_hint, _param_shardings(analysis))
             self.versions[root] = analysis
+            self.reached.add(root.name)
             roots.append(root)
             self._discover(root)
 
@@ -206,6 +206,7 @@ class _ModuleRewriter:
                 self.versions[child] = self.program.final(
                     callee, tuple(_source(s, site) for s in child.params)
                 )
+                self.reached.add(child.name)
                 self.order.append(child)
                 self._discover(child)
 
