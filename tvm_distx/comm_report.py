@@ -14,6 +14,7 @@ import tvm
 from tvm import relax
 
 from . import _ir
+from .errors import ArgumentError
 from .spec import TensorSharding
 
 __all__ = ["CommRow", "CommReport", "comm_report"]
@@ -67,14 +68,23 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
     Parameters
     ----------
     mod : tvm.IRModule
-        After :class:`tvm_distx.passes.PropagateSharding`, and optionally after
-        ``LowerGlobalViewToLocalView`` (which adds the all-reduces of sharded
-        reductions; those are reported too).
+        After :class:`tvm_distx.passes.PropagateSharding`, or better after
+        :class:`tvm_distx.legalize.LowerGlobalViewToLocalView`, which adds the
+        all-reduces of sharded reductions and the moves around kernels on a
+        dimension split by several mesh axes; those are reported too. The
+        ``"local_view"`` stage of :func:`tvm_distx.pipeline.run_stages` is
+        such a module (the CLI reports that one).
 
     Returns
     -------
     CommReport
         One row per step of every redistribute, and one per all-reduce.
+
+    Raises
+    ------
+    ArgumentError
+        If ``mod`` still has ``R.dist.annotate_sharding`` calls: it has not been
+        propagated, and its communication is not decided yet.
     """
     from tvm_distx.legalize.legalize_redistribute import ALLOW_SEND_RECV
     from tvm_distx.legalize.planner import plan_redistribute
@@ -89,6 +99,12 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
             for binding in block.bindings:
                 value = binding.value
                 producers[binding.var] = value
+                if _ir.is_call_to(value, "relax.dist.annotate_sharding"):
+                    raise ArgumentError(
+                        f"comm_report needs a propagated module, but '{binding.var.name}' in "
+                        f"function '{gv.name_hint}' is still an R.dist.annotate_sharding",
+                        hint="pass tvm_distx.pipeline.run_stages(mod)['local_view'], or run "
+                        "tvm_distx.passes.PropagateSharding() on the module first")
                 if _ir.is_call_to(value, "relax.dist.redistribute"):
                     src = TensorSharding.from_type(value.args[0].ty)
                     dst = TensorSharding.from_type(binding.var.ty)
