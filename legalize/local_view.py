@@ -9,9 +9,7 @@ dimension an earlier one already splits becomes ``R`` in every operand and the
 result (``"S[0]S[0]"`` becomes ``"S[0]R"``). Operands get there through a
 redistribute (an all-gather along that axis), and the result goes back through
 one (a local slice), so the values around the kernel keep the sharding
-propagation gave them. This costs that all-gather. (Only a kernel with several
-results on such a split is refused, with an
-:class:`~tvm_distx.UnsupportedProgramError`.)
+propagation gave them. This costs that all-gather.
 
 TVM's pass also types the all-reduce it adds after a kernel with a split
 reduction as replicated on every mesh axis, which on a 2-D mesh it is not
@@ -252,14 +250,6 @@ class _SplitOnce(PyExprMutator):
         if not dropped:
             super().visit_var_binding_(binding)
             return
-        result = binding.var.ty
-        if not isinstance(result, DTensorType):
-            raise UnsupportedProgramError(
-                "a kernel with several results has one dimension split by several mesh axes, "
-                "which TVM's local-view lowering computes wrong shard shapes for",
-                function=self.function, var=binding.var.name,
-                hint="shard that dimension along one mesh axis only, or redistribute "
-                "the value before the kernel")
         kernel = value.args[0].name_hint
         args = []
         for operand in operands:
@@ -277,19 +267,34 @@ class _SplitOnce(PyExprMutator):
                     new, operand.ty.device_mesh, single.to_tvm()),
                     name_hint=f"{_label(operand)}_split_once")
             args.append(new)
-        single = _without(result, dropped)
-        ty = result if single is None else DTensorType(result.tensor_ty, result.device_mesh,
-                                                       single.to_tvm())
+        result = binding.var.ty
+        results = list(result.fields) if isinstance(result, relax.TupleType) else [result]
+        singles = [_without(ty, dropped) for ty in results]
+        types = [ty if single is None else DTensorType(ty.tensor_ty, ty.device_mesh,
+                                                        single.to_tvm())
+                 for ty, single in zip(results, singles)]
         call = self.builder_.normalize(relax.Call(
-            value.op, [value.args[0], relax.Tuple(args), *value.args[2:]], value.attrs, [ty],
+            value.op, [value.args[0], relax.Tuple(args), *value.args[2:]], value.attrs,
+            [relax.TupleType(types) if isinstance(result, relax.TupleType) else types[0]],
             value.span))
-        if single is None:
+        if all(single is None for single in singles):
             self.builder_.emit_normalized(relax.VarBinding(binding.var, call))
             return
-        inner = self.builder_.emit(call, name_hint=f"{binding.var.name}_split_once")
-        self.single[binding.var] = (inner, single)
-        back = relax.op.distributed.redistribute(inner, result.device_mesh, result.placement)
-        self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(back)))
+        name = binding.var.name
+        inner = self.builder_.emit(call, name_hint=f"{name}_split_once")
+        if not isinstance(result, relax.TupleType):
+            self.single[binding.var] = (inner, singles[0])
+            self.builder_.emit_normalized(relax.VarBinding(
+                binding.var, self.builder_.normalize(_move(inner, result))))
+            return
+        fields = []
+        for i, (ty, single) in enumerate(zip(results, singles)):
+            field = self.builder_.emit(relax.TupleGetItem(inner, i),
+                                       name_hint=f"{name}_split_once_{i}")
+            fields.append(field if single is None else
+                          self.builder_.emit(_move(field, ty), name_hint=f"{name}_{i}"))
+        self.builder_.emit_normalized(relax.VarBinding(
+            binding.var, self.builder_.normalize(relax.Tuple(fields))))
 
     def _source_of_move(self, var: relax.Expr) -> relax.Expr:
         """The source of ``var`` if it is bound to a redistribute, so one move does both."""
@@ -297,6 +302,11 @@ class _SplitOnce(PyExprMutator):
         if bound is not None and _ir.is_call_to(bound, "relax.dist.redistribute"):
             return bound.args[0]
         return var
+
+
+def _move(value: relax.Expr, ty: DTensorType) -> relax.Call:
+    """A redistribute of ``value`` to the mesh and placement of ``ty``."""
+    return relax.op.distributed.redistribute(value, ty.device_mesh, ty.placement)
 
 
 def _kernels(func: relax.Function):
