@@ -17,7 +17,7 @@ Covered:
   ``multiply``, ``subtract`` (with broadcasting operands), ``exp``, ``tanh``,
   ``relu``, ``sum`` and ``max`` over one axis (``keepdims`` or not),
   ``reshape`` (two dimensions merged, or one split), ``permute_dims``,
-  ``softmax``;
+  ``softmax``, and one half of ``split`` (a kernel with a tuple result);
 * calls of private functions, once or twice (on other operands, or on the
   first call's result), and calls from one private function to another;
 * meshes ``(2,)``, ``(4,)``, ``(2, 2)`` and ``(2, 4)``;
@@ -138,7 +138,8 @@ class Op:
     kind : str
         ``"matmul"``, ``"add"``, ``"multiply"``, ``"subtract"``, ``"exp"``,
         ``"tanh"``, ``"relu"``, ``"sum"``, ``"max"``, ``"reshape"``,
-        ``"permute_dims"``, ``"softmax"``, ``"annotate"`` (a change of
+        ``"permute_dims"``, ``"softmax"``, ``"split"`` (one of two halves),
+        ``"annotate"`` (a change of
         placement; the value is unchanged) or ``"call"``.
     args : tuple of int
         Operands: indices into the function's values (its parameters first,
@@ -146,7 +147,7 @@ class Op:
     shape : tuple of int
         The shape of the result.
     axis : int, optional
-        For ``sum``, ``max`` and ``softmax``.
+        For ``sum``, ``max``, ``softmax`` and ``split``.
     keepdims : bool
         For ``sum`` and ``max``.
     new_shape : tuple of int, optional
@@ -157,6 +158,8 @@ class Op:
         For ``annotate``.
     callee : str, optional
         For ``call``: the private function called.
+    half : int, optional
+        For ``split``: which half (0 or 1) is the result.
     """
 
     kind: str
@@ -168,6 +171,7 @@ class Op:
     axes: tuple[int, ...] | None = None
     placement: str | None = None
     callee: str | None = None
+    half: int | None = None
 
     def describe(self, names: Sequence[str]) -> str:
         """One line of pseudo-code, with operands named by ``names``."""
@@ -183,6 +187,8 @@ class Op:
             extra.append(f"axes={self.axes}")
         if self.placement is not None:
             extra.append(f'"{self.placement}"')
+        if self.half is not None:
+            extra.append(f"half={self.half}")
         head = self.callee if self.kind == "call" else self.kind
         return f"{head}({', '.join([operands, *extra]) if operands else ', '.join(extra)})"
 
@@ -447,8 +453,8 @@ def _pick(scope: _Scope, accept=lambda shape: True) -> int | None:
     return scope.program.draw.choice(good)
 
 
-KINDS = ("unary", "binary", "matmul", "reduce", "softmax", "reshape", "permute", "annotate",
-         "call")
+KINDS = ("unary", "binary", "matmul", "reduce", "softmax", "reshape", "permute", "split",
+         "annotate", "call")
 
 
 def _step(scope: _Scope) -> None:
@@ -482,6 +488,10 @@ def _step(scope: _Scope) -> None:
         while axes:
             order.append(axes.pop(draw.integer(0, len(axes) - 1)))
         scope.emit(Op("permute_dims", (x,), tuple(shape[a] for a in order), axes=tuple(order)))
+    elif kind == "split" and any(n % 2 == 0 for n in shape):
+        axis = draw.choice([d for d, n in enumerate(shape) if n % 2 == 0])
+        half = tuple(n // 2 if d == axis else n for d, n in enumerate(shape))
+        scope.emit(Op("split", (x,), half, axis=axis, half=draw.integer(0, 1)))
     elif kind == "annotate" and not (scope.program.rules and scope.func.name == "main"
                                      and x < len(scope.func.params)):
         # (with rules, a parameter's first annotation is the rule's: annotating
@@ -677,6 +687,8 @@ def _relax_op(op: Op, args: list, annotate, gvars: dict):
         return R.reshape(args[0], op.new_shape)
     if op.kind == "permute_dims":
         return R.permute_dims(args[0], list(op.axes))
+    if op.kind == "split":
+        return relax.TupleGetItem(R.split(args[0], 2, axis=op.axis), op.half)
     if op.kind == "annotate":
         return annotate(args[0], op.placement)
     if op.kind == "call":
@@ -740,6 +752,8 @@ def _numpy_op(program: Program, op: Op, a: list[np.ndarray]) -> np.ndarray:
         return a[0].reshape(op.new_shape)
     if kind == "permute_dims":
         return a[0].transpose(op.axes)
+    if kind == "split":
+        return np.split(a[0], 2, axis=op.axis)[op.half]
     if kind == "annotate":
         return a[0]
     if kind == "call":
