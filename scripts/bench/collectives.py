@@ -75,7 +75,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import child_env, median, mpiexec, spread, table  # noqa: E402
+from _common import child_env, end_rank_job, median, mpiexec, spread, table  # noqa: E402
 
 SIZES_MIB = [1, 4, 16, 64]
 OPS = ["allreduce", "allgather", "alltoall"]
@@ -349,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     if opts.rank_job:
         rank_job(opts.rank_job, opts.sizes, opts.rounds, opts.contenders)
+        if "gloo" in opts.contenders:
+            end_rank_job()
         return 0
 
     started = time.perf_counter()

@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import child_env, median, mpiexec, spread, table  # noqa: E402
+from _common import child_env, end_rank_job, median, mpiexec, spread, table  # noqa: E402
 
 from tvm_distx.runtime.rank_env import rank_environment  # noqa: E402
 
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if opts.torch_job:
         torch_job(opts.data, opts.out, opts.torch_job, opts.samples, opts.calls)
-        return 0
+        end_rank_job()
     if opts.numpy_job:
         numpy_job(opts.data, opts.out, opts.samples, opts.calls)
         return 0
