@@ -16,6 +16,8 @@ from tvm_distx import ShardingRule
 from tvm_distx.cli import main as cli
 from tvm_distx.passes import AnnotateSharding, PropagateSharding
 
+from rvv_tools import require_tools
+
 DATA = Path(__file__).parent / "data"
 TP = str(DATA / "seed_tensor_parallel.py")
 TP_RULES = [{"param": "A", "result": "S[1]", "function": "mlp"},
@@ -96,10 +98,7 @@ def test_run_failures_exit_1_and_bad_rank_counts_exit_2(rules, tmp_path):
 
 
 def test_bundle_for_rvv_checks_every_kernel_under_qemu(rules, tmp_path):
-    import shutil
-
-    if shutil.which("qemu-riscv64") is None:
-        pytest.skip("qemu-user missing (tests/test_rvv.py fails for it in CI)")
+    require_tools()
     done = tvm_distx("bundle", TP, "--rules", rules, "--target", "rvv",
                      "-o", str(tmp_path / "rvv"))
     assert done.returncode == 0, done.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +19,10 @@ import tvm_distx as td
 from tvm_distx import ShardingRule, rvv
 from tvm_distx.passes import AnnotateSharding
 
+from rvv_tools import require_tools
+
 DATA = Path(__file__).parent / "data"
-TOOLS = ("riscv64-linux-gnu-gcc", "qemu-riscv64")
-missing = [t for t in TOOLS if shutil.which(t) is None]
-if missing and os.environ.get("CI"):
-    pytest.fail(f"{', '.join(missing)} missing in CI: scripts/test should have installed them",
-                pytrace=False)
-pytestmark = pytest.mark.skipif(bool(missing), reason=f"{missing} not installed (outside CI)")
+require_tools()  # at import: the whole module needs them
 
 TP_RULES = [ShardingRule(param="A", result="S[1]", function="mlp"),
             ShardingRule(param="B", result="S[0]", function="mlp")]
