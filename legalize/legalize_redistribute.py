@@ -37,6 +37,7 @@ from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.spec import TensorSharding
 
+from .local_view import true_sharding
 from .planner import Collective, plan_redistribute
 
 __all__ = ["LegalizeRedistribute", "RUNTIME_FUNCTIONS"]
@@ -69,7 +70,7 @@ class _Legalizer(PyExprMutator):
             super().visit_var_binding_(binding)
             return
         source = self.visit_expr(binding.value.args[0])
-        src = self._true_sharding(binding.value.args[0])
+        src = true_sharding(binding.value.args[0], self.bound)
         dst = TensorSharding.from_type(binding.var.ty)
         shape = _ir.static_shape(binding.var.ty)
         if src is None or dst is None or shape is None or None in shape:
@@ -89,32 +90,10 @@ class _Legalizer(PyExprMutator):
                         and not isinstance(binding.var, relax.DataflowVar)):
             # the redistributed value leaves its dataflow block: keep it an output;
             # or nothing moves but the source's type is TVM's wrong one (see
-            # _true_sharding): keep the binding, whose type is the true layout
+            # true_sharding): keep the binding, whose type is the true layout
             self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
         else:
             self.set_var_remap(binding.var, value)
-
-    def _true_sharding(self, value) -> TensorSharding | None:
-        """The sharding ``value`` really has, which its type may not say.
-
-        TVM's local-view pass types the result of the all-reduce it adds after
-        a sharded contraction as replicated on every mesh axis. It is not: the
-        all-reduce completes partial sums and keeps its input's layout (for
-        example ``"R, S[0]"`` on a 2x4 mesh). Planning from the wrong type
-        would skip steps (an all-gather along the other mesh axis) and give
-        shards of the wrong shape; the all-reduce's input type is the truth
-        (as in :class:`~tvm_distx.legalize.LowerDistIR`).
-        """
-        seen = set()
-        while isinstance(value, relax.Var) and value in self.bound and value not in seen:
-            seen.add(value)
-            bound = self.bound[value]
-            if _ir.is_call_to(bound, "relax.ccl.allreduce"):
-                return TensorSharding.from_type(bound.args[0].ty)
-            if not isinstance(bound, relax.Var):
-                break
-            value = bound
-        return TensorSharding.from_type(value.ty)
 
     def _emit_step(self, value, step, var: relax.Var):
         mesh = step.src.mesh

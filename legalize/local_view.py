@@ -37,6 +37,7 @@ lowers at once keeps its kernels exactly as written.
 from __future__ import annotations
 
 import logging
+from typing import Mapping
 
 import tvm
 from tvm import relax
@@ -50,7 +51,7 @@ from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.placement import Placement, Replicate
 from tvm_distx.spec import TensorSharding
 
-__all__ = ["LowerGlobalViewToLocalView", "split_once"]
+__all__ = ["LowerGlobalViewToLocalView", "split_once", "true_sharding"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,39 @@ class _Pinner(PyExprMutator):
         ty = var.ty
         move = relax.op.distributed.redistribute(new, ty.device_mesh, ty.placement)
         return self.builder_.emit(move, name_hint=f"{var.name}_pin")
+
+
+def true_sharding(value: relax.Expr,
+                  bound: Mapping[relax.Var, relax.Expr]) -> TensorSharding | None:
+    """The sharding ``value`` really has after TVM's local view; its type may not say it.
+
+    TVM's pass types the all-reduce it adds after a kernel with a split
+    reduction as replicated on every mesh axis. The all-reduce only completes
+    partial sums and keeps its input's layout (``"R, S[0]"`` on a 2x4 mesh, say),
+    so that input's type is the truth.
+
+    Parameters
+    ----------
+    value : relax.Expr
+        The value; a variable is followed through ``bound`` (and its aliases).
+    bound : mapping of relax.Var to relax.Expr
+        The value each variable of the function is bound to.
+
+    Returns
+    -------
+    TensorSharding or None
+        None when the value is not a DTensor.
+    """
+    seen = set()
+    while isinstance(value, relax.Var) and value in bound and value not in seen:
+        seen.add(value)
+        bound_value = bound[value]
+        if _ir.is_call_to(bound_value, "relax.ccl.allreduce"):
+            return TensorSharding.from_type(bound_value.args[0].ty)
+        if not isinstance(bound_value, relax.Var):
+            break
+        value = bound_value
+    return TensorSharding.from_type(value.ty)
 
 
 def _sharded(ty) -> bool:

@@ -52,6 +52,8 @@ from tvm_distx.ccl import REDUCE_KINDS, CollectiveGroup
 from tvm_distx.mesh import DeviceMesh
 from tvm_distx.spec import TensorSharding
 
+from .local_view import true_sharding
+
 __all__ = ["LowerDistIR", "CollectiveGroup", "ENTRIES_ATTR", "local_type", "rank_entry",
            "module_devices", "function_meshes", "rank_sets"]
 
@@ -436,10 +438,7 @@ def reduced_axes(producer: relax.Call, out: TensorSharding,
     for arg in producer.args:
         items = arg.fields if isinstance(arg, relax.Tuple) else [arg]
         for item in items:
-            bound = producers.get(item) if producers is not None else None
-            if _ir.is_call_to(bound, "relax.ccl.allreduce"):
-                item = bound.args[0]
-            sharding = TensorSharding.from_type(item.ty)
+            sharding = true_sharding(item, producers or {})
             if sharding is not None:
                 inputs.append(sharding)
     axes = []
