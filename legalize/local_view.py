@@ -82,7 +82,7 @@ _LOOP_CONFLICT = "A loop cannot have different sharding"
 
 def _explain(mod: tvm.IRModule, err: Exception) -> Exception:
     """A :class:`UnsupportedProgramError` for TVM's ``err``, naming the kernel if it can."""
-    message = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
+    message = _ir.tvm_error_reason(err)
     if _LOOP_CONFLICT not in message:
         return UnsupportedProgramError(
             f"TVM's LowerGlobalViewToLocalView failed: {message}",

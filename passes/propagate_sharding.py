@@ -20,7 +20,6 @@ Functions that no sharding reaches are left as they are.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 
 import tvm
@@ -458,7 +457,7 @@ class _FunctionEmitter(FunctionRewriter):
             op_name = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
             raise UnsupportedProgramError(
                 f"TVM cannot type {op_name} on sharded operands: "
-                f"{_tvm_reason(err)}",
+                f"{_ir.tvm_error_reason(err)}",
                 function=self.name,
                 var=b.var.name,
                 hint="run relax.transform.LegalizeOps() before PropagateSharding; TVM 0.27 has "
@@ -525,29 +524,6 @@ def _legalizable(op_name: str) -> bool:
         return tvm.ir.Op.get(op_name).get_attr("FLegalize") is not None
     except Exception:  # noqa: BLE001  (an unknown name: not legalizable)
         return False
-
-
-def _tvm_reason(err: Exception) -> str:
-    """The last line of a TVM error, with printed operators shortened to their names.
-
-    TVM prints an operator in a message as its whole ``ir.Op(...)`` object
-    (description, arguments, attributes); the name is what a user needs.
-    """
-    text = str(err).strip()
-    if not text:
-        return type(err).__name__
-    line = text.splitlines()[-1]
-    out, start = [], 0
-    while (begin := line.find("ir.Op(", start)) >= 0:
-        depth, end = 0, begin + len("ir.Op")
-        for end in range(begin + len("ir.Op"), len(line)):
-            depth += {"(": 1, ")": -1}.get(line[end], 0)
-            if depth == 0:
-                break
-        name = re.search(r'name="([^"]+)"', line[begin:end])
-        out.append(line[start:begin] + (name.group(1) if name else "an operator"))
-        start = end + 1
-    return "".join(out) + line[start:]
 
 
 def _is_public(func: relax.Function) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Iterator
 
@@ -72,3 +73,26 @@ def relax_functions(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, relax
         return (0 if public else 1, gv.name_hint)
 
     return iter(sorted(funcs, key=key))
+
+
+def tvm_error_reason(err: Exception) -> str:
+    """The last line of a TVM error, with printed operators shortened to their names.
+
+    TVM prints an operator in a message as its whole ``ir.Op(...)`` object
+    (description, arguments, attributes); the name is what a user needs.
+    """
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    line = text.splitlines()[-1]
+    out, start = [], 0
+    while (begin := line.find("ir.Op(", start)) >= 0:
+        depth, end = 0, begin + len("ir.Op")
+        for end in range(begin + len("ir.Op"), len(line)):
+            depth += {"(": 1, ")": -1}.get(line[end], 0)
+            if depth == 0:
+                break
+        name = re.search(r'name="([^"]+)"', line[begin:end])
+        out.append(line[start:begin] + (name.group(1) if name else "an operator"))
+        start = end + 1
+    return "".join(out) + line[start:]
