@@ -7,7 +7,6 @@ side in one run; these helpers keep that output uniform.
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -38,15 +37,13 @@ def table(headers: Sequence[str], rows: Iterable[Sequence], align: str | None = 
     return "\n".join(lines)
 
 
-def mpiexec() -> str:
-    """The ``mpiexec`` of the ``mpich`` wheel (next to this Python), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise SystemExit("no mpiexec found: install the mpich wheel (pip install mpich)")
-    return found
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a torch.distributed rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -75,7 +75,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import child_env, end_rank_job, median, mpiexec, spread, table  # noqa: E402
+from _common import child_env, end_rank_job, free_port, median, spread, table  # noqa: E402
+
+from tvm_distx.runtime.launcher import mpiexec_path  # noqa: E402
 
 SIZES_MIB = [1, 4, 16, 64]
 OPS = ["allreduce", "allgather", "alltoall"]
@@ -142,14 +144,6 @@ def _shm_comm(comm):
     return ShmComm(buf, layout, comm.Get_rank(), time.time() + 3600)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_job(out_path: str, sizes: list[int], rounds: int, contenders: list[str]) -> None:
     """One MPI job: every contender, every size and collective, ``rounds`` times."""
     import warnings
@@ -180,7 +174,7 @@ def rank_job(out_path: str, sizes: list[int], rounds: int, contenders: list[str]
         import torch
         import torch.distributed as dist
 
-        port = comm.bcast(_free_port() if rank == 0 else None)
+        port = comm.bcast(free_port() if rank == 0 else None)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
 
@@ -283,7 +277,7 @@ def run_job(sizes, rounds, contenders, hugepages: bool, timeout: float) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="tvm-distx-bench-") as tmp:
         out = Path(tmp) / "times.json"
-        command = [mpiexec(), "-n", "2", sys.executable, str(Path(__file__).resolve()),
+        command = [mpiexec_path(), "-n", "2", sys.executable, str(Path(__file__).resolve()),
                    "--rank-job", str(out), "--rounds", str(rounds),
                    "--sizes", *map(str, sizes), "--contenders", *contenders]
         env = rank_environment(child_env(TVM_NUM_THREADS="1", OMP_NUM_THREADS="1"),

@@ -51,8 +51,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import child_env, end_rank_job, median, mpiexec, spread, table  # noqa: E402
+from _common import child_env, end_rank_job, free_port, median, spread, table  # noqa: E402
 
+from tvm_distx.runtime.launcher import mpiexec_path  # noqa: E402
 from tvm_distx.runtime.rank_env import rank_environment  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -227,14 +228,6 @@ def numpy_job(data: str, out: str, samples: int, calls: int) -> None:
 
 
 # ---------------------------------------------------------------------- the controller
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_contender(key: str, kind: str, ranks: int, threads: int, folder: Path,
                   bundles: dict[int, Path], samples: int, calls: int, timeout: float) -> dict:
     """Launch one job of one contender; returns its samples and its error against numpy."""
@@ -245,11 +238,11 @@ def run_contender(key: str, kind: str, ranks: int, threads: int, folder: Path,
     env = child_env(TVM_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads or 2))
     if kind == "ours":  # the environment our launcher gives ranks
         env = rank_environment(env)
-        command = [mpiexec(), "-n", str(ranks), sys.executable, SCRIPT, "--ours-job",
+        command = [mpiexec_path(), "-n", str(ranks), sys.executable, SCRIPT, "--ours-job",
                    str(bundles[ranks])] + common
     elif kind == "torch":
-        command = [mpiexec(), "-n", str(ranks), sys.executable, SCRIPT, "--torch-job",
-                   str(_free_port())] + common
+        command = [mpiexec_path(), "-n", str(ranks), sys.executable, SCRIPT, "--torch-job",
+                   str(free_port())] + common
     else:
         command = [sys.executable, SCRIPT, "--numpy-job"] + common
         if threads:
