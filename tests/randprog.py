@@ -288,8 +288,7 @@ class Program:
 
 
 # ---------------------------------------------------------------------- placements
-def valid_placements(shape: Sequence[int], mesh: Sequence[int], *,
-                     double: bool = True) -> list[str]:
+def valid_placements(shape: Sequence[int], mesh: Sequence[int]) -> list[str]:
     """Every placement of a tensor of ``shape`` on ``mesh`` whose splits divide it.
 
     Parameters
@@ -298,50 +297,34 @@ def valid_placements(shape: Sequence[int], mesh: Sequence[int], *,
         The tensor's global shape.
     mesh : sequence of int
         The mesh shape; a placement has one entry per mesh axis.
-    double : bool
-        Include placements where several mesh axes split one dimension.
 
     Returns
     -------
     list of str
-        Placements in TVM's text form, fully replicated first.
+        Placements in TVM's text form that :meth:`tvm_distx.Placement.validate`
+        accepts, fully replicated first.
     """
+    from tvm_distx import DeviceMesh, Placement, ShardingError
+
+    device_mesh = DeviceMesh(tuple(mesh), range(math.prod(mesh)))
     out = [""]
     for _ in mesh:
         out = [p + e for p in out for e in ["R", *(f"S[{d}]" for d in range(len(shape)))]]
     good = []
     for text in out:
-        dims = _shard_dims(text)
-        if not double and len(set(d for d in dims if d is not None)) < sum(
-                d is not None for d in dims):
+        try:
+            Placement.parse(text).validate(device_mesh, tuple(shape))
+        except ShardingError:
             continue
-        split = [1] * len(shape)
-        for axis, dim in enumerate(dims):
-            if dim is not None:
-                split[dim] *= mesh[axis]
-        if all(n % s == 0 for n, s in zip(shape, split)):
-            good.append(text)
+        good.append(text)
     return good
-
-
-def _shard_dims(placement: str) -> list[int | None]:
-    """Per mesh axis, the dimension it splits (None: replicated)."""
-    dims: list[int | None] = []
-    i = 0
-    while i < len(placement):
-        if placement[i] == "R":
-            dims.append(None)
-            i += 1
-        else:  # S[k]
-            end = placement.index("]", i)
-            dims.append(int(placement[i + 2:end]))
-            i = end + 1
-    return dims
 
 
 def is_double_split(placement: str) -> bool:
     """Whether two mesh axes split the same dimension (``"S[0]S[0]"``)."""
-    dims = [d for d in _shard_dims(placement) if d is not None]
+    from tvm_distx import Placement
+
+    dims = [e.dim for e in Placement.parse(placement).entries if e.is_shard()]
     return len(dims) != len(set(dims))
 
 
@@ -394,8 +377,9 @@ class _Builder:
 
     def placement(self, shape: tuple[int, ...]) -> str:
         """A random valid placement; mostly with no dimension split twice."""
-        single = valid_placements(shape, self.mesh, double=False)
-        double = [p for p in valid_placements(shape, self.mesh) if p not in single]
+        every = valid_placements(shape, self.mesh)
+        single = [p for p in every if not is_double_split(p)]
+        double = [p for p in every if is_double_split(p)]
         if double and self.draw.chance(8):
             return self.draw.choice(double)
         return self.draw.choice(single)
