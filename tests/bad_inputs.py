@@ -202,19 +202,13 @@ def argv(case: Case, workdir: Path) -> list[str]:
 def _module(case: Case):
     import tvm_distx as td
     from tvm_distx import ShardingRule
+    from tvm_distx.cli import _rule_fields
     from tvm_distx.passes import AnnotateSharding
 
     mod = td.load_module(case.path)
     if case.rules:
-        mod = AnnotateSharding([ShardingRule(**_rule(r)) for r in case.rules])(mod)
+        mod = AnnotateSharding([ShardingRule(**_rule_fields(r)) for r in case.rules])(mod)
     return mod
-
-
-def _rule(fields: dict) -> dict:
-    fields = dict(fields)
-    if "args" in fields:
-        fields["args"] = {int(k): v for k, v in fields["args"].items()}
-    return fields
 
 
 def _run_cli(arguments: list[str]) -> None:

@@ -69,16 +69,21 @@ def _read_rules(path: Path | None) -> list:
                             hint='for example [{"callee": "mlp", "args": {"0": "R"}}]')
     rules = []
     for index, fields in enumerate(data):
-        fields = dict(fields)
-        if isinstance(fields.get("args"), dict):  # JSON keys are text: "0" is position 0
-            fields["args"] = {_position(k): v for k, v in fields["args"].items()}
         try:
-            rules.append(ShardingRule(**fields))
+            rules.append(ShardingRule(**_rule_fields(fields)))
         except TypeError as err:
             raise ArgumentError(f"rule {index} in {path}: {err}",
                                 hint="fields are callee, op, param, args, result, function, "
                                 "meshes") from None
     return rules
+
+
+def _rule_fields(fields: dict) -> dict:
+    """A rule's fields as read from JSON or YAML, with ``args`` keyed by position."""
+    fields = dict(fields)
+    if isinstance(fields.get("args"), dict):  # JSON keys are text: "0" is position 0
+        fields["args"] = {_position(k): v for k, v in fields["args"].items()}
+    return fields
 
 
 def _position(key):
