@@ -128,15 +128,13 @@ def _shm_comm(comm):
     """A :class:`ShmComm` of this rank on a memfd segment laid out as ``run_disco`` does."""
     import mmap
 
-    from tvm_distx.runtime.disco import _SLOT_BYTES
+    from tvm_distx.runtime.disco import _SLOT_BYTES, _segment
     from tvm_distx.runtime.disco_shm import Layout, ShmComm
 
     layout = Layout(comm.Get_size(), _SLOT_BYTES, 0)
     path = None
     if comm.Get_rank() == 0:
-        fd = os.memfd_create("tvm_distx_bench")
-        os.ftruncate(fd, layout.size)
-        path = f"/proc/{os.getpid()}/fd/{fd}"
+        path = f"/proc/{os.getpid()}/fd/{_segment(layout.size)}"
     path = comm.bcast(path)
     fd = os.open(path, os.O_RDWR)
     buf = mmap.mmap(fd, layout.size)
