@@ -233,15 +233,8 @@ def resolve_mesh(
     ref = MeshRef.parse(ref)
     infos = mod.global_infos.get(ref.key) if ref.key in mod.global_infos else None
     if infos is None or ref.index >= len(infos):
-        available = list(known if known is not None else module_meshes(mod))
-        raise UnknownMeshError(
-            f"mesh \"{ref}\" is not in the module's global_infos "
-            f"(it has: {', '.join(available) or 'no meshes'})",
-            function=function,
-            var=var,
-            hint='declare it with I.module_global_infos({"mesh": [R.dist.device_mesh((2,), '
-            "I.Range(0, 2))]}) or name one of the meshes listed",
-        )
+        raise unknown_mesh_error(ref, known if known is not None else module_meshes(mod),
+                                 function=function, var=var)
     tvm_mesh = infos[ref.index]
     if not isinstance(tvm_mesh, TVMDeviceMesh):
         raise UnknownMeshError(
@@ -255,3 +248,14 @@ def resolve_mesh(
     return DeviceMesh.from_tvm(tvm_mesh, str(ref)), tvm_mesh
 
 
+def unknown_mesh_error(ref: MeshRef, available, *, function: str | None = None,
+                       var: str | None = None) -> UnknownMeshError:
+    """The error for a reference to a mesh that ``available`` (reference texts) lacks."""
+    return UnknownMeshError(
+        f"mesh \"{ref}\" is not in the module's global_infos "
+        f"(it has: {', '.join(available) or 'no meshes'})",
+        function=function,
+        var=var,
+        hint='declare it with I.module_global_infos({"mesh": [R.dist.device_mesh((2,), '
+        "I.Range(0, 2))]}) or name one of the meshes listed",
+    )

@@ -182,13 +182,15 @@ def _global_meshes(cls: ast.ClassDef):
 
 def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
     """Check every literal mesh reference and DTensor placement of a module class."""
-    from .errors import MeshError, PlacementSyntaxError, UnknownMeshError
+    from .errors import MeshError, PlacementSyntaxError
+    from .mesh import MeshRef, unknown_mesh_error
     from .placement import Placement
 
     meshes = _global_meshes(cls) if cls is not None else None
     if meshes is None:
         return
-    available = ", ".join(f"{k}[{i}]" for k, v in meshes.items() for i in range(len(v)))
+    names = [f"{k}[{i}]" for k, v in meshes.items() for i in range(len(v))]
+    available = ", ".join(names)
 
     def resolve(text, function, var):
         match = _REF.match(text)
@@ -202,12 +204,7 @@ def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
                             function=function, var=var,
                             hint=f"count meshes from 0: {available or 'the module has none'}")
         if key not in meshes or index >= len(meshes[key]):
-            raise UnknownMeshError(
-                f'mesh "{key}[{index}]" is not in the module\'s global_infos '
-                f"(it has: {available or 'no meshes'})",
-                function=function, var=var,
-                hint='declare it with I.module_global_infos({"mesh": [R.dist.device_mesh('
-                "(2,), I.Range(0, 2))]}) or name one of the meshes listed")
+            raise unknown_mesh_error(MeshRef(key, index), names, function=function, var=var)
         return meshes[key][index]
 
     def check_call(call: ast.Call, function, var) -> None:
