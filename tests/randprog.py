@@ -36,6 +36,7 @@ the program a function of one integer seed (for replays and stress runs).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, TypeVar
@@ -411,8 +412,7 @@ def generate(draw: Drawer, *, max_ops: int = 7, mesh: tuple[int, ...] | None = N
     builder = _Builder(draw, mesh)
     main = Function("main", [], dataflow=not draw.chance(20))
     scope = _Scope(builder, main, depth=0)
-    first = scope.new_operand(builder.new_shape(draw.choice((2, 3))))
-    del first
+    scope.new_operand(builder.new_shape(draw.choice((2, 3))))  # main's first parameter
     count = draw.integer(1, max_ops)
     for _ in range(count):
         _step(scope)
@@ -616,7 +616,7 @@ def build_module(program: Program):
         is_main = name == "main"
         with bb.function(name, params, private=not is_main):
             values: list = list(params)
-            with (bb.dataflow() if func.dataflow else _nothing()):
+            with (bb.dataflow() if func.dataflow else contextlib.nullcontext()):
                 if is_main and not program.rules:
                     for i, inp in enumerate(program.inputs):
                         values[i] = bb.emit(annotate(params[i], inp.placement), f"{names[i]}_s")
@@ -641,14 +641,6 @@ def build_module(program: Program):
                  for i, inp in enumerate(program.inputs)]
         mod = AnnotateSharding(rules)(mod)
     return mod
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _relax_op(op: Op, args: list, annotate, gvars: dict):
