@@ -628,8 +628,8 @@ def build_module(program: Program):
                 result = outs[0] if len(outs) == 1 else relax.Tuple(outs)
                 if func.dataflow:
                     result = bb.emit_output(result)
-            bb.emit_func_output(result)
-        gvars[name] = bb.get().get_global_var(name)
+            # the GlobalVar to call: the BlockBuilder keeps one of two equal functions
+            gvars[name] = bb.emit_func_output(result)
     mod = bb.get()
     mod.update_global_info("mesh", [mesh])
     if program.rules:
