@@ -307,6 +307,8 @@ class _FunctionEmitter(FunctionRewriter):
         self.owner = owner
         self.public = public
         self.analysis = analysis
+        # (block, value, sharding) -> its redistribute, shared by the uses in that block
+        self._moves: dict[tuple, relax.Var] = {}
 
     def emit(self) -> tvm.ir.GlobalVar:
         func = self.analysis.func
@@ -336,13 +338,22 @@ class _FunctionEmitter(FunctionRewriter):
         return d.sharding if d is not None else None
 
     def _moved(self, operand: relax.Expr, needed: TensorSharding) -> relax.Expr:
-        """``operand`` (new IR) redistributed to ``needed`` when its sharding differs."""
+        """``operand`` (new IR) redistributed to ``needed`` when its sharding differs.
+
+        Uses in one block that need the same sharding share one redistribute
+        (the normalised activation feeding the q, k and v projections is
+        gathered once).
+        """
         current = self.use(operand)
         have = TensorSharding.from_type(current.ty) if isinstance(current, relax.Var) else None
         if have is None or have == needed:
             return current
-        name = operand.name if isinstance(operand, relax.Var) else "arg"
-        return self.bb.emit(self.owner.redistribute(current, needed), name_hint=f"{name}_redist")
+        key = (self.block, current, needed)
+        if key not in self._moves:
+            name = operand.name if isinstance(operand, relax.Var) else "arg"
+            self._moves[key] = self.bb.emit(self.owner.redistribute(current, needed),
+                                            name_hint=f"{name}_redist")
+        return self._moves[key]
 
     # -- bindings ------------------------------------------------------------------
     def _binding(self, b, dataflow: bool) -> None:

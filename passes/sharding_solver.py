@@ -19,8 +19,19 @@ until nothing changes (a worklist over bindings, in program order):
   that shards a label decides that the label is sharded on that mesh axis (ties
   go to the earlier operand; replicated operands never decide, because a
   replicated operand can always be sliced locally). Unknown operands and
-  results then follow from the labels. A label that no output has is a
-  reduction: sharding it gives a partial result that lowering all-reduces.
+  results then follow from the labels.
+* a label that no output has is a reduction (a sum): sharding it on mesh axis
+  ``a`` leaves every rank of ``a`` with an addend of the result, a *partial sum*
+  (``"P"`` on axis ``a``). The decision records it (:attr:`Decision.partial`);
+  its sharding is what the value has once completed, replicated on ``a``, which
+  is how TVM's types write it (``LowerGlobalViewToLocalView`` inserts the
+  all-reduce). How it is completed is the consumer's choice: an operator whose
+  only information is a partial operand (a bias added to a row-parallel
+  matmul) is *deferred* until a later use decides its result. When that use
+  wants the value split (``S[i]``) on ``a``, the partial sum is redistributed
+  there, which legalization turns into one reduce-scatter instead of an
+  all-reduce and a slice. An operator still undecided when the worklist runs
+  dry is decided from its operands as usual (replicated: an all-reduce).
 * a call of a Relax function is *specialised*: the callee is analysed with the
   shardings of the arguments that are known (memoised per signature), and its
   parameter and result shardings flow back to the caller. The callee lives on
@@ -82,11 +93,32 @@ class Strength(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Decision:
-    """The sharding of one value, how firmly it is held, and why."""
+    """The sharding of one value, how firmly it is held, and why.
+
+    Parameters
+    ----------
+    sharding : TensorSharding
+        The value's layout once complete.
+    strength : Strength
+    reason : str
+    partial : tuple of int
+        The mesh axes along which the operator that produces the value leaves a
+        partial sum (``"P"``): each rank of such an axis computes a full-shape
+        addend and the value is their sum. ``sharding`` replicates these axes;
+        lowering completes the sum (an all-reduce, or a reduce-scatter when the
+        value is redistributed to a split on that axis). Empty for a complete
+        value.
+    """
 
     sharding: TensorSharding
     strength: Strength
     reason: str
+    partial: tuple[int, ...] = ()
+
+    def placement_text(self) -> str:
+        """The placement as produced: ``"P"`` on the partial mesh axes (``"PR"``, ``"S[0]P"``)."""
+        return "".join("P" if axis in self.partial else str(entry)
+                       for axis, entry in enumerate(self.sharding.placement.entries))
 
 
 # --------------------------------------------------------------------------- operators
@@ -97,6 +129,8 @@ class OperandPlan:
     mesh: DeviceMesh
     operands: tuple[TensorSharding, ...]
     outputs: tuple[TensorSharding, ...]
+    #: per output, the mesh axes that shard a label it does not have (a partial sum)
+    partial: tuple[tuple[int, ...], ...] = ()
 
 
 def _labelled(sig: OpSignature) -> list[tuple[str, ...]]:
@@ -161,6 +195,9 @@ def decide_operands(
         mesh=mesh,
         operands=tuple(placement_for(labels) for labels in sig.labels),
         outputs=tuple(placement_for(labels) for labels in sig.output),
+        partial=tuple(tuple(axis for axis, label in enumerate(axis_label)
+                            if label is not None and label not in labels)
+                      for labels in sig.output),
     )
 
 
@@ -266,6 +303,8 @@ class FunctionAnalysis:
                 self.users.setdefault(var, []).append(b.index)
         self._queue: list[int] = []
         self._queued: set[int] = set()
+        # operator bindings waiting for a use to decide how a partial sum is completed
+        self._deferred: set[int] = set()
 
         for param, given in zip(func.params, params):
             typed = TensorSharding.from_type(param.ty)
@@ -279,6 +318,7 @@ class FunctionAnalysis:
                     or self._is_function_call(b.value)):
                 self._push(b.index)
         self._solve()
+        self._resolve_deferred()
         if finalize:
             self._default_unknowns()
 
@@ -341,6 +381,15 @@ class FunctionAnalysis:
             index = heapq.heappop(self._queue)
             self._queued.discard(index)
             self._step(self.bindings[index])
+
+    def _resolve_deferred(self) -> None:
+        """Decide the deferred operators that no use decided, from their operands."""
+        while self._deferred:
+            index = min(self._deferred)
+            self._deferred.discard(index)
+            b = self.bindings[index]
+            self._operator(b, b.value, defer=False)
+            self._solve()
 
     def _default_unknowns(self) -> None:
         home = self.home_mesh()
@@ -470,7 +519,7 @@ class FunctionAnalysis:
             return sig, list(sig.operands)
         return None, [a for a in _flat_args(call) if _ir.is_tensor_type(a.ty)]
 
-    def _operator(self, b: _Binding, call: relax.Call) -> None:
+    def _operator(self, b: _Binding, call: relax.Call, defer: bool = True) -> None:
         sig, operands = self.operands_of(call)
         outputs = [(b.var, s) for s in range(self.tensor_slots(b.var))]
         known = [self.get(o) for o in operands] + [self.get(v, s) for v, s in outputs]
@@ -488,12 +537,27 @@ class FunctionAnalysis:
             reason = f"{what} at '{b.var.name}'"
         if plan is None:
             return
+        if defer and sig is not None and _completes_a_partial_sum(plan, known[:len(operands)],
+                                                                  known[len(operands):]):
+            self._deferred.add(b.index)
+            return
+        self._deferred.discard(b.index)
         for operand, needed in zip(operands, plan.operands):
             if isinstance(operand, relax.Var) and self.get(operand) is None:
                 self._set(operand, 0, Decision(needed, Strength.PROPAGATED, f"operand of {reason}"))
-        for (var, slot), produced in zip(outputs, plan.outputs):
-            if self.get(var, slot) is None:
-                self._set(var, slot, Decision(produced, Strength.PROPAGATED, f"result of {reason}"))
+        strength = _relayout_strength(sig, known[:len(operands)])
+        for (var, slot), produced, partial in zip(outputs, plan.outputs,
+                                                  plan.partial or ((),) * len(outputs)):
+            existing = self.get(var, slot)
+            if existing is None:
+                self._set(var, slot, Decision(produced, strength,
+                                              f"result of {reason}" + _partial_note(partial),
+                                              partial))
+            elif partial and not existing.partial and existing.sharding == produced:
+                # decided by a use first; the operator still leaves a partial sum
+                self.decisions[(var, slot)] = Decision(
+                    existing.sharding, existing.strength, existing.reason + _partial_note(partial),
+                    partial)
 
     def _call(self, b: _Binding, call: relax.Call) -> None:
         callee = call.op.name_hint
@@ -512,6 +576,47 @@ class FunctionAnalysis:
             if result is not None and self.get(b.var, slot) is None:
                 self._set(b.var, slot, Decision(result.sharding, Strength.PROPAGATED,
                                                 f"result of '{callee}'"))
+
+
+def _completes_a_partial_sum(plan: OperandPlan, operands: Sequence[Decision | None],
+                             outputs: Sequence[Decision | None]) -> bool:
+    """Whether the plan would complete a partial operand by replicating the result.
+
+    True when no result is decided yet, some operand is a partial sum on mesh
+    axis ``a`` and every result of ``plan`` replicates ``a``: the results'
+    layout on ``a`` is then free, and a use may still ask for a split there (a
+    reduce-scatter instead of an all-reduce).
+    """
+    if any(d is not None for d in outputs):
+        return False
+    axes = {a for d in operands if d is not None for a in d.partial}
+    return any(all(out.placement.entries[a].is_replicate() for out in plan.outputs)
+               for a in axes if a < plan.mesh.ndim)
+
+
+def _relayout_strength(sig: OpSignature | None, operands: Sequence[Decision | None]) -> Strength:
+    """How firmly an operator's result is held: as its operand for a pure relayout.
+
+    A transpose (or a reshape that keeps every axis) of one operand moves no
+    value between ranks, so its result is held as firmly as the operand: the
+    transposed weight of a ``Linear`` keeps its annotation's strength, and a
+    matmul that meets it and a propagated activation keeps the weight split
+    (Megatron gathers the activation, never the weight). Every other result is
+    :attr:`Strength.PROPAGATED`.
+    """
+    if (sig is None or len(operands) != 1 or operands[0] is None or len(sig.output) != 1
+            or set(sig.output[0]) != set(sig.labels[0])):
+        return Strength.PROPAGATED
+    return operands[0].strength
+
+
+def _partial_note(axes: tuple[int, ...]) -> str:
+    """The reason's note for a partial sum on ``axes``."""
+    if not axes:
+        return ""
+    which = ", ".join(str(a) for a in axes)
+    return (f"; a partial sum (P) on mesh axis {which}, its summed axis being split there: "
+            "completed by an all-reduce, or a reduce-scatter where a use splits it")
 
 
 def call_site(var: relax.Var, function: str) -> str:

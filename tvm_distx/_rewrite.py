@@ -33,6 +33,8 @@ class FunctionRewriter:
         self.bb = bb
         self.name = name
         self.remap: dict[relax.Var, relax.Expr] = {}
+        #: the index of the block being written (dataflow variables live in one block)
+        self.block = 0
 
     def rewrite(self, func: relax.Function,
                 params: list[relax.Var] | dict[relax.Var, relax.Var], public: bool, *,
@@ -57,7 +59,8 @@ class FunctionRewriter:
         with self.bb.function(self.name, params, attrs=attrs or None,
                               pure=func.is_pure if pure is None else pure, private=not public):
             index = 0
-            for block in func.body.blocks:
+            for block_index, block in enumerate(func.body.blocks):
+                self.block = block_index
                 in_dataflow = dataflow and isinstance(block, relax.DataflowBlock)
                 with self.bb.dataflow() if in_dataflow else nullcontext():
                     for binding in block.bindings:

@@ -2,7 +2,9 @@
 
 Every sharding system is asked "why is this tensor sharded like that?". This
 module answers from the solver's own records: each decision carries the
-annotation or rule that made it.
+annotation or rule that made it. A partial sum shows as ``"P"`` on the mesh
+axes its summed dimension is split on (``"P"``, ``"S[0]P"``), with the reason
+saying how it is completed.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def explain(mod: tvm.IRModule) -> ShardingReport:
                         value=label,
                         global_shape=shape,
                         mesh=sharding.mesh.name or str(sharding.mesh.shape),
-                        placement=str(sharding.placement),
+                        placement=decision.placement_text(),
                         local_shape=sharding.local_shape(shape),
                         reason=decision.reason,
                     )
