@@ -3,6 +3,8 @@
 - :func:`plan_redistribute` plans the cheapest collectives for a change of
   sharding (pure, cached; see :mod:`tvm_distx.legalize.planner`).
 - :class:`LowerGlobalViewToLocalView` is TVM's pass, refusing what it gets wrong.
+- :mod:`~tvm_distx.legalize.partial_sums` reads back the partial sums TVM's
+  all-reduces complete and plans their completion (all-reduce or reduce-scatter).
 - :class:`LegalizeRedistribute` replaces every redistribute by the collectives
   the planner chose, each along one mesh axis.
 - :class:`LowerDistIR` lowers a DTensor module to the rank-local program, calls

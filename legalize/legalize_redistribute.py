@@ -12,7 +12,16 @@ local slice     ``tvm_distx.ccl.local_slice``          group, split dim
 all-gather      ``tvm_distx.ccl.allgather``            group, gather dim
 all-to-all      ``tvm_distx.ccl.alltoall``             group, split dim, concat dim
 send/recv       ``tvm_distx.ccl.send_recv``            a :class:`~tvm_distx.ccl.SendRecvSpec`
+reduce-scatter  ``tvm_distx.ccl.reducescatter``        kind, group, split dim
 ==============  =====================================  ==========================
+
+A redistribute of a partial sum (the ``R.ccl.allreduce`` TVM's local view puts
+after a kernel whose summed dimension is split) that splits the sum on its own
+mesh axis, when the all-reduce has no other use, is planned from the partial
+sum itself (:func:`~tvm_distx.legalize.partial_sums.plan_completion`): the
+all-reduce and the slice after it become one reduce-scatter, which receives
+half the bytes of the all-reduce. Other all-reduces stay, and
+:class:`~tvm_distx.legalize.LowerDistIR` lowers them.
 
 The group is a :class:`~tvm_distx.ccl.CollectiveGroup` along the step's mesh
 axis, so on an N-D mesh every collective runs among the ranks of one mesh axis
@@ -37,7 +46,7 @@ from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.spec import TensorSharding
 
-from .local_view import true_sharding
+from .partial_sums import fold_targets, partial_sum, plan_completion, true_sharding
 from .planner import Collective, plan_redistribute
 
 __all__ = ["LegalizeRedistribute", "RUNTIME_FUNCTIONS"]
@@ -47,6 +56,9 @@ logger = logging.getLogger(__name__)
 #: Whether plans may use a point-to-point SEND_RECV within one mesh (the
 #: planner picks it where no sequence of collectives reaches the lower bound).
 ALLOW_SEND_RECV = True
+
+#: The runtime function of a reduce-scatter (the ABI contract's name).
+REDUCE_SCATTER = "tvm_distx.ccl.reducescatter"
 
 #: The runtime function each planned step calls.
 RUNTIME_FUNCTIONS = {
@@ -59,15 +71,22 @@ RUNTIME_FUNCTIONS = {
 
 @mutator
 class _Legalizer(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, function: str) -> None:
+    def __init__(self, mod: tvm.IRModule, function: str,
+                 folds: dict[relax.Var, relax.Var]) -> None:
         super().__init__(mod)
         self.function = function
         self.bound: dict[relax.Var, relax.Expr] = {}
+        self.folds = folds  # all-reduce var -> the redistribute that completes it
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         self.bound[binding.var] = binding.value
+        if binding.var in self.folds:
+            return  # completed by its redistribute, as a reduce-scatter
         if not _ir.is_call_to(binding.value, "relax.dist.redistribute"):
             super().visit_var_binding_(binding)
+            return
+        if binding.value.args[0] in self.folds:
+            self._reduce_scatter(binding)
             return
         source = self.visit_expr(binding.value.args[0])
         src = true_sharding(binding.value.args[0], self.bound)
@@ -91,6 +110,38 @@ class _Legalizer(PyExprMutator):
             # the redistributed value leaves its dataflow block: keep it an output;
             # or nothing moves but the source's type is TVM's wrong one (see
             # true_sharding): keep the binding, whose type is the true layout
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+        else:
+            self.set_var_remap(binding.var, value)
+
+    def _reduce_scatter(self, binding: relax.VarBinding) -> None:
+        """A redistribute of a partial sum: reduce-scatter it, then the planner's steps."""
+        allreduce = self.bound[binding.value.args[0]]
+        partial = partial_sum(allreduce, self.bound)
+        plan = plan_completion(partial, TensorSharding.from_type(binding.var.ty),
+                               _ir.static_shape(binding.var.ty), binding.var.ty.tensor_ty.dtype,
+                               allow_send_recv=ALLOW_SEND_RECV)
+        value = self.visit_expr(partial.addends)
+        kind = relax.prim_value(ccl.REDUCE_KINDS[partial.kind])
+        for step in plan.completion:
+            out_ty = DTensorType(binding.var.ty.tensor_ty, binding.var.ty.device_mesh,
+                                 step.dst.placement.to_tvm())
+            group = ccl.CollectiveGroup.along(step.dst.mesh, (step.mesh_axis,))
+            if step.collective == "reducescatter":
+                function = REDUCE_SCATTER
+                args = [value, kind, relax.ShapeExpr(group.encode()), relax.ShapeExpr([step.dim])]
+            else:
+                function = ccl.ALLREDUCE
+                args = [value, kind, relax.ShapeExpr(group.encode())]
+            call = relax.Call(_ir.op("relax.call_dps_packed"),
+                              [relax.ExternFunc(function), relax.Tuple(args)], ty_args=[out_ty])
+            value = self.builder_.emit(call, name_hint=f"{binding.var.name}_{step.collective}")
+        logger.info("%s: '%s' completes a partial sum %s -> %s with a reduce-scatter",
+                    self.function, binding.var.name, partial.placement_text(),
+                    TensorSharding.from_type(binding.var.ty).placement)
+        for step in plan.steps:
+            value = self._emit_step(value, step, binding.var)
+        if isinstance(value, relax.DataflowVar) and not isinstance(binding.var, relax.DataflowVar):
             self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
         else:
             self.set_var_remap(binding.var, value)
@@ -122,7 +173,8 @@ class LegalizeRedistribute:
         out = mod.clone()
         for gv, func in mod.functions.items():
             if isinstance(func, relax.Function) and _has_redistribute(func):
-                out[gv] = _Legalizer(mod, gv.name_hint).visit_expr(func)
+                legalizer = _Legalizer(mod, gv.name_hint, fold_targets(func))
+                out[gv] = legalizer.visit_expr(func)
         return out
 
 

@@ -18,7 +18,8 @@ whose parameter says ``"S[1], R"``, that wrong type fails TVM's call type check.
 So before TVM's pass, every sharded kernel result passed to a Relax function
 goes through a redistribute to its own sharding: TVM types a redistribute by
 its destination, and :class:`~tvm_distx.legalize.LegalizeRedistribute` plans
-it from the true layout (no step at all).
+it from the true layout (no step at all). What such an all-reduce completes is
+read back in one place, :mod:`tvm_distx.legalize.partial_sums`.
 
 Last, TVM's pass gives every loop variable of a kernel one sharding, read off
 the index expressions as written. A kernel whose index mixes loop variables of
@@ -50,6 +51,8 @@ from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.placement import Placement, Replicate
 from tvm_distx.spec import TensorSharding
+
+from .partial_sums import true_sharding  # noqa: F401  (re-exported: it lived here)
 
 __all__ = ["LowerGlobalViewToLocalView", "split_once", "true_sharding"]
 
@@ -194,39 +197,6 @@ class _Pinner(PyExprMutator):
         ty = var.ty
         move = relax.op.distributed.redistribute(new, ty.device_mesh, ty.placement)
         return self.builder_.emit(move, name_hint=f"{var.name}_pin")
-
-
-def true_sharding(value: relax.Expr,
-                  bound: Mapping[relax.Var, relax.Expr]) -> TensorSharding | None:
-    """The sharding ``value`` really has after TVM's local view; its type may not say it.
-
-    TVM's pass types the all-reduce it adds after a kernel with a split
-    reduction as replicated on every mesh axis. The all-reduce only completes
-    partial sums and keeps its input's layout (``"R, S[0]"`` on a 2x4 mesh, say),
-    so that input's type is the truth.
-
-    Parameters
-    ----------
-    value : relax.Expr
-        The value; a variable is followed through ``bound`` (and its aliases).
-    bound : mapping of relax.Var to relax.Expr
-        The value each variable of the function is bound to.
-
-    Returns
-    -------
-    TensorSharding or None
-        None when the value is not a DTensor.
-    """
-    seen = set()
-    while isinstance(value, relax.Var) and value in bound and value not in seen:
-        seen.add(value)
-        bound_value = bound[value]
-        if _ir.is_call_to(bound_value, "relax.ccl.allreduce"):
-            return TensorSharding.from_type(bound_value.args[0].ty)
-        if not isinstance(bound_value, relax.Var):
-            break
-        value = bound_value
-    return TensorSharding.from_type(value.ty)
 
 
 def _sharded(ty) -> bool:

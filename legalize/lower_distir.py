@@ -38,7 +38,6 @@ first), and ``R.dist.redistribute`` must already be legalized.
 from __future__ import annotations
 
 import logging
-from typing import Mapping
 
 import tvm
 from tvm import relax
@@ -52,7 +51,7 @@ from tvm_distx.ccl import REDUCE_KINDS, CollectiveGroup
 from tvm_distx.mesh import DeviceMesh
 from tvm_distx.spec import TensorSharding
 
-from .local_view import true_sharding
+from .partial_sums import partial_sum, reduced_axes  # noqa: F401  (reduced_axes re-exported)
 
 __all__ = ["LowerDistIR", "CollectiveGroup", "ENTRIES_ATTR", "local_type", "rank_entry",
            "module_devices", "function_meshes", "rank_sets"]
@@ -386,27 +385,23 @@ class _FunctionLowerer(FunctionRewriter):
         return relax.Call(call.op, args, call.attrs, ty_args, call.span)
 
     def _allreduce(self, var: relax.Var, call: relax.Call, value):
-        # LowerGlobalViewToLocalView types the all-reduce's result as replicated on
-        # every mesh axis. It is not: an all-reduce completes partial sums along
-        # the reduced axes and keeps the layout of its input (for example "S[0]R"
-        # on a 2x2 mesh when the model axis reduces). The input's type is the truth.
-        source = call.args[0]
-        producer = self.producers.get(source)
-        out = TensorSharding.from_type(source.ty)
-        axes = reduced_axes(producer, out, self.producers) if producer is not None else ()
-        if not axes:
+        # TVM's local view types the all-reduce's result as replicated on every
+        # mesh axis; it completes a partial sum along the summed axes only and
+        # keeps its input's layout (partial_sums.partial_sum reads it back).
+        partial = partial_sum(call, self.producers)
+        if partial is None:
             raise UnsupportedProgramError(
                 "cannot tell which mesh axes this all-reduce runs over",
                 function=self.name,
                 var=var.name,
                 hint="the all-reduce must directly follow the sharded reduction it completes",
             )
-        mesh: DeviceMesh = out.mesh
-        group = CollectiveGroup(mesh.shape, mesh.device_range.start, axes)
-        kind = REDUCE_KINDS[str(call.attrs.op_type)]
+        mesh: DeviceMesh = partial.sharding.mesh
+        group = CollectiveGroup(mesh.shape, mesh.device_range.start, partial.axes)
+        kind = REDUCE_KINDS[partial.kind]
         packed_args = relax.Tuple([value, relax.prim_value(kind), relax.ShapeExpr(group.encode())])
         return relax.call_dps_packed(ccl.ALLREDUCE, packed_args,
-                                     out_ty=local_type(source.ty))
+                                     out_ty=local_type(call.args[0].ty))
 
 
 def _side_name(name: str, side: str) -> str:
@@ -423,29 +418,3 @@ def _send_recv_spec(value) -> ccl.SendRecvSpec | None:
         return None
     spec = ccl.SendRecvSpec.decode(value.args[1].fields[1].values)
     return spec if spec.src.mesh != spec.dst.mesh else None
-
-
-def reduced_axes(producer: relax.Call, out: TensorSharding,
-                 producers: Mapping[relax.Var, relax.Expr] | None = None) -> tuple[int, ...]:
-    """Mesh axes that shard an input of ``producer`` but replicate its result.
-
-    ``producers`` (variable to bound value) lets an input that is itself an
-    all-reduce result count with its true layout, its own input's, instead of
-    the all-replicated type TVM's local-view pass gives it (a reduction of a
-    matmul's result on a 2-D mesh).
-    """
-    inputs = []
-    for arg in producer.args:
-        items = arg.fields if isinstance(arg, relax.Tuple) else [arg]
-        for item in items:
-            sharding = true_sharding(item, producers or {})
-            if sharding is not None:
-                inputs.append(sharding)
-    axes = []
-    for axis, entry in enumerate(out.placement.entries):
-        if entry.is_shard():
-            continue
-        if any(s.placement.entries[axis].is_shard() for s in inputs):
-            axes.append(axis)
-    return tuple(axes)
-

@@ -254,8 +254,11 @@ def test_a_redistribute_after_a_partial_sum_plans_from_the_all_reduce_input_layo
     mod = bb.get()
     mod.update_global_info("mesh", [mesh])
     _, legal, _ = pipeline(mod)
-    # (the first local slice moves a to "S[1], S[0]" for the matmul)
-    assert packed_calls(legal["main"])[-2:] == ["tvm_distx.ccl.local_slice",
+    # (the first local slice moves a to "S[1], S[0]" for the matmul). The partial
+    # sum "P, S[0]" reaches "S[1], R" by a reduce-scatter along axis 0 (the sum
+    # split on dim 1, where an all-reduce and a local slice did the same with
+    # twice the bytes) and the all-gather along axis 1, which must not be dropped
+    assert packed_calls(legal["main"])[-2:] == ["tvm_distx.ccl.reducescatter",
                                                 "tvm_distx.ccl.allgather"]
     rng = np.random.default_rng(3)
     x, y = rng.standard_normal((16, 16), "float32"), rng.standard_normal((16, 12), "float32")

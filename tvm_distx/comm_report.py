@@ -1,17 +1,17 @@
 """``comm_report``: every redistribute and collective of a module, with its bytes.
 
-The rows come from the same planner that legalization uses
-(:func:`tvm_distx.legalize.planner.plan_redistribute`), so the report is what
-will run, not an estimate made separately.
+The rows come from the same planning that legalization uses
+(:func:`tvm_distx.legalize.planner.plan_redistribute`, and for the partial sums
+TVM's all-reduces complete :func:`tvm_distx.legalize.partial_sums.plan_completion`),
+so the report is what will run, not an estimate made separately: a partial sum
+that legalization reduce-scatters is one ``reducescatter`` row, from ``"P"``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import tvm
-from tvm import relax
 
 from . import _ir
 from .errors import ArgumentError
@@ -87,6 +87,8 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
         propagated, and its communication is not decided yet.
     """
     from tvm_distx.legalize.legalize_redistribute import ALLOW_SEND_RECV
+    from tvm_distx.legalize.partial_sums import (ALLREDUCE_OP, fold_targets, partial_sum,
+                                                 plan_completion)
     from tvm_distx.legalize.planner import plan_redistribute
 
     from .mesh import module_meshes
@@ -94,33 +96,60 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
     names = {(m.shape, m.device_range.start): name for name, m in module_meshes(mod).items()}
     rows: list[CommRow] = []
     for gv, func in _ir.relax_functions(mod):
-        producers: dict = {}
+        bound: dict = {}
+        _check_propagated(gv.name_hint, func)
+        folds = fold_targets(func)  # all-reduces completed by a reduce-scatter
+        folded = {redistribute: allreduce for allreduce, redistribute in folds.items()}
         for block in func.body.blocks:
             for binding in block.bindings:
-                value = binding.value
-                producers[binding.var] = value
-                if _ir.is_call_to(value, "relax.dist.annotate_sharding"):
-                    raise ArgumentError(
-                        f"comm_report needs a propagated module, but '{binding.var.name}' in "
-                        f"function '{gv.name_hint}' is still an R.dist.annotate_sharding",
-                        hint="pass tvm_distx.pipeline.run_stages(mod)['local_view'], or run "
-                        "tvm_distx.passes.PropagateSharding() on the module first")
-                if _ir.is_call_to(value, "relax.dist.redistribute"):
-                    src = TensorSharding.from_type(value.args[0].ty)
-                    dst = TensorSharding.from_type(binding.var.ty)
-                    shape = _ir.static_shape(binding.var.ty)
-                    plan = plan_redistribute(src, dst, shape, binding.var.ty.tensor_ty.dtype,
-                                             allow_send_recv=ALLOW_SEND_RECV)
-                    between = src.mesh != dst.mesh
-                    for step in plan.steps:
-                        rows.append(CommRow(gv.name_hint, binding.var.name, step.mesh_axis,
-                                            step.collective.name.lower(),
-                                            _where(step.src, names, between),
-                                            _where(step.dst, names, between),
+                value, var = binding.value, binding.var
+                bound[var] = value
+                if var in folds:
+                    continue  # reported with the redistribute that completes it
+                if _ir.is_call_to(value, ALLREDUCE_OP) or var in folded:
+                    allreduce = bound[folded[var]] if var in folded else value
+                    partial = partial_sum(allreduce, bound)
+                    if partial is None:
+                        continue
+                    dst = TensorSharding.from_type(var.ty) if var in folded else None
+                    plan = plan_completion(partial, dst, _ir.static_shape(var.ty),
+                                           var.ty.tensor_ty.dtype,
+                                           allow_send_recv=ALLOW_SEND_RECV)
+                    src = partial.placement_text()
+                    for step in plan.completion:
+                        rows.append(CommRow(gv.name_hint, var.name, step.mesh_axis,
+                                            step.collective, src, str(step.dst.placement),
                                             step.bytes_received))
-                elif _ir.is_call_to(value, "relax.ccl.allreduce"):
-                    rows.extend(_allreduce_rows(gv.name_hint, binding.var, value, producers))
+                        src = str(step.dst.placement)
+                    steps = plan.steps
+                elif _ir.is_call_to(value, "relax.dist.redistribute"):
+                    src = TensorSharding.from_type(value.args[0].ty)
+                    dst = TensorSharding.from_type(var.ty)
+                    steps = plan_redistribute(src, dst, _ir.static_shape(var.ty),
+                                              var.ty.tensor_ty.dtype,
+                                              allow_send_recv=ALLOW_SEND_RECV).steps
+                else:
+                    continue
+                for step in steps:
+                    between = step.src.mesh != step.dst.mesh
+                    rows.append(CommRow(gv.name_hint, var.name, step.mesh_axis,
+                                        step.collective.name.lower(),
+                                        _where(step.src, names, between),
+                                        _where(step.dst, names, between),
+                                        step.bytes_received))
     return CommReport(tuple(rows))
+
+
+def _check_propagated(function: str, func) -> None:
+    """Refuse a function that still has annotations (its communication is not decided)."""
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            if _ir.is_call_to(binding.value, "relax.dist.annotate_sharding"):
+                raise ArgumentError(
+                    f"comm_report needs a propagated module, but '{binding.var.name}' in "
+                    f"function '{function}' is still an R.dist.annotate_sharding",
+                    hint="pass tvm_distx.pipeline.run_stages(mod)['local_view'], or run "
+                    "tvm_distx.passes.PropagateSharding() on the module first")
 
 
 def _where(step_sharding: TensorSharding, names: dict, between: bool) -> str:
@@ -130,22 +159,3 @@ def _where(step_sharding: TensorSharding, names: dict, between: bool) -> str:
         return text
     mesh = step_sharding.mesh
     return f"{text} on {names.get((mesh.shape, mesh.device_range.start), mesh.describe())}"
-
-
-def _allreduce_rows(function: str, var, call, producers) -> list[CommRow]:
-    from tvm_distx.legalize.lower_distir import reduced_axes
-
-    source = call.args[0]
-    sharding = TensorSharding.from_type(source.ty)
-    producer = producers.get(source)
-    axes = reduced_axes(producer, sharding, producers) if producer is not None else ()
-    shape = sharding.local_shape(_ir.static_shape(source.ty))
-    itemsize = np.dtype(str(source.ty.tensor_ty.dtype)).itemsize
-    local = int(np.prod(shape)) * itemsize
-    rows = []
-    for axis in axes:
-        p = sharding.mesh.shape[axis]
-        # ring all-reduce: a reduce-scatter then an all-gather, each (p-1)/p of the buffer
-        rows.append(CommRow(function, var.name, axis, "allreduce", "partial",
-                            str(sharding.placement), 2 * local * (p - 1) // p))
-    return rows

@@ -1,0 +1,210 @@
+"""Partial sums: the all-reduce TVM's local view inserts, read back, planned and folded.
+
+A row-parallel matmul (its summed dimension split) leaves a partial sum, which
+TVM's local view completes with an ``R.ccl.allreduce`` typed replicated. When
+the only use of that all-reduce is a redistribute that splits the sum on the
+same mesh axis, LegalizeRedistribute writes one reduce-scatter instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+from tvm_distx.legalize import LegalizeRedistribute, LowerDistIR
+from tvm_distx.legalize.partial_sums import PartialSum, fold_targets, plan_completion
+from tvm_distx.mesh import DeviceMesh as Mesh
+from tvm_distx.placement import Placement
+from tvm_distx.spec import TensorSharding
+
+
+# x (4, 8) split on its columns and w (8, 8) on its rows: each rank's matmul1 is
+# an addend of x @ w, completed by the all-reduce; the relu wants rows split.
+@I.ir_module
+class Before:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @T.prim_func(private=True, s_tir=True)
+    def matmul1(a: T.Buffer((T.int64(4), T.int64(4)), "float32"),
+                b: T.Buffer((T.int64(4), T.int64(8)), "float32"),
+                c: T.Buffer((T.int64(4), T.int64(8)), "float32")):
+        for i, j, k in T.grid(T.int64(4), T.int64(8), T.int64(4)):
+            with T.sblock("matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    c[vi, vj] = T.float32(0.0)
+                c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
+
+    @T.prim_func(private=True, s_tir=True)
+    def relu1(z: T.Buffer((T.int64(2), T.int64(8)), "float32"),
+              out: T.Buffer((T.int64(2), T.int64(8)), "float32")):
+        for i, j in T.grid(T.int64(2), T.int64(8)):
+            with T.sblock("relu"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                out[vi, vj] = T.max(z[vi, vj], T.float32(0.0))
+
+    @R.function
+    def main(x: R.dist.DTensor((4, 8), "float32", "mesh[0]", "S[1]"),
+             w: R.dist.DTensor((8, 8), "float32", "mesh[0]", "S[0]")
+             ) -> R.dist.DTensor((4, 8), "float32", "mesh[0]", "S[0]"):
+        cls = Before
+        with R.dataflow():
+            lv = R.dist.call_tir_local_view(cls.matmul1, (x, w),
+                                            out_ty=R.dist.DTensor((4, 8), "float32", "mesh[0]", "R"))
+            y = R.ccl.allreduce(lv, op_type="sum", in_group=False)
+            z = R.dist.redistribute(y, device_mesh="mesh[0]", placement="S[0]")
+            o = R.dist.call_tir_local_view(cls.relu1, (z,),
+                                           out_ty=R.dist.DTensor((4, 8), "float32", "mesh[0]", "S[0]"))
+            R.output(o)
+        return o
+
+
+@I.ir_module
+class Expected:
+    """After LegalizeRedistribute and LowerDistIR: what every rank runs."""
+
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @T.prim_func(private=True, s_tir=True)
+    def matmul1(a: T.Buffer((T.int64(4), T.int64(4)), "float32"),
+                b: T.Buffer((T.int64(4), T.int64(8)), "float32"),
+                c: T.Buffer((T.int64(4), T.int64(8)), "float32")):
+        for i, j, k in T.grid(T.int64(4), T.int64(8), T.int64(4)):
+            with T.sblock("matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    c[vi, vj] = T.float32(0.0)
+                c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
+
+    @T.prim_func(private=True, s_tir=True)
+    def relu1(z: T.Buffer((T.int64(2), T.int64(8)), "float32"),
+              out: T.Buffer((T.int64(2), T.int64(8)), "float32")):
+        for i, j in T.grid(T.int64(2), T.int64(8)):
+            with T.sblock("relu"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                out[vi, vj] = T.max(z[vi, vj], T.float32(0.0))
+
+    @R.function
+    def main(x: R.Tensor((4, 4), "float32"), w: R.Tensor((4, 8), "float32")
+             ) -> R.Tensor((2, 8), "float32"):
+        cls = Expected
+        with R.dataflow():
+            lv = R.call_tir(cls.matmul1, (x, w), out_ty=R.Tensor((4, 8), "float32"))
+            # kind sum (0); the group along mesh axis 0 of the 2-device mesh
+            # (ndim 1, shape 2, first device 0, axis 0); rows split (dim 0)
+            z = R.call_dps_packed("tvm_distx.ccl.reducescatter",
+                                  (lv, R.prim_value(0), R.shape([1, 2, 0, 0]), R.shape([0])),
+                                  out_ty=R.Tensor((2, 8), "float32"))
+            o = R.call_tir(cls.relu1, (z,), out_ty=R.Tensor((2, 8), "float32"))
+            R.output(o)
+        return o
+
+
+def lowered(mod: tvm.IRModule) -> tvm.IRModule:
+    return LowerDistIR()(LegalizeRedistribute()(mod))
+
+
+def test_allreduce_then_split_becomes_one_reduce_scatter():
+    assert list(fold_targets(Before["main"]).values())[0].name == "z"
+    tvm.ir.assert_structural_equal(lowered(Before), Expected)
+
+
+@I.ir_module
+class SharedBefore:
+    """The same partial sum, but the completed sum is also returned: no fold."""
+
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @T.prim_func(private=True, s_tir=True)
+    def matmul1(a: T.Buffer((T.int64(4), T.int64(4)), "float32"),
+                b: T.Buffer((T.int64(4), T.int64(8)), "float32"),
+                c: T.Buffer((T.int64(4), T.int64(8)), "float32")):
+        for i, j, k in T.grid(T.int64(4), T.int64(8), T.int64(4)):
+            with T.sblock("matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    c[vi, vj] = T.float32(0.0)
+                c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
+
+    @R.function
+    def main(x: R.dist.DTensor((4, 8), "float32", "mesh[0]", "S[1]"),
+             w: R.dist.DTensor((8, 8), "float32", "mesh[0]", "S[0]")):
+        cls = SharedBefore
+        with R.dataflow():
+            lv = R.dist.call_tir_local_view(cls.matmul1, (x, w),
+                                            out_ty=R.dist.DTensor((4, 8), "float32", "mesh[0]", "R"))
+            y = R.ccl.allreduce(lv, op_type="sum", in_group=False)
+            z = R.dist.redistribute(y, device_mesh="mesh[0]", placement="S[0]")
+            R.output(y, z)
+        return (y, z)
+
+
+@I.ir_module
+class SharedExpected:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @T.prim_func(private=True, s_tir=True)
+    def matmul1(a: T.Buffer((T.int64(4), T.int64(4)), "float32"),
+                b: T.Buffer((T.int64(4), T.int64(8)), "float32"),
+                c: T.Buffer((T.int64(4), T.int64(8)), "float32")):
+        for i, j, k in T.grid(T.int64(4), T.int64(8), T.int64(4)):
+            with T.sblock("matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    c[vi, vj] = T.float32(0.0)
+                c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
+
+    @R.function
+    def main(x: R.Tensor((4, 4), "float32"), w: R.Tensor((4, 8), "float32")):
+        cls = SharedExpected
+        with R.dataflow():
+            lv = R.call_tir(cls.matmul1, (x, w), out_ty=R.Tensor((4, 8), "float32"))
+            y = R.call_dps_packed("tvm_distx.ccl.allreduce",
+                                  (lv, R.prim_value(0), R.shape([1, 2, 0, 0])),
+                                  out_ty=R.Tensor((4, 8), "float32"))
+            z_local_slice = R.call_dps_packed("tvm_distx.ccl.local_slice",
+                                              (y, R.shape([1, 2, 0, 0]), R.shape([0])),
+                                              out_ty=R.Tensor((2, 8), "float32"))
+            z = z_local_slice
+            R.output(y, z)
+        return (y, z)
+
+
+def test_a_completed_sum_used_elsewhere_keeps_its_allreduce():
+    assert not fold_targets(SharedBefore["main"])
+    tvm.ir.assert_structural_equal(lowered(SharedBefore), SharedExpected)
+
+
+def sharding(mesh_shape, text):
+    n = int(np.prod(mesh_shape))
+    return TensorSharding(Mesh(tuple(mesh_shape), range(0, n)), Placement.parse(text))
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_completion_bytes_reduce_scatter_is_half_an_allreduce(p):
+    shape, size = (8, 16), 8 * 16 * 4
+    summed = PartialSum(None, sharding((p,), "R"), (0,), "sum")
+    to_r = plan_completion(summed, sharding((p,), "R"), shape, "float32")
+    to_s = plan_completion(summed, sharding((p,), "S[1]"), shape, "float32")
+    assert [(s.collective, s.dim) for s in to_r.completion] == [("allreduce", None)]
+    assert [(s.collective, s.dim) for s in to_s.completion] == [("reducescatter", 1)]
+    assert not to_r.steps and not to_s.steps
+    assert to_r.bytes_received == 2 * size * (p - 1) // p
+    assert to_s.bytes_received == size * (p - 1) // p
+
+
+def test_completion_on_a_2d_mesh_scatters_the_summed_axis_only():
+    # data parallel on axis 0 (rows), the sum over axis 1: "S[0]P" -> "S[0]S[1]"
+    summed = PartialSum(None, sharding((2, 2), "S[0]R"), (1,), "sum")
+    plan = plan_completion(summed, sharding((2, 2), "S[0]S[1]"), (8, 16), "float32")
+    assert [(s.mesh_axis, s.collective, str(s.dst.placement)) for s in plan.completion] == [
+        (1, "reducescatter", "S[0]S[1]")]
+    assert plan.bytes_received == (4 * 16 * 4) // 2
+    # a destination that splits another axis: complete, then the planner's steps
+    other = plan_completion(summed, sharding((2, 2), "S[1]R"), (8, 16), "float32")
+    assert [s.collective for s in other.completion] == ["allreduce"]
+    assert [s.collective.name for s in other.steps] == ["ALL_TO_ALL"]
