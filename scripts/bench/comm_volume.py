@@ -35,6 +35,18 @@ bound, the total bytes over all transitions (and the ratio to ours), and the
 transitions where DTensor's default plan receives strictly more than ours
 (a few examples per mesh, worst first; ``--list`` prints all of them).
 
+Partial sums, "bytes vs the all-reduce plan": a partial sum (``"P"`` on one
+mesh axis, the other axes any placement) completed into every destination
+placement, planned as the compiler plans it
+(``tvm_distx.legalize.partial_sums.plan_completion``: a reduce-scatter where
+the destination splits the summed axis) against the all-reduce plan (always
+all-reduce, then the planner's steps to the destination, which is what a
+row-parallel layer did before reduce-scatters existed). Then the whole
+transformer of the PyTorch tests (2 blocks, batch 2, 16 tokens, width 256, on 2
+ranks): the comm report of ``megatron(sequence_parallel=True)`` against that of
+``megatron()``, which all-reduces after every row-parallel layer
+(``--no-model`` skips it).
+
 ``--check`` only verifies that every plan of ours equals the lower bound (exit
 status 1 otherwise).
 
@@ -61,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_bytes, table  # noqa: E402 - the path above comes first
 
 from tvm_distx.legalize import lower_bound_bytes, plan_redistribute  # noqa: E402
+from tvm_distx.legalize.partial_sums import PartialSum, plan_completion  # noqa: E402
 from tvm_distx.mesh import DeviceMesh  # noqa: E402
 from tvm_distx.placement import Placement, Replicate, Shard  # noqa: E402
 from tvm_distx.spec import TensorSharding  # noqa: E402
@@ -269,6 +282,90 @@ def report(rows: list[Transition], examples: int, list_all: bool) -> str:
     return "\n".join(out)
 
 
+def _all_reduce_plan_bytes(partial: PartialSum, dst: TensorSharding) -> int:
+    """All-reduce the sum, then the planner's steps to ``dst`` (no reduce-scatter)."""
+    completed = plan_completion(partial, None, SHAPE, DTYPE)
+    steps = plan_redistribute(completed.dst, dst, SHAPE, DTYPE) if completed.dst != dst else None
+    return completed.bytes_received + (steps.bytes_received if steps is not None else 0)
+
+
+def partial_sum_rows(meshes) -> list[list]:
+    """Per mesh: partial sums completed into every placement, ours against all-reduce."""
+    rows = []
+    for mesh in meshes:
+        devices = DeviceMesh(mesh, range(0, math.prod(mesh)))
+        codes = list(itertools.product(range(-1, len(SHAPE)), repeat=len(mesh)))
+        count = fewer = 0
+        ours_total = allreduce_total = 0
+        for axis in range(len(mesh)):
+            for src in codes:
+                if src[axis] != -1:
+                    continue  # the summed axis holds full-shape addends
+                sharding = TensorSharding(devices, _placement(src))
+                partial = PartialSum(None, sharding, (axis,), "sum")
+                for dst in codes:
+                    target = TensorSharding(devices, _placement(dst))
+                    ours = plan_completion(partial, target, SHAPE, DTYPE).bytes_received
+                    baseline = _all_reduce_plan_bytes(partial, target)
+                    count += 1
+                    fewer += ours < baseline
+                    ours_total += ours
+                    allreduce_total += baseline
+        rows.append([_mesh_text(mesh), count, fewer, fmt_bytes(ours_total),
+                     fmt_bytes(allreduce_total), f"{ours_total / allreduce_total:.2f}"])
+    return rows
+
+
+def _placement(code) -> Placement:
+    return Placement(tuple(Replicate() if c < 0 else Shard(c) for c in code))
+
+
+def model_rows() -> list[list]:
+    """The test transformer on 2 ranks: comm report of sequence parallel against all-reduce."""
+    import torch
+
+    import tvm_distx as td
+    from tvm_distx.frontend import from_torch
+    from tvm_distx.pipeline import run_stages
+    from tvm_distx.presets import megatron, with_meshes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "models"))
+    from transformer import Transformer
+
+    torch.manual_seed(0)
+    mod, _ = from_torch(Transformer(layers=2).eval(), (torch.randn(2, 16, 256),))
+    mod = with_meshes(mod, [(2,)])
+    plans = []
+    for name, preset in (("megatron() (all-reduce plan)", megatron()),
+                         ("megatron(sequence_parallel=True)", megatron(sequence_parallel=True))):
+        rows = td.comm_report(run_stages(preset.apply(mod))["local_view"]).rows
+        kinds: dict[str, int] = {}
+        for r in rows:
+            kinds[r.collective] = kinds.get(r.collective, 0) + 1
+        plans.append((name, ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+                      sum(r.bytes_per_rank for r in rows)))
+    baseline = plans[0][2]
+    return [[name, kinds, fmt_bytes(total), f"{total / baseline:.2f}"]
+            for name, kinds, total in plans]
+
+
+def partial_report(meshes, model: bool) -> str:
+    """The section "bytes vs the all-reduce plan"."""
+    out = ["Partial sums: bytes vs the all-reduce plan. A sum over one mesh axis (\"P\" there, "
+           "any placement elsewhere) completed into every placement of the mesh: ours "
+           "reduce-scatters where the destination splits the summed axis; the all-reduce plan "
+           "all-reduces, then moves.", "",
+           table(["mesh", "completions", "fewer bytes than the all-reduce plan",
+                  "total bytes: ours", "total bytes: all-reduce plan",
+                  "ours / all-reduce plan"], partial_sum_rows(meshes))]
+    if model:
+        out += ["", "The PyTorch test transformer (2 blocks, 2x16 tokens, width 256) on 2 ranks, "
+                "bytes received per rank per forward:", "",
+                table(["plan", "collectives", "bytes/rank", "vs the all-reduce plan"],
+                      model_rows(), "llrr")]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--meshes", nargs="*", default=None,
@@ -281,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="transitions listed per mesh where DTensor is worse")
     parser.add_argument("--list", action="store_true", help="list every such transition")
     parser.add_argument("--json", help="also write per-mesh totals to this JSON file")
+    parser.add_argument("--no-model", action="store_true",
+                        help="skip the transformer's sequence-parallel comparison")
     opts = parser.parse_args(argv)
     meshes = ([tuple(int(v) for v in m.split("x")) for m in opts.meshes] if opts.meshes
               else MESHES)
@@ -306,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = transitions(meshes, min_cost=not opts.no_min_cost)
     print(f"PyTorch {torch.__version__}, tensor {SHAPE} {DTYPE}\n")
     print(report(rows, opts.examples, opts.list))
+    print()
+    print(partial_report(meshes, model=not opts.no_model))
     if opts.json:
         Path(opts.json).write_text(json.dumps(totals(rows), indent=1))
     return 0
