@@ -208,3 +208,92 @@ def test_completion_on_a_2d_mesh_scatters_the_summed_axis_only():
     other = plan_completion(summed, sharding((2, 2), "S[1]R"), (8, 16), "float32")
     assert [s.collective for s in other.completion] == ["allreduce"]
     assert [s.collective.name for s in other.steps] == ["ALL_TO_ALL"]
+
+
+# ---------------------------------------------------------------------- propagation
+@I.ir_module
+class RowParallel:
+    """A row-parallel matmul, a bias, then a residual add with rows split."""
+
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 8), "float32"),
+             b: R.Tensor((8,), "float32"), r: R.Tensor((4, 8), "float32")):
+        with R.dataflow():
+            xs = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[1]")
+            ws = R.dist.annotate_sharding(w, device_mesh="mesh[0]", placement="S[0]")
+            rs = R.dist.annotate_sharding(r, device_mesh="mesh[0]", placement="S[0]")
+            y = R.matmul(xs, ws)
+            z = R.add(y, b)
+            o = R.add(rs, z)
+            R.output(o)
+        return o
+
+
+@I.ir_module
+class RowParallelPropagated:
+    """The bias waits for its use: the partial sum y is split before it (a reduce-scatter)."""
+
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.dist.DTensor((4, 8), "float32", "mesh[0]", "S[1]"),
+             w: R.dist.DTensor((8, 8), "float32", "mesh[0]", "S[0]"),
+             b: R.dist.DTensor((8,), "float32", "mesh[0]", "R"),
+             r: R.dist.DTensor((4, 8), "float32", "mesh[0]", "S[0]")
+             ) -> R.dist.DTensor((4, 8), "float32", "mesh[0]", "S[0]"):
+        with R.dataflow():
+            y = R.matmul(x, w, out_dtype=None)
+            y_redist = R.dist.redistribute(y, device_mesh="mesh[0]", placement="S[0]")
+            z = R.add(y_redist, b)
+            o = R.add(r, z)
+            R.output(o)
+        return o
+
+
+def test_propagation_lets_the_use_of_a_partial_sum_choose_its_layout():
+    from tvm_distx.passes import PropagateSharding
+
+    tvm.ir.assert_structural_equal(PropagateSharding()(RowParallel), RowParallelPropagated)
+
+
+def test_explain_shows_the_partial_sum_and_how_it_is_completed():
+    import tvm_distx as td
+
+    report = td.explain(RowParallel)
+    y = report.row("main", "y")
+    assert (y.placement, y.local_shape) == ("P", (4, 8))
+    assert "partial sum (P) on mesh axis 0" in y.reason
+    assert report.row("main", "z").placement == "S[0]"
+    assert report.row("main", "o").placement == "S[0]"
+
+
+@I.ir_module
+class RowParallelReplicatedUse:
+    """The same, but the residual is not split: nothing asks for a split of the sum."""
+
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor((4, 8), "float32"), w: R.Tensor((8, 8), "float32"),
+             b: R.Tensor((8,), "float32"), r: R.Tensor((4, 8), "float32")):
+        with R.dataflow():
+            xs = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[1]")
+            ws = R.dist.annotate_sharding(w, device_mesh="mesh[0]", placement="S[0]")
+            y = R.matmul(xs, ws)
+            z = R.add(y, b)
+            o = R.add(r, z)
+            R.output(o)
+        return o
+
+
+def test_a_partial_sum_no_use_splits_is_completed_replicated():
+    import tvm_distx as td
+
+    report = td.explain(RowParallelReplicatedUse)
+    assert report.row("main", "y").placement == "P"
+    # the deferred bias add is decided from its operands once nothing else can decide it
+    assert report.row("main", "z").placement == "R"
+    assert report.row("main", "z").reason == "result of relax.add at 'z'"
+    assert report.row("main", "o").placement == "R"
