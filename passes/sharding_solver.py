@@ -19,7 +19,11 @@ until nothing changes (a worklist over bindings, in program order):
   that shards a label decides that the label is sharded on that mesh axis (ties
   go to the earlier operand; replicated operands never decide, because a
   replicated operand can always be sliced locally). Unknown operands and
-  results then follow from the labels.
+  results then follow from the labels. A result is held as firmly as its
+  operand when the operator only relayouts one operand (a transpose): the
+  transposed weight of a ``Linear`` stays as strong as its annotation, so a
+  matmul that meets it and an activation split elsewhere keeps the weight
+  split and moves the activation.
 * a label that no output has is a reduction (a sum): sharding it on mesh axis
   ``a`` leaves every rank of ``a`` with an addend of the result, a *partial sum*
   (``"P"`` on axis ``a``). The decision records it (:attr:`Decision.partial`);
@@ -88,7 +92,7 @@ class Strength(enum.IntEnum):
 
     DEFAULT = 0  #: nothing reached the value; replicated by default
     PROPAGATED = 1  #: derived from other values
-    SOURCE = 2  #: an annotation, a DTensor type, or a caller's signature
+    SOURCE = 2  #: an annotation, a DTensor type, a caller's signature, or a relayout of one
 
 
 @dataclass(frozen=True)
