@@ -48,8 +48,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm_distx import _ir
 from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
-from tvm_distx.placement import Placement, Replicate
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import Placement, Replicate, TensorSharding
 
 __all__ = ["LowerGlobalViewToLocalView", "split_once", "true_sharding"]
 

@@ -1,4 +1,4 @@
-"""Unit tests for tvm_distx.placement: entries, text form, TVM conversion, validate()."""
+"""Unit tests for tvm_distx.layout: entries, text form, TVM conversion, validate()."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import doctest
 import pytest
 from tvm.relax.distributed import Placement as TVMPlacement
 
-import tvm_distx.placement as placement_module
+import tvm_distx.layout.placement as placement_module
 from tvm_distx import (
     DeviceMesh,
     IndivisibleShardError,
@@ -19,7 +19,7 @@ from tvm_distx import (
     ShardDimError,
     ShardingError,
 )
-from tvm_distx.placement import as_placement
+from tvm_distx.layout import as_placement
 
 # Texts in our compact form, with the entries each one should produce.
 TEXTS = {

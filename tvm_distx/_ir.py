@@ -11,7 +11,7 @@ from tvm import relax
 from tvm.relax.distributed import DTensorType
 
 from .mesh import DeviceMesh
-from .placement import Placement
+from .layout import Placement
 
 
 @lru_cache(maxsize=None)

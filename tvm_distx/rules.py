@@ -34,7 +34,7 @@ from typing import Mapping, Sequence
 
 from .errors import MeshError, PlacementSyntaxError, RuleError
 from .mesh import MeshRef
-from .placement import Placement, PlacementLike, as_placement
+from .layout import Placement, PlacementLike, as_placement
 
 __all__ = ["ShardingRule"]
 

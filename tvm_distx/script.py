@@ -184,7 +184,7 @@ def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
     """Check every literal mesh reference and DTensor placement of a module class."""
     from .errors import MeshError, PlacementSyntaxError
     from .mesh import MeshRef, unknown_mesh_error
-    from .placement import Placement
+    from .layout import Placement
 
     meshes = _global_meshes(cls) if cls is not None else None
     if meshes is None:

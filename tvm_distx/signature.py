@@ -15,8 +15,7 @@ import numpy as np
 
 from .errors import ArgumentError, UnsupportedProgramError
 from .mesh import DeviceMesh
-from .placement import Placement
-from .spec import TensorSharding
+from .layout import Placement, TensorSharding
 
 __all__ = ["TensorSpec", "FunctionSignature"]
 
