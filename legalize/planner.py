@@ -16,18 +16,16 @@ only in their coordinate along ``a`` (``p = mesh.shape[a]`` ranks, in coordinate
 order). ``s`` is the size in bytes of the step's input on one rank
 (local elements times the dtype's item size). The algorithms are ring ones:
 
-===============  ==========================  ==========================  =====================
-collective       placement change on axis a  ``tensor_axes``             bytes sent = received
-===============  ==========================  ==========================  =====================
-``LOCAL_SLICE``  ``R -> S[j]``               ``(j,)``                    0
-``ALL_GATHER``   ``S[i] -> R``               ``(i,)``                    ``s * (p - 1)``
-``ALL_TO_ALL``   ``S[i] -> S[j]``            ``(j, i)`` (split, concat)  ``s * (p - 1) / p``
-``ALL_REDUCE``   ``P -> R``                  ``()``                      ``2 * s * (p - 1) / p``
-``REDUCE_SCAT``  ``P -> S[j]``               ``(j,)``                    ``s * (p - 1) / p``
-``SEND_RECV``    the whole sharding          ``()``                      see below
-===============  ==========================  ==========================  =====================
-
-(``REDUCE_SCAT`` is ``REDUCE_SCATTER``.)
+==================  ==========================  ==========================  =======================
+collective          placement change on axis a  ``tensor_axes``             bytes sent = received
+==================  ==========================  ==========================  =======================
+``LOCAL_SLICE``     ``R -> S[j]``               ``(j,)``                    0
+``ALL_GATHER``      ``S[i] -> R``               ``(i,)``                    ``s * (p - 1)``
+``ALL_TO_ALL``      ``S[i] -> S[j]``            ``(j, i)`` (split, concat)  ``s * (p - 1) / p``
+``ALL_REDUCE``      ``P -> R``                  ``()``                      ``2 * s * (p - 1) / p``
+``REDUCE_SCATTER``  ``P -> S[j]``               ``(j,)``                    ``s * (p - 1) / p``
+``SEND_RECV``       the whole sharding          ``()``                      see below
+==================  ==========================  ==========================  =======================
 
 * ``LOCAL_SLICE``: every rank splits its block along ``j`` into ``p`` pieces and
   keeps piece ``c_a``.
