@@ -50,9 +50,15 @@ from tvm import relax
 
 from tvm_distx import _ir
 from tvm_distx.errors import CallGraphError, ShardingConflictError, UnsupportedProgramError
+from tvm_distx.layout import (
+    MeshTable,
+    Placement,
+    Replicate,
+    Shard,
+    TensorSharding,
+    replicated,
+)
 from tvm_distx.mesh import DeviceMesh
-from tvm_distx.layout import Placement, Replicate, Shard
-from tvm_distx.layout import MeshTable, TensorSharding, replicated
 
 from .op_signatures import OpSignature, op_signature
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from planner_sim import simulate  # tests/ is on the path
 
 import tvm_distx.legalize.planner as planner_module
 from tvm_distx.errors import (
@@ -41,7 +42,6 @@ from tvm_distx.legalize.planner import (
     plan_redistribute,
 )
 from tvm_distx.mesh import DeviceMesh
-from planner_sim import simulate  # noqa: E402 - tests/ is on the path
 
 # Every sharded dim divides by 8, the largest split ("S[k]S[k]" on a 2x4 mesh);
 # distinct extents catch a transposed dimension.

@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 import pytest
-
 from planner_sim import simulate, split_into_addends  # tests/ is on the path
+
 from tvm_distx.errors import PlacementSyntaxError, ShardingError
 from tvm_distx.layout import (
     DeviceMesh,

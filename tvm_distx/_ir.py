@@ -10,8 +10,8 @@ import tvm
 from tvm import relax
 from tvm.relax.distributed import DTensorType
 
-from .mesh import DeviceMesh
 from .layout import Placement
+from .mesh import DeviceMesh
 
 
 @lru_cache(maxsize=None)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ArgumentError, UnsupportedProgramError
-from .mesh import DeviceMesh
 from .layout import Placement, TensorSharding
+from .mesh import DeviceMesh
 
 __all__ = ["TensorSpec", "FunctionSignature"]
 
