@@ -44,7 +44,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm_distx import _ir, ccl
 from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import TensorSharding
 
 from .partial_sums import fold_targets, partial_sum, plan_completion, true_sharding
 from .planner import Collective, plan_redistribute

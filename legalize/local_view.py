@@ -49,8 +49,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm_distx import _ir
 from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
-from tvm_distx.placement import Placement, Replicate
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import Placement, Replicate, TensorSharding
 
 from .partial_sums import true_sharding  # noqa: F401  (re-exported: it lived here)
 

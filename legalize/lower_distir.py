@@ -49,7 +49,7 @@ from tvm_distx._rewrite import FunctionRewriter
 from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.ccl import REDUCE_KINDS, CollectiveGroup
 from tvm_distx.mesh import DeviceMesh
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import TensorSharding
 
 from .partial_sums import partial_sum, reduced_axes  # noqa: F401  (reduced_axes re-exported)
 

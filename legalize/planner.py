@@ -4,19 +4,10 @@
 static shape and a dtype) into a :class:`RedistPlan`: a sequence of
 :class:`RedistStep` collectives, each run by the sub-groups of one mesh axis,
 or one point-to-point :attr:`Collective.SEND_RECV`. The module is pure Python
-and numpy; it imports no TVM, and its results are cached.
-
-Layout convention
------------------
-The devices of a mesh are its ``device_range``, laid out in row-major order over
-``mesh.shape``; entry ``k`` of a placement applies to mesh axis ``k``. Along a
-mesh axis whose entry is ``S[d]``, tensor dimension ``d`` is split evenly in
-mesh-coordinate order. A dimension sharded by several mesh axes (``"S[0]S[0]"``)
-is split by the product of their sizes with the **lower-numbered mesh axis as the
-major (outer) split**: on a 2x4 mesh, device ``(c0, c1)`` holds block
-``c0 * 4 + c1`` of 8 along dimension 0. :func:`shard_bounds` gives the
-``[start, stop)`` a device holds along every dimension. Shapes are static and
-every sharded dimension must divide evenly.
+and numpy; it imports no TVM, and its results are cached. All geometry (the
+layout convention, placement codes, each device's box, the transfers of a
+send/recv) is :mod:`tvm_distx.layout`'s; shapes are static and every sharded
+dimension must divide evenly.
 
 Steps and their cost
 --------------------
@@ -25,14 +16,16 @@ only in their coordinate along ``a`` (``p = mesh.shape[a]`` ranks, in coordinate
 order). ``s`` is the size in bytes of the step's input on one rank
 (local elements times the dtype's item size). The algorithms are ring ones:
 
-===============  ==========================  ==========================  =====================
-collective       placement change on axis a  ``tensor_axes``             bytes sent = received
-===============  ==========================  ==========================  =====================
-``LOCAL_SLICE``  ``R -> S[j]``               ``(j,)``                    0
-``ALL_GATHER``   ``S[i] -> R``               ``(i,)``                    ``s * (p - 1)``
-``ALL_TO_ALL``   ``S[i] -> S[j]``            ``(j, i)`` (split, concat)  ``s * (p - 1) / p``
-``SEND_RECV``    the whole sharding          ``()``                      see below
-===============  ==========================  ==========================  =====================
+==================  ==========================  ==========================  =======================
+collective          placement change on axis a  ``tensor_axes``             bytes sent = received
+==================  ==========================  ==========================  =======================
+``LOCAL_SLICE``     ``R -> S[j]``               ``(j,)``                    0
+``ALL_GATHER``      ``S[i] -> R``               ``(i,)``                    ``s * (p - 1)``
+``ALL_TO_ALL``      ``S[i] -> S[j]``            ``(j, i)`` (split, concat)  ``s * (p - 1) / p``
+``ALL_REDUCE``      ``P -> R``                  ``()``                      ``2 * s * (p - 1) / p``
+``REDUCE_SCATTER``  ``P -> S[j]``               ``(j,)``                    ``s * (p - 1) / p``
+``SEND_RECV``       the whole sharding          ``()``                      see below
+==================  ==========================  ==========================  =======================
 
 * ``LOCAL_SLICE``: every rank splits its block along ``j`` into ``p`` pieces and
   keeps piece ``c_a``.
@@ -41,6 +34,9 @@ collective       placement change on axis a  ``tensor_axes``             bytes s
 * ``ALL_TO_ALL``: every rank splits its block along ``j`` into ``p`` pieces and
   sends piece ``k`` to group member ``k``; it concatenates what it receives
   along ``i``, in group order.
+* ``ALL_REDUCE``: every rank ends with the sum of its group's addends.
+* ``REDUCE_SCATTER``: member ``k`` of a group ends with block ``k`` along ``j``
+  of the sum of the group's addends.
 * ``SEND_RECV`` (``mesh_axis=None``): every destination rank receives exactly the
   elements of its destination block that it does not already hold (when the two
   meshes share devices, data a device already holds is never sent); each
@@ -53,7 +49,10 @@ result is again a correct layout) only when it touches the innermost split of a
 dimension: ``ALL_GATHER`` on ``a`` of dimension ``i`` needs ``a`` to be the
 highest-numbered mesh axis sharding ``i``; ``LOCAL_SLICE`` onto ``j`` needs ``a``
 to be higher-numbered than every axis already sharding ``j``; ``ALL_TO_ALL`` needs
-both. (Mesh axes of size 1 never matter.)
+both; ``REDUCE_SCATTER`` onto ``j`` adds a split like ``LOCAL_SLICE`` and needs
+what it needs. (Mesh axes of size 1 never matter.) A partial sum on other axes
+does not restrict a step: every collective here is linear, so it moves addends
+as it moves values.
 
 A step's ``bytes_sent`` / ``bytes_received`` are per rank, the maximum over
 ranks. A plan's ``bytes_received`` (``bytes_sent``) is the **sum over its steps of
@@ -101,18 +100,51 @@ device outside the source mesh (so disjoint meshes give ``itemsize * |dst
 block|``); otherwise the per-device formula above is evaluated with the
 intervals of both meshes.
 
+Partial sums
+------------
+Write ``G`` for the product of the sizes of the mesh axes that are ``P`` in
+``src`` and not in ``dst`` (the reduced axes), ``M`` for those ``P`` on both
+sides, ``B`` for those ``R`` in ``dst``, ``n`` for the mesh size and ``N`` for
+the elements of the tensor. Two bounds hold, and the bound is their maximum:
+
+* reading ``P`` as ``R`` on both sides, the bound above: a rank that holds no
+  addend of an element of its destination block must receive a value for it;
+* when ``G >= 2``, counting the whole mesh: an element's sum over ``G``
+  distinct addends, held on different ranks, reaches one rank only after
+  ``G - 1`` messages (each message merges at most two partial sums), and each
+  of the other ``B - 1`` ranks that must hold it needs one more message
+  arriving after that (the one-way gossip count, ``2(p - 1)`` for an
+  all-reduce). The ``N * M`` (element, unreduced-axis coordinate) pairs are
+  independent, so all ranks together receive at least
+  ``N * M * (G + B - 2)`` values, and the busiest rank at least the average::
+
+    lower_bound >= itemsize * ceil(N * M * (G + B - 2) / n)
+
+On one axis of ``p`` ranks this is ``2 (p - 1) / p`` of the tensor for
+``P -> R``, which a ring all-reduce receives, and ``(p - 1) / p`` for
+``P -> S[j]``, which a reduce-scatter receives. On a 2x2 mesh ``"PP" -> "RR"``
+gives ``1.5`` tensors: reduce-scatter, all-reduce on the other axis, all-gather
+meets it, where two all-reduces receive 2. The count assumes messages carry
+values of single elements (no coding across elements) and that an axis that
+stays ``P`` keeps its addends (a ``P -> P`` axis is left alone).
+
 Planning
 --------
 On one mesh, compare the entries axis by axis: ``R->R`` and ``S[i]->S[i]`` need
 nothing, ``R->S[j]`` is a ``LOCAL_SLICE``, ``S[i]->R`` an ``ALL_GATHER`` and
-``S[i]->S[j]`` an ``ALL_TO_ALL`` (when valid, never a gather and a slice). The order of the
+``S[i]->S[j]`` an ``ALL_TO_ALL`` (when valid, never a gather and a slice), ``P->R`` an
+``ALL_REDUCE``, ``P->S[j]`` a ``REDUCE_SCATTER`` and ``P->P`` nothing. The order of the
 steps, and any detour through other placements that the nesting rule makes
 necessary (``"S[2]S[1]" -> "S[0]R"`` is an all-to-all on axis 0 then a gather on
 axis 1), is found by a shortest-path search over the placements of the mesh that
 divide the shape, with edges the valid single-axis steps above, ordered by
 (bytes received, number of steps, then a fixed order of the steps). The search
 never passes through an unnecessary ``R``, since a gather that is not needed
-costs bytes.
+costs bytes. Partial sums only disappear: a step never makes a ``P``, an axis
+that stays ``P`` is never reduced, and a ``dst`` with ``P`` on an axis where
+``src`` has none is refused (only an operator makes partial sums). The search
+reduces where the data is smallest, so ``"PR" -> "RS[0]"`` slices first and
+all-reduces half the tensor.
 
 If that sequence of collectives receives exactly the lower bound, it is the
 plan. Otherwise no sequence of single-axis collectives reaches the bound, and a
@@ -125,7 +157,9 @@ when a split moves between axes of different sizes (``"S[0]R" -> "RS[0]"`` on
 2x4: the gather over 2 ranks brings half the tensor, the rank keeps a quarter).
 Collectives move the same amount on every rank while the bound is a maximum
 over ranks, so any detour shows. Between two different meshes the plan is one
-``SEND_RECV``.
+``SEND_RECV``. A source with partial sums is always planned as collectives (a
+send/recv copies and cannot add), so on N-D meshes such a plan may receive more
+than the bound; a move of a partial sum between meshes is refused.
 
 Plans are cached (:func:`functools.lru_cache`): equal arguments return the same
 :class:`RedistPlan` object. Meshes that differ only by name are equal, so a
@@ -139,39 +173,49 @@ import functools
 import heapq
 import logging
 import math
-import operator
 import re
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from tvm_distx.errors import ShardingError, UnsupportedValueError
-from tvm_distx.mesh import DeviceMesh
-from tvm_distx.placement import Placement, Replicate, Shard
-from tvm_distx.spec import TensorSharding
+from tvm_distx.errors import ShardingError
+from tvm_distx.layout import TensorSharding
+from tvm_distx.layout.geometry import (
+    PARTIAL,
+    REPLICATE,
+    Code,
+    Transfer,
+    box_volume,
+    check_sharding,
+    decode_placement,
+    device_boxes,
+    divides,
+    encode_placement,
+    intersect,
+    local_elements,
+    send_recv_transfers,
+    shard_bounds,
+    sharding_axes,
+    split_parts,
+    static_shape,
+    transfers,
+)
 
 __all__ = [
     "Collective",
     "RedistStep",
     "RedistPlan",
-    "Transfer",
     "plan_redistribute",
     "lower_bound_bytes",
+    "dtype_itemsize",
+    # geometry, re-exported from tvm_distx.layout for callers of the planner
+    "Transfer",
     "shard_bounds",
     "send_recv_transfers",
-    "simulate",
-    "dtype_itemsize",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: A placement in the planner's internal form: per mesh axis, -1 for R or the sharded dim.
-_Code = tuple[int, ...]
-#: ``[start, stop)`` per tensor dimension.
-_Box = tuple[tuple[int, int], ...]
-
-_REPLICATE = -1
 
 
 class Collective(enum.Enum):
@@ -180,6 +224,8 @@ class Collective(enum.Enum):
     LOCAL_SLICE = "local_slice"
     ALL_GATHER = "all_gather"
     ALL_TO_ALL = "all_to_all"
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
     SEND_RECV = "send_recv"
 
 
@@ -195,8 +241,9 @@ class RedistStep:
     collective : Collective
         What runs.
     tensor_axes : tuple of int
-        ``(gather_dim,)`` for an all-gather, ``(split_dim,)`` for a local slice,
-        ``(split_dim, concat_dim)`` for an all-to-all, ``()`` for a send/recv.
+        ``(gather_dim,)`` for an all-gather, ``(split_dim,)`` for a local slice
+        or a reduce-scatter, ``(split_dim, concat_dim)`` for an all-to-all,
+        ``()`` for an all-reduce or a send/recv.
     src, dst : TensorSharding
         The sharding before and after the step.
     bytes_sent, bytes_received : int
@@ -249,28 +296,6 @@ class RedistPlan:
         return self.bytes_received == self.lower_bound
 
 
-@dataclass(frozen=True)
-class Transfer:
-    """One point-to-point copy of a ``SEND_RECV``: box ``bounds`` from ``sender`` to ``receiver``.
-
-    Parameters
-    ----------
-    sender, receiver : int
-        Global device ids.
-    bounds : tuple of (int, int)
-        The global ``[start, stop)`` per tensor dimension of the copied box.
-    """
-
-    sender: int
-    receiver: int
-    bounds: _Box
-
-    @property
-    def elements(self) -> int:
-        """The number of elements copied."""
-        return math.prod(stop - start for start, stop in self.bounds)
-
-
 # ---------------------------------------------------------------------- inputs
 _FLOAT8 = re.compile(r"float8(_[A-Za-z0-9]+)?")
 
@@ -315,118 +340,8 @@ def _dtype_name(dtype) -> str:
         return str(dtype)
 
 
-def _static_shape(shape) -> tuple[int, ...]:
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise ShardingError(f"a shape must be a sequence of ints, got {shape!r}") from None
-    out = []
-    for extent in dims:
-        try:
-            value = operator.index(extent)
-        except TypeError:
-            value = None
-        if value is None or isinstance(extent, bool) or value < 0:
-            raise ShardingError(
-                f"the planner needs a static shape of non-negative ints, got {dims!r}",
-                hint="redistribution of dynamic shapes is not supported; give every extent",
-            )
-        out.append(value)
-    return tuple(out)
-
-
 def _check(sharding: TensorSharding, shape: tuple[int, ...], role: str) -> None:
-    if not isinstance(sharding, TensorSharding):
-        raise UnsupportedValueError(
-            f"the {role} of a redistribution must be a TensorSharding, got "
-            f"{type(sharding).__name__} {sharding!r}",
-            hint="build one with TensorSharding(DeviceMesh(...), Placement.parse(...))",
-        )
-    sharding.placement.validate(sharding.mesh, shape)
-
-
-def _encode(placement: Placement) -> _Code:
-    return tuple(e.dim if isinstance(e, Shard) else _REPLICATE for e in placement.entries)
-
-
-def _decode(code: _Code) -> Placement:
-    return Placement(tuple(Replicate() if c == _REPLICATE else Shard(c) for c in code))
-
-
-# ---------------------------------------------------------------------- layouts
-def _axes(code: _Code, dim: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The mesh axes of size > 1 that shard ``dim``, in increasing order (major first)."""
-    return tuple(a for a, c in enumerate(code) if c == dim and mesh_shape[a] > 1)
-
-
-def _parts(code: _Code, dim: int, mesh_shape: tuple[int, ...]) -> int:
-    return math.prod(mesh_shape[a] for a in _axes(code, dim, mesh_shape))
-
-
-def _divides(code: _Code, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
-    return all(n % _parts(code, d, mesh_shape) == 0 for d, n in enumerate(shape))
-
-
-def _local_elements(code: _Code, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int:
-    return math.prod(n // _parts(code, d, mesh_shape) for d, n in enumerate(shape))
-
-
-@functools.lru_cache(maxsize=4096)
-def _device_boxes(mesh: DeviceMesh, code: _Code, shape: tuple[int, ...]) -> dict[int, _Box]:
-    """Every device of ``mesh`` and the box it holds (nested splits, major axis first)."""
-    boxes: dict[int, _Box] = {}
-    for offset, device in enumerate(mesh.device_range):
-        coord = np.unravel_index(offset, mesh.shape)
-        box = []
-        for d, n in enumerate(shape):
-            block, parts = 0, 1
-            for a in _axes(code, d, mesh.shape):
-                block = block * mesh.shape[a] + int(coord[a])
-                parts *= mesh.shape[a]
-            length = n // parts
-            box.append((block * length, (block + 1) * length))
-        boxes[device] = tuple(box)
-    return boxes
-
-
-def _volume(box: _Box) -> int:
-    return math.prod(stop - start for start, stop in box)
-
-
-def _intersect(a: _Box, b: _Box) -> _Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    if any(start >= stop for start, stop in out) and out:
-        return None
-    return out
-
-
-def shard_bounds(sharding: TensorSharding, shape: Sequence[int],
-                 device: int) -> tuple[tuple[int, int], ...] | None:
-    """The part of a tensor that one device holds.
-
-    Parameters
-    ----------
-    sharding : TensorSharding
-        The tensor's sharding.
-    shape : sequence of int
-        Its static global shape.
-    device : int
-        A global device id.
-
-    Returns
-    -------
-    tuple of (int, int) or None
-        ``(start, stop)`` per tensor dimension; None when ``device`` is not in
-        the mesh (a scalar held by a device gives ``()``).
-
-    Raises
-    ------
-    PlacementRankError, ShardDimError, IndivisibleShardError
-        If the sharding does not fit the mesh or the shape.
-    """
-    shape = _static_shape(shape)
-    _check(sharding, shape, "sharding")
-    return _device_boxes(sharding.mesh, _encode(sharding.placement), shape).get(device)
+    check_sharding(sharding, shape, f"{role} of a redistribution")
 
 
 # ---------------------------------------------------------------------- lower bound
@@ -436,31 +351,81 @@ def _is_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
 
 def _lower_bound_elements(src: TensorSharding, dst: TensorSharding,
                           shape: tuple[int, ...]) -> int:
-    dst_code = _encode(dst.placement)
-    dst_block = _local_elements(dst_code, shape, dst.mesh.shape)
+    """``max_r |D(r) \\ S(r)|``, with partial sums read as replicas."""
+    dst_code = _as_replicas(encode_placement(dst.placement))
+    dst_block = local_elements(dst_code, shape, dst.mesh.shape)
     if src.mesh == dst.mesh:
         mesh_shape = src.mesh.shape
-        src_code = _encode(src.placement)
+        src_code = _as_replicas(encode_placement(src.placement))
         kept = 1  # min over ranks of |D(r) ∩ S(r)|, dimension by dimension
         for d, n in enumerate(shape):
-            a_src, a_dst = _axes(src_code, d, mesh_shape), _axes(dst_code, d, mesh_shape)
+            a_src = sharding_axes(src_code, d, mesh_shape)
+            a_dst = sharding_axes(dst_code, d, mesh_shape)
             if _is_prefix(a_src, a_dst):
-                kept *= n // _parts(dst_code, d, mesh_shape)
+                kept *= n // split_parts(dst_code, d, mesh_shape)
             elif _is_prefix(a_dst, a_src):
-                kept *= n // _parts(src_code, d, mesh_shape)
+                kept *= n // split_parts(src_code, d, mesh_shape)
             else:
                 kept = 0
         return dst_block - kept
     src_devices = set(src.mesh.device_range)
     if not src_devices.intersection(dst.mesh.device_range):
         return dst_block
-    src_boxes = _device_boxes(src.mesh, _encode(src.placement), shape)
+    src_boxes = device_boxes(src.mesh, encode_placement(src.placement), shape)
     worst = 0
-    for device, box in _device_boxes(dst.mesh, dst_code, shape).items():
+    for device, box in device_boxes(dst.mesh, dst_code, shape).items():
         own = src_boxes.get(device)
-        common = _intersect(box, own) if own is not None else None
-        worst = max(worst, _volume(box) - (_volume(common) if common is not None else 0))
+        common = intersect(box, own) if own is not None else None
+        worst = max(worst, box_volume(box) - (box_volume(common) if common is not None else 0))
     return worst
+
+
+def _as_replicas(code: Code) -> Code:
+    return tuple(REPLICATE if c == PARTIAL else c for c in code)
+
+
+def _reduction_bound_bytes(src: TensorSharding, dst: TensorSharding, shape: tuple[int, ...],
+                           itemsize: int) -> int:
+    """``itemsize * ceil(N * M * (G + B - 2) / n)`` when ``G >= 2``, else 0 (see above)."""
+    mesh_shape = src.mesh.shape
+    src_code, dst_code = encode_placement(src.placement), encode_placement(dst.placement)
+    reduced = math.prod(p for p, a, b in zip(mesh_shape, src_code, dst_code)
+                        if a == PARTIAL and b != PARTIAL)
+    if reduced < 2:
+        return 0
+    kept = math.prod(p for p, a, b in zip(mesh_shape, src_code, dst_code)
+                     if a == PARTIAL and b == PARTIAL)
+    holders = math.prod(p for p, b in zip(mesh_shape, dst_code) if b == REPLICATE)
+    values = math.prod(shape) * kept * (reduced + holders - 2) * itemsize
+    return -(-values // src.mesh.size)
+
+
+def _lower_bound(src: TensorSharding, dst: TensorSharding, shape: tuple[int, ...],
+                 itemsize: int) -> int:
+    copies = itemsize * _lower_bound_elements(src, dst, shape)
+    if not src.placement.has_partial():
+        return copies
+    return max(copies, _reduction_bound_bytes(src, dst, shape, itemsize))
+
+
+def _check_partial(src: TensorSharding, dst: TensorSharding) -> None:
+    """Refuse what no redistribution can do with partial sums."""
+    if not (src.placement.has_partial() or dst.placement.has_partial()):
+        return
+    if src.mesh != dst.mesh:
+        raise ShardingError(
+            f"cannot move {src} to {dst}: a partial sum moves only within its mesh",
+            placement=str(src.placement),
+            hint="redistribute it to R or S[k] on its own mesh first, then move it",
+        )
+    made = [a for a in dst.placement.partial_axes() if a not in src.placement.partial_axes()]
+    if made:
+        raise ShardingError(
+            f"cannot redistribute {src} to {dst}: mesh axis {made[0]} would become a partial "
+            "sum, and only an operator (a sharded reduction) makes partial sums",
+            placement=str(dst.placement),
+            hint="ask for R or S[k] on that mesh axis",
+        )
 
 
 def lower_bound_bytes(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
@@ -468,7 +433,8 @@ def lower_bound_bytes(src: TensorSharding, dst: TensorSharding, shape: Sequence[
     """The bytes some rank must receive to go from ``src`` to ``dst``, whatever the algorithm.
 
     ``itemsize * max_r |D(r) \\ S(r)|``, computed in closed form from the
-    placements (see the module documentation).
+    placements, and for a source with partial sums the reduction bound (see the
+    module documentation).
 
     Parameters
     ----------
@@ -490,69 +456,19 @@ def lower_bound_bytes(src: TensorSharding, dst: TensorSharding, shape: Sequence[
         (a subclass) for a placement that does not fit its mesh or the shape, or
         an unknown dtype.
     """
-    shape = _static_shape(shape)
+    shape = static_shape(shape)
     _check(src, shape, "source")
     _check(dst, shape, "destination")
-    return dtype_itemsize(dtype) * _lower_bound_elements(src, dst, shape)
+    _check_partial(src, dst)
+    return _lower_bound(src, dst, shape, dtype_itemsize(dtype))
 
 
 # ---------------------------------------------------------------------- send/recv
-@functools.lru_cache(maxsize=1024)
-def _transfers(src: TensorSharding, dst: TensorSharding,
-               shape: tuple[int, ...]) -> tuple[Transfer, ...]:
-    src_boxes = _device_boxes(src.mesh, _encode(src.placement), shape)
-    holders: dict[_Box, list[int]] = {}
-    for device, box in src_boxes.items():
-        holders.setdefault(box, []).append(device)
-    load = {device: 0 for device in src_boxes}
-    out = []
-    for receiver, wanted in _device_boxes(dst.mesh, _encode(dst.placement), shape).items():
-        own = src_boxes.get(receiver)
-        # Distinct source boxes partition the tensor, so every one but the
-        # receiver's own is data it lacks.
-        for box, devices in holders.items():
-            if box == own:
-                continue
-            piece = _intersect(box, wanted)
-            if piece is None or _volume(piece) == 0:
-                continue
-            sender = min(devices, key=lambda h: (load[h], h))
-            load[sender] += _volume(piece)
-            out.append(Transfer(sender, receiver, piece))
-    return tuple(out)
-
-
-def send_recv_transfers(src: TensorSharding, dst: TensorSharding,
-                        shape: Sequence[int]) -> tuple[Transfer, ...]:
-    """The point-to-point copies of a ``SEND_RECV`` from ``src`` to ``dst``.
-
-    Every destination device receives the parts of its block that it does not
-    hold in ``src``, each from one source device that holds it (the least loaded
-    so far, then the lowest id).
-
-    Parameters
-    ----------
-    src, dst : TensorSharding
-        The shardings; the meshes may differ and may share devices.
-    shape : sequence of int
-        The static global shape.
-
-    Returns
-    -------
-    tuple of Transfer
-        By receiver, then by source box.
-    """
-    shape = _static_shape(shape)
-    _check(src, shape, "source")
-    _check(dst, shape, "destination")
-    return _transfers(src, dst, shape)
-
-
 def _send_recv_step(src: TensorSharding, dst: TensorSharding, shape: tuple[int, ...],
                     itemsize: int) -> RedistStep:
     sent: dict[int, int] = {}
     received: dict[int, int] = {}
-    for t in _transfers(src, dst, shape):
+    for t in transfers(src, dst, shape):
         sent[t.sender] = sent.get(t.sender, 0) + t.elements
         received[t.receiver] = received.get(t.receiver, 0) + t.elements
     return RedistStep(None, Collective.SEND_RECV, (), src, dst,
@@ -561,47 +477,66 @@ def _send_recv_step(src: TensorSharding, dst: TensorSharding, shape: tuple[int, 
 
 
 # ---------------------------------------------------------------------- search
-def _inner_ok(code: _Code, axis: int, dim: int, mesh_shape: tuple[int, ...]) -> bool:
+def _inner_ok(code: Code, axis: int, dim: int, mesh_shape: tuple[int, ...]) -> bool:
     """True if ``axis`` is (or would be) the innermost split of ``dim``."""
     if mesh_shape[axis] == 1:
         return True
-    return all(a < axis for a in _axes(code, dim, mesh_shape) if a != axis)
+    return all(a < axis for a in sharding_axes(code, dim, mesh_shape) if a != axis)
 
 
 # Tie-break between plans of equal cost and length: the kinds in this order.
-_KIND_ORDER = {Collective.ALL_TO_ALL: 0, Collective.ALL_GATHER: 1, Collective.LOCAL_SLICE: 2}
+_KIND_ORDER = {Collective.ALL_TO_ALL: 0, Collective.ALL_GATHER: 1, Collective.LOCAL_SLICE: 2,
+               Collective.REDUCE_SCATTER: 3, Collective.ALL_REDUCE: 4}
 
 
-def _moves(code: _Code, shape: tuple[int, ...], mesh_shape: tuple[int, ...], itemsize: int):
-    """The valid single-axis steps out of ``code``: (axis, kind, tensor_axes, new code, bytes)."""
-    size = itemsize * _local_elements(code, shape, mesh_shape)
+def _moves(code: Code, shape: tuple[int, ...], mesh_shape: tuple[int, ...], itemsize: int,
+           keep: Code):
+    """The valid single-axis steps out of ``code``: (axis, kind, tensor_axes, new code, bytes).
+
+    Mesh axes where ``keep`` is :data:`PARTIAL` stay partial sums.
+    """
+    size = itemsize * local_elements(code, shape, mesh_shape)
     for axis, entry in enumerate(code):
         p = mesh_shape[axis]
-        if entry == _REPLICATE:
+        if entry == PARTIAL:
+            if keep[axis] == PARTIAL:
+                continue
+            new = code[:axis] + (REPLICATE,) + code[axis + 1:]
+            yield axis, Collective.ALL_REDUCE, (), new, 2 * size * (p - 1) // p
             for j in range(len(shape)):
                 new = code[:axis] + (j,) + code[axis + 1:]
-                if _inner_ok(code, axis, j, mesh_shape) and _divides(new, shape, mesh_shape):
+                if _inner_ok(code, axis, j, mesh_shape) and divides(new, shape, mesh_shape):
+                    yield axis, Collective.REDUCE_SCATTER, (j,), new, size * (p - 1) // p
+            continue
+        if entry == REPLICATE:
+            for j in range(len(shape)):
+                new = code[:axis] + (j,) + code[axis + 1:]
+                if _inner_ok(code, axis, j, mesh_shape) and divides(new, shape, mesh_shape):
                     yield axis, Collective.LOCAL_SLICE, (j,), new, 0
             continue
         if not _inner_ok(code, axis, entry, mesh_shape):
             continue
-        new = code[:axis] + (_REPLICATE,) + code[axis + 1:]
+        new = code[:axis] + (REPLICATE,) + code[axis + 1:]
         yield axis, Collective.ALL_GATHER, (entry,), new, size * (p - 1)
         for j in range(len(shape)):
             if j == entry:
                 continue
             new = code[:axis] + (j,) + code[axis + 1:]
-            if _inner_ok(code, axis, j, mesh_shape) and _divides(new, shape, mesh_shape):
+            if _inner_ok(code, axis, j, mesh_shape) and divides(new, shape, mesh_shape):
                 yield axis, Collective.ALL_TO_ALL, (j, entry), new, size * (p - 1) // p
 
 
 @functools.lru_cache(maxsize=4096)
-def _search(mesh_shape: tuple[int, ...], src: _Code, dst: _Code, shape: tuple[int, ...],
-            itemsize: int) -> tuple[tuple[int, Collective, tuple[int, ...], _Code, int], ...]:
-    """The cheapest valid sequence of single-axis collectives (Dijkstra over placements)."""
+def _search(mesh_shape: tuple[int, ...], src: Code, dst: Code, shape: tuple[int, ...],
+            itemsize: int) -> tuple[tuple[int, Collective, tuple[int, ...], Code, int], ...]:
+    """The cheapest valid sequence of single-axis collectives (Dijkstra over placements).
+
+    No step makes a partial sum, so ``dst``'s ``P`` axes must be ``P`` in ``src``
+    (checked by the caller) and are never reduced.
+    """
     # priority: (bytes received, steps, tie-break keys); the path rides along
     heap: list = [(0, 0, (), src, ())]
-    done: set[_Code] = set()
+    done: set[Code] = set()
     while heap:
         cost, nsteps, keys, code, path = heapq.heappop(heap)
         if code in done:
@@ -609,7 +544,8 @@ def _search(mesh_shape: tuple[int, ...], src: _Code, dst: _Code, shape: tuple[in
         if code == dst:
             return path
         done.add(code)
-        for axis, kind, tensor_axes, new, moved in _moves(code, shape, mesh_shape, itemsize):
+        for axis, kind, tensor_axes, new, moved in _moves(code, shape, mesh_shape, itemsize,
+                                                          dst):
             if new in done:
                 continue
             key = (_KIND_ORDER[kind], axis, tensor_axes)
@@ -634,7 +570,8 @@ def plan_redistribute(src: TensorSharding, dst: TensorSharding, shape: Sequence[
     allow_send_recv : bool
         On one mesh, whether a ``SEND_RECV`` may replace a sequence of
         collectives that receives more than the lower bound. With False the
-        plan is always collectives along mesh axes (what lowering emits today).
+        plan is always collectives along mesh axes (what lowering emits today),
+        as it is for a source with partial sums.
         Between two different meshes the plan is a ``SEND_RECV`` regardless.
 
     Returns
@@ -647,11 +584,14 @@ def plan_redistribute(src: TensorSharding, dst: TensorSharding, shape: Sequence[
     PlacementRankError, ShardDimError, IndivisibleShardError
         If a placement does not fit its mesh or the shape.
     ShardingError
-        For a dynamic shape or an unknown dtype.
+        For a dynamic shape or an unknown dtype; for a destination with a
+        partial sum where the source has none, or a partial sum moving
+        between meshes.
     """
-    shape = _static_shape(shape)
+    shape = static_shape(shape)
     _check(src, shape, "source")
     _check(dst, shape, "destination")
+    _check_partial(src, dst)
     dtype = _dtype_name(dtype)
     dtype_itemsize(dtype)
     return _plan(src, dst, shape, dtype, bool(allow_send_recv))
@@ -661,23 +601,23 @@ def plan_redistribute(src: TensorSharding, dst: TensorSharding, shape: Sequence[
 def _plan(src: TensorSharding, dst: TensorSharding, shape: tuple[int, ...], dtype: str,
           allow_send_recv: bool) -> RedistPlan:
     itemsize = dtype_itemsize(dtype)
-    bound = itemsize * _lower_bound_elements(src, dst, shape)
+    bound = _lower_bound(src, dst, shape, itemsize)
     if src.mesh != dst.mesh:
         steps: tuple[RedistStep, ...] = (_send_recv_step(src, dst, shape, itemsize),)
     else:
         mesh = src.mesh
-        path = _search(mesh.shape, _encode(src.placement), _encode(dst.placement), shape,
+        path = _search(mesh.shape, encode_placement(src.placement), encode_placement(dst.placement), shape,
                        itemsize)
         collectives = []
         before = src
         for axis, kind, tensor_axes, code, moved in path:
-            after = dst if code == _encode(dst.placement) else TensorSharding(mesh,
-                                                                              _decode(code))
+            after = dst if code == encode_placement(dst.placement) else TensorSharding(mesh,
+                                                                              decode_placement(code))
             collectives.append(RedistStep(axis, kind, tensor_axes, before, after, moved, moved))
             before = after
         steps = tuple(collectives)
         received = sum(s.bytes_received for s in steps)
-        if received > bound and allow_send_recv:
+        if received > bound and allow_send_recv and not src.placement.has_partial():
             logger.debug("collectives from %s to %s receive %d bytes > bound %d: send/recv",
                          src, dst, received, bound)
             steps = (_send_recv_step(src, dst, shape, itemsize),)
@@ -687,86 +627,3 @@ def _plan(src: TensorSharding, dst: TensorSharding, shape: tuple[int, ...], dtyp
     logger.debug("planned %s -> %s %s %s: %s, %d bytes received per rank (bound %d)", src, dst,
                  shape, dtype, [s.collective.name for s in steps], plan.bytes_received, bound)
     return plan
-
-
-# ---------------------------------------------------------------------- simulation
-def _groups(mesh: DeviceMesh, axis: int) -> np.ndarray:
-    """Rows of global device ids that form the sub-groups along ``axis``, in group order."""
-    grid = np.arange(mesh.size).reshape(mesh.shape) + mesh.device_range.start
-    return np.moveaxis(grid, axis, -1).reshape(-1, mesh.shape[axis])
-
-
-def _slices(box: _Box) -> tuple[slice, ...]:
-    return tuple(slice(start, stop) for start, stop in box)
-
-
-def _apply(step: RedistStep, local: dict[int, np.ndarray], shape: tuple[int, ...]):
-    if step.collective is Collective.SEND_RECV:
-        wanted = _device_boxes(step.dst.mesh, _encode(step.dst.placement), shape)
-        own = _device_boxes(step.src.mesh, _encode(step.src.placement), shape)
-        dtype = next(iter(local.values())).dtype
-        out, filled = {}, {}
-        for device, box in wanted.items():
-            out[device] = np.empty([b - a for a, b in box], dtype)
-            filled[device] = np.zeros(out[device].shape, bool)
-            held = own.get(device)
-            common = _intersect(box, held) if held is not None else None
-            if common is not None:
-                dst_at = tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(common, box))
-                src_at = tuple(slice(a - h, b - h) for (a, b), (h, _) in zip(common, held))
-                out[device][dst_at] = local[device][src_at]
-                filled[device][dst_at] = True
-        for t in _transfers(step.src, step.dst, shape):
-            box, held = wanted[t.receiver], own[t.sender]
-            dst_at = tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(t.bounds, box))
-            src_at = tuple(slice(a - h, b - h) for (a, b), (h, _) in zip(t.bounds, held))
-            out[t.receiver][dst_at] = local[t.sender][src_at]
-            filled[t.receiver][dst_at] = True
-        missing = [d for d, mask in filled.items() if not mask.all()]
-        if missing:  # pragma: no cover - a planner bug
-            raise AssertionError(f"send/recv leaves devices {missing} incomplete")
-        return out
-    out = dict(local)
-    p = step.src.mesh.shape[step.mesh_axis]
-    for group in _groups(step.src.mesh, step.mesh_axis):
-        members = [int(d) for d in group]
-        if step.collective is Collective.LOCAL_SLICE:
-            for k, d in enumerate(members):
-                out[d] = np.split(local[d], p, axis=step.tensor_axes[0])[k]
-        elif step.collective is Collective.ALL_GATHER:
-            whole = np.concatenate([local[d] for d in members], axis=step.tensor_axes[0])
-            for d in members:
-                out[d] = whole
-        else:
-            split, concat = step.tensor_axes
-            pieces = [np.split(local[d], p, axis=split) for d in members]
-            for k, d in enumerate(members):
-                out[d] = np.concatenate([pieces[m][k] for m in range(p)], axis=concat)
-    return out
-
-
-def simulate(plan: RedistPlan, array: np.ndarray) -> dict[int, np.ndarray]:
-    """Run a plan on real data, as every rank would.
-
-    Parameters
-    ----------
-    plan : RedistPlan
-        The plan.
-    array : numpy.ndarray
-        The global tensor, of ``plan.shape``.
-
-    Returns
-    -------
-    dict of int to numpy.ndarray
-        Per device of the destination mesh, the block it ends with.
-    """
-    array = np.asarray(array)
-    if tuple(array.shape) != plan.shape:
-        raise ValueError(f"the array has shape {array.shape}, the plan {plan.shape}")
-    boxes = _device_boxes(plan.src.mesh, _encode(plan.src.placement), plan.shape)
-    local = {d: np.array(array[_slices(box)]) for d, box in boxes.items()}
-    for step in plan.steps:
-        local = _apply(step, local, plan.shape)
-    if plan.src.mesh != plan.dst.mesh and not plan.steps:  # pragma: no cover
-        raise AssertionError("a move between meshes needs a step")
-    return local

@@ -49,8 +49,8 @@ from tvm_distx.errors import (
     UnmatchedRuleError,
     UnsupportedValueError,
 )
-from tvm_distx.mesh import DeviceMesh, module_meshes, resolve_mesh
-from tvm_distx.placement import Placement
+from tvm_distx.mesh import DeviceMesh, resolve_mesh
+from tvm_distx.layout import MeshTable, Placement
 from tvm_distx.rules import ShardingRule
 
 __all__ = ["AnnotateSharding"]
@@ -120,7 +120,8 @@ class _Planner:
     def __init__(self, mod: tvm.IRModule, rules: Sequence[ShardingRule]) -> None:
         self.mod = mod
         self.rules = list(rules)
-        self.meshes = module_meshes(mod)
+        self.mesh_table = MeshTable(mod)
+        self.meshes = self.mesh_table.as_dict()
         self.site_count = {id(rule): 0 for rule in self.rules}
         self.call_edits: dict[relax.Var, _CallEdit] = {}
         self.param_edits: dict[str, dict[relax.Var, _Sharding]] = {}
@@ -245,10 +246,7 @@ class _Planner:
 
     def _named(self, mesh: DeviceMesh) -> DeviceMesh:
         """The module's own name for a mesh found in IR, when it has one."""
-        for known in self.meshes.values():
-            if (known.shape, known.device_range) == (mesh.shape, mesh.device_range):
-                return known
-        return mesh
+        return self.mesh_table.named(mesh)
 
     def _already_annotated(self, value, sharding: _Sharding, sites, function, var) -> bool:
         """True when ``value`` already carries ``sharding``; raise if it carries another."""

@@ -30,7 +30,7 @@ from tvm_distx import _ir
 from tvm_distx._pass import module_pass
 from tvm_distx._rewrite import FunctionRewriter
 from tvm_distx.errors import ShardingError, UnsupportedValueError
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import MeshTable, TensorSharding
 
 from .sharding_solver import (
     Decision,
@@ -147,7 +147,7 @@ class _ModuleRewriter:
     def __init__(self, mod: tvm.IRModule) -> None:
         self.mod = mod
         self.program = ProgramAnalysis(mod)
-        self.tvm_meshes = _tvm_meshes(mod)
+        self.meshes = MeshTable(mod)
         self.bb = relax.BlockBuilder()
         self.versions: dict[_Version, FunctionAnalysis] = {}
         self.reached: set[str] = set()  # names of the functions some version is of
@@ -281,10 +281,7 @@ class _ModuleRewriter:
         return gv
 
     def tvm_mesh(self, mesh):
-        for known, obj in self.tvm_meshes:
-            if known == mesh:
-                return obj
-        return mesh.to_tvm()
+        return self.meshes.to_tvm(mesh)
 
     def dtensor_type(self, tensor_ty, sharding: TensorSharding) -> DTensorType:
         if isinstance(tensor_ty, DTensorType):
@@ -575,19 +572,6 @@ def _callees(func) -> list[str]:
 
     if isinstance(func, relax.Function):
         relax.analysis.post_order_visit(func, visit)
-    return found
-
-
-def _tvm_meshes(mod: tvm.IRModule) -> list:
-    from tvm.relax.distributed import DeviceMesh as TVMDeviceMesh
-
-    from tvm_distx.mesh import DeviceMesh
-
-    found = []
-    for infos in mod.global_infos.values():
-        for info in infos:
-            if isinstance(info, TVMDeviceMesh):
-                found.append((DeviceMesh.from_tvm(info), info))
     return found
 
 

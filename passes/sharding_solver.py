@@ -65,9 +65,15 @@ from tvm import relax
 
 from tvm_distx import _ir
 from tvm_distx.errors import CallGraphError, ShardingConflictError, UnsupportedProgramError
+from tvm_distx.layout import (
+    MeshTable,
+    Placement,
+    Replicate,
+    Shard,
+    TensorSharding,
+    replicated,
+)
 from tvm_distx.mesh import DeviceMesh
-from tvm_distx.placement import Placement, Replicate, Shard
-from tvm_distx.spec import TensorSharding, replicated
 
 from .op_signatures import OpSignature, op_signature
 
@@ -502,14 +508,14 @@ class FunctionAnalysis:
                                             f"field {slot} of tuple '{b.var.name}'"))
 
     def _annotation(self, b: _Binding, call: relax.Call) -> None:
-        mesh = self.program.mesh_named(DeviceMesh.from_tvm(call.attrs.device_mesh))
-        sharding = TensorSharding(mesh, Placement.from_tvm(call.attrs.placement))
+        mesh = self.program.meshes.lookup(call.attrs.device_mesh)
+        placement = Placement.from_tvm(call.attrs.placement)
         what = "annotate_sharding" if _ir.is_call_to(call, _ANNOTATE) else "redistribute"
         # written in the IR directly, it has not been checked yet (TVM accepts "S[2]"
-        # on a 2-D mesh)
+        # on a 2-D mesh); checked before the TensorSharding is built, to name the site.
         # () is a scalar's shape, not an unknown one: a scalar cannot be sharded
-        sharding.placement.validate(mesh, _ir.static_shape(b.var.ty),
-                                    function=self.name, var=b.var.name)
+        placement.validate(mesh, _ir.static_shape(b.var.ty), function=self.name, var=b.var.name)
+        sharding = TensorSharding(mesh, placement)
         self._set(b.var, 0, Decision(sharding, Strength.SOURCE, f"{what} {sharding} in '{self.name}'"))
         source = call.args[0]
         if what == "annotate_sharding" and isinstance(source, relax.Var):
@@ -688,19 +694,14 @@ class ProgramAnalysis:
 
     def __init__(self, mod: tvm.IRModule) -> None:
         self.mod = mod
-        from tvm_distx.mesh import module_meshes
-
-        self.meshes = module_meshes(mod)
+        self.meshes = MeshTable(mod)
         self._summaries: dict[tuple, CallSummary] = {}
         self._finals: dict[tuple, FunctionAnalysis] = {}
         self._stack: list[str] = []
 
     def mesh_named(self, mesh: DeviceMesh) -> DeviceMesh:
         """The module's own (named) mesh equal to ``mesh``, or ``mesh`` itself."""
-        for known in self.meshes.values():
-            if known == mesh:
-                return known
-        return mesh
+        return self.meshes.named(mesh)
 
     @staticmethod
     def call_signature(known: Sequence[Decision | None],

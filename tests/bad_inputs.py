@@ -283,8 +283,7 @@ def _call(case: Case, workdir: Path) -> None:
             return spec_array(v[6:])
         if isinstance(v, str) and v.startswith("sharding:"):  # sharding:(2,2):S[0]R
             from tvm_distx.mesh import DeviceMesh
-            from tvm_distx.placement import Placement
-            from tvm_distx.spec import TensorSharding
+            from tvm_distx.layout import Placement, TensorSharding
 
             shape, placement = v[9:].rsplit(":", 1)
             dims = tuple(int(n) for n in shape.strip("()").split(",") if n.strip())

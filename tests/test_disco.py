@@ -22,7 +22,7 @@ from tvm_distx.pipeline import run_stages
 from tvm_distx.runtime import emulate, shard_array
 from tvm_distx.runtime.disco import run_disco
 from tvm_distx.runtime.disco_shm import Layout, ShmComm
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import TensorSharding
 
 DATA = Path(__file__).parent / "data"
 TARGET = tvm.target.Target({"kind": "llvm"})

@@ -16,7 +16,7 @@ from tvm_distx.legalize.lower_distir import rank_entry
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.pipeline import STAGES
 from tvm_distx.runtime import emulate, shard_array
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import TensorSharding
 
 DATA = Path(__file__).parent / "data"
 

@@ -13,7 +13,7 @@ from tvm_distx.legalize import LegalizeRedistribute, LowerDistIR, LowerGlobalVie
 from tvm_distx.legalize.lower_distir import rank_entry
 from tvm_distx.passes import PropagateSharding
 from tvm_distx.runtime import emulate, shard_array
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import TensorSharding
 
 SHAPE = (8, 12, 4)
 TARGET = tvm.target.Target({"kind": "llvm"})

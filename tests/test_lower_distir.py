@@ -19,7 +19,7 @@ from tvm_distx.legalize import LegalizeRedistribute
 from tvm_distx.legalize.lower_distir import CollectiveGroup, LowerDistIR, rank_entry
 from tvm_distx.passes import AnnotateSharding, PropagateSharding
 from tvm_distx.runtime import emulate, shard_array
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import TensorSharding
 
 from reference import mlp_twice  # noqa: E402
 

@@ -16,6 +16,7 @@ from tvm.script import relax as R
 
 import tvm_distx as td
 from tvm_distx import DeviceMesh, MeshError, MeshRef, ShardingError, UnknownMeshError
+from tvm_distx.layout import MeshTable, TensorSharding
 from tvm_distx.mesh import module_meshes, resolve_mesh
 
 DATA = Path(__file__).parent / "data"
@@ -263,6 +264,39 @@ class TestModuleMeshes:
 
     def test_exported_at_top_level(self):
         assert td.module_meshes is module_meshes
+
+
+class TestMeshTable:
+    def test_types_find_the_module_mesh_by_identity(self):
+        @I.ir_module
+        class Stages:
+            I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2)),
+                                            R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+            @R.function
+            def main(x: R.dist.DTensor((4,), "float32", "mesh[1]", "S[0]"),
+                     y: R.dist.DTensor((4,), "float32", "mesh[0]", "R")):
+                return x
+
+        table = MeshTable(Stages)
+        assert list(table) == ["mesh[0]", "mesh[1]"] and table.as_dict() == module_meshes(Stages)
+        x, y = Stages["main"].params
+        # two equal meshes: an equality scan finds mesh[0] for both, identity does not
+        assert table.lookup(x.ty.device_mesh) is table["mesh[1]"]
+        assert table.lookup(y.ty.device_mesh) is table["mesh[0]"]
+        assert TensorSharding.from_type(x.ty, table).mesh.name == "mesh[1]"
+
+    def test_a_mesh_made_elsewhere_is_found_by_shape_and_devices(self, pipeline):
+        table = MeshTable(pipeline)
+        copy = TVMDeviceMesh((1,), [1])
+        assert table.lookup(copy) is table["mesh[1]"]
+        assert table.ref(DeviceMesh((1,), range(1, 2))) == "mesh[1]"
+        stranger = DeviceMesh((2,), range(4, 6))
+        assert table.named(stranger) is stranger and table.ref(stranger) is None
+        assert tvm_ids(table.to_tvm(stranger)) == [4, 5]
+
+    def test_module_without_meshes(self, no_mesh_module):
+        assert len(MeshTable(no_mesh_module)) == 0
 
 
 class TestResolveMesh:

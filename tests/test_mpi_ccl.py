@@ -32,7 +32,7 @@ from tvm_distx import ShardingRule
 from tvm_distx.legalize.lower_distir import rank_entry
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime import shard_array
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import TensorSharding
 
 HERE = Path(__file__).parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"

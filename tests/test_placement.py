@@ -1,4 +1,4 @@
-"""Unit tests for tvm_distx.placement: entries, text form, TVM conversion, validate()."""
+"""Unit tests for tvm_distx.layout: entries, text form, TVM conversion, validate()."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import doctest
 import pytest
 from tvm.relax.distributed import Placement as TVMPlacement
 
-import tvm_distx.placement as placement_module
+import tvm_distx.layout.placement as placement_module
 from tvm_distx import (
     DeviceMesh,
     IndivisibleShardError,
@@ -18,8 +18,9 @@ from tvm_distx import (
     Shard,
     ShardDimError,
     ShardingError,
+    UnsupportedValueError,
 )
-from tvm_distx.placement import as_placement
+from tvm_distx.layout import Partial, TensorSharding, as_placement
 
 # Texts in our compact form, with the entries each one should produce.
 TEXTS = {
@@ -384,3 +385,83 @@ def test_module_doctests_pass():
     result = doctest.testmod(placement_module, verbose=False)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+# ---------------------------------------------------------------------------- partial sums
+
+
+class TestPartial:
+    @pytest.mark.parametrize("text,entries", [
+        ("P", (Partial(),)),
+        ("PR", (Partial(), Replicate())),
+        ("S[0]P", (Shard(0), Partial())),
+        ("P, S[1]", (Partial(), Shard(1))),
+    ])
+    def test_text_form(self, text, entries):
+        placement = Placement.parse(text)
+        assert placement.entries == entries
+        assert Placement.parse(str(placement)) == placement
+
+    def test_partial_is_a_sum_by_default_and_queries(self):
+        assert Partial() == Partial("sum") and hash(Partial()) == hash(Partial("sum"))
+        entry = Partial()
+        assert (entry.is_partial(), entry.is_replicate(), entry.is_shard()) == (True, False, False)
+        assert not Replicate().is_partial() and not Shard(0).is_partial()
+        p = Placement.parse("S[0]PP")
+        assert p.has_partial() and p.partial_axes() == (1, 2)
+        assert not p.is_replicated() and p.sharded_dims() == (0,)
+        assert not Placement.parse("S[0]R").has_partial()
+
+    @pytest.mark.parametrize("op", ["max", "avg", "", None])
+    def test_other_reductions_are_refused_with_a_hint(self, op):
+        with pytest.raises(PlacementSyntaxError) as info:
+            Partial(op)
+        assert repr(op) in str(info.value)
+        assert 'hint: write Partial() (a partial sum, "P" in text)' in str(info.value)
+
+    def test_to_tvm_refuses_a_partial_sum(self):
+        with pytest.raises(PlacementSyntaxError) as info:
+            Placement.parse("S[0]P").to_tvm()
+        assert info.value.placement == "S[0]P"
+        assert "TVM DTensor type cannot carry" in str(info.value)
+        assert "hint: reduce it first" in str(info.value)
+
+    def test_validate(self):
+        Placement.parse("P").validate(MESH_1D, (3, 5))  # nothing is split: any extent
+        Placement.parse("PS[1]").validate(MESH_2X2, (3, 4))
+        with pytest.raises(PlacementRankError):
+            Placement.parse("PR").validate(MESH_1D, (4,))
+        with pytest.raises(IndivisibleShardError):
+            Placement.parse("PS[1]").validate(MESH_2X2, (4, 3))
+
+
+# ---------------------------------------------------------------------------- TensorSharding
+
+
+class TestTensorSharding:
+    def test_checked_at_construction(self):
+        with pytest.raises(PlacementRankError) as info:
+            TensorSharding(MESH_2X2, Placement.parse("S[0]"))
+        assert info.value.placement == "S[0]"
+        with pytest.raises(UnsupportedValueError, match="needs a DeviceMesh"):
+            TensorSharding("mesh[0]", Placement.parse("S[0]"))
+        with pytest.raises(PlacementSyntaxError):
+            TensorSharding(MESH_1D, "S[")
+
+    def test_text_is_parsed(self):
+        assert TensorSharding(MESH_2X2, "S[0]P") == TensorSharding(MESH_2X2,
+                                                                  Placement.parse("S[0]P"))
+
+    def test_local_shape(self):
+        assert TensorSharding(MESH_2X3, "S[0]S[1]").local_shape((4, 9)) == (2, 3)
+        assert TensorSharding(MESH_2X2, "S[1]S[1]").local_shape((3, 8)) == (3, 2)
+        assert TensorSharding(MESH_2X2, "PR").local_shape((3, 8)) == (3, 8)
+        assert TensorSharding(MESH_1D, "S[0]").local_shape((None, 8)) == (None, 8)
+
+    def test_local_shape_of_a_symbolic_extent(self):
+        import tvm
+
+        n = tvm.tirx.Var("n", "int64")
+        [local, rest] = TensorSharding(MESH_1D, "S[0]").local_shape((n, 8))
+        assert rest == 8
+        tvm.ir.assert_structural_equal(local, n // 2)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from planner_sim import simulate  # tests/ is on the path
 
 import tvm_distx.legalize.planner as planner_module
 from tvm_distx.errors import (
@@ -26,18 +27,21 @@ from tvm_distx.errors import (
     ShardingError,
     UnsupportedValueError,
 )
+from tvm_distx.layout import (
+    Placement,
+    Replicate,
+    Shard,
+    TensorSharding,
+    send_recv_transfers,
+    shard_bounds,
+)
 from tvm_distx.legalize.planner import (
     Collective,
     RedistPlan,
     lower_bound_bytes,
     plan_redistribute,
-    send_recv_transfers,
-    shard_bounds,
-    simulate,
 )
 from tvm_distx.mesh import DeviceMesh
-from tvm_distx.placement import Placement, Replicate, Shard
-from tvm_distx.spec import TensorSharding
 
 # Every sharded dim divides by 8, the largest split ("S[k]S[k]" on a 2x4 mesh);
 # distinct extents catch a transposed dimension.
@@ -312,7 +316,7 @@ def test_every_pair_is_valid_and_meets_the_lower_bound(mesh_shape):
         assert plan.lower_bound == lower_bound_bytes(src, dst, SHAPE, DTYPE) == bound, (a, b)
         assert plan.bytes_received == plan.lower_bound, (a, b)
         check_plan(plan)
-        for device, block in simulate(plan, ARRAY).items():  # the module's own simulator
+        for device, block in simulate(plan, ARRAY).items():  # tests/planner_sim.py
             np.testing.assert_array_equal(block, ref_shard(ARRAY, dst, device))
 
         # Collectives only: always valid, never below the bound, and at the bound
@@ -559,4 +563,4 @@ def test_planner_imports_no_tvm():
             names.add(node.module or "")
     assert not {n for n in names if n == "tvm" or n.startswith("tvm.") or n == "tvm_ffi"}
     assert {n for n in names if n.startswith("tvm_distx")} <= {
-        "tvm_distx.errors", "tvm_distx.mesh", "tvm_distx.placement", "tvm_distx.spec"}
+        "tvm_distx.errors", "tvm_distx.layout", "tvm_distx.layout.geometry"}

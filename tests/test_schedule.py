@@ -18,7 +18,7 @@ from tvm_distx.runtime import emulate, shard_array
 from tvm_distx.schedule import (
     RULE_ATTR, SCHEDULED_ATTR, CPUTraits, MatmulRule, Rule, ScheduleCPU, schedule_module,
     schedule_primfunc, x86_target)
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import TensorSharding
 
 DATA = Path(__file__).parent / "data"
 TARGET = x86_target()

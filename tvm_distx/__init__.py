@@ -1,9 +1,18 @@
 """tvm-distx: make Apache TVM Relax's distributed IR usable on real programs.
 
-The sharding vocabulary lives at the top level; passes live in
-:mod:`tvm_distx.passes` and redistribution legalization in
+The sharding vocabulary (from :mod:`tvm_distx.layout`) lives at the top level;
+passes live in :mod:`tvm_distx.passes` and redistribution legalization in
+:mod:`tvm_distx.legalize`.
+
+Only the errors, meshes and the layout vocabulary are imported with the
+package. The compiler's entry points (``distribute``, ``compile``,
+``DistExecutable``) are loaded on first use (PEP 562), so a rank process, which imports
+:mod:`tvm_distx.runtime`, never loads :mod:`tvm_distx.passes` or
 :mod:`tvm_distx.legalize`.
 """
+
+import importlib
+import importlib.util
 
 from .errors import (
     ArgumentError,
@@ -25,13 +34,36 @@ from .errors import (
     UnsupportedValueError,
 )
 from .mesh import DeviceMesh, MeshRef, module_meshes
-from .placement import Placement, Replicate, Shard
+from .layout import Partial, Placement, Replicate, Shard, TensorSharding
 from .rules import ShardingRule
 from .script import load_module
+# explain and comm_report load the compiler inside the functions; imported here,
+# the package attributes are the functions, not their modules.
 from .explain import explain
-from .pipeline import distribute
-from .executable import DistExecutable, compile
 from .comm_report import comm_report
+
+#: Public names loaded on first use (they import the compiler): name -> module.
+_LAZY = {
+    "distribute": ".pipeline",
+    "compile": ".executable",
+    "DistExecutable": ".executable",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        # a submodule not imported yet (``tvm_distx.pipeline``), as before lazy loading
+        if importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return importlib.import_module(f".{name}", __name__)
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 __version__ = "0.1.0"
 
@@ -42,6 +74,8 @@ __all__ = [
     "Placement",
     "Replicate",
     "Shard",
+    "Partial",
+    "TensorSharding",
     "ShardingRule",
     "load_module",
     "explain",

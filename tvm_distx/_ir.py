@@ -10,8 +10,8 @@ import tvm
 from tvm import relax
 from tvm.relax.distributed import DTensorType
 
+from .layout import Placement
 from .mesh import DeviceMesh
-from .placement import Placement
 
 
 @lru_cache(maxsize=None)

@@ -15,7 +15,7 @@ import tvm
 
 from . import _ir
 from .errors import ArgumentError
-from .spec import TensorSharding
+from .layout import TensorSharding
 
 __all__ = ["CommRow", "CommReport", "comm_report"]
 

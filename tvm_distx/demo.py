@@ -76,7 +76,7 @@ def _run_tensor_parallel(path: Path) -> str:
 
     from tvm_distx.legalize import LowerDistIR
     from tvm_distx.runtime import emulate, shard_array
-    from tvm_distx.spec import TensorSharding
+    from tvm_distx.layout import TensorSharding
 
     annotated = AnnotateSharding(EXAMPLES["seed_tensor_parallel.py"])(load_module(path))
     dist = PropagateSharding(require_legalized=True)(relax.transform.LegalizeOps()(annotated))

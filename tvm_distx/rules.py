@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from .errors import MeshError, PlacementSyntaxError, RuleError
+from .layout import Placement, PlacementLike, as_placement
 from .mesh import MeshRef
-from .placement import Placement, PlacementLike, as_placement
 
 __all__ = ["ShardingRule"]
 

@@ -183,8 +183,8 @@ def _global_meshes(cls: ast.ClassDef):
 def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
     """Check every literal mesh reference and DTensor placement of a module class."""
     from .errors import MeshError, PlacementSyntaxError
+    from .layout import Placement
     from .mesh import MeshRef, unknown_mesh_error
-    from .placement import Placement
 
     meshes = _global_meshes(cls) if cls is not None else None
     if meshes is None:

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ArgumentError, UnsupportedProgramError
+from .layout import Placement, TensorSharding
 from .mesh import DeviceMesh
-from .placement import Placement
-from .spec import TensorSharding
 
 __all__ = ["TensorSpec", "FunctionSignature"]
 

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-from .spec import TensorSharding
+from .layout import Placement, TensorSharding, shard_bounds
 
 __all__ = ["Block", "tensor_blocks", "sharding_tables", "comm_table", "tensor_grid",
            "show_tensor_sharding", "plot_tensor_sharding", "value_sharding", "show_value",
@@ -60,8 +60,6 @@ def tensor_blocks(sharding: TensorSharding, shape: Sequence[int],
     list of Block
         In row-major order of the blocks.
     """
-    from .legalize.planner import shard_bounds
-
     shape = tuple(int(n) for n in shape)
     if len(shape) == 1:
         rows_of = lambda box: (0, 1)  # noqa: E731 - a 1-D tensor is one row
@@ -230,7 +228,6 @@ def value_sharding(mod, function: str, value: str) -> tuple[TensorSharding, tupl
     from .errors import ArgumentError
     from .explain import explain
     from .mesh import module_meshes
-    from .placement import Placement
 
     report = explain(mod)
     try:

@@ -75,8 +75,7 @@ from _common import fmt_bytes, table  # noqa: E402 - the path above comes first
 from tvm_distx.legalize import lower_bound_bytes, plan_redistribute  # noqa: E402
 from tvm_distx.legalize.partial_sums import PartialSum, plan_completion  # noqa: E402
 from tvm_distx.mesh import DeviceMesh  # noqa: E402
-from tvm_distx.placement import Placement, Replicate, Shard  # noqa: E402
-from tvm_distx.spec import TensorSharding  # noqa: E402
+from tvm_distx.layout import Placement, Replicate, Shard, TensorSharding  # noqa: E402
 
 MESHES = [(2,), (4,), (2, 2), (2, 4), (2, 2, 2)]
 SHAPE = (16, 16, 16)

@@ -27,9 +27,8 @@ from mpi4py import MPI
 from tvm_distx import ccl
 from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
 from tvm_distx.mesh import DeviceMesh
-from tvm_distx.placement import Placement
+from tvm_distx.layout import Placement, TensorSharding
 from tvm_distx.runtime import mpi_ccl, shard_array
-from tvm_distx.spec import TensorSharding
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()

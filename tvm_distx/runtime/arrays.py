@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import TensorSharding, shard_bounds
 
 __all__ = ["shard_array", "assemble_array", "assemble_results", "first_holder"]
 
@@ -16,15 +16,13 @@ def shard_array(array: np.ndarray, sharding: TensorSharding, device: int) -> np.
 
     A dimension split by several mesh axes is split with the lower-numbered
     mesh axis as the outer (major) split (see
-    :func:`tvm_distx.legalize.planner.shard_bounds`).
+    :func:`tvm_distx.layout.shard_bounds`).
 
     Raises
     ------
     ValueError
         If ``device`` is not in the sharding's mesh.
     """
-    from tvm_distx.legalize.planner import shard_bounds
-
     bounds = shard_bounds(sharding, array.shape, device)
     if bounds is None:
         raise ValueError(f"device {device} is not in mesh {sharding.mesh.describe()}")
@@ -54,8 +52,6 @@ def assemble_array(shards: Mapping[int, np.ndarray], sharding: TensorSharding,
     ValueError
         If some block is held by no device given, or a block has the wrong shape.
     """
-    from tvm_distx.legalize.planner import shard_bounds
-
     blocks: dict[tuple, np.ndarray] = {}
     wanted = []
     for device in sharding.mesh.device_range:
@@ -85,8 +81,6 @@ def first_holder(sharding: TensorSharding, shape: tuple[int, ...], device: int) 
     One copy of every block is enough to assemble an array; replicas are
     skipped.
     """
-    from tvm_distx.legalize.planner import shard_bounds
-
     mine = shard_bounds(sharding, shape, device)
     return all(shard_bounds(sharding, shape, d) != mine
                for d in sharding.mesh.device_range if d < device)

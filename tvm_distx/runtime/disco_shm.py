@@ -451,7 +451,7 @@ def _local_slice(x, group, axes, out) -> None:
 
 def _move(x, spec, out) -> None:
     """Every side of a send/recv: ``x`` is None on a receiver only, ``out`` on a sender only."""
-    from tvm_distx.legalize.planner import shard_bounds
+    from tvm_distx.layout import shard_bounds
 
     comm = _comm()
     me = comm.rank

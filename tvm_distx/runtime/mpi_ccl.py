@@ -32,7 +32,7 @@ How data moves:
   unpacks the same way, only when the split (concatenation) dimension is not
   the outermost non-trivial one.
 * ``send_recv``, ``send`` and ``recv`` post every transfer that
-  :func:`tvm_distx.legalize.planner.send_recv_transfers` gives this rank as
+  :func:`tvm_distx.layout.send_recv_transfers` gives this rank as
   non-blocking receives, then sends, on a private duplicate of the world
   communicator, copy what the rank already holds, and wait for all of them.
   A box that is contiguous in its tensor goes without copy; others are packed
@@ -496,7 +496,7 @@ def _plan_move(move: SendRecvSpec, rank: int, world: int) -> _P2PPlan:
     the derivation every backend shares; this adds where each non-contiguous
     box is packed in the scratch buffer.
     """
-    from tvm_distx.legalize.planner import shard_bounds
+    from tvm_distx.layout import shard_bounds
 
     last = max(move.participants())
     if last >= world:

@@ -1,11 +1,20 @@
 """Placements: how a tensor is laid out over the axes of a device mesh.
 
-A :class:`Placement` holds one entry per mesh axis. Each entry is either
-:class:`Replicate` (every device along that mesh axis holds the whole extent) or
-:class:`Shard` ``(dim)`` (tensor dimension ``dim`` is split evenly along that mesh
-axis). This is TVM DistIR's model, and the text form is TVM's: ``"R"``,
-``"S[1]"``, ``"S[0]R"`` (entries may also be separated by commas and spaces, as
-TVM's printer writes them: ``"S[0], R"``).
+This module owns the per-axis vocabulary of a sharding and its text form. A
+:class:`Placement` holds one entry per mesh axis. Each entry is one of
+
+* :class:`Replicate` (``"R"``): every device along that mesh axis holds the
+  whole extent;
+* :class:`Shard` ``(dim)`` (``"S[dim]"``): tensor dimension ``dim`` is split
+  evenly along that mesh axis;
+* :class:`Partial` ``(op="sum")`` (``"P"``): every device along that mesh axis
+  holds a full-shape addend; the true value is the sum over the axis's group.
+  TVM's DistIR types cannot carry a partial sum, so :meth:`Placement.to_tvm`
+  refuses one; partial sums live in the compiler's own data only.
+
+``R`` and ``S[k]`` are TVM DistIR's model and text form: ``"R"``, ``"S[1]"``,
+``"S[0]R"`` (entries may also be separated by commas and spaces, as TVM's
+printer writes them: ``"S[0], R"``); ``"P"`` extends it (``"PR"``, ``"S[0]P"``).
 
 Examples
 --------
@@ -24,7 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence, Union
 
-from .errors import (
+from ..errors import (
     IndivisibleShardError,
     PlacementRankError,
     PlacementSyntaxError,
@@ -32,9 +41,13 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .mesh import DeviceMesh
+    from ..mesh import DeviceMesh
 
-__all__ = ["Replicate", "Shard", "Placement", "PlacementLike", "as_placement"]
+__all__ = ["Replicate", "Shard", "Partial", "Placement", "PlacementLike", "as_placement",
+           "PARTIAL_OPS"]
+
+#: The reductions a :class:`Partial` entry may stand for.
+PARTIAL_OPS = ("sum",)
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,10 @@ class Replicate:
 
     def is_shard(self, dim: int | None = None) -> bool:
         """Return False: this entry does not shard any dimension."""
+        return False
+
+    def is_partial(self) -> bool:
+        """Return False: every device holds the value itself."""
         return False
 
     def __str__(self) -> str:
@@ -80,14 +97,58 @@ class Shard:
         """Return True if this entry shards ``dim`` (any dimension when ``dim`` is None)."""
         return dim is None or dim == self.dim
 
+    def is_partial(self) -> bool:
+        """Return False: a shard holds part of the value itself."""
+        return False
+
     def __str__(self) -> str:
         return f"S[{self.dim}]"
 
 
-MeshAxisPlacement = Union[Replicate, Shard]
+@dataclass(frozen=True)
+class Partial:
+    """Every device along the mesh axis holds a full-shape addend of the value.
+
+    The true value is the reduction ``op`` of the addends over the mesh axis's
+    group (the devices that differ only in their coordinate along the axis).
+    ``Partial()`` equals ``Partial("sum")``; its text form is ``"P"``.
+
+    Parameters
+    ----------
+    op : str
+        The reduction; only ``"sum"`` is supported.
+    """
+
+    op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.op not in PARTIAL_OPS:
+            raise PlacementSyntaxError(
+                f"Partial supports the reductions {', '.join(map(repr, PARTIAL_OPS))}, "
+                f"got op={self.op!r}",
+                hint='write Partial() (a partial sum, "P" in text)',
+            )
+
+    def is_replicate(self) -> bool:
+        """Return False: the devices hold different addends."""
+        return False
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        """Return False: every device holds the full shape."""
+        return False
+
+    def is_partial(self) -> bool:
+        """Return True: the value is the reduction of the group's addends."""
+        return True
+
+    def __str__(self) -> str:
+        return "P"
+
+
+MeshAxisPlacement = Union[Replicate, Shard, Partial]
 
 # One entry of the text form, with optional separators (TVM prints "S[0], R").
-_ENTRY = re.compile(r"\s*(?:(R)|S\[\s*([0-9]+)\s*\])\s*,?")
+_ENTRY = re.compile(r"\s*(?:(R)|(P)|S\[\s*([0-9]+)\s*\])\s*,?")
 
 
 @dataclass(frozen=True)
@@ -96,7 +157,7 @@ class Placement:
 
     Parameters
     ----------
-    entries : sequence of Replicate or Shard
+    entries : sequence of Replicate, Shard or Partial
         Entry ``i`` says what mesh axis ``i`` does to the tensor. A tensor
         dimension may be sharded by several mesh axes (``"S[0]S[0]"``); it is
         then split by the product of their sizes, major mesh axis first.
@@ -112,9 +173,10 @@ class Placement:
                 hint='give one entry per mesh axis, for example "R" for a 1-D mesh',
             )
         for entry in entries:
-            if not isinstance(entry, (Replicate, Shard)):
+            if not isinstance(entry, (Replicate, Shard, Partial)):
                 raise PlacementSyntaxError(
-                    f"placement entries must be Replicate() or Shard(dim), got {entry!r}",
+                    "placement entries must be Replicate(), Shard(dim) or Partial(), got "
+                    f"{entry!r}",
                     hint='build placements with Placement.parse("S[0]R")',
                 )
         object.__setattr__(self, "entries", entries)
@@ -127,7 +189,7 @@ class Placement:
         Raises
         ------
         PlacementSyntaxError
-            If ``text`` is not a sequence of ``R`` and ``S[k]`` entries.
+            If ``text`` is not a sequence of ``R``, ``P`` and ``S[k]`` entries.
         """
         if not isinstance(text, str):
             raise PlacementSyntaxError(
@@ -142,9 +204,14 @@ class Placement:
                 raise PlacementSyntaxError(
                     f"cannot parse {text!r} at position {pos}: {stripped[pos:pos + 8]!r}",
                     placement=text,
-                    hint='write one entry per mesh axis, each "R" or "S[k]", e.g. "S[0]R"',
+                    hint='write one entry per mesh axis, each "R", "P" or "S[k]", e.g. "S[0]R"',
                 )
-            entries.append(Replicate() if match.group(1) else Shard(int(match.group(2))))
+            if match.group(1):
+                entries.append(Replicate())
+            elif match.group(2):
+                entries.append(Partial())
+            else:
+                entries.append(Shard(int(match.group(3))))
             pos = match.end()
         if not entries:
             raise PlacementSyntaxError(
@@ -168,9 +235,23 @@ class Placement:
         return cls(tuple(entries))
 
     def to_tvm(self):
-        """Return the equivalent ``tvm.relax.distributed.Placement``."""
+        """Return the equivalent ``tvm.relax.distributed.Placement``.
+
+        Raises
+        ------
+        PlacementSyntaxError
+            For a placement with a :class:`Partial` entry: TVM's DistIR types
+            have no partial sums.
+        """
         from tvm.relax.distributed import Placement as TVMPlacement
 
+        if self.has_partial():
+            raise PlacementSyntaxError(
+                f'placement "{self}" holds a partial sum, which a TVM DTensor type cannot carry',
+                placement=str(self),
+                hint="reduce it first (redistribute it to R or S[k] on the partial axes); "
+                "partial sums exist only between the compiler's own passes",
+            )
         return TVMPlacement.from_text(str(self))
 
     # ------------------------------------------------------------------ queries
@@ -182,6 +263,14 @@ class Placement:
     def is_replicated(self) -> bool:
         """True when every mesh axis replicates."""
         return all(entry.is_replicate() for entry in self.entries)
+
+    def has_partial(self) -> bool:
+        """True when some mesh axis holds a partial sum."""
+        return any(entry.is_partial() for entry in self.entries)
+
+    def partial_axes(self) -> tuple[int, ...]:
+        """The mesh axes that hold partial sums, in increasing order."""
+        return tuple(i for i, entry in enumerate(self.entries) if entry.is_partial())
 
     def sharded_dims(self) -> tuple[int, ...]:
         """The tensor dimensions that are sharded, in increasing order, without repeats."""
