@@ -24,6 +24,9 @@ function                    arguments (then the output buffer)    what the rank 
                                                                   ``concat``
 ``tvm_distx.ccl.local_slice`` ``x, group, (dim,)``                keep its piece of ``x``
                                                                   along ``dim`` (no traffic)
+``tvm_distx.ccl.reducescatter`` ``x, kind, group, (dim,)``        member ``k`` keeps block
+                                                                  ``k`` along ``dim`` of the
+                                                                  reduction over the group
 ``tvm_distx.ccl.send_recv`` ``x, spec``                           a rank of both meshes of a
                                                                   :class:`SendRecvSpec`
 ``tvm_distx.ccl.send``      ``x, spec`` (no output; impure)       a rank of the source mesh
@@ -48,6 +51,7 @@ __all__ = [
     "ALLGATHER",
     "ALLTOALL",
     "LOCAL_SLICE",
+    "REDUCE_SCATTER",
     "SEND_RECV",
     "SEND",
     "RECV",
@@ -62,12 +66,13 @@ ALLREDUCE = "tvm_distx.ccl.allreduce"
 ALLGATHER = "tvm_distx.ccl.allgather"
 ALLTOALL = "tvm_distx.ccl.alltoall"
 LOCAL_SLICE = "tvm_distx.ccl.local_slice"
+REDUCE_SCATTER = "tvm_distx.ccl.reducescatter"
 SEND_RECV = "tvm_distx.ccl.send_recv"
 SEND = "tvm_distx.ccl.send"
 RECV = "tvm_distx.ccl.recv"
 
 #: Every runtime function a lowered program may call.
-FUNCTIONS = (ALLREDUCE, ALLGATHER, ALLTOALL, LOCAL_SLICE, SEND_RECV, SEND, RECV)
+FUNCTIONS = (ALLREDUCE, ALLGATHER, ALLTOALL, LOCAL_SLICE, REDUCE_SCATTER, SEND_RECV, SEND, RECV)
 
-#: Reduction kinds, as ``tvm_distx.ccl.allreduce`` receives them.
+#: Reduction kinds, as ``tvm_distx.ccl.allreduce`` and ``reducescatter`` receive them.
 REDUCE_KINDS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}

@@ -169,6 +169,30 @@ def test_local_slice(m: DeviceMesh, axes, dim: int) -> None:
     group_call(name, m, axes, run)
 
 
+def test_reducescatter(m: DeviceMesh, axes, dim: int, kind: str = "sum",
+                      dtype: str = "float32") -> None:
+    """Block ``k`` along ``dim`` of the reduction, on member ``k``, with the all-reduce's bits."""
+    name = f"reducescatter-{kind}-dim{dim}-{dtype}-mesh{m.shape}-axes{axes}"
+    everyone = data(name, (m.size, 4, 8, 12), dtype)
+
+    def run(group, members, index):
+        folded = everyone[members[0] - m.device_range.start]
+        fold = np.multiply if kind == "prod" else np.add
+        for d in members[1:]:
+            folded = fold(folded, everyone[d - m.device_range.start])
+        if kind == "avg":
+            folded = folded / len(members)
+        want = np.split(folded.astype(dtype), len(members), axis=dim)[index]
+        out = empty(want.shape, dtype)
+        for _ in range(2):  # twice: scratch reuse must not leak the first call's data
+            tvm.get_global_func(ccl.REDUCE_SCATTER)(
+                tensor(everyone[RANK - m.device_range.start]), ccl.REDUCE_KINDS[kind], group,
+                tvm_ffi.Shape([dim]), out)
+        check(name, out, want)
+
+    group_call(name, m, axes, run)
+
+
 def test_allgather_bfloat16() -> None:
     """A dtype numpy lacks moves as raw 16-bit words."""
     name = "allgather-bfloat16"
@@ -284,6 +308,10 @@ def main() -> None:
         test_allgather(world, (0,), 1, dtype)
     for split, concat in ((1, 0), (0, 1), (2, 0), (0, 2), (2, 1), (1, 2)):
         test_alltoall(world, (0,), split, concat)
+    for dim in (0, 1, 2):
+        test_reducescatter(world, (0,), dim)
+    test_reducescatter(world, (0,), 1, "avg")
+    test_reducescatter(world, (0,), 2, "sum", "int32")
     test_allgather_bfloat16()
     test_disco_builtins()
     if needs(4):
@@ -295,6 +323,7 @@ def main() -> None:
                 test_allgather(grid, axes, dim)
             test_local_slice(grid, axes, 1)
             test_alltoall(grid, axes, 2, 0)
+            test_reducescatter(grid, axes, 1)
         # a mesh on some of the ranks only, and a 1-D mesh that is not the world
         test_allreduce(mesh((2,), first=2), (0,), "sum", "float32")
         test_allgather(mesh((2,), first=1), (0,), 1)

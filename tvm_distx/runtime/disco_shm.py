@@ -366,6 +366,22 @@ def _allreduce(x, kind, group, out) -> None:
             target[...] = target / len(members)
 
 
+def _reducescatter(x, kind, group, axes, out) -> None:
+    # Every member posts its whole addend and folds its own block of all of them,
+    # in member order (the all-reduce's bits). Correct, not yet bandwidth-optimal:
+    # each rank reads the whole buffer of every peer, not only its block.
+    comm, members, me = _group(group)
+    mine = np.from_dlpack(x)
+    kind, dim = int(kind), int(axes[0])
+    reduce = np.add if kind == 4 else _REDUCERS[kind]
+    raw = comm.meet("reducescatter", members, mine, members)
+    blocks = [np.split(_as(raw[d], mine), len(members), axis=dim)[me] for d in members]
+    result = blocks[0]
+    for block in blocks[1:]:
+        result = reduce(result, block)
+    np.from_dlpack(out)[...] = result / len(members) if kind == 4 else result
+
+
 def _allgather(x, group, axes, out) -> None:
     comm, members, _ = _group(group)
     mine = np.from_dlpack(x)
@@ -533,6 +549,7 @@ _FUNCTIONS = {
     ccl.ALLGATHER: _allgather,
     ccl.ALLTOALL: _alltoall,
     ccl.LOCAL_SLICE: _local_slice,
+    ccl.REDUCE_SCATTER: _reducescatter,
     ccl.SEND_RECV: _send_recv,
     ccl.SEND: _send,
     ccl.RECV: _recv,

@@ -104,6 +104,24 @@ def _allreduce(x, kind, group, out) -> None:
     exchange.meet(members, np.from_dlpack(x), read)
 
 
+def _reducescatter(x, kind, group, axes, out) -> None:
+    exchange, members, me = _group(group)
+    kind, dim = int(kind), int(axes[0])
+
+    def read(posted):
+        # block ``me`` of every member, folded in member order as the all-reduce does
+        reduce = np.add if kind == 4 else _REDUCERS[kind]
+        blocks = [np.split(posted[d], len(members), axis=dim)[me] for d in members]
+        result = blocks[0]
+        for block in blocks[1:]:
+            result = reduce(result, block)
+        if kind == 4:
+            result = result / len(members)
+        np.from_dlpack(out)[...] = result
+
+    exchange.meet(members, np.from_dlpack(x), read)
+
+
 def _local_slice(x, group, axes, out) -> None:
     _, members, me = _group(group)
     part = np.split(np.from_dlpack(x), len(members), axis=int(axes[0]))[me]
@@ -163,6 +181,7 @@ _FUNCTIONS = {
     ccl.ALLGATHER: _allgather,
     ccl.ALLTOALL: _alltoall,
     ccl.LOCAL_SLICE: _local_slice,
+    ccl.REDUCE_SCATTER: _reducescatter,
     ccl.SEND_RECV: _send_recv,
     ccl.SEND: _send,
     ccl.RECV: _recv,

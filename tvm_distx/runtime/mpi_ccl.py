@@ -69,6 +69,8 @@ _AVG = ccl.REDUCE_KINDS["avg"]
 _TAG = 77
 #: Reduce kinds whose floating-point result depends on the order (sum, product, average).
 _ORDERED = (ccl.REDUCE_KINDS["sum"], ccl.REDUCE_KINDS["prod"], _AVG)
+#: The elementwise fold of each reduce kind (the average folds a sum).
+_FOLDS = {0: np.add, 1: np.multiply, 2: np.minimum, 3: np.maximum, _AVG: np.add}
 #: The function a rank calls in a send/recv, by (sends, receives).
 _ROLES = {(True, True): ccl.SEND_RECV, (True, False): ccl.SEND, (False, True): ccl.RECV}
 _Slices = tuple[slice, ...]
@@ -295,6 +297,38 @@ class MpiCollectives:
         comm.Alltoall(packed, got)
         _interleave(got, recv, concat)
 
+    def reducescatter(self, x: Tensor, kind: int | Sequence[int], group: Sequence[int],
+                      axes: Sequence[int], out: Tensor) -> None:
+        """``tvm_distx.ccl.reducescatter``: member ``k`` gets block ``k`` along ``axes[0]`` of
+        the reduction over the group, folded in member order (the all-reduce's bits)."""
+        place = self.place(group)
+        code = _reduce_code(kind)
+        if code not in _FOLDS:
+            raise ValueError(f"unknown reduce kind {code}; known: {ccl.REDUCE_KINDS}")
+        send, recv = _array(x, reduce=True), _array(out, reduce=True)
+        dim, p = int(axes[0]), len(place.members)
+        piece = _split(send.shape, dim, p)
+        _expect(recv, piece, "reducescatter")
+        if p == 1:
+            np.copyto(recv, send)
+        else:
+            if math.prod(send.shape[:dim]) == 1 and send.flags.c_contiguous:
+                packed = send.reshape(p, *piece)  # block k is already the k-th chunk
+            else:
+                packed = self.scratch((p, *piece), send.dtype, slot=0)
+                _deinterleave(send, packed, dim)
+            got = self.scratch((p, *piece), send.dtype, slot=1)
+            self.communicator(place.members).Alltoall(packed, got)
+            fold = _FOLDS[code]
+            fold(got[0], got[1], out=recv)
+            for block in got[2:]:
+                fold(recv, block, out=recv)
+        if code == _AVG and p > 1:
+            if recv.dtype.kind == "f":
+                np.divide(recv, p, out=recv)
+            else:
+                recv[...] = recv / p
+
     def local_slice(self, x: Tensor, group: Sequence[int], axes: Sequence[int],
                     out: Tensor) -> None:
         """``tvm_distx.ccl.local_slice``: keep this rank's piece of ``x`` along ``axes[0]``."""
@@ -401,6 +435,7 @@ class MpiCollectives:
             ccl.ALLGATHER: self.allgather,
             ccl.ALLTOALL: self.alltoall,
             ccl.LOCAL_SLICE: self.local_slice,
+            ccl.REDUCE_SCATTER: self.reducescatter,
             ccl.SEND_RECV: self.send_recv,
             ccl.SEND: self.send,
             ccl.RECV: self.recv,
