@@ -44,7 +44,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm_distx import _ir, ccl
 from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
-from tvm_distx.layout import TensorSharding
+from tvm_distx.layout import Placement, Replicate, TensorSharding
 
 from .partial_sums import fold_targets, partial_sum, plan_completion, true_sharding
 from .planner import Collective, plan_redistribute
@@ -57,16 +57,20 @@ logger = logging.getLogger(__name__)
 #: planner picks it where no sequence of collectives reaches the lower bound).
 ALLOW_SEND_RECV = True
 
-#: The runtime function of a reduce-scatter (the ABI contract's name).
-REDUCE_SCATTER = "tvm_distx.ccl.reducescatter"
-
 #: The runtime function each planned step calls.
 RUNTIME_FUNCTIONS = {
     Collective.LOCAL_SLICE: ccl.LOCAL_SLICE,
     Collective.ALL_GATHER: ccl.ALLGATHER,
     Collective.ALL_TO_ALL: ccl.ALLTOALL,
     Collective.SEND_RECV: ccl.SEND_RECV,
+    Collective.ALL_REDUCE: ccl.ALLREDUCE,
+    Collective.REDUCE_SCATTER: ccl.REDUCE_SCATTER,
 }
+
+
+def _completed(placement: Placement) -> Placement:
+    """``placement`` with its partial sums replicated (how TVM's types write them)."""
+    return Placement(tuple(Replicate() if e.is_partial() else e for e in placement.entries))
 
 
 @mutator
@@ -115,52 +119,43 @@ class _Legalizer(PyExprMutator):
             self.set_var_remap(binding.var, value)
 
     def _reduce_scatter(self, binding: relax.VarBinding) -> None:
-        """A redistribute of a partial sum: reduce-scatter it, then the planner's steps."""
-        allreduce = self.bound[binding.value.args[0]]
-        partial = partial_sum(allreduce, self.bound)
-        plan = plan_completion(partial, TensorSharding.from_type(binding.var.ty),
-                               _ir.static_shape(binding.var.ty), binding.var.ty.tensor_ty.dtype,
-                               allow_send_recv=ALLOW_SEND_RECV)
+        """A redistribute of a partial sum: the planner's plan from ``P``, a reduce-scatter first."""
+        partial = partial_sum(self.bound[binding.value.args[0]], self.bound)
+        dst = TensorSharding.from_type(binding.var.ty)
+        plan = plan_completion(partial, dst, _ir.static_shape(binding.var.ty),
+                               binding.var.ty.tensor_ty.dtype, allow_send_recv=ALLOW_SEND_RECV)
+        logger.info("%s: '%s' completes the partial sum %s as %s: %s", self.function,
+                    binding.var.name, partial.layout.placement, dst.placement,
+                    ", ".join(step.collective.name for step in plan.steps))
         value = self.visit_expr(partial.addends)
-        kind = relax.prim_value(ccl.REDUCE_KINDS[partial.kind])
-        for step in plan.completion:
-            out_ty = DTensorType(binding.var.ty.tensor_ty, binding.var.ty.device_mesh,
-                                 step.dst.placement.to_tvm())
-            group = ccl.CollectiveGroup.along(step.dst.mesh, (step.mesh_axis,))
-            if step.collective == "reducescatter":
-                function = REDUCE_SCATTER
-                args = [value, kind, relax.ShapeExpr(group.encode()), relax.ShapeExpr([step.dim])]
-            else:
-                function = ccl.ALLREDUCE
-                args = [value, kind, relax.ShapeExpr(group.encode())]
-            call = relax.Call(_ir.op("relax.call_dps_packed"),
-                              [relax.ExternFunc(function), relax.Tuple(args)], ty_args=[out_ty])
-            value = self.builder_.emit(call, name_hint=f"{binding.var.name}_{step.collective}")
-        logger.info("%s: '%s' completes a partial sum %s -> %s with a reduce-scatter",
-                    self.function, binding.var.name, partial.placement_text(),
-                    TensorSharding.from_type(binding.var.ty).placement)
         for step in plan.steps:
-            value = self._emit_step(value, step, binding.var)
+            value = self._emit_step(value, step, binding.var, partial.kind)
         if isinstance(value, relax.DataflowVar) and not isinstance(binding.var, relax.DataflowVar):
             self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
         else:
             self.set_var_remap(binding.var, value)
 
-    def _emit_step(self, value, step, var: relax.Var):
+    def _emit_step(self, value, step, var: relax.Var, kind: str = "sum"):
         mesh = step.src.mesh
-        # every step stays on the destination mesh (a move between meshes is one step)
-        out_ty = DTensorType(var.ty.tensor_ty, var.ty.device_mesh, step.dst.placement.to_tvm())
+        # every step stays on the destination mesh (a move between meshes is one step);
+        # a partial sum left on another axis is typed completed, as TVM types it
+        out_ty = DTensorType(var.ty.tensor_ty, var.ty.device_mesh,
+                             _completed(step.dst.placement).to_tvm())
         if step.collective is Collective.SEND_RECV:
             spec = ccl.SendRecvSpec(_ir.static_shape(var.ty), step.src, step.dst)
-            args = relax.Tuple([value, relax.ShapeExpr(spec.encode())])
+            args = [value, relax.ShapeExpr(spec.encode())]
         else:
-            group = ccl.CollectiveGroup.along(mesh, (step.mesh_axis,))
-            args = relax.Tuple([value, relax.ShapeExpr(group.encode()),
-                                relax.ShapeExpr(list(step.tensor_axes))])
+            group = relax.ShapeExpr(ccl.CollectiveGroup.along(mesh, (step.mesh_axis,)).encode())
+            axes = [relax.ShapeExpr(list(step.tensor_axes))] if step.tensor_axes else []
+            if step.collective in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER):
+                args = [value, relax.prim_value(ccl.REDUCE_KINDS[kind]), group, *axes]
+            else:
+                args = [value, group, *axes]
         # relax.call_dps_packed() accepts only Tensor result types; build the call
         # itself so that it carries the step's DTensor type until LowerDistIR.
         call = relax.Call(_ir.op("relax.call_dps_packed"),
-                          [relax.ExternFunc(RUNTIME_FUNCTIONS[step.collective]), args],
+                          [relax.ExternFunc(RUNTIME_FUNCTIONS[step.collective]),
+                           relax.Tuple(args)],
                           ty_args=[out_ty])
         return self.builder_.emit(call, name_hint=f"{var.name}_{step.collective.name.lower()}")
 

@@ -396,7 +396,7 @@ class _FunctionLowerer(FunctionRewriter):
                 var=var.name,
                 hint="the all-reduce must directly follow the sharded reduction it completes",
             )
-        mesh: DeviceMesh = partial.sharding.mesh
+        mesh: DeviceMesh = partial.layout.mesh
         group = CollectiveGroup(mesh.shape, mesh.device_range.start, partial.axes)
         kind = REDUCE_KINDS[partial.kind]
         packed_args = relax.Tuple([value, relax.prim_value(kind), relax.ShapeExpr(group.encode())])

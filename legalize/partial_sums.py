@@ -12,10 +12,12 @@ axis. This module is the one place that reads that convention back:
   not all-replicated) and the mesh axes the sum runs over;
 * :func:`true_sharding` gives the layout a value really has (an all-reduce
   keeps its input's layout);
-* :func:`plan_completion` plans how a partial sum reaches a destination
-  layout: ``P -> R`` is an all-reduce, ``P -> S[i]`` one reduce-scatter
-  (each rank of the group keeps its block of the sum: half the bytes of an
-  all-reduce), then the planner's steps for whatever else differs;
+* :func:`plan_completion` asks the planner how the partial sum (its layout
+  with :class:`~tvm_distx.layout.Partial` on the summed axes) reaches a
+  destination layout: ``P -> R`` is an all-reduce, ``P -> S[i]`` one
+  reduce-scatter (each rank of the group keeps its block of the sum: half the
+  bytes of an all-reduce), and the planner's other steps for whatever else
+  differs;
 * :func:`fold_targets` finds the all-reduces whose only use is a redistribute
   that splits the sum on its own mesh axis, which
   :class:`~tvm_distx.legalize.LegalizeRedistribute` emits as one reduce-scatter
@@ -31,17 +33,15 @@ import logging
 from dataclasses import dataclass
 from typing import Mapping
 
-import numpy as np
 from tvm import relax
 
 from tvm_distx import _ir
-from tvm_distx.placement import Placement, Shard
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import Partial, Placement, Replicate, TensorSharding
 
-from .planner import RedistStep, dtype_itemsize, plan_redistribute
+from .planner import Collective, RedistPlan, plan_redistribute
 
-__all__ = ["PartialSum", "CompletionStep", "CompletionPlan", "partial_sum", "true_sharding",
-           "reduced_axes", "plan_completion", "fold_targets", "ALLREDUCE_OP"]
+__all__ = ["PartialSum", "partial_sum", "true_sharding", "reduced_axes", "plan_completion",
+           "fold_targets", "ALLREDUCE_OP"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,24 +57,29 @@ class PartialSum:
     ----------
     addends : relax.Expr
         The all-reduce's input: on every rank, its addend of the sum.
-    sharding : TensorSharding
-        The true layout of the addends and of the completed sum: the kernel's
-        type, replicated on ``axes``.
-    axes : tuple of int
-        The mesh axes the sum runs over (``"P"`` on each).
+    layout : TensorSharding
+        The true layout of the addends: the kernel's layout with
+        :class:`~tvm_distx.layout.Partial` on the summed mesh axes (``"P"``,
+        ``"S[0]P"``).
     kind : str
-        The reduction, a key of :data:`tvm_distx.ccl.REDUCE_KINDS` (``"sum"``).
+        The all-reduce's reduction, a key of :data:`tvm_distx.ccl.REDUCE_KINDS`
+        (``"sum"`` for every sharded reduction propagation allows).
     """
 
     addends: relax.Expr
-    sharding: TensorSharding
-    axes: tuple[int, ...]
-    kind: str
+    layout: TensorSharding
+    kind: str = "sum"
 
-    def placement_text(self) -> str:
-        """The layout before completion, ``"P"`` on the summed axes (``"S[0]P"``)."""
-        return "".join("P" if a in self.axes else str(e)
-                       for a, e in enumerate(self.sharding.placement.entries))
+    @property
+    def axes(self) -> tuple[int, ...]:
+        """The mesh axes the sum runs over."""
+        return self.layout.placement.partial_axes()
+
+    @property
+    def completed(self) -> TensorSharding:
+        """The layout of the completed sum (the summed axes replicated), as TVM types it."""
+        entries = tuple(Replicate() if e.is_partial() else e for e in self.layout.placement.entries)
+        return TensorSharding(self.layout.mesh, Placement(entries))
 
 
 def true_sharding(value: relax.Expr,
@@ -150,67 +155,19 @@ def partial_sum(call: relax.Call, bound: Mapping[relax.Var, relax.Expr]) -> Part
     axes = reduced_axes(producer, sharding, bound)
     if not axes:
         return None
-    return PartialSum(source, sharding, axes, str(call.attrs.op_type))
+    entries = tuple(Partial() if a in axes else e
+                    for a, e in enumerate(sharding.placement.entries))
+    return PartialSum(source, TensorSharding(sharding.mesh, Placement(entries)),
+                      str(call.attrs.op_type))
 
 
 # ---------------------------------------------------------------------- planning
-@dataclass(frozen=True)
-class CompletionStep:
-    """The collective that completes a partial sum along one mesh axis.
-
-    Parameters
-    ----------
-    mesh_axis : int
-        The mesh axis whose sub-groups run it.
-    collective : str
-        ``"allreduce"`` (``P -> R``) or ``"reducescatter"`` (``P -> S[dim]``).
-    dim : int or None
-        The split dimension of a reduce-scatter.
-    dst : TensorSharding
-        The layout after it.
-    bytes_received : int
-        Per rank, ring algorithms: ``2 s (p-1)/p`` for an all-reduce and
-        ``s (p-1)/p`` for a reduce-scatter (``s`` the addend's local bytes).
-    """
-
-    mesh_axis: int
-    collective: str
-    dim: int | None
-    dst: TensorSharding
-    bytes_received: int
-
-
-@dataclass(frozen=True)
-class CompletionPlan:
-    """How a partial sum reaches ``dst``: completion steps, then the planner's steps."""
-
-    partial: PartialSum
-    dst: TensorSharding
-    completion: tuple[CompletionStep, ...]
-    steps: tuple[RedistStep, ...]
-
-    @property
-    def bytes_received(self) -> int:
-        """Per rank, the sum over all steps."""
-        return (sum(s.bytes_received for s in self.completion)
-                + sum(s.bytes_received for s in self.steps))
-
-    @property
-    def reduce_scatters(self) -> bool:
-        """True when some step is a reduce-scatter (the sum is never all-reduced there)."""
-        return any(s.collective == "reducescatter" for s in self.completion)
-
-
 def plan_completion(partial: PartialSum, dst: TensorSharding | None, shape, dtype, *,
-                    allow_send_recv: bool = True) -> CompletionPlan:
-    """Plan ``P -> dst`` for a partial sum: reduce-scatter where ``dst`` splits a summed axis.
+                    allow_send_recv: bool = True) -> RedistPlan:
+    """The planner's plan from the partial sum to ``dst`` (to its completed layout if None).
 
-    On a summed axis ``a`` where ``dst`` is ``S[i]`` and ``a`` may be the
-    innermost split of ``i`` (no later mesh axis splits ``i`` in the sum's
-    layout), the sum is reduce-scattered along ``i``; every other summed axis
-    is all-reduced. The planner then moves the result to ``dst``
-    (:func:`~tvm_distx.legalize.planner.plan_redistribute`). With ``dst`` None,
-    the sum is completed in place (all-reduces only: ``P -> R``).
+    ``P -> R`` on a summed axis is an all-reduce, ``P -> S[i]`` a
+    reduce-scatter; see :func:`~tvm_distx.legalize.planner.plan_redistribute`.
 
     Parameters
     ----------
@@ -222,50 +179,8 @@ def plan_completion(partial: PartialSum, dst: TensorSharding | None, shape, dtyp
     allow_send_recv : bool
         Passed to the planner.
     """
-    shape = tuple(int(n) for n in shape)
-    itemsize = dtype_itemsize(dtype)
-    mesh = partial.sharding.mesh
-    entries = list(partial.sharding.placement.entries)
-    local = int(np.prod(partial.sharding.local_shape(shape))) * itemsize
-    completion = []
-    # reduce-scatters first (each shrinks what later steps move), then all-reduces
-    scatter = {}
-    for axis in partial.axes:
-        want = dst.placement.entries[axis] if dst is not None and dst.mesh == mesh else None
-        if (isinstance(want, Shard) and not any(e.is_shard(want.dim)
-                                                for e in entries[axis + 1:])
-                and shape[want.dim] % _parts(entries, want.dim, mesh, axis) == 0):
-            scatter[axis] = want.dim
-    for axis in partial.axes:
-        if axis not in scatter:
-            continue
-        p = mesh.shape[axis]
-        entries[axis] = Shard(scatter[axis])
-        after = TensorSharding(mesh, Placement(tuple(entries)))
-        completion.append(CompletionStep(axis, "reducescatter", scatter[axis], after,
-                                         local * (p - 1) // p))
-        local //= p
-    for axis in partial.axes:
-        if axis in scatter:
-            continue
-        p = mesh.shape[axis]
-        after = TensorSharding(mesh, Placement(tuple(entries)))
-        completion.append(CompletionStep(axis, "allreduce", None, after,
-                                         2 * local * (p - 1) // p))
-    done = TensorSharding(mesh, Placement(tuple(entries)))
-    steps: tuple[RedistStep, ...] = ()
-    if dst is not None and dst != done:
-        steps = plan_redistribute(done, dst, shape, dtype, allow_send_recv=allow_send_recv).steps
-    return CompletionPlan(partial, dst if dst is not None else done, tuple(completion), steps)
-
-
-def _parts(entries, dim: int, mesh, axis: int) -> int:
-    """How many blocks ``dim`` has once ``axis`` splits it too."""
-    parts = mesh.shape[axis]
-    for a, e in enumerate(entries):
-        if a != axis and e.is_shard(dim):
-            parts *= mesh.shape[a]
-    return parts
+    return plan_redistribute(partial.layout, partial.completed if dst is None else dst, shape,
+                             dtype, allow_send_recv=allow_send_recv)
 
 
 def fold_targets(func: relax.Function) -> dict[relax.Var, relax.Var]:
@@ -301,9 +216,11 @@ def fold_targets(func: relax.Function) -> dict[relax.Var, relax.Var]:
         partial = partial_sum(bound[source], bound)
         shape = _ir.static_shape(binding.var.ty)
         dst = TensorSharding.from_type(binding.var.ty)
-        if partial is None or dst is None or shape is None or None in shape:
+        if (partial is None or partial.kind != "sum" or dst is None or shape is None
+                or None in shape or dst.mesh != partial.layout.mesh):
             continue
-        if plan_completion(partial, dst, shape, binding.var.ty.tensor_ty.dtype).reduce_scatters:
+        plan = plan_completion(partial, dst, shape, binding.var.ty.tensor_ty.dtype)
+        if any(step.collective is Collective.REDUCE_SCATTER for step in plan.steps):
             out[source] = binding.var
     return out
 

@@ -67,6 +67,7 @@ from tvm_distx import _ir
 from tvm_distx.errors import CallGraphError, ShardingConflictError, UnsupportedProgramError
 from tvm_distx.layout import (
     MeshTable,
+    Partial,
     Placement,
     Replicate,
     Shard,
@@ -113,8 +114,9 @@ class Decision:
     reason : str
     partial : tuple of int
         The mesh axes along which the operator that produces the value leaves a
-        partial sum (``"P"``): each rank of such an axis computes a full-shape
-        addend and the value is their sum. ``sharding`` replicates these axes;
+        partial sum (``"P"``, :attr:`produced`): each rank of such an axis
+        computes a full-shape addend and the value is their sum. ``sharding``
+        replicates these axes (TVM's DTensor types cannot say ``P``);
         lowering completes the sum (an all-reduce, or a reduce-scatter when the
         value is redistributed to a split on that axis). Empty for a complete
         value.
@@ -125,10 +127,15 @@ class Decision:
     reason: str
     partial: tuple[int, ...] = ()
 
-    def placement_text(self) -> str:
-        """The placement as produced: ``"P"`` on the partial mesh axes (``"PR"``, ``"S[0]P"``)."""
-        return "".join("P" if axis in self.partial else str(entry)
-                       for axis, entry in enumerate(self.sharding.placement.entries))
+    @property
+    def produced(self) -> TensorSharding:
+        """The layout as the operator leaves it: :class:`~tvm_distx.layout.Partial` on the
+        partial axes (``"P"``, ``"S[0]P"``); :attr:`sharding` when the value is complete."""
+        if not self.partial:
+            return self.sharding
+        entries = tuple(Partial() if axis in self.partial else entry
+                        for axis, entry in enumerate(self.sharding.placement.entries))
+        return TensorSharding(self.sharding.mesh, Placement(entries))
 
 
 # --------------------------------------------------------------------------- operators

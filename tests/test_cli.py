@@ -63,7 +63,7 @@ def test_plan_prints_the_all_reduce_with_its_bytes(rules, capsys):
     done = tvm_distx("plan", TP, "--rules", rules)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "allreduce" in out and "65,536 (64.0 KiB)" in out
+    assert "all_reduce" in out and "65,536 (64.0 KiB)" in out
 
 
 def test_explain_prints_tables_the_comm_report_and_one_value(rules, tmp_path, capsys):
@@ -72,7 +72,7 @@ def test_explain_prints_tables_the_comm_report_and_one_value(rules, tmp_path, ca
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "function mlp" in out and "function main" in out
-    assert "allreduce" in out and "[0:128, 64:128]" in out
+    assert "all_reduce" in out and "[0:128, 64:128]" in out
     assert (tmp_path / "a.png").is_file()
 
 

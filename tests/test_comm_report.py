@@ -39,11 +39,11 @@ def test_tensor_parallel_mlp_reports_its_all_reduces():
         PropagateSharding(require_legalized=True)(legal))
     report = comm_report(local)
     assert [(r.function, r.collective, r.mesh_axis) for r in report.rows] == [
-        ("mlp", "allreduce", 0)]
+        ("mlp", "all_reduce", 0)]
     # a ring all-reduce of the 128x128 float32 result over 2 ranks
     assert report.rows[0].bytes_per_rank == 2 * 128 * 128 * 4 // 2
     text = str(report)
-    assert "allreduce" in text and "total bytes received per rank: 65,536" in text
+    assert "all_reduce" in text and "total bytes received per rank: 65,536" in text
 
 
 def test_moves_between_pipeline_stages_are_send_recv_rows_naming_both_meshes():

@@ -63,7 +63,7 @@ def test_megatron_holds_half_of_each_split_weight_and_all_reduces_per_block(mode
     rows = td.comm_report(run_stages(annotated)["local_view"]).rows
     # one all-reduce completes each row-parallel layer: 2 per block, 2 blocks; the heads
     # stay split through attention, so nothing is gathered
-    assert [r.collective for r in rows] == ["allreduce"] * 4
+    assert [r.collective for r in rows] == ["all_reduce"] * 4
     np.testing.assert_allclose(td.compile(annotated).run(x, params=weights, backend="emulate"),
                                want, atol=1e-4)
 
@@ -138,7 +138,7 @@ def test_sequence_parallel_gathers_before_and_reduce_scatters_after_each_paralle
     # per block: tokens gathered before q/k/v and fc1, the partial sums of out_proj and
     # fc2 reduce-scattered back onto the tokens; never an all-reduce
     assert [(r.collective, r.src, r.dst) for r in rows] == [
-        ("all_gather", "S[1]", "R"), ("reducescatter", "P", "S[1]")] * 4
+        ("all_gather", "S[1]", "R"), ("reduce_scatter", "P", "S[1]")] * 4
     activations = 2 * 16 * 256 * 4
     assert all(r.bytes_per_rank == activations // 2 for r in rows)
     lowered = exe.module.script()

@@ -16,10 +16,10 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from tvm_distx.legalize import LegalizeRedistribute, LowerDistIR
+from tvm_distx.layout import DeviceMesh as Mesh
+from tvm_distx.layout import Placement, TensorSharding
 from tvm_distx.legalize.partial_sums import PartialSum, fold_targets, plan_completion
-from tvm_distx.mesh import DeviceMesh as Mesh
-from tvm_distx.placement import Placement
-from tvm_distx.spec import TensorSharding
+from tvm_distx.legalize.planner import Collective
 
 
 # x (4, 8) split on its columns and w (8, 8) on its rows: each rank's matmul1 is
@@ -187,27 +187,24 @@ def sharding(mesh_shape, text):
 @pytest.mark.parametrize("p", [2, 4])
 def test_completion_bytes_reduce_scatter_is_half_an_allreduce(p):
     shape, size = (8, 16), 8 * 16 * 4
-    summed = PartialSum(None, sharding((p,), "R"), (0,), "sum")
-    to_r = plan_completion(summed, sharding((p,), "R"), shape, "float32")
+    summed = PartialSum(None, sharding((p,), "P"))
+    assert summed.completed == sharding((p,), "R")
+    to_r = plan_completion(summed, None, shape, "float32")
     to_s = plan_completion(summed, sharding((p,), "S[1]"), shape, "float32")
-    assert [(s.collective, s.dim) for s in to_r.completion] == [("allreduce", None)]
-    assert [(s.collective, s.dim) for s in to_s.completion] == [("reducescatter", 1)]
-    assert not to_r.steps and not to_s.steps
+    assert [(s.collective, s.tensor_axes) for s in to_r.steps] == [(Collective.ALL_REDUCE, ())]
+    assert [(s.collective, s.tensor_axes) for s in to_s.steps] == [
+        (Collective.REDUCE_SCATTER, (1,))]
     assert to_r.bytes_received == 2 * size * (p - 1) // p
     assert to_s.bytes_received == size * (p - 1) // p
 
 
-def test_completion_on_a_2d_mesh_scatters_the_summed_axis_only():
+def test_completion_on_a_2d_mesh_scatters_the_summed_axis():
     # data parallel on axis 0 (rows), the sum over axis 1: "S[0]P" -> "S[0]S[1]"
-    summed = PartialSum(None, sharding((2, 2), "S[0]R"), (1,), "sum")
+    summed = PartialSum(None, sharding((2, 2), "S[0]P"))
     plan = plan_completion(summed, sharding((2, 2), "S[0]S[1]"), (8, 16), "float32")
-    assert [(s.mesh_axis, s.collective, str(s.dst.placement)) for s in plan.completion] == [
-        (1, "reducescatter", "S[0]S[1]")]
+    assert [(s.mesh_axis, s.collective, str(s.dst.placement)) for s in plan.steps] == [
+        (1, Collective.REDUCE_SCATTER, "S[0]S[1]")]
     assert plan.bytes_received == (4 * 16 * 4) // 2
-    # a destination that splits another axis: complete, then the planner's steps
-    other = plan_completion(summed, sharding((2, 2), "S[1]R"), (8, 16), "float32")
-    assert [s.collective for s in other.completion] == ["allreduce"]
-    assert [s.collective.name for s in other.steps] == ["ALL_TO_ALL"]
 
 
 # ---------------------------------------------------------------------- propagation

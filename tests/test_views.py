@@ -90,4 +90,4 @@ def test_comm_table_has_readable_sizes_and_the_total(annotated):
     local = dist_transform.LowerGlobalViewToLocalView()(PropagateSharding(
         require_legalized=True)(relax.transform.LegalizeOps()(annotated)))
     text = render(lambda c: c.print(comm_table(td.comm_report(local))))
-    assert "allreduce" in text and "65,536 (64.0 KiB)" in text and "total" in text
+    assert "all_reduce" in text and "65,536 (64.0 KiB)" in text and "total" in text

@@ -1,10 +1,12 @@
 """``comm_report``: every redistribute and collective of a module, with its bytes.
 
-The rows come from the same planning that legalization uses
-(:func:`tvm_distx.legalize.planner.plan_redistribute`, and for the partial sums
-TVM's all-reduces complete :func:`tvm_distx.legalize.partial_sums.plan_completion`),
-so the report is what will run, not an estimate made separately: a partial sum
-that legalization reduce-scatters is one ``reducescatter`` row, from ``"P"``.
+The rows come from the same planner that legalization uses
+(:func:`tvm_distx.legalize.planner.plan_redistribute`), so the report is what
+will run, not an estimate made separately. A partial sum (the all-reduce TVM's
+local view adds after a kernel whose summed dimension is split) is planned from
+its ``"P"`` layout by the same function legalization asks
+(:func:`tvm_distx.legalize.partial_sums.plan_completion`): an ``all_reduce``
+row, or a ``reduce_scatter`` row where its only use splits it.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
     Returns
     -------
     CommReport
-        One row per step of every redistribute, and one per all-reduce.
+        One row per step of every redistribute, and one per all-reduce (a
+        partial sum completed by a reduce-scatter is one ``reduce_scatter`` row).
 
     Raises
     ------
@@ -88,7 +91,7 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
     """
     from tvm_distx.legalize.legalize_redistribute import ALLOW_SEND_RECV
     from tvm_distx.legalize.partial_sums import (ALLREDUCE_OP, fold_targets, partial_sum,
-                                                 plan_completion)
+                                                 plan_completion, true_sharding)
     from tvm_distx.legalize.planner import plan_redistribute
 
     from .mesh import module_meshes
@@ -96,41 +99,33 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
     names = {(m.shape, m.device_range.start): name for name, m in module_meshes(mod).items()}
     rows: list[CommRow] = []
     for gv, func in _ir.relax_functions(mod):
-        bound: dict = {}
         _check_propagated(gv.name_hint, func)
-        folds = fold_targets(func)  # all-reduces completed by a reduce-scatter
-        folded = {redistribute: allreduce for allreduce, redistribute in folds.items()}
+        bound: dict = {}
+        folds = fold_targets(func)  # all-reduces that a redistribute completes instead
+        completes = {redistribute: allreduce for allreduce, redistribute in folds.items()}
         for block in func.body.blocks:
             for binding in block.bindings:
                 value, var = binding.value, binding.var
                 bound[var] = value
                 if var in folds:
                     continue  # reported with the redistribute that completes it
-                if _ir.is_call_to(value, ALLREDUCE_OP) or var in folded:
-                    allreduce = bound[folded[var]] if var in folded else value
-                    partial = partial_sum(allreduce, bound)
+                if var in completes or _ir.is_call_to(value, ALLREDUCE_OP):
+                    partial = partial_sum(bound[completes[var]] if var in completes else value,
+                                          bound)
                     if partial is None:
                         continue
-                    dst = TensorSharding.from_type(var.ty) if var in folded else None
+                    dst = TensorSharding.from_type(var.ty) if var in completes else None
                     plan = plan_completion(partial, dst, _ir.static_shape(var.ty),
                                            var.ty.tensor_ty.dtype,
                                            allow_send_recv=ALLOW_SEND_RECV)
-                    src = partial.placement_text()
-                    for step in plan.completion:
-                        rows.append(CommRow(gv.name_hint, var.name, step.mesh_axis,
-                                            step.collective, src, str(step.dst.placement),
-                                            step.bytes_received))
-                        src = str(step.dst.placement)
-                    steps = plan.steps
                 elif _ir.is_call_to(value, "relax.dist.redistribute"):
-                    src = TensorSharding.from_type(value.args[0].ty)
-                    dst = TensorSharding.from_type(var.ty)
-                    steps = plan_redistribute(src, dst, _ir.static_shape(var.ty),
-                                              var.ty.tensor_ty.dtype,
-                                              allow_send_recv=ALLOW_SEND_RECV).steps
+                    plan = plan_redistribute(true_sharding(value.args[0], bound),
+                                             TensorSharding.from_type(var.ty),
+                                             _ir.static_shape(var.ty), var.ty.tensor_ty.dtype,
+                                             allow_send_recv=ALLOW_SEND_RECV)
                 else:
                     continue
-                for step in steps:
+                for step in plan.steps:
                     between = step.src.mesh != step.dst.mesh
                     rows.append(CommRow(gv.name_hint, var.name, step.mesh_axis,
                                         step.collective.name.lower(),

@@ -106,7 +106,7 @@ def explain(mod: tvm.IRModule) -> ShardingReport:
                         value=label,
                         global_shape=shape,
                         mesh=sharding.mesh.name or str(sharding.mesh.shape),
-                        placement=decision.placement_text(),
+                        placement=str(decision.produced.placement),
                         local_shape=sharding.local_shape(shape),
                         reason=decision.reason,
                     )

@@ -75,7 +75,7 @@ from _common import fmt_bytes, table  # noqa: E402 - the path above comes first
 from tvm_distx.legalize import lower_bound_bytes, plan_redistribute  # noqa: E402
 from tvm_distx.legalize.partial_sums import PartialSum, plan_completion  # noqa: E402
 from tvm_distx.mesh import DeviceMesh  # noqa: E402
-from tvm_distx.layout import Placement, Replicate, Shard, TensorSharding  # noqa: E402
+from tvm_distx.layout import Partial, Placement, Replicate, Shard, TensorSharding  # noqa: E402
 
 MESHES = [(2,), (4,), (2, 2), (2, 4), (2, 2, 2)]
 SHAPE = (16, 16, 16)
@@ -284,8 +284,10 @@ def report(rows: list[Transition], examples: int, list_all: bool) -> str:
 def _all_reduce_plan_bytes(partial: PartialSum, dst: TensorSharding) -> int:
     """All-reduce the sum, then the planner's steps to ``dst`` (no reduce-scatter)."""
     completed = plan_completion(partial, None, SHAPE, DTYPE)
-    steps = plan_redistribute(completed.dst, dst, SHAPE, DTYPE) if completed.dst != dst else None
-    return completed.bytes_received + (steps.bytes_received if steps is not None else 0)
+    if partial.completed == dst:
+        return completed.bytes_received
+    return (completed.bytes_received
+            + plan_redistribute(partial.completed, dst, SHAPE, DTYPE).bytes_received)
 
 
 def partial_sum_rows(meshes) -> list[list]:
@@ -300,8 +302,9 @@ def partial_sum_rows(meshes) -> list[list]:
             for src in codes:
                 if src[axis] != -1:
                     continue  # the summed axis holds full-shape addends
-                sharding = TensorSharding(devices, _placement(src))
-                partial = PartialSum(None, sharding, (axis,), "sum")
+                entries = list(_placement(src).entries)
+                entries[axis] = Partial()
+                partial = PartialSum(None, TensorSharding(devices, Placement(tuple(entries))))
                 for dst in codes:
                     target = TensorSharding(devices, _placement(dst))
                     ours = plan_completion(partial, target, SHAPE, DTYPE).bytes_received
