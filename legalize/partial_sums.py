@@ -8,12 +8,12 @@ result, then an ``R.ccl.allreduce`` of it typed replicated on *every* mesh
 axis. This module is the one place that reads that convention back:
 
 * :func:`partial_sum` says, for such an all-reduce, what is summed: the
-  kernel's result, its true layout (the kernel's type, which on a 2-D mesh is
-  not all-replicated) and the mesh axes the sum runs over;
+  kernel's result and its true layout, the kernel's type (which on a 2-D mesh
+  is not all-replicated) with :class:`~tvm_distx.layout.Partial` on the mesh
+  axes the sum runs over;
 * :func:`true_sharding` gives the layout a value really has (an all-reduce
   keeps its input's layout);
-* :func:`plan_completion` asks the planner how the partial sum (its layout
-  with :class:`~tvm_distx.layout.Partial` on the summed axes) reaches a
+* :func:`plan_completion` asks the planner how the partial sum reaches a
   destination layout: ``P -> R`` is an all-reduce, ``P -> S[i]`` one
   reduce-scatter (each rank of the group keeps its block of the sum: half the
   bytes of an all-reduce), and the planner's other steps for whatever else
