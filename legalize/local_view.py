@@ -51,9 +51,7 @@ from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.layout import Placement, Replicate, TensorSharding
 
-from .partial_sums import true_sharding  # noqa: F401  (re-exported: it lived here)
-
-__all__ = ["LowerGlobalViewToLocalView", "split_once", "true_sharding"]
+__all__ = ["LowerGlobalViewToLocalView", "split_once"]
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from tvm_distx.ccl import REDUCE_KINDS, CollectiveGroup
 from tvm_distx.mesh import DeviceMesh
 from tvm_distx.layout import TensorSharding
 
-from .partial_sums import partial_sum, reduced_axes  # noqa: F401  (reduced_axes re-exported)
+from .partial_sums import partial_sum
 
 __all__ = ["LowerDistIR", "CollectiveGroup", "ENTRIES_ATTR", "local_type", "rank_entry",
            "module_devices", "function_meshes", "rank_sets"]
