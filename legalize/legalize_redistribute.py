@@ -44,9 +44,9 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm_distx import _ir, ccl
 from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
-from tvm_distx.layout import Placement, Replicate, TensorSharding
+from tvm_distx.layout import TensorSharding
 
-from .partial_sums import fold_targets, partial_sum, plan_completion, true_sharding
+from .partial_sums import completed, fold_targets, partial_sum, plan_completion, true_sharding
 from .planner import Collective, plan_redistribute
 
 __all__ = ["LegalizeRedistribute", "RUNTIME_FUNCTIONS"]
@@ -68,10 +68,6 @@ RUNTIME_FUNCTIONS = {
 }
 
 
-def _completed(placement: Placement) -> Placement:
-    """``placement`` with its partial sums replicated (how TVM's types write them)."""
-    return Placement(tuple(Replicate() if e.is_partial() else e for e in placement.entries))
-
 
 @mutator
 class _Legalizer(PyExprMutator):
@@ -90,7 +86,7 @@ class _Legalizer(PyExprMutator):
             super().visit_var_binding_(binding)
             return
         if binding.value.args[0] in self.folds:
-            self._reduce_scatter(binding)
+            self._complete_partial_sum(binding)
             return
         source = self.visit_expr(binding.value.args[0])
         src = true_sharding(binding.value.args[0], self.bound)
@@ -118,7 +114,7 @@ class _Legalizer(PyExprMutator):
         else:
             self.set_var_remap(binding.var, value)
 
-    def _reduce_scatter(self, binding: relax.VarBinding) -> None:
+    def _complete_partial_sum(self, binding: relax.VarBinding) -> None:
         """A redistribute of a partial sum: the planner's plan from ``P``, a reduce-scatter first."""
         partial = partial_sum(self.bound[binding.value.args[0]], self.bound)
         dst = TensorSharding.from_type(binding.var.ty)
@@ -140,7 +136,7 @@ class _Legalizer(PyExprMutator):
         # every step stays on the destination mesh (a move between meshes is one step);
         # a partial sum left on another axis is typed completed, as TVM types it
         out_ty = DTensorType(var.ty.tensor_ty, var.ty.device_mesh,
-                             _completed(step.dst.placement).to_tvm())
+                             completed(step.dst.placement).to_tvm())
         if step.collective is Collective.SEND_RECV:
             spec = ccl.SendRecvSpec(_ir.static_shape(var.ty), step.src, step.dst)
             args = [value, relax.ShapeExpr(spec.encode())]

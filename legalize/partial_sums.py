@@ -40,7 +40,7 @@ from tvm_distx.layout import Partial, Placement, Replicate, TensorSharding
 
 from .planner import Collective, RedistPlan, plan_redistribute
 
-__all__ = ["PartialSum", "partial_sum", "true_sharding", "reduced_axes", "plan_completion",
+__all__ = ["PartialSum", "completed", "partial_sum", "true_sharding", "reduced_axes", "plan_completion",
            "fold_targets", "ALLREDUCE_OP"]
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,12 @@ class PartialSum:
     @property
     def completed(self) -> TensorSharding:
         """The layout of the completed sum (the summed axes replicated), as TVM types it."""
-        entries = tuple(Replicate() if e.is_partial() else e for e in self.layout.placement.entries)
-        return TensorSharding(self.layout.mesh, Placement(entries))
+        return TensorSharding(self.layout.mesh, completed(self.layout.placement))
+
+
+def completed(placement: Placement) -> Placement:
+    """``placement`` with its partial sums replicated: how TVM's DTensor types write it."""
+    return Placement(tuple(Replicate() if e.is_partial() else e for e in placement.entries))
 
 
 def true_sharding(value: relax.Expr,
