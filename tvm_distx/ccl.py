@@ -11,25 +11,25 @@ arguments are encoded. It imports no TVM.
 All but ``send`` are destination-passing (``R.call_dps_packed``): the output
 buffer comes last and is allocated by the caller with the rank-local shape.
 
-=========================== ===================================== ==========================
-function                    arguments (then the output buffer)    what the rank does
-=========================== ===================================== ==========================
-``tvm_distx.ccl.allreduce`` ``x, kind, group``                    reduce ``x`` over its group
-``tvm_distx.ccl.allgather`` ``x, group, (dim,)``                  concatenate the group's
-                                                                  blocks along ``dim``
-``tvm_distx.ccl.alltoall``  ``x, group, (split, concat)``         split ``x`` along ``split``,
-                                                                  send piece ``k`` to member
-                                                                  ``k``, concatenate along
-                                                                  ``concat``
-``tvm_distx.ccl.local_slice`` ``x, group, (dim,)``                keep its piece of ``x``
-                                                                  along ``dim`` (no traffic)
-``tvm_distx.ccl.send_recv`` ``x, spec``                           a rank of both meshes of a
-                                                                  :class:`SendRecvSpec`
-``tvm_distx.ccl.send``      ``x, spec`` (no output; impure)       a rank of the source mesh
-                                                                  only
-``tvm_distx.ccl.recv``      ``spec``                              a rank of the destination
-                                                                  mesh only
-=========================== ===================================== ==========================
+=============================== ================================== ====================================
+function                        arguments (then the output buffer) what the rank does
+=============================== ================================== ====================================
+``tvm_distx.ccl.allreduce``     ``x, kind, group``                 reduce ``x`` over its group
+``tvm_distx.ccl.allgather``     ``x, group, (dim,)``               concatenate the group's blocks along
+                                                                   ``dim``
+``tvm_distx.ccl.reducescatter`` ``x, kind, group, (dim,)``         reduce ``x`` over its group; member
+                                                                   ``k`` keeps block ``k`` of the
+                                                                   result along ``dim``
+``tvm_distx.ccl.alltoall``      ``x, group, (split, concat)``      split ``x`` along ``split``, send
+                                                                   piece ``k`` to member ``k``,
+                                                                   concatenate along ``concat``
+``tvm_distx.ccl.local_slice``   ``x, group, (dim,)``               keep its piece of ``x`` along
+                                                                   ``dim`` (no traffic)
+``tvm_distx.ccl.send_recv``     ``x, spec``                        a rank of both meshes of a
+                                                                   :class:`SendRecvSpec`
+``tvm_distx.ccl.send``          ``x, spec`` (no output; impure)    a rank of the source mesh only
+``tvm_distx.ccl.recv``          ``spec``                           a rank of the destination mesh only
+=============================== ================================== ====================================
 
 ``group`` is a :class:`CollectiveGroup`, ``spec`` a :class:`SendRecvSpec` and
 ``kind`` one of :data:`REDUCE_KINDS`, each passed as a shape (a tuple of
@@ -50,6 +50,7 @@ from .spec import TensorSharding
 __all__ = [
     "ALLREDUCE",
     "ALLGATHER",
+    "REDUCE_SCATTER",
     "ALLTOALL",
     "LOCAL_SLICE",
     "SEND_RECV",
@@ -64,6 +65,7 @@ __all__ = [
 
 ALLREDUCE = "tvm_distx.ccl.allreduce"
 ALLGATHER = "tvm_distx.ccl.allgather"
+REDUCE_SCATTER = "tvm_distx.ccl.reducescatter"
 ALLTOALL = "tvm_distx.ccl.alltoall"
 LOCAL_SLICE = "tvm_distx.ccl.local_slice"
 SEND_RECV = "tvm_distx.ccl.send_recv"
@@ -71,9 +73,9 @@ SEND = "tvm_distx.ccl.send"
 RECV = "tvm_distx.ccl.recv"
 
 #: Every runtime function a lowered program may call.
-FUNCTIONS = (ALLREDUCE, ALLGATHER, ALLTOALL, LOCAL_SLICE, SEND_RECV, SEND, RECV)
+FUNCTIONS = (ALLREDUCE, ALLGATHER, REDUCE_SCATTER, ALLTOALL, LOCAL_SLICE, SEND_RECV, SEND, RECV)
 
-#: Reduction kinds, as ``tvm_distx.ccl.allreduce`` receives them.
+#: Reduction kinds, as ``tvm_distx.ccl.allreduce`` and ``reducescatter`` receive them.
 REDUCE_KINDS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}
 
 

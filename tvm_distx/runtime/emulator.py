@@ -87,19 +87,33 @@ def _group(group) -> tuple[_Exchange, tuple[int, ...], int]:
     return exchange, members, members.index(device)
 
 
+def _reduce(posted: dict[int, np.ndarray], members: tuple[int, ...], kind: int) -> np.ndarray:
+    """The reduction of the members' buffers, folded in member order as every backend does
+    (the same operations on the same values, so the same bits)."""
+    reduce = np.add if kind == 4 else _REDUCERS[kind]
+    result = posted[members[0]]
+    for d in members[1:]:
+        result = reduce(result, posted[d])
+    if kind == 4:  # the average: the sum, then one division
+        result = result / len(members)
+    return result
+
+
 def _allreduce(x, kind, group, out) -> None:
     exchange, members, _ = _group(group)
-    kind = int(kind)
 
     def read(posted):
-        # folded in member order, as every backend does, for the same bits
-        reduce = np.add if kind == 4 else _REDUCERS[kind]
-        result = posted[members[0]]
-        for d in members[1:]:
-            result = reduce(result, posted[d])
-        if kind == 4:  # the average: the sum, then one division
-            result = result / len(members)
-        np.from_dlpack(out)[...] = result
+        np.from_dlpack(out)[...] = _reduce(posted, members, int(kind))
+
+    exchange.meet(members, np.from_dlpack(x), read)
+
+
+def _reducescatter(x, kind, group, axes, out) -> None:
+    exchange, members, me = _group(group)
+
+    def read(posted):
+        blocks = np.split(_reduce(posted, members, int(kind)), len(members), axis=int(axes[0]))
+        np.from_dlpack(out)[...] = blocks[me]
 
     exchange.meet(members, np.from_dlpack(x), read)
 
@@ -161,6 +175,7 @@ def _recv(spec, out) -> None:
 _FUNCTIONS = {
     ccl.ALLREDUCE: _allreduce,
     ccl.ALLGATHER: _allgather,
+    ccl.REDUCE_SCATTER: _reducescatter,
     ccl.ALLTOALL: _alltoall,
     ccl.LOCAL_SLICE: _local_slice,
     ccl.SEND_RECV: _send_recv,
