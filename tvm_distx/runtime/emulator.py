@@ -87,37 +87,33 @@ def _group(group) -> tuple[_Exchange, tuple[int, ...], int]:
     return exchange, members, members.index(device)
 
 
+def _reduce(posted: dict[int, np.ndarray], members: tuple[int, ...], kind: int) -> np.ndarray:
+    """The reduction of the members' buffers, folded in member order as every backend does
+    (the same operations on the same values, so the same bits)."""
+    reduce = np.add if kind == 4 else _REDUCERS[kind]
+    result = posted[members[0]]
+    for d in members[1:]:
+        result = reduce(result, posted[d])
+    if kind == 4:  # the average: the sum, then one division
+        result = result / len(members)
+    return result
+
+
 def _allreduce(x, kind, group, out) -> None:
     exchange, members, _ = _group(group)
-    kind = int(kind)
 
     def read(posted):
-        # folded in member order, as every backend does, for the same bits
-        reduce = np.add if kind == 4 else _REDUCERS[kind]
-        result = posted[members[0]]
-        for d in members[1:]:
-            result = reduce(result, posted[d])
-        if kind == 4:  # the average: the sum, then one division
-            result = result / len(members)
-        np.from_dlpack(out)[...] = result
+        np.from_dlpack(out)[...] = _reduce(posted, members, int(kind))
 
     exchange.meet(members, np.from_dlpack(x), read)
 
 
 def _reducescatter(x, kind, group, axes, out) -> None:
     exchange, members, me = _group(group)
-    kind, dim = int(kind), int(axes[0])
 
     def read(posted):
-        # block ``me`` of every member, folded in member order as the all-reduce does
-        reduce = np.add if kind == 4 else _REDUCERS[kind]
-        blocks = [np.split(posted[d], len(members), axis=dim)[me] for d in members]
-        result = blocks[0]
-        for block in blocks[1:]:
-            result = reduce(result, block)
-        if kind == 4:
-            result = result / len(members)
-        np.from_dlpack(out)[...] = result
+        blocks = np.split(_reduce(posted, members, int(kind)), len(members), axis=int(axes[0]))
+        np.from_dlpack(out)[...] = blocks[me]
 
     exchange.meet(members, np.from_dlpack(x), read)
 
@@ -179,9 +175,9 @@ def _recv(spec, out) -> None:
 _FUNCTIONS = {
     ccl.ALLREDUCE: _allreduce,
     ccl.ALLGATHER: _allgather,
+    ccl.REDUCE_SCATTER: _reducescatter,
     ccl.ALLTOALL: _alltoall,
     ccl.LOCAL_SLICE: _local_slice,
-    ccl.REDUCE_SCATTER: _reducescatter,
     ccl.SEND_RECV: _send_recv,
     ccl.SEND: _send,
     ccl.RECV: _recv,
