@@ -4,7 +4,8 @@
 :class:`tvm_distx.legalize.LowerDistIR` write calls of runtime functions whose
 names start with ``tvm_distx.ccl.``; every backend (the emulator of
 :mod:`tvm_distx.runtime.emulator`, the MPI and disco workers) registers an
-implementation of each under that name. This module is the contract between
+implementation of each under that name, through the one adapter of
+:mod:`tvm_distx.runtime.collectives`. This module is the contract between
 the two sides: the names and the order of the arguments. How the integer
 arguments are encoded is :mod:`tvm_distx.layout.abi` (re-exported here). It
 imports no TVM and no compiler module.
@@ -24,6 +25,9 @@ function                        arguments (then the output buffer) what the rank
 ``tvm_distx.ccl.alltoall``      ``x, group, (split, concat)``      split ``x`` along ``split``, send
                                                                    piece ``k`` to member ``k``,
                                                                    concatenate along ``concat``
+``tvm_distx.ccl.broadcast``     ``x, group, (root,)``              member ``root``'s ``x``, on every
+                                                                   member (``x`` of the others is
+                                                                   not read)
 ``tvm_distx.ccl.local_slice``   ``x, group, (dim,)``               keep its piece of ``x`` along
                                                                    ``dim`` (no traffic)
 ``tvm_distx.ccl.send_recv``     ``x, spec``                        a rank of both meshes of a
@@ -47,6 +51,7 @@ __all__ = [
     "ALLREDUCE",
     "ALLGATHER",
     "REDUCE_SCATTER",
+    "BROADCAST",
     "ALLTOALL",
     "LOCAL_SLICE",
     "SEND_RECV",
@@ -62,6 +67,7 @@ __all__ = [
 ALLREDUCE = "tvm_distx.ccl.allreduce"
 ALLGATHER = "tvm_distx.ccl.allgather"
 REDUCE_SCATTER = "tvm_distx.ccl.reducescatter"
+BROADCAST = "tvm_distx.ccl.broadcast"
 ALLTOALL = "tvm_distx.ccl.alltoall"
 LOCAL_SLICE = "tvm_distx.ccl.local_slice"
 SEND_RECV = "tvm_distx.ccl.send_recv"
@@ -69,7 +75,8 @@ SEND = "tvm_distx.ccl.send"
 RECV = "tvm_distx.ccl.recv"
 
 #: Every runtime function a lowered program may call.
-FUNCTIONS = (ALLREDUCE, ALLGATHER, REDUCE_SCATTER, ALLTOALL, LOCAL_SLICE, SEND_RECV, SEND, RECV)
+FUNCTIONS = (ALLREDUCE, ALLGATHER, REDUCE_SCATTER, ALLTOALL, BROADCAST, LOCAL_SLICE, SEND_RECV,
+             SEND, RECV)
 
 #: Reduction kinds, as ``tvm_distx.ccl.allreduce`` and ``reducescatter`` receive them.
 REDUCE_KINDS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}

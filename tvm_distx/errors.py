@@ -21,6 +21,8 @@ __all__ = [
     "BundleError",
     "ArgumentError",
     "LaunchError",
+    "CollectiveGroupError",
+    "PeerFailedError",
     "ShardingError",
     "PlacementSyntaxError",
     "PlacementRankError",
@@ -261,3 +263,30 @@ class LaunchError(_RuntimeErrorBase, RuntimeError):
         self.reason = reason
         self.details = details
         super().__init__(message + (f"\n{details.rstrip()}" if details else ""), hint=hint)
+
+
+class CollectiveGroupError(DistxError, RuntimeError):
+    """A rank called a collective or a send/recv that it takes no part in.
+
+    This is a lowering bug (or ranks running different programs): the rank
+    would otherwise wait forever for peers that never come.
+    """
+
+    rule = "collective-group"
+
+
+class PeerFailedError(DistxError, RuntimeError):
+    """Another rank of the run failed, so this one stopped waiting for it.
+
+    Attributes
+    ----------
+    rank : int or None
+        The rank that failed; None when the controller stopped the run.
+    """
+
+    rule = "peer-failed"
+
+    def __init__(self, rank: int | None) -> None:
+        super().__init__("the controller stopped the run" if rank is None
+                         else f"rank {rank} failed")
+        self.rank = rank

@@ -122,6 +122,62 @@ def test_allreduce_bits(m: DeviceMesh, kind: str, shape, dtype: str = "float32")
     group_call(name, m, (0,), run)
 
 
+def test_reducescatter(m: DeviceMesh, axes, kind: str, dim: int, dtype: str = "float32") -> None:
+    name = f"reducescatter-{kind}-dim{dim}-{dtype}-mesh{m.shape}-axes{axes}"
+    everyone = data(name, (m.size, 4, 8, 4), dtype)
+    if kind == "prod":
+        everyone = np.abs(everyone) + 1  # products of small positive values stay exact
+
+    def run(group, members, index):
+        want = np.split(REDUCE[kind](everyone[[d - m.device_range.start for d in members]]),
+                        len(members), axis=dim)[index].astype(dtype)
+        out = empty(want.shape, dtype)
+        for _ in range(2):  # twice: scratch reuse must not leak the first call's data
+            tvm.get_global_func(ccl.REDUCE_SCATTER)(
+                tensor(everyone[RANK - m.device_range.start]), ccl.REDUCE_KINDS[kind], group,
+                tvm_ffi.Shape([dim]), out)
+        check(name, out, want)
+
+    group_call(name, m, axes, run)
+
+
+def test_reducescatter_bits(m: DeviceMesh, kind: str, dim: int, shape) -> None:
+    """Floats whose sum depends on the order: each block holds the bits of a fold in member
+    order."""
+    name = f"reducescatter-bits-{kind}-dim{dim}-{shape}-mesh{m.shape}"
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    everyone = (rng.standard_normal((m.size, *shape))
+                * 10.0 ** rng.integers(-4, 5, (m.size, *shape))).astype("float32")
+
+    def run(group, members, index):
+        fold = np.multiply if kind == "prod" else np.add
+        want = everyone[members[0]]
+        for d in members[1:]:
+            want = fold(want, everyone[d])
+        if kind == "avg":
+            want = want / len(members)
+        want = np.split(want, len(members), axis=dim)[index]
+        out = empty(want.shape, "float32")
+        tvm.get_global_func(ccl.REDUCE_SCATTER)(tensor(everyone[RANK]), ccl.REDUCE_KINDS[kind],
+                                                group, tvm_ffi.Shape([dim]), out)
+        check(name, out, want)
+
+    group_call(name, m, (0,), run)
+
+
+def test_broadcast(m: DeviceMesh, axes, root: int, dtype: str = "float32") -> None:
+    name = f"broadcast-root{root}-{dtype}-mesh{m.shape}-axes{axes}"
+    everyone = data(name, (m.size, 4, 6), dtype)
+
+    def run(group, members, _):
+        out = empty(everyone.shape[1:], dtype)
+        tvm.get_global_func(ccl.BROADCAST)(tensor(everyone[RANK - m.device_range.start]), group,
+                                           tvm_ffi.Shape([root]), out)
+        check(name, out, everyone[members[root] - m.device_range.start])
+
+    group_call(name, m, axes, run)
+
+
 def gathered(name: str, members, shape, dtype) -> np.ndarray:
     """The global array of one group (each group of a mesh has its own)."""
     return data(f"{name}-{members}", shape, dtype)
@@ -164,30 +220,6 @@ def test_local_slice(m: DeviceMesh, axes, dim: int) -> None:
         want = np.split(whole, len(members), axis=dim)[index]
         out = empty(want.shape, "int32")
         tvm.get_global_func(ccl.LOCAL_SLICE)(tensor(whole), group, tvm_ffi.Shape([dim]), out)
-        check(name, out, want)
-
-    group_call(name, m, axes, run)
-
-
-def test_reducescatter(m: DeviceMesh, axes, dim: int, kind: str = "sum",
-                      dtype: str = "float32") -> None:
-    """Block ``k`` along ``dim`` of the reduction, on member ``k``, with the all-reduce's bits."""
-    name = f"reducescatter-{kind}-dim{dim}-{dtype}-mesh{m.shape}-axes{axes}"
-    everyone = data(name, (m.size, 4, 8, 12), dtype)
-
-    def run(group, members, index):
-        folded = everyone[members[0] - m.device_range.start]
-        fold = np.multiply if kind == "prod" else np.add
-        for d in members[1:]:
-            folded = fold(folded, everyone[d - m.device_range.start])
-        if kind == "avg":
-            folded = folded / len(members)
-        want = np.split(folded.astype(dtype), len(members), axis=dim)[index]
-        out = empty(want.shape, dtype)
-        for _ in range(2):  # twice: scratch reuse must not leak the first call's data
-            tvm.get_global_func(ccl.REDUCE_SCATTER)(
-                tensor(everyone[RANK - m.device_range.start]), ccl.REDUCE_KINDS[kind], group,
-                tvm_ffi.Shape([dim]), out)
         check(name, out, want)
 
     group_call(name, m, axes, run)
@@ -251,6 +283,10 @@ def test_disco_builtins() -> None:
     x = everyone if RANK == 0 else np.zeros_like(everyone)
     tvm.get_global_func("runtime.disco.scatter_from_worker0")(tensor(x), False, out)
     check("disco-scatter", out, everyone[RANK])
+    out = empty((4 * SIZE, 3), "float32") if RANK == 0 else empty((1,), "float32")
+    tvm.get_global_func("runtime.disco.gather_to_worker0")(tensor(everyone[RANK]), False, out)
+    if RANK == 0:
+        check("disco-gather", out, everyone.reshape(4 * SIZE, 3))
 
 
 # ---------------------------------------------------------------------- errors
@@ -308,10 +344,18 @@ def main() -> None:
         test_allgather(world, (0,), 1, dtype)
     for split, concat in ((1, 0), (0, 1), (2, 0), (0, 2), (2, 1), (1, 2)):
         test_alltoall(world, (0,), split, concat)
-    for dim in (0, 1, 2):
-        test_reducescatter(world, (0,), dim)
-    test_reducescatter(world, (0,), 1, "avg")
-    test_reducescatter(world, (0,), 2, "sum", "int32")
+    for kind in REDUCE:
+        for dim in (0, 1, 2):
+            test_reducescatter(world, (0,), kind, dim)
+    for dtype in ("float16", "float64", "int32", "int64"):
+        test_reducescatter(world, (0,), "sum", 1, dtype)
+    test_reducescatter(world, (0,), "avg", 2, "int32")
+    for kind in ("sum", "avg", "prod"):  # bitwise, as every backend folds
+        for dim, shape in ((0, (4, 7)), (1, (3, 256, 1030))):
+            test_reducescatter_bits(world, kind, dim, shape)
+    for root in range(SIZE):
+        test_broadcast(world, (0,), root)
+    test_broadcast(world, (0,), SIZE - 1, "int64")
     test_allgather_bfloat16()
     test_disco_builtins()
     if needs(4):
@@ -323,9 +367,14 @@ def main() -> None:
                 test_allgather(grid, axes, dim)
             test_local_slice(grid, axes, 1)
             test_alltoall(grid, axes, 2, 0)
-            test_reducescatter(grid, axes, 1)
+            for dim in (0, 1, 2):
+                test_reducescatter(grid, axes, "sum", dim)
+            test_reducescatter(grid, axes, "max", 1, "int32")
+            test_reducescatter(grid, axes, "sum", 2, "float16")
+            test_broadcast(grid, axes, 1)
         # a mesh on some of the ranks only, and a 1-D mesh that is not the world
         test_allreduce(mesh((2,), first=2), (0,), "sum", "float32")
+        test_reducescatter(mesh((2,), first=2), (0,), "sum", 1)
         test_allgather(mesh((2,), first=1), (0,), 1)
 
     # send/recv on one mesh, then between meshes

@@ -14,11 +14,12 @@ Every rank maps the same anonymous segment (a ``memfd``, see
 A *meeting* of some members is the only primitive: each member copies its bytes
 into its own slot, a barrier among the members, each reads what it needs from
 the slots, a second barrier. Longer buffers go in rounds of one slot each. The
-all-reduce, all-gather and all-to-all read the slots in place
-(:meth:`ShmComm.exchange`): they reduce or copy straight from the slots into
-their output, so a rank's data is copied once into its slot and once out of the
-slots, with no allocation per call; an all-to-all posts only the pieces of the
-other members. A barrier bumps the signal counters towards every other member and waits
+collectives read the slots in place (:meth:`ShmComm.exchange`): they reduce or
+copy straight from the slots into their output, so a rank's data is copied once
+into its slot and once out of the slots, with no allocation per call; an
+all-to-all posts only the pieces of the other members, and a reduce-scatter
+reads and folds only this rank's block of each member's post ((p-1)/p of the
+tensor from its peers, where an all-reduce reads all of theirs). A barrier bumps the signal counters towards every other member and waits
 until each of them has bumped its counter towards this rank as often, by
 polling (first yielding the CPU, then with a growing sleep up to 1 ms; no
 futex, no lock). Two ranks meet in the same order on both sides (they run
@@ -31,16 +32,16 @@ sees the data; a weakly ordered CPU would need fences here.
 Every wait polls the failed word and stops at the run's deadline, so a rank
 that raises stops its peers within a few milliseconds and nothing waits forever.
 
-The functions of :mod:`tvm_distx.ccl` (same semantics as the emulator of
-:mod:`tvm_distx.runtime.emulator`, bit for bit) and the per-CCL functions of
-TVM's own disco builtins (``runtime.disco..allreduce`` and so on, the empty CCL
-name that disco workers use unless a C++ CCL set one) are registered over the
-segment by :func:`install`.
+:class:`ShmCollectives` implements the collective-backend interface of
+:mod:`tvm_distx.runtime.collectives` over the segment (same semantics as the
+emulator of :mod:`tvm_distx.runtime.emulator`, bit for bit); :func:`install`
+registers it as the functions of :mod:`tvm_distx.ccl` and the per-CCL functions
+of TVM's own disco builtins (``runtime.disco..allreduce`` and so on, the empty
+CCL name that disco workers use unless a C++ CCL set one).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import mmap
@@ -52,10 +53,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tvm_distx import ccl
-from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
+from tvm_distx.errors import PeerFailedError
+from tvm_distx.runtime.collectives import REDUCERS, Collectives, register
 
-__all__ = ["Layout", "ShmComm", "PeerFailedError", "install", "RUNNING", "DONE", "FAILED",
+__all__ = ["Layout", "ShmComm", "ShmCollectives", "PeerFailedError", "install", "RUNNING", "DONE", "FAILED",
            "ABORTED", "TIMED_OUT"]
 
 logger = logging.getLogger(__name__)
@@ -68,16 +69,6 @@ _ERROR_BYTES = 4096
 _PAGE = 4096
 _MAX_SLEEP = 1e-3  # seconds: the longest sleep between polls
 _YIELDS = 100  # polls that only yield the CPU before sleeping
-_REDUCERS = {0: np.add, 1: np.multiply, 2: np.minimum, 3: np.maximum}
-
-
-class PeerFailedError(RuntimeError):
-    """Another rank of the run failed, so this one stopped waiting for it."""
-
-    def __init__(self, rank: int | None) -> None:
-        super().__init__("the controller stopped the run" if rank is None
-                         else f"rank {rank} failed")
-        self.rank = rank
 
 
 @dataclass(frozen=True)
@@ -305,126 +296,165 @@ def _as(raw: np.ndarray, like: np.ndarray, shape: Sequence[int] | None = None) -
     return raw.view(like.dtype).reshape(like.shape if shape is None else tuple(shape))
 
 
-# ---------------------------------------------------------------------- the active run
+# ---------------------------------------------------------------------- the collectives
 _ACTIVE: list[ShmComm] = []  # the comm of this process's rank, while it runs
 
 
-def _comm() -> ShmComm:
-    if not _ACTIVE:
-        raise RuntimeError("no disco run is in progress in this process")
-    return _ACTIVE[-1]
+class ShmCollectives(Collectives):
+    """The collectives of this process's rank over the segment of the run in progress.
 
+    Every collective is one :meth:`ShmComm.exchange`: each member posts its
+    buffer into its slot and reads, in place, only the bytes it needs from the
+    others' slots.
+    """
 
-@functools.lru_cache(maxsize=256)
-def _members(group: tuple[int, ...], device: int) -> tuple[int, tuple[int, ...]]:
-    members = CollectiveGroup.decode(group).members(device)
-    if device not in members:  # pragma: no cover - a lowering bug
-        raise RuntimeError(f"device {device} is not in its own group {members}")
-    return members.index(device), members
+    @property
+    def comm(self) -> ShmComm:
+        if not _ACTIVE:
+            raise RuntimeError("no disco run is in progress in this process")
+        return _ACTIVE[-1]
 
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
 
-def _group(group) -> tuple[ShmComm, tuple[int, ...], int]:
-    comm = _comm()
-    index, members = _members(tuple(int(v) for v in group), comm.rank)
-    return comm, members, index
+    @property
+    def devices(self) -> range:
+        return range(self.comm.layout.world)
 
-
-# ---------------------------------------------------------------------- tvm_distx.ccl.*
-def _allreduce(x, kind, group, out) -> None:
-    comm, members, _ = _group(group)
-    mine = np.from_dlpack(x)
-    target = np.from_dlpack(out)
-    kind = int(kind)
-    reduce = np.add if kind == 4 else _REDUCERS[kind]
-    if not target.flags.c_contiguous:
-        raw = comm.meet("allreduce", members, mine, members)
-        posted = [_as(raw[d], mine) for d in members]
-        result = posted[0]
-        for value in posted[1:]:
-            result = reduce(result, value)
-        target[...] = result / len(members) if kind == 4 else result
-        return
-    # Reduce every round's chunks straight from the slots into ``out``, in member
-    # order: the same operations on the same values as the emulator, so the same bits.
-    flat, itemsize = target.reshape(-1), mine.itemsize
-
-    def fold(offset: int, chunks: dict[int, np.ndarray]) -> None:
-        parts = [chunks[d].view(mine.dtype) for d in members]
-        into = flat[offset // itemsize:offset // itemsize + len(parts[0])]
-        if len(parts) == 1:
-            np.copyto(into, parts[0])
+    def all_reduce(self, x, out, op, group) -> None:
+        members, reduce = group.members, REDUCERS[op]
+        if not out.flags.c_contiguous:
+            raw = self.comm.meet("allreduce", members, x, members)
+            posted = [_as(raw[d], x) for d in members]
+            result = posted[0]
+            for value in posted[1:]:
+                result = reduce(result, value)
+            out[...] = result
             return
-        reduce(parts[0], parts[1], out=into)
-        for part in parts[2:]:
-            reduce(into, part, out=into)
+        # Reduce every round's chunks straight from the slots into ``out``, in member
+        # order: the same operations on the same values as the emulator, so the same bits.
+        flat, itemsize = out.reshape(-1), x.itemsize
 
-    comm.exchange("allreduce", members, mine, fold)
-    if kind == 4:  # the average: the sum, then one division
-        if target.dtype.kind in "fc":
-            np.divide(target, len(members), out=target)
-        else:  # numpy's sum / n stored back: truncated toward zero
-            target[...] = target / len(members)
+        def fold(offset: int, chunks: dict[int, np.ndarray]) -> None:
+            parts = [chunks[d].view(x.dtype) for d in members]
+            _fold_into(flat[offset // itemsize:offset // itemsize + len(parts[0])], parts,
+                       reduce)
 
+        self.comm.exchange("allreduce", members, x, fold)
 
-def _reducescatter(x, kind, group, axes, out) -> None:
-    # Every member posts its whole addend and folds its own block of all of them,
-    # in member order (the all-reduce's bits). Correct, not yet bandwidth-optimal:
-    # each rank reads the whole buffer of every peer, not only its block.
-    comm, members, me = _group(group)
-    mine = np.from_dlpack(x)
-    kind, dim = int(kind), int(axes[0])
-    reduce = np.add if kind == 4 else _REDUCERS[kind]
-    raw = comm.meet("reducescatter", members, mine, members)
-    blocks = [np.split(_as(raw[d], mine), len(members), axis=dim)[me] for d in members]
-    result = blocks[0]
-    for block in blocks[1:]:
-        result = reduce(result, block)
-    np.from_dlpack(out)[...] = result / len(members) if kind == 4 else result
+    def reduce_scatter(self, x, out, op, dim, group) -> None:
+        # Every member posts its blocks, block k (for member k) after block k - 1; this
+        # rank folds only its own block of every post, in member order: it reads
+        # 1/p of what an all-reduce reads.
+        members, reduce, p = group.members, REDUCERS[op], group.size
+        pieces = self._pieces(x, dim, p)
+        size, lo = pieces.shape[1], group.index * pieces.shape[1]
+        flat = _columns(out, 0, 1).reshape(-1)  # this rank's block, as bytes
 
+        def fold(offset: int, chunks: dict[int, np.ndarray]) -> None:
+            start, stop = max(lo, offset), min(lo + size, offset + len(chunks[members[0]]))
+            if start >= stop:
+                return
+            parts = [chunks[d][start - offset:stop - offset].view(x.dtype) for d in members]
+            _fold_into(flat[start - lo:stop - lo].view(x.dtype), parts, reduce)
 
-def _allgather(x, group, axes, out) -> None:
-    comm, members, _ = _group(group)
-    mine = np.from_dlpack(x)
-    # Member k's block, flattened, is column block k of ``out`` seen as (outer, p, inner).
-    blocks = _columns(np.from_dlpack(out), int(axes[0]), len(members))
+        self.comm.exchange("reducescatter", members, pieces.reshape(-1), fold)
 
-    def place(offset: int, chunks: dict[int, np.ndarray]) -> None:
-        for k, d in enumerate(members):
-            _write_range(blocks[:, k, :], offset, chunks[d])
+    def all_gather(self, x, out, dim, group) -> None:
+        members = group.members
+        # Member k's block, flattened, is column block k of ``out`` seen as (outer, p, inner).
+        blocks = _columns(out, dim, group.size)
 
-    comm.exchange("allgather", members, mine, place)
+        def place(offset: int, chunks: dict[int, np.ndarray]) -> None:
+            for k, d in enumerate(members):
+                _write_range(blocks[:, k, :], offset, chunks[d])
 
+        self.comm.exchange("allgather", members, x, place)
 
-def _alltoall(x, group, axes, out) -> None:
-    comm, members, me = _group(group)
-    split, concat, p = int(axes[0]), int(axes[1]), len(members)
-    mine = np.from_dlpack(x)
-    # Piece k (for member k) of the block, flattened, is row k of ``pieces``;
-    # they are packed only when the split dimension is not the outermost non-trivial one.
-    raw = _raw(mine)
-    if math.prod(mine.shape[:split]) != 1:
-        packed = comm.scratch(raw.size).reshape(p, -1)
-        np.copyto(packed.reshape(p, math.prod(mine.shape[:split]), -1),
-                  _columns(mine, split, p).transpose(1, 0, 2))
-        raw = packed.reshape(-1)
-    pieces = raw.reshape(p, -1)
-    size = pieces.shape[1]
-    # Member k's piece, flattened, is column block k of ``out`` seen as (outer, p, inner).
-    blocks = _columns(np.from_dlpack(out), concat, p)
-    _write_range(blocks[:, me, :], 0, pieces[me])  # this rank's own piece moves locally
+    def all_to_all(self, x, out, split, concat, group) -> None:
+        members, me, p = group.members, group.index, group.size
+        pieces = self._pieces(x, split, p)
+        size = pieces.shape[1]
+        # Member k's piece, flattened, is column block k of ``out`` seen as (outer, p, inner).
+        blocks = _columns(out, concat, p)
+        _write_range(blocks[:, me, :], 0, pieces[me])  # this rank's own piece moves locally
 
-    def place(offset: int, chunks: dict[int, np.ndarray]) -> None:
-        for k, d in enumerate(members):
-            if k == me:
-                continue
-            # member k posts the pieces of every member but itself, in member order
-            lo = (me - (me > k)) * size
-            chunk = chunks[d]
+        def place(offset: int, chunks: dict[int, np.ndarray]) -> None:
+            for k, d in enumerate(members):
+                if k == me:
+                    continue
+                # member k posts the pieces of every member but itself, in member order
+                lo = (me - (me > k)) * size
+                chunk = chunks[d]
+                start, stop = max(lo, offset), min(lo + size, offset + len(chunk))
+                if start < stop:
+                    _write_range(blocks[:, k, :], start - lo, chunk[start - offset:stop - offset])
+
+        self.comm.exchange("alltoall", members, [pieces[k] for k in range(p) if k != me], place)
+
+    def broadcast(self, x, out, root, group) -> None:
+        flat = _columns(out, 0, 1).reshape(-1)
+        source = group.members[root]
+
+        def copy(offset: int, chunks: dict[int, np.ndarray]) -> None:
+            chunk = chunks[source]
+            flat[offset:offset + len(chunk)] = chunk
+
+        self.comm.exchange("broadcast", group.members, x, copy)
+
+    def scatter(self, x, out, root, group) -> None:
+        flat = _columns(out, 0, 1).reshape(-1)
+        source, size = group.members[root], flat.size
+        lo = group.index * size
+
+        def copy(offset: int, chunks: dict[int, np.ndarray]) -> None:
+            chunk = chunks[source]
             start, stop = max(lo, offset), min(lo + size, offset + len(chunk))
             if start < stop:
-                _write_range(blocks[:, k, :], start - lo, chunk[start - offset:stop - offset])
+                flat[start - lo:stop - lo] = chunk[start - offset:stop - offset]
 
-    comm.exchange("alltoall", members, [pieces[k] for k in range(p) if k != me], place)
+        self.comm.exchange("scatter", group.members, x, copy)
+
+    def gather(self, x, out, root, group) -> None:
+        members = group.members
+        raw = self.comm.meet("gather", members, x, members if out is not None else ())
+        if out is not None:
+            out[...] = _as(np.concatenate([raw[d] for d in members]), out)
+
+    def move(self, x, out, spec) -> None:
+        from tvm_distx.layout import shard_bounds
+
+        comm = self.comm
+        me = comm.rank
+        pieces = spec.pieces(me) if out is not None else []
+        senders = sorted({p.sender for p in pieces if p.sender != me})
+        raw = comm.meet("send/recv", spec.participants(), x, senders)
+        for piece in pieces:
+            if piece.sender == me:
+                held = x
+            else:
+                block = shard_bounds(spec.src, spec.shape, piece.sender)
+                held = _as(raw[piece.sender], out, [b - a for a, b in block])
+            out[piece.target] = held[piece.source]
+
+    def _pieces(self, x: np.ndarray, dim: int, parts: int) -> np.ndarray:
+        """The bytes of ``x`` as ``(parts, n)``: row ``k`` is block ``k`` along ``dim``,
+        flattened (packed into scratch unless ``dim`` is the outermost non-trivial one)."""
+        raw = _raw(x)
+        if math.prod(x.shape[:dim]) != 1:
+            packed = self.comm.scratch(raw.size).reshape(parts, -1)
+            np.copyto(packed.reshape(parts, math.prod(x.shape[:dim]), -1),
+                      _columns(x, dim, parts).transpose(1, 0, 2))
+            raw = packed.reshape(-1)
+        return raw.reshape(parts, -1)
+
+
+def _fold_into(into: np.ndarray, parts: Sequence[np.ndarray], reduce) -> None:
+    """``into = ((parts[0] op parts[1]) op parts[2]) ...``, in place."""
+    reduce(parts[0], parts[1], out=into)
+    for part in parts[2:]:
+        reduce(into, part, out=into)
 
 
 def _columns(array: np.ndarray, dim: int, parts: int) -> np.ndarray:
@@ -460,118 +490,20 @@ def _write_range(target: np.ndarray, offset: int, data: np.ndarray) -> None:
         target[row, :len(data) - done] = data[done:]
 
 
-def _local_slice(x, group, axes, out) -> None:
-    _, members, me = _group(group)
-    np.from_dlpack(out)[...] = np.split(np.from_dlpack(x), len(members), axis=int(axes[0]))[me]
-
-
-def _move(x, spec, out) -> None:
-    """Every side of a send/recv: ``x`` is None on a receiver only, ``out`` on a sender only."""
-    from tvm_distx.layout import shard_bounds
-
-    comm = _comm()
-    me = comm.rank
-    move = SendRecvSpec.decode(spec)
-    pieces = move.pieces(me) if out is not None else []
-    mine = None if x is None else np.from_dlpack(x)
-    senders = sorted({p.sender for p in pieces if p.sender != me})
-    raw = comm.meet("send/recv", move.participants(), mine, senders)
-    if out is None:
-        return
-    target = np.from_dlpack(out)
-    for piece in pieces:
-        if piece.sender == me:
-            held = mine
-        else:
-            block = shard_bounds(move.src, move.shape, piece.sender)
-            held = _as(raw[piece.sender], target, [b - a for a, b in block])
-        target[piece.target] = held[piece.source]
-
-
-def _send_recv(x, spec, out) -> None:
-    _move(x, spec, out)
-
-
-def _send(x, spec) -> None:
-    _move(x, spec, None)
-
-
-def _recv(spec, out) -> None:
-    _move(None, spec, out)
-
-
-# ---------------------------------------------------------------------- TVM's disco builtins
-# TVM's lowered programs call ``runtime.disco.allreduce`` and friends, which
-# dispatch to ``runtime.disco.<ccl>.<name>`` with the worker's CCL name: empty,
-# since only a C++ CCL sets it. The group is every worker (one worker group).
-def _meet_all(what: str, data, want) -> tuple[int, tuple[int, ...], dict[int, np.ndarray]]:
-    comm = _comm()
-    members = tuple(range(comm.layout.world))
-    raw = comm.meet(what, members, data, members if want is None else want)
-    return comm.rank, members, raw
-
-
-def _disco_allreduce(send, kind, in_group, recv) -> None:
-    world = _comm().layout.world
-    _allreduce(send, kind, CollectiveGroup((world,), 0, (0,)).encode(), recv)
-
-
-def _disco_allgather(send, in_group, recv) -> None:
-    _, members, raw = _meet_all("allgather", np.from_dlpack(send), None)
-    target = np.from_dlpack(recv)
-    target[...] = _as(np.concatenate([raw[d] for d in members]), target)
-
-
-def _disco_broadcast_from_worker0(send, in_group, recv) -> None:
-    data = np.from_dlpack(send) if _comm().rank == 0 else None
-    _, _, raw = _meet_all("broadcast_from_worker0", data, [0])
-    target = np.from_dlpack(recv)
-    target[...] = _as(raw[0], target)
-
-
-def _disco_scatter_from_worker0(send, in_group, recv) -> None:
-    data = np.from_dlpack(send) if _comm().rank == 0 else None
-    rank, members, raw = _meet_all("scatter_from_worker0", data, [0])
-    target = np.from_dlpack(recv)
-    target[...] = _as(np.split(raw[0], len(members))[rank], target)
-
-
-def _disco_gather_to_worker0(send, in_group, recv) -> None:
-    first = _comm().rank == 0
-    _, members, raw = _meet_all("gather_to_worker0", np.from_dlpack(send), None if first else ())
-    if first:
-        target = np.from_dlpack(recv)
-        target[...] = _as(np.concatenate([raw[d] for d in members]), target)
-
-
-_FUNCTIONS = {
-    ccl.ALLREDUCE: _allreduce,
-    ccl.ALLGATHER: _allgather,
-    ccl.ALLTOALL: _alltoall,
-    ccl.LOCAL_SLICE: _local_slice,
-    ccl.REDUCE_SCATTER: _reducescatter,
-    ccl.SEND_RECV: _send_recv,
-    ccl.SEND: _send,
-    ccl.RECV: _recv,
-    "runtime.disco..allreduce": _disco_allreduce,
-    "runtime.disco..allgather": _disco_allgather,
-    "runtime.disco..broadcast_from_worker0": _disco_broadcast_from_worker0,
-    "runtime.disco..scatter_from_worker0": _disco_scatter_from_worker0,
-    "runtime.disco..gather_to_worker0": _disco_gather_to_worker0,
-}
+_BACKEND = ShmCollectives()
 
 
 def install(comm: ShmComm | None) -> None:
     """Make ``comm`` this process's communicator and register the functions over it.
 
-    Registration is repeated on every run: another backend (the emulator) may
-    have overridden the same names in this process since. None uninstalls.
+    Registers every ``tvm_distx.ccl.*`` function and TVM's per-CCL disco
+    builtins (``runtime.disco..allreduce`` and so on) over
+    :class:`ShmCollectives`. Registration is repeated on every run: another
+    backend (the emulator) may have overridden the same names in this process
+    since. None uninstalls: the functions then raise.
     """
-    import tvm_ffi
-
     _ACTIVE.clear()
     if comm is None:
         return
     _ACTIVE.append(comm)
-    for name, func in _FUNCTIONS.items():
-        tvm_ffi.register_global_func(name, func, override=True)
+    register(_BACKEND, builtins="runtime.disco..")

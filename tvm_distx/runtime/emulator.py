@@ -2,8 +2,9 @@
 
 It runs the rank-local program that :class:`tvm_distx.legalize.LowerDistIR`
 produces exactly as the real backends will, one TVM virtual machine per rank,
-and implements the ``tvm_distx.ccl.*`` runtime functions by exchanging numpy
-buffers between the threads. It is the fast unit-test backend: no MPI, no
+and implements the collectives (:class:`EmulatedCollectives`, registered as
+the ``tvm_distx.ccl.*`` functions by :mod:`tvm_distx.runtime.collectives`) by
+exchanging numpy buffers between the threads. It is the fast unit-test backend: no MPI, no
 processes, and the same numbers.
 """
 
@@ -15,15 +16,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tvm_distx import ccl
-from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
+from tvm_distx.runtime.collectives import REDUCERS, Collectives, register
 
-__all__ = ["emulate"]
+__all__ = ["emulate", "EmulatedCollectives"]
 
 logger = logging.getLogger(__name__)
-
-_REDUCERS = {0: np.add, 1: np.multiply, 2: np.minimum, 3: np.maximum}
-
 
 class _Exchange:
     """Where the ranks of one run swap buffers.
@@ -75,120 +72,75 @@ class _Exchange:
             self.cond.notify_all()
 
 
-_ACTIVE: list[_Exchange] = []  # the run in progress (runs do not overlap)
+class EmulatedCollectives(Collectives):
+    """The collectives of the ranks of one run, as meetings of their threads.
+
+    The calling rank is the thread's device; every collective is a meeting of
+    its group where each member reads what it needs from the posted buffers.
+    """
+
+    def __init__(self, exchange: _Exchange) -> None:
+        self.exchange = exchange
+
+    @property
+    def rank(self) -> int:
+        return self.exchange.local.device
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self.exchange.devices
+
+    def all_reduce(self, x, out, op, group) -> None:
+        def read(posted):
+            out[...] = _fold(posted, group.members, op)
+
+        self.exchange.meet(group.members, x, read)
+
+    def reduce_scatter(self, x, out, op, dim, group) -> None:
+        def read(posted):
+            blocks = np.split(_fold(posted, group.members, op), group.size, axis=dim)
+            out[...] = blocks[group.index]
+
+        self.exchange.meet(group.members, x, read)
+
+    def all_gather(self, x, out, dim, group) -> None:
+        def read(posted):
+            out[...] = np.concatenate([posted[d] for d in group.members], axis=dim)
+
+        self.exchange.meet(group.members, x, read)
+
+    def all_to_all(self, x, out, split, concat, group) -> None:
+        def read(posted):
+            pieces = [np.split(posted[d], group.size, axis=split)[group.index]
+                      for d in group.members]
+            out[...] = np.concatenate(pieces, axis=concat)
+
+        self.exchange.meet(group.members, x, read)
+
+    def broadcast(self, x, out, root, group) -> None:
+        def read(posted):
+            out[...] = posted[group.members[root]]
+
+        self.exchange.meet(group.members, x, read)
+
+    def move(self, x, out, spec) -> None:
+        me = self.rank
+
+        def read(posted):
+            if out is not None:
+                for piece in spec.pieces(me):
+                    out[piece.target] = posted[piece.sender][piece.source]
+
+        self.exchange.meet(spec.participants(), x, read)
 
 
-def _group(group) -> tuple[_Exchange, tuple[int, ...], int]:
-    exchange = _ACTIVE[-1]
-    device = exchange.local.device
-    members = CollectiveGroup.decode(group).members(device)
-    if device not in members:  # pragma: no cover - a lowering bug
-        raise RuntimeError(f"device {device} is not in its own group {members}")
-    return exchange, members, members.index(device)
-
-
-def _reduce(posted: dict[int, np.ndarray], members: tuple[int, ...], kind: int) -> np.ndarray:
-    """The reduction of the members' buffers, folded in member order as every backend does
-    (the same operations on the same values, so the same bits)."""
-    reduce = np.add if kind == 4 else _REDUCERS[kind]
+def _fold(posted: dict[int, np.ndarray], members: tuple[int, ...], op: int) -> np.ndarray:
+    """The members' buffers reduced in member order, ``((x0 op x1) op x2) ...``."""
+    reduce = REDUCERS[op]
     result = posted[members[0]]
     for d in members[1:]:
         result = reduce(result, posted[d])
-    if kind == 4:  # the average: the sum, then one division
-        result = result / len(members)
     return result
-
-
-def _allreduce(x, kind, group, out) -> None:
-    exchange, members, _ = _group(group)
-
-    def read(posted):
-        np.from_dlpack(out)[...] = _reduce(posted, members, int(kind))
-
-    exchange.meet(members, np.from_dlpack(x), read)
-
-
-def _reducescatter(x, kind, group, axes, out) -> None:
-    exchange, members, me = _group(group)
-
-    def read(posted):
-        blocks = np.split(_reduce(posted, members, int(kind)), len(members), axis=int(axes[0]))
-        np.from_dlpack(out)[...] = blocks[me]
-
-    exchange.meet(members, np.from_dlpack(x), read)
-
-
-def _local_slice(x, group, axes, out) -> None:
-    _, members, me = _group(group)
-    part = np.split(np.from_dlpack(x), len(members), axis=int(axes[0]))[me]
-    np.from_dlpack(out)[...] = part
-
-
-def _allgather(x, group, axes, out) -> None:
-    exchange, members, _ = _group(group)
-
-    def read(posted):
-        np.from_dlpack(out)[...] = np.concatenate([posted[d] for d in members],
-                                                  axis=int(axes[0]))
-
-    exchange.meet(members, np.from_dlpack(x), read)
-
-
-def _alltoall(x, group, axes, out) -> None:
-    exchange, members, me = _group(group)
-    split_dim, concat_dim = int(axes[0]), int(axes[1])
-
-    def read(posted):
-        pieces = [np.split(posted[d], len(members), axis=split_dim)[me] for d in members]
-        np.from_dlpack(out)[...] = np.concatenate(pieces, axis=concat_dim)
-
-    exchange.meet(members, np.from_dlpack(x), read)
-
-
-def _move(x, spec, out) -> None:
-    """Every side of a send/recv: ``x`` is None on a receiver only, ``out`` on a sender only."""
-    exchange = _ACTIVE[-1]
-    me = exchange.local.device
-    move = SendRecvSpec.decode(spec)
-
-    def read(posted):
-        if out is not None:
-            target = np.from_dlpack(out)
-            for piece in move.pieces(me):
-                target[piece.target] = posted[piece.sender][piece.source]
-
-    exchange.meet(move.participants(), None if x is None else np.from_dlpack(x), read)
-
-
-def _send_recv(x, spec, out) -> None:
-    _move(x, spec, out)
-
-
-def _send(x, spec) -> None:
-    _move(x, spec, None)
-
-
-def _recv(spec, out) -> None:
-    _move(None, spec, out)
-
-
-_FUNCTIONS = {
-    ccl.ALLREDUCE: _allreduce,
-    ccl.ALLGATHER: _allgather,
-    ccl.REDUCE_SCATTER: _reducescatter,
-    ccl.ALLTOALL: _alltoall,
-    ccl.LOCAL_SLICE: _local_slice,
-    ccl.SEND_RECV: _send_recv,
-    ccl.SEND: _send,
-    ccl.RECV: _recv,
-}
-
-
-def _register() -> None:
-    import tvm_ffi
-
-    for name, func in _FUNCTIONS.items():
-        tvm_ffi.register_global_func(name, func, override=True)
 
 
 def emulate(executable, inputs: Sequence[Sequence[np.ndarray]], devices: Sequence[int],
@@ -230,8 +182,8 @@ def emulate(executable, inputs: Sequence[Sequence[np.ndarray]], devices: Sequenc
     if len(entries) != len(devices) or len(inputs) != len(devices):
         raise ValueError(f"{len(devices)} devices need as many entries and inputs, got "
                          f"{len(entries)} entries and {len(inputs)} inputs")
-    _register()
     exchange = _Exchange(devices, timeout)
+    register(EmulatedCollectives(exchange))  # runs do not overlap
     results: dict[int, object] = {}
     errors: dict[int, BaseException] = {}
 
@@ -249,16 +201,12 @@ def emulate(executable, inputs: Sequence[Sequence[np.ndarray]], devices: Sequenc
             errors[device] = err
             exchange.abort(err)
 
-    _ACTIVE.append(exchange)
-    try:
-        threads = [threading.Thread(target=rank, args=(d, e, a), daemon=True)
-                   for d, e, a in zip(devices, entries, inputs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout)
-    finally:
-        _ACTIVE.pop()
+    threads = [threading.Thread(target=rank, args=(d, e, a), daemon=True)
+               for d, e, a in zip(devices, entries, inputs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
     if errors:
         device, err = sorted(errors.items())[0]
         raise RuntimeError(f"rank {device} failed: {err}") from err

@@ -1,12 +1,14 @@
-"""The ``tvm_distx.ccl.*`` runtime functions over MPI (mpi4py), for ranks under ``mpiexec``.
+"""The collectives over MPI (mpi4py), for ranks under ``mpiexec``.
 
-Device ``d`` is rank ``d`` of the world communicator. :func:`install`
-registers every function of :mod:`tvm_distx.ccl` as a global TVM function, so
-it must run after ``import tvm`` and before a ``relax.VirtualMachine`` is
-created (the VM looks its functions up once). It also overrides TVM's own
-disco builtins (``runtime.disco.allreduce``, ``allgather``,
-``broadcast_from_worker0`` and ``scatter_from_worker0``, over the whole
-world), so programs lowered by TVM's ``LowerDistIR`` run too.
+Device ``d`` is rank ``d`` of the world communicator. :class:`MpiCollectives`
+implements the collective-backend interface of
+:mod:`tvm_distx.runtime.collectives`; :func:`install` registers it as every
+function of :mod:`tvm_distx.ccl`, so it must run after ``import tvm`` and
+before a ``relax.VirtualMachine`` is created (the VM looks its functions up
+once). It also overrides TVM's own disco builtins (``runtime.disco.allreduce``,
+``allgather``, ``broadcast_from_worker0``, ``scatter_from_worker0`` and
+``gather_to_worker0``, over the whole world), so programs lowered by TVM's
+``LowerDistIR`` run too.
 
 How data moves:
 
@@ -25,7 +27,10 @@ How data moves:
 * ``allreduce`` of floats over more than two ranks (sum, product, average)
   folds the members' values in member order, as the other backends do, so
   every backend gives the same bits (see ``_allreduce_in_member_order``);
-  otherwise it is MPI's ``Allreduce``.
+  otherwise it is MPI's ``Allreduce``. ``reducescatter`` is MPI's
+  ``Reduce_scatter_block`` on the blocks along its dimension, or for such
+  floats an all-to-all of the blocks (the same traffic) and a fold in member
+  order.
 * ``allgather`` along dimension 0 receives straight into the output; along
   another dimension it receives the blocks into a scratch buffer and
   interleaves them into the output with one copy. ``alltoall`` packs and
@@ -49,49 +54,27 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from tvm_distx import ccl
-from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
-from tvm_distx.errors import DistxError
+from tvm_distx.ccl import SendRecvSpec
+from tvm_distx.errors import CollectiveGroupError
+from tvm_distx.runtime.collectives import Collectives, ProcessGroup, check_shape, register
 
 if TYPE_CHECKING:
     from mpi4py import MPI
-    from tvm.runtime import Tensor
 
 __all__ = ["MpiCollectives", "CollectiveGroupError", "install"]
 
 logger = logging.getLogger(__name__)
 
-_AVG = ccl.REDUCE_KINDS["avg"]
 _TAG = 77
-#: Reduce kinds whose floating-point result depends on the order (sum, product, average).
-_ORDERED = (ccl.REDUCE_KINDS["sum"], ccl.REDUCE_KINDS["prod"], _AVG)
-#: The elementwise fold of each reduce kind (the average folds a sum).
-_FOLDS = {0: np.add, 1: np.multiply, 2: np.minimum, 3: np.maximum, _AVG: np.add}
-#: The function a rank calls in a send/recv, by (sends, receives).
-_ROLES = {(True, True): ccl.SEND_RECV, (True, False): ccl.SEND, (False, True): ccl.RECV}
+_SUM, _PROD = ccl.REDUCE_KINDS["sum"], ccl.REDUCE_KINDS["prod"]
+#: Reduce kinds whose floating-point result depends on the order (the average is a sum).
+_ORDERED = (_SUM, _PROD)
 _Slices = tuple[slice, ...]
-
-
-class CollectiveGroupError(DistxError, RuntimeError):
-    """A rank called a collective or a send/recv that it takes no part in.
-
-    This is a lowering bug (or ranks running different programs): the rank
-    would otherwise wait forever for peers that never come.
-    """
-
-    rule = "collective-group"
-
-
-@dataclass(frozen=True)
-class _Place:
-    """This rank's place in one collective group."""
-
-    members: tuple[int, ...]
-    index: int
 
 
 @dataclass(frozen=True)
@@ -115,7 +98,7 @@ class _P2PPlan:
     scratch: int  # elements of packing space needed
 
 
-class MpiCollectives:
+class MpiCollectives(Collectives):
     """The collectives of one rank, on a world communicator.
 
     Creating it duplicates ``comm`` (for point-to-point traffic), which is
@@ -132,31 +115,28 @@ class MpiCollectives:
 
         self.mpi = MPI
         self.comm = comm
-        self.rank = comm.Get_rank()
+        self._rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._world = tuple(range(self.size))
         self.p2p = comm.Dup()  # point-to-point traffic never meets anything else
-        self._places: dict[tuple[int, ...], _Place] = {}
         self._comms: dict[tuple[int, ...], MPI.Comm] = {}
-        self._plans: dict[tuple[int, ...], _P2PPlan] = {}
+        self._plans: dict[SendRecvSpec, _P2PPlan] = {}
         self._scratch: dict[tuple[str, int], np.ndarray] = {}
-        self._ops = {0: MPI.SUM, 1: MPI.PROD, 2: MPI.MIN, 3: MPI.MAX, _AVG: MPI.SUM}
+        self._ops = {_SUM: MPI.SUM, _PROD: MPI.PROD, ccl.REDUCE_KINDS["min"]: MPI.MIN,
+                     ccl.REDUCE_KINDS["max"]: MPI.MAX}
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def devices(self) -> range:
+        return range(self.size)
 
     # ------------------------------------------------------------------ plumbing
-    def place(self, group: Sequence[int]) -> _Place:
-        """This rank's group of an encoded :class:`~tvm_distx.ccl.CollectiveGroup` (cached)."""
-        key = tuple(group)
-        place = self._places.get(key)
-        if place is None:
-            decoded = CollectiveGroup.decode(key)
-            size = math.prod(decoded.mesh_shape)
-            self._check_mesh(decoded.first_device, size, f"a collective of group {decoded}")
-            members = decoded.members(self.rank)
-            place = self._places[key] = _Place(members, members.index(self.rank))
-        return place
-
     def communicator(self, members: tuple[int, ...]) -> MPI.Comm:
-        """The communicator of ``members``; the first call is collective over them."""
+        """The communicator of ``members`` (rank ``k`` is member ``k``); the first call is
+        collective over them."""
         if members == self._world:
             return self.comm
         comm = self._comms.get(members)
@@ -182,46 +162,14 @@ class MpiCollectives:
             flat = self._scratch[key] = np.empty(count, dtype)
         return flat[:count].reshape(shape)
 
-    def _check_mesh(self, first: int, size: int, what: str) -> None:
-        if first + size > self.size:
-            raise CollectiveGroupError(
-                f"{what} needs devices {first}..{first + size - 1} but the job has "
-                f"{self.size} ranks; launch it with at least {first + size}")
-        if not first <= self.rank < first + size:
-            raise CollectiveGroupError(
-                f"rank {self.rank} called {what}, whose mesh is devices "
-                f"{first}..{first + size - 1}: only the mesh's ranks may call it")
-
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, x: Tensor, kind: int | Sequence[int], group: Sequence[int],
-                  out: Tensor) -> None:
-        """``tvm_distx.ccl.allreduce``: reduce ``x`` over the group into ``out``."""
-        place = self.place(group)
-        code = _reduce_code(kind)
-        send, recv = _array(x, reduce=True), _array(out, reduce=True)
-        _expect(recv, send.shape, "allreduce")
-        self._allreduce(send, recv, code, place.members)
-
-    def _allreduce(self, send: np.ndarray, recv: np.ndarray, code: int,
-                   members: tuple[int, ...]) -> None:
-        op = self._ops.get(code)
-        if op is None:
-            raise ValueError(f"unknown reduce kind {code}; known: {ccl.REDUCE_KINDS}")
-        in_place = _same(send, recv)
-        if len(members) == 1:
-            if not in_place:
-                np.copyto(recv, send)
-            return
-        if len(members) > 2 and recv.dtype.kind in "fc" and code in _ORDERED:
-            self._allreduce_in_member_order(send, recv, code, members)
+    def all_reduce(self, x: np.ndarray, out: np.ndarray, op: int, group: ProcessGroup) -> None:
+        members = group.members
+        if group.size > 2 and out.dtype.kind in "fc" and op in _ORDERED:
+            self._allreduce_in_member_order(x, out, op, members)
         else:
-            self.communicator(members).Allreduce(self.mpi.IN_PLACE if in_place else send,
-                                                 recv, op=op)
-        if code == _AVG:
-            if recv.dtype.kind == "f":
-                np.divide(recv, len(members), out=recv)
-            else:  # like numpy's sum / n stored back: truncated toward zero
-                recv[...] = recv / len(members)
+            self.communicator(members).Allreduce(
+                self.mpi.IN_PLACE if _same(x, out) else x, out, op=self._ops[op])
 
     def _allreduce_in_member_order(self, send: np.ndarray, recv: np.ndarray, code: int,
                                    members: tuple[int, ...]) -> None:
@@ -243,132 +191,91 @@ class MpiCollectives:
         got = self.scratch((p, chunk), send.dtype, slot=1)
         comm = self.communicator(members)
         comm.Alltoall(padded, got)
-        fold = np.multiply if code == 1 else np.add
         mine = self.scratch((chunk,), send.dtype, slot=2)
-        fold(got[0], got[1], out=mine)
-        for part in got[2:]:
-            fold(mine, part, out=mine)
+        _fold_rows(got, mine, code)
         if chunk * p == n:
             comm.Allgather(mine, recv.reshape(p, chunk))
         else:
             comm.Allgather(mine, padded)
             recv.reshape(-1)[...] = padded.reshape(-1)[:n]
 
-    def allgather(self, x: Tensor, group: Sequence[int], axes: Sequence[int],
-                  out: Tensor) -> None:
-        """``tvm_distx.ccl.allgather``: concatenate the group's blocks along ``axes[0]``."""
-        place = self.place(group)
-        send, recv = _array(x), _array(out)
-        dim, p = int(axes[0]), len(place.members)
-        _expect(recv, _grown(send.shape, dim, p), "allgather")
-        if p == 1:
-            np.copyto(recv, send)
-            return
-        comm = self.communicator(place.members)
-        if math.prod(send.shape[:dim]) == 1:  # the blocks land one after the other
-            comm.Allgather(send, recv)
-            return
-        blocks = self.scratch((p, *send.shape), send.dtype)
-        comm.Allgather(send, blocks)
-        _interleave(blocks, recv, dim)
+    def reduce_scatter(self, x: np.ndarray, out: np.ndarray, op: int, dim: int,
+                       group: ProcessGroup) -> None:
+        """MPI's ``Reduce_scatter_block`` on the blocks along ``dim`` (moved to the front
+        in scratch unless it is the outermost non-trivial dimension).
 
-    def alltoall(self, x: Tensor, group: Sequence[int], axes: Sequence[int],
-                 out: Tensor) -> None:
-        """``tvm_distx.ccl.alltoall``: split along ``axes[0]``, swap pieces, concatenate
-        along ``axes[1]``."""
-        place = self.place(group)
-        send, recv = _array(x), _array(out)
-        split, concat, p = int(axes[0]), int(axes[1]), len(place.members)
-        piece = _split(send.shape, split, p)
-        _expect(recv, _grown(piece, concat, p), "alltoall")
-        if p == 1:
-            np.copyto(recv, send)
-            return
-        comm = self.communicator(place.members)
-        if math.prod(send.shape[:split]) == 1:  # piece k is already the k-th chunk
-            packed = send
+        Floats summed (multiplied) over more than two ranks are folded in member
+        order instead, as :meth:`_allreduce_in_member_order` does: an all-to-all
+        of the blocks, the same traffic, then a local fold.
+        """
+        p = group.size
+        comm = self.communicator(group.members)
+        if math.prod(x.shape[:dim]) == 1:  # block k is already the k-th chunk
+            blocks = x.reshape(p, -1)
         else:
-            packed = self.scratch((p, *piece), send.dtype, slot=0)
-            _deinterleave(send, packed, split)
-        if math.prod(recv.shape[:concat]) == 1:
-            comm.Alltoall(packed, recv)
+            blocks = self.scratch((p, *out.shape), x.dtype, slot=0)
+            _deinterleave(x, blocks, dim)
+            blocks = blocks.reshape(p, -1)
+        mine = out.reshape(-1)
+        if p > 2 and out.dtype.kind in "fc" and op in _ORDERED:
+            got = self.scratch(blocks.shape, x.dtype, slot=1)
+            comm.Alltoall(blocks, got)
+            _fold_rows(got, mine, op)
+        else:
+            comm.Reduce_scatter_block(blocks, mine, op=self._ops[op])
+
+    def all_gather(self, x: np.ndarray, out: np.ndarray, dim: int, group: ProcessGroup) -> None:
+        comm = self.communicator(group.members)
+        if math.prod(x.shape[:dim]) == 1:  # the blocks land one after the other
+            comm.Allgather(x, out)
             return
-        got = self.scratch((p, *piece), recv.dtype, slot=1)
+        blocks = self.scratch((group.size, *x.shape), x.dtype)
+        comm.Allgather(x, blocks)
+        _interleave(blocks, out, dim)
+
+    def all_to_all(self, x: np.ndarray, out: np.ndarray, split: int, concat: int,
+                   group: ProcessGroup) -> None:
+        p = group.size
+        piece = _shape_split(x.shape, split, p)
+        comm = self.communicator(group.members)
+        if math.prod(x.shape[:split]) == 1:  # piece k is already the k-th chunk
+            packed = x
+        else:
+            packed = self.scratch((p, *piece), x.dtype, slot=0)
+            _deinterleave(x, packed, split)
+        if math.prod(out.shape[:concat]) == 1:
+            comm.Alltoall(packed, out)
+            return
+        got = self.scratch((p, *piece), out.dtype, slot=1)
         comm.Alltoall(packed, got)
-        _interleave(got, recv, concat)
+        _interleave(got, out, concat)
 
-    def reducescatter(self, x: Tensor, kind: int | Sequence[int], group: Sequence[int],
-                      axes: Sequence[int], out: Tensor) -> None:
-        """``tvm_distx.ccl.reducescatter``: member ``k`` gets block ``k`` along ``axes[0]`` of
-        the reduction over the group, folded in member order (the all-reduce's bits)."""
-        place = self.place(group)
-        code = _reduce_code(kind)
-        if code not in _FOLDS:
-            raise ValueError(f"unknown reduce kind {code}; known: {ccl.REDUCE_KINDS}")
-        send, recv = _array(x, reduce=True), _array(out, reduce=True)
-        dim, p = int(axes[0]), len(place.members)
-        piece = _split(send.shape, dim, p)
-        _expect(recv, piece, "reducescatter")
-        if p == 1:
-            np.copyto(recv, send)
-        else:
-            if math.prod(send.shape[:dim]) == 1 and send.flags.c_contiguous:
-                packed = send.reshape(p, *piece)  # block k is already the k-th chunk
-            else:
-                packed = self.scratch((p, *piece), send.dtype, slot=0)
-                _deinterleave(send, packed, dim)
-            got = self.scratch((p, *piece), send.dtype, slot=1)
-            self.communicator(place.members).Alltoall(packed, got)
-            fold = _FOLDS[code]
-            fold(got[0], got[1], out=recv)
-            for block in got[2:]:
-                fold(recv, block, out=recv)
-        if code == _AVG and p > 1:
-            if recv.dtype.kind == "f":
-                np.divide(recv, p, out=recv)
-            else:
-                recv[...] = recv / p
+    def broadcast(self, x: np.ndarray | None, out: np.ndarray, root: int,
+                  group: ProcessGroup) -> None:
+        if x is not None:
+            np.copyto(out, x)
+        self.communicator(group.members).Bcast(out, root=root)
 
-    def local_slice(self, x: Tensor, group: Sequence[int], axes: Sequence[int],
-                    out: Tensor) -> None:
-        """``tvm_distx.ccl.local_slice``: keep this rank's piece of ``x`` along ``axes[0]``."""
-        place = self.place(group)
-        send, recv = _array(x), _array(out)
-        dim, p = int(axes[0]), len(place.members)
-        _expect(recv, _split(send.shape, dim, p), "local_slice")
-        length = recv.shape[dim]
-        index = [slice(None)] * send.ndim
-        index[dim] = slice(place.index * length, (place.index + 1) * length)
-        np.copyto(recv, send[tuple(index)])
+    def scatter(self, x: np.ndarray | None, out: np.ndarray, root: int,
+                group: ProcessGroup) -> None:
+        self.communicator(group.members).Scatter(x, out, root=root)
+
+    def gather(self, x: np.ndarray, out: np.ndarray | None, root: int,
+               group: ProcessGroup) -> None:
+        self.communicator(group.members).Gather(x, out, root=root)
 
     # ------------------------------------------------------------------ point to point
-    def send_recv(self, x: Tensor, spec: Sequence[int], out: Tensor) -> None:
-        """``tvm_distx.ccl.send_recv``: a rank of both meshes of the move."""
-        self.move(x, spec, out)
-
-    def send(self, x: Tensor, spec: Sequence[int]) -> None:
-        """``tvm_distx.ccl.send``: a rank of the source mesh only."""
-        self.move(x, spec, None)
-
-    def recv(self, spec: Sequence[int], out: Tensor) -> None:
-        """``tvm_distx.ccl.recv``: a rank of the destination mesh only."""
-        self.move(None, spec, out)
-
-    def move(self, x: Tensor | None, spec: Sequence[int], out: Tensor | None) -> None:
+    def move(self, x: np.ndarray | None, out: np.ndarray | None, spec: SendRecvSpec) -> None:
         """This rank's side of a send/recv; ``x`` is None on a receiver only, ``out`` on a
         sender only."""
-        plan = self._plan(spec)
-        wanted = _ROLES[plan.src_shape is not None, plan.dst_shape is not None]
-        called = _ROLES.get((x is not None, out is not None))
-        if called != wanted:
-            raise CollectiveGroupError(f"rank {self.rank} must call {wanted} for this move, "
-                                       f"not {called}")
-        send = _array(x) if x is not None else None
-        recv = _array(out) if out is not None else None
+        plan = self._plans.get(spec)
+        if plan is None:
+            plan = self._plans[spec] = _plan_move(spec, self.rank)
+        send, recv = x, out
         if send is not None:
-            _expect(send, plan.src_shape, "the source of a send/recv")
+            check_shape(send, plan.src_shape, "the source of a send/recv")
         if recv is not None:
-            _expect(recv, plan.dst_shape, "the destination of a send/recv")
+            check_shape(recv, plan.dst_shape, "the destination of a send/recv")
         dtype = (send if send is not None else recv).dtype
         pool = self.scratch((plan.scratch,), dtype)
         requests, unpack = [], []
@@ -390,113 +297,23 @@ class MpiCollectives:
         for view, buf in unpack:
             np.copyto(view, buf)
 
-    def _plan(self, spec: Sequence[int]) -> _P2PPlan:
-        """This rank's side of an encoded :class:`~tvm_distx.ccl.SendRecvSpec` (cached)."""
-        key = tuple(spec)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = _plan_move(SendRecvSpec.decode(key), self.rank, self.size)
-        return plan
-
-    # ------------------------------------------------------------------ TVM's builtins
-    # TVM's builtins take ``in_group`` (disco worker groups); here the world is one group.
-    def disco_allreduce(self, x: Tensor, kind: Sequence[int], in_group: bool,
-                        out: Tensor) -> None:
-        """``runtime.disco.allreduce`` over the whole world (``kind`` is a one-element shape)."""
-        send, recv = _array(x, reduce=True), _array(out, reduce=True)
-        _expect(recv, send.shape, "runtime.disco.allreduce")
-        self._allreduce(send, recv, _reduce_code(kind), self._world)
-
-    def disco_allgather(self, x: Tensor, in_group: bool, out: Tensor) -> None:
-        """``runtime.disco.allgather`` over the whole world, along dimension 0."""
-        send, recv = _array(x), _array(out)
-        _expect(recv, _grown(send.shape, 0, self.size), "runtime.disco.allgather")
-        self.comm.Allgather(send, recv)
-
-    def disco_broadcast(self, x: Tensor, in_group: bool, out: Tensor) -> None:
-        """``runtime.disco.broadcast_from_worker0``: rank 0's ``x`` into every ``out``."""
-        recv = _array(out)
-        if self.rank == 0:
-            np.copyto(recv, _array(x))
-        self.comm.Bcast(recv, root=0)
-
-    def disco_scatter(self, x: Tensor, in_group: bool, out: Tensor) -> None:
-        """``runtime.disco.scatter_from_worker0``: row ``r`` of rank 0's ``x`` into rank ``r``."""
-        recv = _array(out)
-        send = _array(x) if self.rank == 0 else None
-        if send is not None:
-            _expect(send, (self.size, *recv.shape), "runtime.disco.scatter_from_worker0")
-        self.comm.Scatter(send, recv, root=0)
-
-    def functions(self) -> dict[str, Callable[..., None]]:
-        """Every global function this backend provides, by name."""
-        return {
-            ccl.ALLREDUCE: self.allreduce,
-            ccl.ALLGATHER: self.allgather,
-            ccl.ALLTOALL: self.alltoall,
-            ccl.LOCAL_SLICE: self.local_slice,
-            ccl.REDUCE_SCATTER: self.reducescatter,
-            ccl.SEND_RECV: self.send_recv,
-            ccl.SEND: self.send,
-            ccl.RECV: self.recv,
-            "runtime.disco.allreduce": self.disco_allreduce,
-            "runtime.disco.allgather": self.disco_allgather,
-            "runtime.disco.broadcast_from_worker0": self.disco_broadcast,
-            "runtime.disco.scatter_from_worker0": self.disco_scatter,
-        }
-
 
 # ---------------------------------------------------------------------- helpers
-def _array(tensor: Tensor, reduce: bool = False) -> np.ndarray:
-    """A writable numpy view of a TVM tensor (no copy).
-
-    A dtype numpy lacks (bfloat16, float8) is viewed as unsigned integers of
-    its width, which moves the same bytes but cannot be reduced.
-    """
-    try:
-        return np.from_dlpack(tensor)
-    except RuntimeError as err:  # "Unsupported dtype in DLTensor"
-        bits = tensor.dtype.bits * tensor.dtype.lanes
-        if reduce or bits not in (8, 16, 32, 64):
-            raise TypeError(f"the MPI collectives cannot {'reduce' if reduce else 'move'} "
-                            f"tensors of dtype {tensor.dtype}") from err
-        return np.from_dlpack(tensor._create_view(tuple(tensor.shape), f"uint{bits}"))
-
-
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two views start at the same address (the cheap bounds test goes first)."""
     return np.may_share_memory(a, b) and a.ctypes.data == b.ctypes.data
 
 
-def _reduce_code(kind) -> int:
-    """The reduce kind as an int: lowered programs pass an int, TVM's builtin a shape."""
-    return int(kind[0]) if isinstance(kind, tuple) else int(kind)
+def _fold_rows(rows: np.ndarray, into: np.ndarray, code: int) -> None:
+    """``into = ((rows[0] op rows[1]) op rows[2]) ...``: a sum or product in member order."""
+    fold = np.multiply if code == _PROD else np.add
+    fold(rows[0], rows[1], out=into)
+    for row in rows[2:]:
+        fold(into, row, out=into)
 
 
-def _grown(shape: Sequence[int], dim: int, parts: int) -> tuple[int, ...]:
-    """``shape`` with dimension ``dim`` ``parts`` times longer."""
-    _check_dim(shape, dim)
-    return (*shape[:dim], shape[dim] * parts, *shape[dim + 1:])
-
-
-def _split(shape: Sequence[int], dim: int, parts: int) -> tuple[int, ...]:
-    """``shape`` with dimension ``dim`` cut into ``parts`` (which must divide it)."""
-    _check_dim(shape, dim)
-    if shape[dim] % parts:
-        raise ValueError(f"dimension {dim} of shape {tuple(shape)} does not split into "
-                         f"{parts} equal pieces")
+def _shape_split(shape: Sequence[int], dim: int, parts: int) -> tuple[int, ...]:
     return (*shape[:dim], shape[dim] // parts, *shape[dim + 1:])
-
-
-def _check_dim(shape: Sequence[int], dim: int) -> None:
-    if not 0 <= dim < len(shape):
-        raise ValueError(f"dimension {dim} is out of range for a tensor of shape {tuple(shape)}")
-
-
-def _expect(array: np.ndarray, shape: Sequence[int], what: str) -> None:
-    if array.shape != tuple(shape):
-        raise ValueError(f"{what}: expected a tensor of shape {tuple(shape)}, got "
-                         f"{array.shape}")
 
 
 def _interleave(blocks: np.ndarray, out: np.ndarray, dim: int) -> None:
@@ -524,7 +341,7 @@ def _extent(bounds) -> tuple[int, ...] | None:
     return None if bounds is None else tuple(b - a for a, b in bounds)
 
 
-def _plan_move(move: SendRecvSpec, rank: int, world: int) -> _P2PPlan:
+def _plan_move(move: SendRecvSpec, rank: int) -> _P2PPlan:
     """What ``rank`` receives, sends and keeps in ``move``.
 
     The transfers are :meth:`SendRecvSpec.pieces` and :meth:`SendRecvSpec.sends`,
@@ -533,14 +350,6 @@ def _plan_move(move: SendRecvSpec, rank: int, world: int) -> _P2PPlan:
     """
     from tvm_distx.layout import shard_bounds
 
-    last = max(move.participants())
-    if last >= world:
-        raise CollectiveGroupError(f"a send/recv needs devices up to {last} but the job has "
-                                   f"{world} ranks; launch it with at least {last + 1}")
-    if move.role(rank) is None:
-        raise CollectiveGroupError(
-            f"rank {rank} called a send/recv of devices {move.participants()}, which it is "
-            "not one of")
     src_shape = _extent(shard_bounds(move.src, move.shape, rank))
     dst_shape = _extent(shard_bounds(move.dst, move.shape, rank))
     scratch = 0
@@ -588,15 +397,13 @@ def install(comm: MPI.Comm | None = None) -> MpiCollectives:
         The installed implementation.
     """
     import tvm  # noqa: F401 - TVM registers its own builtins first, then we override them
-    import tvm_ffi
     from mpi4py import MPI
 
     global _INSTALLED
     comm = MPI.COMM_WORLD if comm is None else comm
     if _INSTALLED is None or _INSTALLED.comm != comm:
         _INSTALLED = MpiCollectives(comm)
-    for name, func in _INSTALLED.functions().items():
-        tvm_ffi.register_global_func(name, func, override=True)
+    register(_INSTALLED, builtins="runtime.disco.")
     logger.debug("MPI collectives installed on rank %d of %d", _INSTALLED.rank,
                  _INSTALLED.size)
     return _INSTALLED

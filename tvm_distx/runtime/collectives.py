@@ -1,0 +1,434 @@
+"""The collective-backend interface, and the one adapter from it to the ``tvm_distx.ccl`` ABI.
+
+A backend moves numpy arrays between the ranks of a run: the emulator
+(:mod:`tvm_distx.runtime.emulator`, ranks as threads), MPI
+(:mod:`tvm_distx.runtime.mpi_ccl`) and disco shared memory
+(:mod:`tvm_distx.runtime.disco_shm`). Each implements :class:`Collectives`:
+every collective runs over a :class:`ProcessGroup` (the members of a
+:class:`~tvm_distx.ccl.CollectiveGroup`, in group order) and writes into a
+destination array of the right shape.
+
+:func:`abi_functions` is the only place that reads the packed arguments of the
+``tvm_distx.ccl.*`` functions (and of TVM's own disco builtins): it views the
+tensors as numpy arrays without copy, decodes groups and send/recv specs
+(cached), checks shapes and group membership, handles groups of one rank and
+the average (a sum, then one division), and calls the backend.
+:func:`register` makes those functions this process's global functions.
+
+Adding a collective means a method on :class:`Collectives`, its implementation
+in each backend, its ABI name in :mod:`tvm_distx.ccl` with an entry in
+:func:`abi_functions`, and the planner step that emits it.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+from tvm_distx import ccl
+from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
+from tvm_distx.errors import CollectiveGroupError
+
+if TYPE_CHECKING:
+    from tvm.runtime import Tensor
+
+__all__ = ["Collectives", "ProcessGroup", "REDUCERS", "abi_functions", "register", "as_numpy",
+           "check_shape", "process_group"]
+
+logger = logging.getLogger(__name__)
+
+_AVG = ccl.REDUCE_KINDS["avg"]
+#: The reductions a backend implements, by ABI code (the average is a sum, then a division).
+REDUCERS = {ccl.REDUCE_KINDS["sum"]: np.add, ccl.REDUCE_KINDS["prod"]: np.multiply,
+            ccl.REDUCE_KINDS["min"]: np.minimum, ccl.REDUCE_KINDS["max"]: np.maximum}
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """The ranks one collective runs among, in group order, and this rank's place.
+
+    Parameters
+    ----------
+    members : tuple of int
+        The global devices of the group, in group order (member ``k`` holds
+        block ``k`` of a gathered or scattered tensor).
+    index : int
+        This rank's position in ``members``.
+    """
+
+    members: tuple[int, ...]
+    index: int
+
+    @property
+    def size(self) -> int:
+        """The number of members."""
+        return len(self.members)
+
+
+class Collectives(abc.ABC):
+    """One rank's collectives over a backend, on numpy arrays.
+
+    Every method is called by every member of ``group``, in the same order on
+    every member (and :meth:`move` by every device of either mesh of its
+    spec). Outputs are written into ``out``, which has the rank-local result
+    shape. Groups have at least two members (the adapter copies for a group of
+    one). Reductions are folded in member order, ``((x0 op x1) op x2) ...``, so
+    that every backend gives the same bits.
+    """
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """The global device id of the calling rank."""
+
+    @property
+    @abc.abstractmethod
+    def devices(self) -> Sequence[int]:
+        """Every device of the run."""
+
+    @abc.abstractmethod
+    def all_reduce(self, x: np.ndarray, out: np.ndarray, op: int, group: ProcessGroup) -> None:
+        """The elementwise reduction (a key of :data:`REDUCERS`) of every member's ``x``."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, x: np.ndarray, out: np.ndarray, op: int, dim: int,
+                       group: ProcessGroup) -> None:
+        """Block ``group.index`` (of ``group.size`` equal blocks along ``dim``) of the
+        reduction of every member's ``x``."""
+
+    @abc.abstractmethod
+    def all_gather(self, x: np.ndarray, out: np.ndarray, dim: int, group: ProcessGroup) -> None:
+        """Every member's ``x`` concatenated along ``dim``, in member order."""
+
+    @abc.abstractmethod
+    def all_to_all(self, x: np.ndarray, out: np.ndarray, split: int, concat: int,
+                   group: ProcessGroup) -> None:
+        """Split ``x`` along ``split``, piece ``k`` to member ``k``; concatenate the pieces
+        received along ``concat``, in member order."""
+
+    @abc.abstractmethod
+    def broadcast(self, x: np.ndarray | None, out: np.ndarray, root: int,
+                  group: ProcessGroup) -> None:
+        """Member ``root``'s ``x`` into every member's ``out`` (``x`` is read on the root
+        only)."""
+
+    @abc.abstractmethod
+    def move(self, x: np.ndarray | None, out: np.ndarray | None, spec: SendRecvSpec) -> None:
+        """This rank's side of a send/recv: ``x`` is None on a receiver only, ``out`` on a
+        sender only (see :meth:`SendRecvSpec.pieces` and :meth:`SendRecvSpec.sends`)."""
+
+    def send_recv(self, x: np.ndarray, out: np.ndarray, spec: SendRecvSpec) -> None:
+        """A rank of both meshes of ``spec``."""
+        self.move(x, out, spec)
+
+    def send(self, x: np.ndarray, spec: SendRecvSpec) -> None:
+        """A rank of the source mesh of ``spec`` only."""
+        self.move(x, None, spec)
+
+    def recv(self, out: np.ndarray, spec: SendRecvSpec) -> None:
+        """A rank of the destination mesh of ``spec`` only."""
+        self.move(None, out, spec)
+
+    # TVM's own disco builtins scatter from and gather to worker 0; backends
+    # with a cheaper way override these.
+    def scatter(self, x: np.ndarray | None, out: np.ndarray, root: int,
+                group: ProcessGroup) -> None:
+        """Row ``k`` of member ``root``'s ``x`` (shape ``(size, *out.shape)``) into member
+        ``k``'s ``out``."""
+        whole = np.empty((group.size, *out.shape), out.dtype)
+        self.broadcast(x, whole, root, group)
+        np.copyto(out, whole[group.index])
+
+    def gather(self, x: np.ndarray, out: np.ndarray | None, root: int,
+               group: ProcessGroup) -> None:
+        """Every member's ``x`` concatenated along dimension 0 into member ``root``'s ``out``."""
+        whole = np.empty((x.shape[0] * group.size, *x.shape[1:]), x.dtype)
+        self.all_gather(x, whole, 0, group)
+        if out is not None:
+            np.copyto(out, whole)
+
+
+# ---------------------------------------------------------------------- the adapter
+def as_numpy(tensor: Tensor, reduce: bool = False) -> np.ndarray:
+    """A writable numpy view of a TVM tensor (no copy).
+
+    A dtype numpy lacks (bfloat16, float8) is viewed as unsigned integers of
+    its width, which moves the same bytes but cannot be reduced.
+    """
+    try:
+        return np.from_dlpack(tensor)
+    except RuntimeError as err:  # "Unsupported dtype in DLTensor"
+        bits = tensor.dtype.bits * tensor.dtype.lanes
+        if reduce or bits not in (8, 16, 32, 64):
+            raise TypeError(f"the collectives cannot {'reduce' if reduce else 'move'} "
+                            f"tensors of dtype {tensor.dtype}") from err
+        return np.from_dlpack(tensor._create_view(tuple(tensor.shape), f"uint{bits}"))
+
+
+def process_group(group: CollectiveGroup, rank: int, devices: Sequence[int]) -> ProcessGroup:
+    """``rank``'s group of ``group``, checked against the run's ``devices``.
+
+    Raises
+    ------
+    CollectiveGroupError
+        If the group's mesh has devices the run lacks, or ``rank`` is not on it.
+    """
+    first, size = group.first_device, math.prod(group.mesh_shape)
+    what = f"a collective of group {group}"
+    if any(d not in devices for d in (first, first + size - 1)):
+        raise CollectiveGroupError(
+            f"{what} needs devices {first}..{first + size - 1} but the job has "
+            f"{len(devices)} ranks; launch it with at least {first + size}")
+    if not first <= rank < first + size:
+        raise CollectiveGroupError(
+            f"rank {rank} called {what}, whose mesh is devices "
+            f"{first}..{first + size - 1}: only the mesh's ranks may call it")
+    members = group.members(rank)
+    return ProcessGroup(members, members.index(rank))
+
+
+def abi_functions(backend: Collectives, builtins: str | None = None
+                  ) -> dict[str, Callable[..., None]]:
+    """Every ``tvm_distx.ccl.*`` function over ``backend``, by name.
+
+    Parameters
+    ----------
+    backend : Collectives
+        The implementation.
+    builtins : str, optional
+        Also TVM's disco builtins (``allreduce``, ``allgather``,
+        ``broadcast_from_worker0``, ``scatter_from_worker0``,
+        ``gather_to_worker0``, over every device of the run) under this
+        prefix: ``"runtime.disco."`` replaces TVM's dispatchers (no disco
+        session), ``"runtime.disco.."`` implements the CCL whose name is empty
+        (disco workers without a C++ CCL).
+    """
+    groups: dict[tuple, ProcessGroup] = {}
+    specs: dict[tuple, SendRecvSpec] = {}
+
+    def group_of(encoded) -> ProcessGroup:
+        rank = backend.rank
+        key = (tuple(encoded), rank)
+        found = groups.get(key)
+        if found is None:
+            found = groups[key] = process_group(CollectiveGroup.decode(key[0]), rank,
+                                                backend.devices)
+        return found
+
+    def reduced(send: np.ndarray, recv: np.ndarray, code: int, group: ProcessGroup,
+                collective: Callable[[int], None]) -> None:
+        if code not in REDUCERS and code != _AVG:
+            raise ValueError(f"unknown reduce kind {code}; known: {ccl.REDUCE_KINDS}")
+        if group.size == 1:
+            np.copyto(recv, send)
+            return
+        collective(ccl.REDUCE_KINDS["sum"] if code == _AVG else code)
+        if code == _AVG:  # the sum, then one division
+            if recv.dtype.kind in "fc":
+                np.divide(recv, group.size, out=recv)
+            else:  # like numpy's sum / n stored back: truncated toward zero
+                recv[...] = recv / group.size
+
+    def allreduce(x, kind, group, out) -> None:
+        g = group_of(group)
+        send, recv = as_numpy(x, reduce=True), as_numpy(out, reduce=True)
+        check_shape(recv, send.shape, "allreduce")
+        reduced(send, recv, _reduce_code(kind), g,
+                lambda op: backend.all_reduce(send, recv, op, g))
+
+    def reducescatter(x, kind, group, axes, out) -> None:
+        g = group_of(group)
+        send, recv = as_numpy(x, reduce=True), as_numpy(out, reduce=True)
+        dim = int(axes[0])
+        check_shape(recv, _split(send.shape, dim, g.size), "reducescatter")
+        reduced(send, recv, _reduce_code(kind), g,
+                lambda op: backend.reduce_scatter(send, recv, op, dim, g))
+
+    def allgather(x, group, axes, out) -> None:
+        g = group_of(group)
+        send, recv = as_numpy(x), as_numpy(out)
+        dim = int(axes[0])
+        check_shape(recv, _grown(send.shape, dim, g.size), "allgather")
+        if g.size == 1:
+            np.copyto(recv, send)
+        else:
+            backend.all_gather(send, recv, dim, g)
+
+    def alltoall(x, group, axes, out) -> None:
+        g = group_of(group)
+        send, recv = as_numpy(x), as_numpy(out)
+        split, concat = int(axes[0]), int(axes[1])
+        check_shape(recv, _grown(_split(send.shape, split, g.size), concat, g.size), "alltoall")
+        if g.size == 1:
+            np.copyto(recv, send)
+        else:
+            backend.all_to_all(send, recv, split, concat, g)
+
+    def broadcast(x, group, axes, out) -> None:
+        g = group_of(group)
+        send, recv = as_numpy(x), as_numpy(out)
+        root = int(axes[0])
+        if not 0 <= root < g.size:
+            raise ValueError(f"broadcast: root {root} is not a member index of a group of "
+                             f"{g.size}")
+        check_shape(recv, send.shape, "broadcast")
+        if g.size == 1:
+            np.copyto(recv, send)
+        else:
+            backend.broadcast(send if g.index == root else None, recv, root, g)
+
+    def local_slice(x, group, axes, out) -> None:
+        g = group_of(group)
+        send, recv = as_numpy(x), as_numpy(out)
+        dim = int(axes[0])
+        check_shape(recv, _split(send.shape, dim, g.size), "local_slice")
+        length = recv.shape[dim]
+        index = [slice(None)] * send.ndim
+        index[dim] = slice(g.index * length, (g.index + 1) * length)
+        np.copyto(recv, send[tuple(index)])
+
+    def spec_of(encoded, x, out) -> SendRecvSpec:
+        key = tuple(encoded)
+        spec = specs.get(key)
+        if spec is None:
+            spec = specs[key] = SendRecvSpec.decode(key)
+        rank, participants = backend.rank, spec.participants()
+        if participants[-1] not in backend.devices:
+            raise CollectiveGroupError(
+                f"a send/recv needs devices up to {participants[-1]} but the job has "
+                f"{len(backend.devices)} ranks; launch it with at least {participants[-1] + 1}")
+        role = spec.role(rank)
+        if role is None:
+            raise CollectiveGroupError(f"rank {rank} called a send/recv of devices "
+                                       f"{participants}, which it is not one of")
+        called = _ROLES.get((x is not None, out is not None))
+        if called != f"tvm_distx.ccl.{role}":
+            raise CollectiveGroupError(f"rank {rank} must call tvm_distx.ccl.{role} for this "
+                                       f"move, not {called}")
+        return spec
+
+    def send_recv(x, spec, out) -> None:
+        backend.send_recv(as_numpy(x), as_numpy(out), spec_of(spec, x, out))
+
+    def send(x, spec) -> None:
+        backend.send(as_numpy(x), spec_of(spec, x, None))
+
+    def recv(spec, out) -> None:
+        backend.recv(as_numpy(out), spec_of(spec, None, out))
+
+    functions = {
+        ccl.ALLREDUCE: allreduce,
+        ccl.REDUCE_SCATTER: reducescatter,
+        ccl.ALLGATHER: allgather,
+        ccl.ALLTOALL: alltoall,
+        ccl.BROADCAST: broadcast,
+        ccl.LOCAL_SLICE: local_slice,
+        ccl.SEND_RECV: send_recv,
+        ccl.SEND: send,
+        ccl.RECV: recv,
+    }
+    if builtins is not None:
+        functions.update(_tvm_builtins(backend, builtins, reduced))
+    return functions
+
+
+def _tvm_builtins(backend: Collectives, prefix: str, reduced) -> dict[str, Callable[..., None]]:
+    """TVM's disco builtins over every device of the run (``in_group`` is ignored: one group
+    of workers)."""
+
+    def world() -> ProcessGroup:
+        devices = tuple(backend.devices)
+        return ProcessGroup(devices, devices.index(backend.rank))
+
+    def allreduce(x, kind, in_group, out) -> None:
+        send, recv = as_numpy(x, reduce=True), as_numpy(out, reduce=True)
+        check_shape(recv, send.shape, f"{prefix}allreduce")
+        g = world()
+        reduced(send, recv, _reduce_code(kind), g,
+                lambda op: backend.all_reduce(send, recv, op, g))
+
+    def allgather(x, in_group, out) -> None:
+        send, recv, g = as_numpy(x), as_numpy(out), world()
+        check_shape(recv, _grown(send.shape, 0, g.size), f"{prefix}allgather")
+        if g.size == 1:
+            np.copyto(recv, send)
+        else:
+            backend.all_gather(send, recv, 0, g)
+
+    def broadcast_from_worker0(x, in_group, out) -> None:
+        recv, g = as_numpy(out), world()
+        send = as_numpy(x) if g.index == 0 else None
+        if g.size == 1:
+            np.copyto(recv, send)
+        else:
+            backend.broadcast(send, recv, 0, g)
+
+    def scatter_from_worker0(x, in_group, out) -> None:
+        recv, g = as_numpy(out), world()
+        send = as_numpy(x) if g.index == 0 else None
+        if send is not None:
+            check_shape(send, (g.size, *recv.shape), f"{prefix}scatter_from_worker0")
+        backend.scatter(send, recv, 0, g)
+
+    def gather_to_worker0(x, in_group, out) -> None:
+        send, g = as_numpy(x), world()
+        recv = as_numpy(out) if g.index == 0 else None
+        backend.gather(send, recv, 0, g)
+
+    return {f"{prefix}allreduce": allreduce, f"{prefix}allgather": allgather,
+            f"{prefix}broadcast_from_worker0": broadcast_from_worker0,
+            f"{prefix}scatter_from_worker0": scatter_from_worker0,
+            f"{prefix}gather_to_worker0": gather_to_worker0}
+
+
+def register(backend: Collectives, builtins: str | None = None) -> None:
+    """Make :func:`abi_functions` of ``backend`` this process's global TVM functions.
+
+    A ``relax.VirtualMachine`` resolves its functions once, when it is created:
+    register first.
+    """
+    import tvm_ffi
+
+    for name, func in abi_functions(backend, builtins).items():
+        tvm_ffi.register_global_func(name, func, override=True)
+
+
+# ---------------------------------------------------------------------- shapes
+_ROLES = {(True, True): ccl.SEND_RECV, (True, False): ccl.SEND, (False, True): ccl.RECV}
+
+
+def _reduce_code(kind) -> int:
+    """The reduce kind as an int: lowered programs pass an int, TVM's builtin a shape."""
+    return int(kind) if isinstance(kind, (int, np.integer)) else int(kind[0])
+
+
+def _grown(shape: Sequence[int], dim: int, parts: int) -> tuple[int, ...]:
+    """``shape`` with dimension ``dim`` ``parts`` times longer."""
+    _check_dim(shape, dim)
+    return (*shape[:dim], shape[dim] * parts, *shape[dim + 1:])
+
+
+def _split(shape: Sequence[int], dim: int, parts: int) -> tuple[int, ...]:
+    """``shape`` with dimension ``dim`` cut into ``parts`` (which must divide it)."""
+    _check_dim(shape, dim)
+    if shape[dim] % parts:
+        raise ValueError(f"dimension {dim} of shape {tuple(shape)} does not split into "
+                         f"{parts} equal pieces")
+    return (*shape[:dim], shape[dim] // parts, *shape[dim + 1:])
+
+
+def _check_dim(shape: Sequence[int], dim: int) -> None:
+    if not 0 <= dim < len(shape):
+        raise ValueError(f"dimension {dim} is out of range for a tensor of shape {tuple(shape)}")
+
+
+def check_shape(array: np.ndarray, shape: Sequence[int], what: str) -> None:
+    """Raise ValueError naming ``what`` unless ``array`` has ``shape``."""
+    if array.shape != tuple(shape):
+        raise ValueError(f"{what}: expected a tensor of shape {tuple(shape)}, got "
+                         f"{array.shape}")
