@@ -7,6 +7,7 @@ The sharding vocabulary lives at the top level; passes live in
 
 from .errors import (
     ArgumentError,
+    SymbolicExtentError,
     BundleError,
     CallGraphError,
     DistxError,
@@ -52,6 +53,7 @@ __all__ = [
     "DistxError",
     "BundleError",
     "ArgumentError",
+    "SymbolicExtentError",
     "LaunchError",
     "ShardingError",
     "PlacementSyntaxError",

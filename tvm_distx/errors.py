@@ -20,6 +20,7 @@ __all__ = [
     "DistxError",
     "BundleError",
     "ArgumentError",
+    "SymbolicExtentError",
     "LaunchError",
     "ShardingError",
     "PlacementSyntaxError",
@@ -238,6 +239,17 @@ class ArgumentError(_RuntimeErrorBase, ValueError):
     """The inputs or options given to compile or run do not fit the program."""
 
     rule = "argument"
+
+
+class SymbolicExtentError(ArgumentError):
+    """A run-time size does not fit a symbolic dimension of the program.
+
+    A symbolic extent split along mesh axes must be divisible by their size, and
+    a symbolic variable that appears in several parameters must have one value.
+    Raised from the actual inputs, before any rank starts.
+    """
+
+    rule = "symbolic-extent"
 
 
 class LaunchError(_RuntimeErrorBase, RuntimeError):

@@ -170,7 +170,7 @@ class DistExecutable:
                                 "target machines")
         if backend == "mpi":
             return self._run_mpi(inputs, params, function, timeout, options)
-        values = signature.bind(list(inputs), params)
+        values, signature = signature.bind_sizes(list(inputs), params)
         per_rank = [[_shard(spec, value, rank) for spec, value in zip(signature.params, values)
                      if spec.held_by(rank)] for rank in range(self.num_ranks)]
         entries = self.entries[function]
