@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -236,7 +237,8 @@ class DistExecutable:
         weights = dict(params or {})
         if weights:  # checks names, shapes and dtypes, before anything is written
             free = [p for p in signature.params if p.name not in weights]
-            signature.bind([np.zeros(p.shape, p.dtype) for p in free], weights)
+            signature.bind([np.zeros(_example_shape(p, self.meshes), p.dtype) for p in free],
+                           weights)
         created = not root.exists()
         try:
             return self._export(root, signature, weights, function)
@@ -354,6 +356,12 @@ def _as_array(value) -> np.ndarray:
     if hasattr(value, "detach") and hasattr(value, "numpy"):
         value = value.detach().cpu().numpy()
     return np.asarray(value)
+
+
+def _example_shape(spec, meshes: dict[str, DeviceMesh]) -> tuple[int, ...]:
+    """A shape that fits ``spec``: a symbolic dimension gets a size every mesh divides."""
+    size = math.lcm(*(m.size for m in meshes.values())) if meshes else 1
+    return tuple(size if isinstance(d, str) else d for d in spec.shape)
 
 
 def _shard(spec, value, rank: int) -> np.ndarray:
