@@ -252,3 +252,16 @@ def test_2x2_mesh_split_batch_and_symbolic_sequence(mesh_exe, backend):
         np.testing.assert_allclose(out, _mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
     with pytest.raises(td.SymbolicExtentError, match="mesh axis 0"):
         mesh_exe.run(_normal(rng, 3, 2, 32), params={"w1": w1, "w2": w2}, backend=backend)
+
+
+@pytest.fixture(scope="module")
+def relu_exe():
+    return td.compile(td.load_module(Path(__file__).parent / "data" / "symbolic_relu.py"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_once_refused_symbolic_program_runs(relu_exe, backend):
+    rng = _rng(6)
+    for n in (8, 3):
+        x = rng.standard_normal((n, 8)).astype("float32")
+        np.testing.assert_array_equal(relu_exe.run(x, backend=backend), np.maximum(x, 0))
