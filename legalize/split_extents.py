@@ -30,7 +30,6 @@ from tvm.relax.distributed import DTensorType
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvm_distx import _ir
-from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.spec import TensorSharding
 
 __all__ = ["bind_split_extents", "drop_extents_param", "split_factors"]
@@ -79,12 +78,10 @@ def bind_split_extents(mod: tvm.IRModule) -> tvm.IRModule:
         changed = True
     if not changed:
         return mod
-    kernels: dict = {}
+    specializer = _KernelSpecializer(out)
     for gv, func in list(_ir.relax_functions(out)):
-        out[gv] = _KernelSpecializer(out, kernels).visit_expr(func)
-    for callee, kernel in kernels.items():
-        out.update_func(callee, kernel)
-    return out
+        specializer.builder_.update_func(gv, specializer.visit_expr(func))
+    return specializer.builder_.get()
 
 
 @mutator
@@ -92,16 +89,16 @@ class _KernelSpecializer(PyExprMutator):
     """Specialize each kernel to its operands' split extents, passing the local extents.
 
     A kernel whose buffer ``(n, 8)`` receives an operand ``(2 * n_local, 8)`` is
-    specialized to ``(2 * n_local, 8)``, and ``n_local`` becomes a scalar
-    parameter of the kernel, passed by the call (``call_tir``'s ``tir_vars``):
-    after TVM's pass the buffer is ``(2 * n_local // 2, 8)``, which does not
-    define ``n_local`` by itself.
+    specialized to ``(2 * n_local, 8)`` (a copy: other calls may pass it
+    unsplit extents), and ``n_local`` becomes a scalar parameter of the kernel
+    after its inputs, passed by the call as an ``R.prim_value``: after TVM's
+    pass the buffer is ``(2 * n_local // 2, 8)``, which does not define
+    ``n_local`` by itself.
     """
 
-    def __init__(self, mod: tvm.IRModule, kernels: dict) -> None:
+    def __init__(self, mod: tvm.IRModule) -> None:
         super().__init__(mod)
         self.mod = mod
-        self.kernels = kernels  # GlobalVar -> specialized kernel
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         call = binding.value
@@ -116,12 +113,7 @@ class _KernelSpecializer(PyExprMutator):
             super().visit_var_binding_(binding)
             return
         kernel, extents = specialized
-        if callee in self.kernels and not tvm.ir.structural_equal(self.kernels[callee], kernel):
-            raise UnsupportedProgramError(
-                f"kernel '{callee.name_hint}' is called with differently split symbolic "
-                "extents", var=binding.var.name,
-                hint="give each call of a kernel its own copy (as LegalizeOps does)")
-        self.kernels[callee] = kernel
+        callee = self.builder_.add_func(kernel, f"{callee.name_hint}_split")  # equal ones: one
         new_call = self.builder_.normalize(
             relax.Call(call.op, [callee, relax.Tuple([*(self.visit_expr(a) for a in inputs),
                                                       *(relax.prim_value(v) for v in extents)])],

@@ -265,3 +265,15 @@ def test_the_once_refused_symbolic_program_runs(relu_exe, backend):
     for n in (8, 3):
         x = rng.standard_normal((n, 8)).astype("float32")
         np.testing.assert_array_equal(relu_exe.run(x, backend=backend), np.maximum(x, 0))
+
+
+def test_redistributing_a_symbolic_tensor_is_refused_clearly(tmp_path):
+    source = _HEADER + DATA_PARALLEL.replace("NUM_DEVICES", "2").replace(
+        "y = R.nn.relu(R.matmul(xs, ws))",
+        "y = R.dist.annotate_sharding(R.nn.relu(R.matmul(xs, ws)), device_mesh=\"mesh[0]\", "
+        "placement=\"S[1]\")")
+    path = tmp_path / "program.py"
+    path.write_text(source)
+    with pytest.raises(td.UnsupportedProgramError,
+                       match=r"symbolic \(run-time\) dimension from \"S\[0\]\" to \"S\[1\]\""):
+        td.compile(td.load_module(path))
