@@ -29,8 +29,8 @@ from .placement import Placement, Replicate, Shard
 from .rules import ShardingRule
 from .script import load_module
 from .explain import explain
-from .pipeline import distribute
-from .executable import DistExecutable, compile
+from .pipeline import compile, distribute
+from .executable import DistExecutable
 from .comm_report import comm_report
 
 __version__ = "0.1.0"
