@@ -5,10 +5,10 @@
 library holding every rank's program, and hands it to
 :class:`tvm_distx.executable.DistExecutable`, which only packages and runs it.
 
-The stages run in the only order that gives right numbers with the pinned TVM
-(``../shared/NOTES-tvm.md``): ``LegalizeOps`` *before* propagation, because it
-skips every operator whose operands are DTensors, and a row-parallel matmul
-legalized afterwards silently loses its all-reduce.
+The stages run in the only order that gives right numbers with the pinned TVM:
+``LegalizeOps`` *before* propagation, because it skips every operator whose
+operands are DTensors, and a row-parallel matmul legalized afterwards silently
+loses its all-reduce.
 """
 
 from __future__ import annotations
