@@ -57,6 +57,7 @@ MIN_PARALLEL_ELEMENTS = 1 << 14
 #: TVM's other C++ checks reach Python as RuntimeError (or InternalError).
 SCHEDULE_ERRORS = (ScheduleError, tvm.error.InternalError, RuntimeError)
 
+#: The kinds of a block's iteration variables: spatial (data parallel) and reduction.
 SPATIAL = tirx.IterVar.DataPar
 REDUCE = tirx.IterVar.CommReduce
 
@@ -208,6 +209,7 @@ def _buffer_loads(expr: Expr) -> list[TensorLoad]:
 
 
 def uses_var(expr: Expr, var: tirx.Var) -> bool:
+    """Whether ``var`` occurs in ``expr``."""
     found = []
     _walk(expr, lambda node: found.append(node) if isinstance(node, tirx.Var)
           and node.same_as(var) else None)
@@ -239,11 +241,13 @@ def _describe(sch: Schedule, rv: s_tir.schedule.SBlockRV) -> Block:
 
 
 def loop_extent(sch: Schedule, loop: s_tir.schedule.LoopRV) -> int | None:
+    """The static extent of a loop; None when it is symbolic."""
     extent = sch.get(loop).extent
     return int(extent) if isinstance(extent, tirx.IntImm) else None
 
 
 def trip_count(sch: Schedule, loops: Sequence[s_tir.schedule.LoopRV]) -> int | None:
+    """The product of the extents of ``loops``; None when one of them is symbolic."""
     total = 1
     for loop in loops:
         extent = loop_extent(sch, loop)
@@ -260,6 +264,7 @@ def index_positions(indices: Sequence[Expr], var: tirx.Var) -> list[int]:
 
 
 def first_divisor(extent: int, candidates: Sequence[int]) -> int:
+    """The first of ``candidates`` that divides ``extent`` (1 when none does)."""
     return next((c for c in candidates if c > 0 and extent % c == 0), 1)
 
 
@@ -360,5 +365,6 @@ class Rule:
 
 
 def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none), for logs."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
