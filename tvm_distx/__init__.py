@@ -10,14 +10,18 @@ from .errors import (
     SymbolicExtentError,
     BundleError,
     CallGraphError,
+    CollectiveGroupError,
     DistxError,
     LaunchError,
     UnsupportedProgramError,
     IndivisibleShardError,
     MeshError,
     PlacementRankError,
+    PeerFailedError,
     PlacementSyntaxError,
+    QemuError,
     RuleError,
+    ScriptError,
     ShardDimError,
     ShardingConflictError,
     ShardingError,
@@ -30,8 +34,8 @@ from .placement import Placement, Replicate, Shard
 from .rules import ShardingRule
 from .script import load_module
 from .explain import explain
-from .pipeline import distribute
-from .executable import DistExecutable, compile
+from .pipeline import compile, distribute
+from .executable import DistExecutable
 from .comm_report import comm_report
 
 __version__ = "0.1.0"
@@ -68,4 +72,8 @@ __all__ = [
     "UnsupportedValueError",
     "CallGraphError",
     "UnsupportedProgramError",
+    "ScriptError",
+    "QemuError",
+    "CollectiveGroupError",
+    "PeerFailedError",
 ]

@@ -35,6 +35,10 @@ __all__ = [
     "UnsupportedValueError",
     "CallGraphError",
     "UnsupportedProgramError",
+    "ScriptError",
+    "QemuError",
+    "CollectiveGroupError",
+    "PeerFailedError",
 ]
 
 
@@ -203,6 +207,12 @@ class UnsupportedProgramError(ShardingError):
     rule = "unsupported-program"
 
 
+class ScriptError(ShardingError):
+    """A TVMScript file cannot be read as an IRModule (:func:`tvm_distx.load_module`)."""
+
+    rule = "tvmscript"
+
+
 class _RuntimeErrorBase(DistxError):
     """An error with a message and a hint, outside the compiler (bundles, runs)."""
 
@@ -273,3 +283,39 @@ class LaunchError(_RuntimeErrorBase, RuntimeError):
         self.reason = reason
         self.details = details
         super().__init__(message + (f"\n{details.rstrip()}" if details else ""), hint=hint)
+
+
+class QemuError(_RuntimeErrorBase, RuntimeError):
+    """A RISC-V kernel could not be built or run under qemu (:mod:`tvm_distx.rvv`)."""
+
+    rule = "qemu"
+
+
+class CollectiveGroupError(DistxError, RuntimeError):
+    """A rank called a collective or a send/recv that it takes no part in.
+
+    This is a lowering bug (or ranks running different programs): the rank
+    would otherwise wait forever for peers that never come.
+    """
+
+    rule = "collective-group"
+
+
+class PeerFailedError(DistxError, RuntimeError):
+    """Another rank of the run failed, so this one stopped waiting for it.
+
+    Parameters
+    ----------
+    rank : int or None
+        The rank that failed; None when the controller stopped the run.
+    """
+
+    rule = "peer-failed"
+
+    def __init__(self, rank: int | None) -> None:
+        super().__init__("the controller stopped the run" if rank is None
+                         else f"rank {rank} failed")
+        self.rank = rank
+
+    def __reduce__(self):
+        return type(self), (self.rank,)

@@ -54,6 +54,7 @@ import numpy as np
 
 from tvm_distx import ccl
 from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
+from tvm_distx.errors import PeerFailedError
 
 __all__ = ["Layout", "ShmComm", "PeerFailedError", "install", "RUNNING", "DONE", "FAILED",
            "ABORTED", "TIMED_OUT"]
@@ -69,15 +70,6 @@ _PAGE = 4096
 _MAX_SLEEP = 1e-3  # seconds: the longest sleep between polls
 _YIELDS = 100  # polls that only yield the CPU before sleeping
 _REDUCERS = {0: np.add, 1: np.multiply, 2: np.minimum, 3: np.maximum}
-
-
-class PeerFailedError(RuntimeError):
-    """Another rank of the run failed, so this one stopped waiting for it."""
-
-    def __init__(self, rank: int | None) -> None:
-        super().__init__("the controller stopped the run" if rank is None
-                         else f"rank {rank} failed")
-        self.rank = rank
 
 
 @dataclass(frozen=True)

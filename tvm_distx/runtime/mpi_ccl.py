@@ -55,7 +55,7 @@ import numpy as np
 
 from tvm_distx import ccl
 from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
-from tvm_distx.errors import DistxError
+from tvm_distx.errors import CollectiveGroupError
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -72,16 +72,6 @@ _ORDERED = (ccl.REDUCE_KINDS["sum"], ccl.REDUCE_KINDS["prod"], _AVG)
 #: The function a rank calls in a send/recv, by (sends, receives).
 _ROLES = {(True, True): ccl.SEND_RECV, (True, False): ccl.SEND, (False, True): ccl.RECV}
 _Slices = tuple[slice, ...]
-
-
-class CollectiveGroupError(DistxError, RuntimeError):
-    """A rank called a collective or a send/recv that it takes no part in.
-
-    This is a lowering bug (or ranks running different programs): the rank
-    would otherwise wait forever for peers that never come.
-    """
-
-    rule = "collective-group"
 
 
 @dataclass(frozen=True)
