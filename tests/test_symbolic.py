@@ -8,6 +8,7 @@ numpy.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
 from pathlib import Path
 
@@ -277,3 +278,15 @@ def test_redistributing_a_symbolic_tensor_is_refused_clearly(tmp_path):
     with pytest.raises(td.UnsupportedProgramError,
                        match=r"symbolic \(run-time\) dimension from \"S\[0\]\" to \"S\[1\]\""):
         td.compile(td.load_module(path))
+
+
+def test_the_manifest_records_symbolic_dimensions(dp_exe, tmp_path):
+    from tvm_distx.bundle import read_manifest
+
+    p, exe = dp_exe
+    exe.export(tmp_path / "bundle")
+    data = json.loads(next((tmp_path / "bundle").glob("*.json")).read_text())
+    text = json.dumps(data)
+    assert '"shape": ["b", 64]' in text
+    assert '{"dim": 0, "var": "b", "mesh_axes": [0]}' in text
+    assert read_manifest(tmp_path / "bundle").function("main").params[0].shape == ("b", 64)

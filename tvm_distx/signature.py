@@ -73,10 +73,19 @@ class TensorSpec:
         return tuple(self.sharding.local_shape(self.shape))
 
     def to_json(self, mesh_names: dict[tuple, str]) -> dict:
-        """A JSON-ready description (the mesh by its name in ``mesh_names``)."""
+        """A JSON-ready description (the mesh by its name in ``mesh_names``).
+
+        A symbolic dimension is its variable's name in ``shape``; ``symbolic``
+        lists each with the mesh axes that split it (informative: the placement
+        says the same).
+        """
         mesh = self.sharding.mesh
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+        data = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
                 "mesh": mesh_names[_mesh_key(mesh)], "placement": str(self.sharding.placement)}
+        if self.symbolic:  # each symbolic dimension: its variable and the mesh axes splitting it
+            data["symbolic"] = [{"dim": dim, "var": d, "mesh_axes": list(self.split_axes(dim))}
+                                for dim, d in enumerate(self.shape) if isinstance(d, str)]
+        return data
 
     @classmethod
     def from_json(cls, data: dict, meshes: dict[str, DeviceMesh]) -> "TensorSpec":
