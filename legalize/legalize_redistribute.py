@@ -92,12 +92,23 @@ class _Legalizer(PyExprMutator):
         src = true_sharding(binding.value.args[0], self.bound)
         dst = TensorSharding.from_type(binding.var.ty)
         shape = _ir.static_shape(binding.var.ty)
-        if src is None or dst is None or shape is None or None in shape:
+        if src is None or dst is None or shape is None:
             raise UnsupportedProgramError(
-                "a redistribute needs DTensor operands with static shapes",
+                "a redistribute needs DTensor operands with a known shape",
                 function=self.function,
                 var=binding.var.name,
-                hint="run PropagateSharding first; dynamic shapes cannot be redistributed yet",
+                hint="run PropagateSharding first",
+            )
+        if None in shape:
+            raise UnsupportedProgramError(
+                f"redistributing a tensor with a symbolic (run-time) dimension from "
+                f"\"{src.placement}\" to \"{dst.placement}\" is not supported yet: a symbolic extent can "
+                "be kept or split by a kernel, but not moved between layouts",
+                function=self.function,
+                var=binding.var.name,
+                placement=str(dst.placement),
+                hint="keep the layout of tensors with symbolic dimensions through the function "
+                "(annotate them once), or give this dimension a static size",
             )
         plan = plan_redistribute(src, dst, shape, binding.var.ty.tensor_ty.dtype,
                                  allow_send_recv=ALLOW_SEND_RECV)

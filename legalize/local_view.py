@@ -51,6 +51,8 @@ from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.layout import Placement, Replicate, TensorSharding
 
+from .split_extents import bind_split_extents
+
 __all__ = ["LowerGlobalViewToLocalView", "split_once"]
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ class LowerGlobalViewToLocalView:
     """TVM's local-view lowering, on kernels rewritten so that it can lower them."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        mod = _pin_call_arguments(split_once(mod))
+        mod = bind_split_extents(_pin_call_arguments(split_once(mod)))
         try:
             return dist_transform.LowerGlobalViewToLocalView()(mod)
         except tvm.error.InternalError as err:

@@ -52,6 +52,7 @@ from tvm_distx.mesh import DeviceMesh
 from tvm_distx.layout import TensorSharding
 
 from .partial_sums import partial_sum
+from .split_extents import drop_extents_param
 
 __all__ = ["LowerDistIR", "CollectiveGroup", "ENTRIES_ATTR", "local_type", "rank_entry",
            "module_devices", "function_meshes", "rank_sets"]
@@ -140,7 +141,8 @@ class LowerDistIR:
         for gv, func in mod.functions.items():
             if not isinstance(func, relax.Function):  # TIR kernels keep their GlobalVars
                 out[gv] = func
-        lowered = tvm.IRModule(out, attrs=mod.attrs, global_infos=mod.global_infos)
+        lowered = drop_extents_param(
+            tvm.IRModule(out, attrs=mod.attrs, global_infos=mod.global_infos))
         if not relax.analysis.check_well_formed(lowered):  # a bug of ours, never silent
             raise UnsupportedProgramError(
                 "lowering produced a malformed module (an internal error of tvm_distx)",

@@ -3,8 +3,13 @@
 - :class:`AnnotateSharding` inserts ``R.dist.annotate_sharding`` from rules.
 - :class:`PropagateSharding` propagates shardings through the whole module,
   calls of private functions included.
+
+Propagation reads each call's signature (:mod:`.op_signatures`) from the
+rules of :mod:`.relax_op_rules` and :mod:`.tir_access`, registered on import
+here; :mod:`.sharding_solver` decides the shardings from them.
 """
 
+from . import relax_op_rules, tir_access  # noqa: F401 - register the built-in signature rules
 from .annotate_sharding import AnnotateSharding
 from .propagate_sharding import PropagateSharding, propagate
 

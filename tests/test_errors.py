@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import pickle
+import pkgutil
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -118,13 +123,14 @@ class TestRebuilding:
 
 
 class TestHierarchy:
-    @pytest.mark.parametrize("cls", ALL_ERRORS + [ScriptError])
+    @pytest.mark.parametrize("cls", ALL_ERRORS)
     def test_every_error_is_a_distx_error(self, cls):
         assert issubclass(cls, errors.DistxError)
         assert issubclass(cls, Exception)
 
     @pytest.mark.parametrize("cls", [c for c in ALL_ERRORS if c.rule not in
-                                     ("tvm-distx", "bundle", "argument", "launch")])
+                                     ("tvm-distx", "bundle", "argument", "symbolic-extent", "launch", "qemu",
+                                      "collective-group", "peer-failed")])
     def test_every_compiler_error_is_a_sharding_error(self, cls):
         assert issubclass(cls, ShardingError)
 
@@ -132,6 +138,10 @@ class TestHierarchy:
         errors.BundleError("bad manifest", hint="export again"),
         errors.ArgumentError("bad input"),
         errors.LaunchError("rank 1 failed", rank=1, reason="raised", details="Traceback ..."),
+        errors.QemuError("illegal instruction", hint="build for a smaller VLEN"),
+        errors.CollectiveGroupError("rank 3 is not in group (0, 1)"),
+        errors.PeerFailedError(1),
+        errors.PeerFailedError(None),
     ])
     def test_runtime_errors_pickle_with_their_fields(self, err):
         back = pickle.loads(pickle.dumps(err))
@@ -201,3 +211,54 @@ class TestHierarchy:
     def test_package_exports_the_errors(self):
         for name in errors.__all__:
             assert getattr(tvm_distx, name) is getattr(errors, name)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _package_modules() -> list:
+    """Every module of every package ``pyproject.toml`` installs, imported.
+
+    ``tvm_distx.passes`` and ``tvm_distx.legalize`` live outside ``tvm_distx/``
+    (see ``package-dir``), so walking ``tvm_distx`` alone would miss them.
+    """
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    names = set()
+    for name in config["tool"]["setuptools"]["packages"]:
+        names.add(name)
+        package = importlib.import_module(name)
+        names.update(info.name for info in pkgutil.walk_packages(package.__path__, name + "."))
+    return [importlib.import_module(name) for name in sorted(names)]
+
+
+class TestArchitecture:
+    """Every exception class the package defines lives in errors.py and is a DistxError."""
+
+    def test_every_exception_class_of_the_package_is_a_distx_error(self):
+        modules = _package_modules()
+        names = {m.__name__ for m in modules}
+        # the walk reaches the subpackages installed from other directories, and the entry points
+        assert {"tvm_distx.__main__", "tvm_distx.runtime.worker", "tvm_distx.passes.tir_access",
+                "tvm_distx.legalize.planner", "tvm_distx.schedule.matmul"} <= names
+        defined = {obj for m in modules for obj in vars(m).values()
+                   if inspect.isclass(obj) and issubclass(obj, BaseException)
+                   and obj.__module__.startswith("tvm_distx")}
+        assert {errors.ScriptError, errors.QemuError, errors.CollectiveGroupError,
+                errors.PeerFailedError, errors.LaunchError} <= defined
+        for cls in defined:
+            assert issubclass(cls, errors.DistxError), cls
+            assert cls.__module__ == "tvm_distx.errors", cls
+
+    @pytest.mark.parametrize("module, name, bases", [
+        ("tvm_distx.script", "ScriptError", (ShardingError,)),
+        ("tvm_distx.rvv", "QemuError", (RuntimeError,)),
+        ("tvm_distx.runtime.mpi_ccl", "CollectiveGroupError", (RuntimeError,)),
+        ("tvm_distx.runtime.disco_shm", "PeerFailedError", (RuntimeError,)),
+    ])
+    def test_moved_errors_keep_their_old_names_and_bases(self, module, name, bases):
+        cls = getattr(importlib.import_module(module), name)
+        assert cls is getattr(errors, name)
+        assert issubclass(cls, errors.DistxError)
+        for base in bases:
+            assert issubclass(cls, base)
+

@@ -1,6 +1,6 @@
 """Randomized equivalence: random programs, randomly sharded, give numpy's numbers.
 
-Programs come from ``randprog.py`` (matmul, elementwise, reductions, reshape,
+Programs come from ``randprog/`` (matmul, elementwise, reductions, reshape,
 permute_dims, softmax, private functions called once or twice, changes of
 placement) on meshes (2,), (4,), (2, 2) and (2, 4). Each is compiled with
 :func:`tvm_distx.compile` and run on every rank; the global result must equal

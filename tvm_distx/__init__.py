@@ -16,16 +16,21 @@ import importlib.util
 
 from .errors import (
     ArgumentError,
+    SymbolicExtentError,
     BundleError,
     CallGraphError,
+    CollectiveGroupError,
     DistxError,
     LaunchError,
     UnsupportedProgramError,
     IndivisibleShardError,
     MeshError,
     PlacementRankError,
+    PeerFailedError,
     PlacementSyntaxError,
+    QemuError,
     RuleError,
+    ScriptError,
     ShardDimError,
     ShardingConflictError,
     ShardingError,
@@ -45,7 +50,7 @@ from .comm_report import comm_report
 #: Public names loaded on first use (they import the compiler): name -> module.
 _LAZY = {
     "distribute": ".pipeline",
-    "compile": ".executable",
+    "compile": ".pipeline",
     "DistExecutable": ".executable",
 }
 
@@ -86,6 +91,7 @@ __all__ = [
     "DistxError",
     "BundleError",
     "ArgumentError",
+    "SymbolicExtentError",
     "LaunchError",
     "ShardingError",
     "PlacementSyntaxError",
@@ -100,4 +106,8 @@ __all__ = [
     "UnsupportedValueError",
     "CallGraphError",
     "UnsupportedProgramError",
+    "ScriptError",
+    "QemuError",
+    "CollectiveGroupError",
+    "PeerFailedError",
 ]

@@ -235,8 +235,9 @@ def _parse(root: Path, data: dict) -> Manifest:
                     spec = TensorSpec.from_json(p, meshes)
                     # a placement that does not fit its mesh or shape would cut the
                     # inputs wrongly, without an error, once the ranks run
-                    spec.sharding.placement.validate(spec.sharding.mesh, spec.shape,
-                                                     var=spec.name)
+                    spec.sharding.placement.validate(
+                        spec.sharding.mesh,
+                        [None if isinstance(d, str) else d for d in spec.shape], var=spec.name)
                 specs.setdefault(kind, []).append(spec)
         with _entry(f"function '{name}'"):
             functions[name] = FunctionSignature(name, tuple(specs.get("params", ())),
@@ -278,7 +279,7 @@ def check_weights(manifest: Manifest, ranks: Sequence[int] | None = None) -> Non
     wanted = set(range(manifest.num_ranks) if ranks is None else ranks)
     expected = {(p.name, r): p.sharding.local_shape(p.shape)
                 for f in manifest.functions.values() for p in f.params
-                for r in range(manifest.num_ranks) if p.held_by(r)}
+                for r in range(manifest.num_ranks) if p.held_by(r) and not p.symbolic}
     listed = {(w.name, w.rank) for w in manifest.weight_files}
     for function, stored in manifest.weights.items():
         for p in manifest.functions[function].params:

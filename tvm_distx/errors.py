@@ -20,6 +20,7 @@ __all__ = [
     "DistxError",
     "BundleError",
     "ArgumentError",
+    "SymbolicExtentError",
     "LaunchError",
     "CollectiveGroupError",
     "PeerFailedError",
@@ -36,6 +37,10 @@ __all__ = [
     "UnsupportedValueError",
     "CallGraphError",
     "UnsupportedProgramError",
+    "ScriptError",
+    "QemuError",
+    "CollectiveGroupError",
+    "PeerFailedError",
 ]
 
 
@@ -204,6 +209,12 @@ class UnsupportedProgramError(ShardingError):
     rule = "unsupported-program"
 
 
+class ScriptError(ShardingError):
+    """A TVMScript file cannot be read as an IRModule (:func:`tvm_distx.load_module`)."""
+
+    rule = "tvmscript"
+
+
 class _RuntimeErrorBase(DistxError):
     """An error with a message and a hint, outside the compiler (bundles, runs)."""
 
@@ -242,6 +253,17 @@ class ArgumentError(_RuntimeErrorBase, ValueError):
     rule = "argument"
 
 
+class SymbolicExtentError(ArgumentError):
+    """A run-time size does not fit a symbolic dimension of the program.
+
+    A symbolic extent split along mesh axes must be divisible by their size, and
+    a symbolic variable that appears in several parameters must have one value.
+    Raised from the actual inputs, before any rank starts.
+    """
+
+    rule = "symbolic-extent"
+
+
 class LaunchError(_RuntimeErrorBase, RuntimeError):
     """A distributed run failed: a rank raised, was killed, or did not finish in time.
 
@@ -263,6 +285,12 @@ class LaunchError(_RuntimeErrorBase, RuntimeError):
         self.reason = reason
         self.details = details
         super().__init__(message + (f"\n{details.rstrip()}" if details else ""), hint=hint)
+
+
+class QemuError(_RuntimeErrorBase, RuntimeError):
+    """A RISC-V kernel could not be built or run under qemu (:mod:`tvm_distx.rvv`)."""
+
+    rule = "qemu"
 
 
 class CollectiveGroupError(DistxError, RuntimeError):
@@ -290,3 +318,6 @@ class PeerFailedError(DistxError, RuntimeError):
         super().__init__("the controller stopped the run" if rank is None
                          else f"rank {rank} failed")
         self.rank = rank
+
+    def __reduce__(self):
+        return type(self), (self.rank,)

@@ -1,16 +1,15 @@
-"""``tvm_distx.compile``: one executable for all ranks, run on any backend, exported as a bundle.
+"""``DistExecutable``: the built rank programs, run on any backend and exported as a bundle.
 
 ::
 
-    exe = tvm_distx.compile(annotated, target="x86")
+    exe = tvm_distx.compile(annotated, target="x86")          # tvm_distx.pipeline
     y = exe.run(x, params={"A": A, "B": B}, backend="mpi")   # global numpy in and out
     exe.export("bundle/", params={"A": A, "B": B})           # library, weight shards, manifest
 
-:func:`compile` runs :func:`tvm_distx.distribute` (propagation, local view,
-redistribution, rank programs), schedules the kernels for CPU targets, and
-builds one library holding every rank's program. :class:`DistExecutable`
-keeps the global signature (shapes, dtypes, shardings) of each public
-function, so it can cut global inputs into shards and put results together.
+This module only packages and runs what :func:`tvm_distx.pipeline.compile`
+built; it imports nothing of the compiler. :class:`DistExecutable` keeps the
+global signature (shapes, dtypes, shardings) of each public function, so it
+can cut global inputs into shards and put results together.
 
 Backends of :meth:`DistExecutable.run`:
 
@@ -27,11 +26,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 import tvm
@@ -43,59 +43,12 @@ from .errors import ArgumentError
 from .mesh import DeviceMesh, module_meshes
 from .signature import FunctionSignature
 from .runtime.arrays import assemble_results
-from .targets import resolve_target
 
-__all__ = ["DistExecutable", "compile"]
+__all__ = ["DistExecutable"]
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("mpi", "disco", "emulate")
-
-
-def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
-            dump_dir: str | os.PathLike | None = None, **target_options) -> "DistExecutable":
-    """Compile an annotated global-view module into one executable for all ranks.
-
-    Parameters
-    ----------
-    mod : tvm.IRModule
-        A module with sharding annotations (see
-        :class:`tvm_distx.passes.AnnotateSharding`) and its meshes.
-    target : str or tvm.target.Target
-        ``"x86"`` (this host's CPU), ``"rvv"`` (RISC-V with the vector
-        extension), or any ``tvm.target.Target``.
-    schedule : bool
-        Apply our CPU kernel schedules (:mod:`tvm_distx.schedule`).
-    dump_dir : path, optional
-        Write the module after every stage of :func:`tvm_distx.distribute`.
-    **target_options
-        Options of the named target (for ``"rvv"``: ``vlen``, ``cc``).
-
-    Returns
-    -------
-    DistExecutable
-
-    Raises
-    ------
-    ShardingError
-        From any stage, naming the function and the value.
-    """
-    from .pipeline import run_stages
-
-    resolved = resolve_target(target, **target_options)
-    stages = run_stages(mod, dump_dir=dump_dir)
-    propagated, lowered = stages["propagate_sharding"], stages["lower_distir"]
-    signatures = {gv.name_hint: FunctionSignature.from_function(gv.name_hint, func)
-                  for gv, func in _ir.relax_functions(propagated)
-                  if func.attrs is not None and "global_symbol" in func.attrs}
-    built = lowered
-    if schedule and resolved.schedulable:
-        from .schedule import schedule_module
-
-        built = schedule_module(lowered, resolved.target)
-    logger.info("building for %s", resolved.name)
-    vm_exec = tvm.compile(built, target=resolved.target)
-    return DistExecutable(lowered, signatures, vm_exec, resolved, built=built)
 
 
 class DistExecutable:
@@ -114,17 +67,15 @@ class DistExecutable:
     """
 
     def __init__(self, module: tvm.IRModule, signatures: dict[str, FunctionSignature],
-                 vm_exec, target, built: tvm.IRModule | None = None) -> None:
-        from .legalize.lower_distir import module_devices, rank_entry
-
+                 vm_exec, target, *, num_ranks: int, entries: dict[str, list],
+                 built: tvm.IRModule | None = None) -> None:
         self.module = module
         self.built = built if built is not None else module
         self.signatures = signatures
         self.vm_exec = vm_exec
         self.target = target
-        self.num_ranks = len(module_devices(module))
-        self.entries = {name: [rank_entry(module, name, d) for d in range(self.num_ranks)]
-                        for name in signatures}
+        self.num_ranks = num_ranks
+        self.entries = entries
         self.meshes = module_meshes(module)
 
     # ---------------------------------------------------------------- running
@@ -170,7 +121,7 @@ class DistExecutable:
                                 "target machines")
         if backend == "mpi":
             return self._run_mpi(inputs, params, function, timeout, options)
-        values = signature.bind(list(inputs), params)
+        values, signature = signature.bind_sizes(list(inputs), params)
         per_rank = [[_shard(spec, value, rank) for spec, value in zip(signature.params, values)
                      if spec.held_by(rank)] for rank in range(self.num_ranks)]
         entries = self.entries[function]
@@ -236,7 +187,8 @@ class DistExecutable:
         weights = dict(params or {})
         if weights:  # checks names, shapes and dtypes, before anything is written
             free = [p for p in signature.params if p.name not in weights]
-            signature.bind([np.zeros(p.shape, p.dtype) for p in free], weights)
+            signature.bind([np.zeros(_example_shape(p, self.meshes), p.dtype) for p in free],
+                           weights)
         created = not root.exists()
         try:
             return self._export(root, signature, weights, function)
@@ -354,6 +306,12 @@ def _as_array(value) -> np.ndarray:
     if hasattr(value, "detach") and hasattr(value, "numpy"):
         value = value.detach().cpu().numpy()
     return np.asarray(value)
+
+
+def _example_shape(spec, meshes: dict[str, DeviceMesh]) -> tuple[int, ...]:
+    """A shape that fits ``spec``: a symbolic dimension gets a size every mesh divides."""
+    size = math.lcm(*(m.size for m in meshes.values())) if meshes else 1
+    return tuple(size if isinstance(d, str) else d for d in spec.shape)
 
 
 def _shard(spec, value, rank: int) -> np.ndarray:

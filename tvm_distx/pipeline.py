@@ -1,9 +1,14 @@
-"""``distribute``: from an annotated global-view module to the rank-local program.
+"""The compiler driver: from an annotated global-view module to built rank programs.
 
-The stages run in the only order that gives right numbers with the pinned TVM
-(``../shared/NOTES-tvm.md``): ``LegalizeOps`` *before* propagation, because it
-skips every operator whose operands are DTensors, and a row-parallel matmul
-legalized afterwards silently loses its all-reduce.
+:func:`distribute` runs the stages that give the program every rank runs;
+:func:`compile` runs them, schedules the kernels for CPU targets, builds one
+library holding every rank's program, and hands it to
+:class:`tvm_distx.executable.DistExecutable`, which only packages and runs it.
+
+The stages run in the only order that gives right numbers with the pinned TVM:
+``LegalizeOps`` *before* propagation, because it skips every operator whose
+operands are DTensors, and a row-parallel matmul legalized afterwards silently
+loses its all-reduce.
 """
 
 from __future__ import annotations
@@ -15,7 +20,12 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-__all__ = ["STAGES", "distribute", "run_stages"]
+from . import _ir
+from .executable import DistExecutable
+from .signature import FunctionSignature
+from .targets import resolve_target
+
+__all__ = ["STAGES", "compile", "distribute", "run_stages"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +92,58 @@ def run_stages(mod: tvm.IRModule, *,
         if dump is not None:
             (dump / f"{index:02d}_{name}.py").write_text(mod.script(show_meta=False))
     return out
+
+
+def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
+            dump_dir: str | os.PathLike | None = None, **target_options) -> DistExecutable:
+    """Compile an annotated global-view module into one executable for all ranks.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        A module with sharding annotations (see
+        :class:`tvm_distx.passes.AnnotateSharding`) and its meshes.
+    target : str or tvm.target.Target
+        ``"x86"`` (this host's CPU), ``"rvv"`` (RISC-V with the vector
+        extension), or any ``tvm.target.Target``.
+    schedule : bool
+        Apply our CPU kernel schedules (:mod:`tvm_distx.schedule`).
+    dump_dir : path, optional
+        Write the module after every stage of :func:`tvm_distx.distribute`.
+    **target_options
+        Options of the named target (for ``"rvv"``: ``vlen``, ``cc``).
+
+    Returns
+    -------
+    DistExecutable
+
+    Raises
+    ------
+    ShardingError
+        From any stage, naming the function and the value.
+    """
+    resolved = resolve_target(target, **target_options)
+    stages = run_stages(mod, dump_dir=dump_dir)
+    propagated, lowered = stages["propagate_sharding"], stages["lower_distir"]
+    signatures = {gv.name_hint: FunctionSignature.from_function(gv.name_hint, func)
+                  for gv, func in _ir.relax_functions(propagated)
+                  if func.attrs is not None and "global_symbol" in func.attrs}
+    built = lowered
+    if schedule and resolved.schedulable:
+        from .schedule import schedule_module
+
+        built = schedule_module(lowered, resolved.target)
+    logger.info("building for %s", resolved.name)
+    vm_exec = tvm.compile(built, target=resolved.target)
+    return DistExecutable(lowered, signatures, vm_exec, resolved, built=built,
+                          **_rank_entries(lowered, signatures))
+
+
+def _rank_entries(lowered: tvm.IRModule, signatures) -> dict:
+    """How many ranks the lowered program runs on, and the function each runs per public one."""
+    from .legalize.lower_distir import module_devices, rank_entry
+
+    num_ranks = len(module_devices(lowered))
+    return {"num_ranks": num_ranks,
+            "entries": {name: [rank_entry(lowered, name, d) for d in range(num_ranks)]
+                        for name in signatures}}

@@ -31,7 +31,7 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
-from .errors import _RuntimeErrorBase
+from .errors import QemuError
 
 __all__ = ["QemuError", "KernelArg", "Kernel", "KernelCheck", "write_kernels", "read_kernels",
            "vector_instructions", "build_harness", "run_kernel", "check_kernels",
@@ -45,12 +45,6 @@ SYSROOT = "/usr/riscv64-linux-gnu"
 #: The instructions that show a kernel really uses the vector unit.
 VECTOR_MNEMONICS = ("vsetvli", "vle32.v", "vse32.v", "vfmacc.vv", "vfmacc.vf", "vfmax.vf")
 _DLPACK_CODES = {"int": 0, "uint": 1, "float": 2}
-
-
-class QemuError(_RuntimeErrorBase, RuntimeError):
-    """A RISC-V kernel could not be built or run under qemu."""
-
-    rule = "qemu"
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,9 @@ import os
 import re
 from pathlib import Path
 
-from .errors import ShardingError
+from .errors import ScriptError, ShardingError
 
 __all__ = ["load_module", "ScriptError"]
-
-
-class ScriptError(ShardingError):
-    """A TVMScript file cannot be read as an IRModule."""
-
-    rule = "tvmscript"
 
 
 def load_module(path: str | os.PathLike):

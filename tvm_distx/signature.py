@@ -5,6 +5,12 @@ needs, for every parameter and result, its global shape, dtype and sharding, to
 cut inputs into each device's shard and to put results back together. This is
 a :class:`FunctionSignature`, read from the propagated (``R.DTensor``) module
 and written into bundle manifests.
+
+A dimension may be symbolic (a run-time extent such as a token count): the
+signature then names its variable (``("n", 64)``). One compiled program serves
+every size; :meth:`FunctionSignature.bind_sizes` reads the sizes from the
+actual inputs, checks them (one value per variable, split extents divisible by
+their mesh axes) and gives the concrete signature of that run.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ArgumentError, UnsupportedProgramError
+from .errors import ArgumentError, SymbolicExtentError, UnsupportedProgramError
 from .layout import Placement, TensorSharding
 from .mesh import DeviceMesh
 
@@ -28,8 +34,8 @@ class TensorSpec:
     ----------
     name : str
         The parameter's name (``out0``, ``out1``, ... for results).
-    shape : tuple of int
-        The global static shape.
+    shape : tuple of int or str
+        The global shape; a symbolic dimension is the name of its variable.
     dtype : str
         The element type.
     sharding : TensorSharding
@@ -37,7 +43,7 @@ class TensorSpec:
     """
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int | str, ...]
     dtype: str
     sharding: TensorSharding
 
@@ -46,21 +52,46 @@ class TensorSpec:
         return device in self.sharding.mesh.device_range
 
     @property
+    def symbolic(self) -> bool:
+        """Whether some dimension is a run-time extent."""
+        return any(isinstance(d, str) for d in self.shape)
+
+    def specialize(self, sizes: dict[str, int]) -> "TensorSpec":
+        """This spec with every symbolic dimension replaced by its size in ``sizes``."""
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in self.shape)
+        return TensorSpec(self.name, shape, self.dtype, self.sharding)
+
+    def split_axes(self, dim: int) -> tuple[int, ...]:
+        """The mesh axes that split tensor dimension ``dim``."""
+        return tuple(axis for axis, entry in enumerate(self.sharding.placement.entries)
+                     if entry.is_shard() and entry.dim == dim)
+
+    @property
     def local_shape(self) -> tuple[int, ...]:
         """The shape of one device's shard."""
         return tuple(self.sharding.local_shape(self.shape))
 
     def to_json(self, mesh_names: dict[tuple, str]) -> dict:
-        """A JSON-ready description (the mesh by its name in ``mesh_names``)."""
+        """A JSON-ready description (the mesh by its name in ``mesh_names``).
+
+        A symbolic dimension is its variable's name in ``shape``; ``symbolic``
+        lists each with the mesh axes that split it (informative: the placement
+        says the same).
+        """
         mesh = self.sharding.mesh
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+        data = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
                 "mesh": mesh_names[_mesh_key(mesh)], "placement": str(self.sharding.placement)}
+        if self.symbolic:  # each symbolic dimension: its variable and the mesh axes splitting it
+            data["symbolic"] = [{"dim": dim, "var": d, "mesh_axes": list(self.split_axes(dim))}
+                                for dim, d in enumerate(self.shape) if isinstance(d, str)]
+        return data
 
     @classmethod
     def from_json(cls, data: dict, meshes: dict[str, DeviceMesh]) -> "TensorSpec":
         """Read :meth:`to_json` back."""
         mesh = meshes[data["mesh"]]
-        return cls(str(data["name"]), tuple(int(n) for n in data["shape"]), str(data["dtype"]),
+        shape = tuple(n if isinstance(n, str) else int(n) for n in data["shape"])
+        return cls(str(data["name"]), shape, str(data["dtype"]),
                    TensorSharding(mesh, Placement.parse(data["placement"])))
 
 
@@ -138,28 +169,117 @@ class FunctionSignature:
         given.update(params)
         return [_checked(spec, given[spec.name], self.name) for spec in self.params]
 
+    @property
+    def symbolic(self) -> bool:
+        """Whether some parameter or result has a run-time extent."""
+        return any(s.symbolic for s in (*self.params, *self.results))
+
+    def specialize(self, sizes: dict[str, int]) -> "FunctionSignature":
+        """The concrete signature of a run with symbolic ``sizes``."""
+        return FunctionSignature(self.name, tuple(p.specialize(sizes) for p in self.params),
+                                 tuple(r.specialize(sizes) for r in self.results),
+                                 self.tuple_result)
+
+    def bind_sizes(self, inputs, params: dict | None = None
+                   ) -> tuple[list[np.ndarray], "FunctionSignature"]:
+        """:meth:`bind`, and the concrete signature of this run.
+
+        Returns
+        -------
+        values : list of numpy.ndarray
+            One per parameter, in order.
+        concrete : FunctionSignature
+            This signature with every symbolic dimension set from ``values``.
+
+        Raises
+        ------
+        ArgumentError
+            As :meth:`bind`.
+        SymbolicExtentError
+            When a symbolic variable takes two values, or a split symbolic
+            extent is not divisible by its mesh axes.
+        """
+        values = self.bind(inputs, params)
+        sizes = self.sizes(values)
+        return values, self.specialize(sizes) if sizes else self
+
+    def sizes(self, values) -> dict[str, int]:
+        """The value of every symbolic variable, read from the parameters' ``values``."""
+        sizes: dict[str, int] = {}
+        seen: dict[str, tuple[str, int]] = {}
+        for spec, value in zip(self.params, values):
+            for dim, extent in enumerate(spec.shape):
+                if not isinstance(extent, str):
+                    continue
+                size = int(np.shape(value)[dim])
+                if extent in sizes and sizes[extent] != size:
+                    first, first_dim = seen[extent]
+                    raise SymbolicExtentError(
+                        f"symbolic dimension '{extent}' of '{self.name}' is "
+                        f"{sizes[extent]} in '{first}' (dimension {first_dim}) but {size} in "
+                        f"'{spec.name}' (dimension {dim})",
+                        hint=f"pass inputs whose dimensions named '{extent}' are equal")
+                sizes[extent] = size
+                seen.setdefault(extent, (spec.name, dim))
+                _check_divisible(self.name, spec, dim, size)
+        return sizes
+
+
+def _check_divisible(function: str, spec: TensorSpec, dim: int, size: int) -> None:
+    """Refuse a run-time ``size`` of dimension ``dim`` that its mesh axes do not divide."""
+    parts = 1
+    for axis in spec.split_axes(dim):
+        parts *= spec.sharding.mesh.shape[axis]
+        if size % parts:
+            raise SymbolicExtentError(
+                f"input '{spec.name}' of '{function}': dimension {dim} "
+                f"('{spec.shape[dim]}') has size {size}, which mesh axis {axis} "
+                f"(placement \"{spec.sharding.placement}\") does not split evenly into "
+                f"{parts} parts",
+                hint=f"pass a size that is a multiple of {parts} (pad the input), or "
+                f"replicate dimension {dim}")
+
+
+def _dims(ty) -> tuple | None:
+    """Each dimension of a tensor type: an int, a variable's name, or None (an expression)."""
+    import tvm
+    from tvm import relax
+
+    tensor = getattr(ty, "tensor_ty", ty)
+    if not isinstance(tensor, relax.TensorType) or not isinstance(tensor.shape,
+                                                                  relax.ShapeExpr):
+        return None
+    dims = []
+    for v in tensor.shape.values:
+        if isinstance(v, tvm.tirx.IntImm):
+            dims.append(int(v.value))
+        elif isinstance(v, tvm.tirx.Var):
+            dims.append(str(v.name))
+        else:
+            dims.append(None)
+    return tuple(dims)
+
 
 def _spec(name: str, ty, function: str) -> TensorSpec:
-    from tvm_distx import _ir
-
     sharding = TensorSharding.from_type(ty)
-    shape = _ir.static_shape(ty)
+    shape = _dims(ty)
     if sharding is None or shape is None or None in shape:
         raise UnsupportedProgramError(
-            f"'{name}' must be a DTensor with a static shape to be run, but is {ty}",
+            f"'{name}' must be a DTensor whose dimensions are constants or symbolic "
+            f"variables to be run, but is {ty}",
             function=function,
             var=name,
             hint="annotate every input of the entry function (or give it a default mesh) "
-            "and use static shapes",
+            "and give each dimension a constant or a variable (R.Tensor((\"n\", 64)))",
         )
-    return TensorSpec(name, tuple(shape), str(ty.tensor_ty.dtype), sharding)
+    return TensorSpec(name, shape, str(ty.tensor_ty.dtype), sharding)
 
 
 def _checked(spec: TensorSpec, value, function: str) -> np.ndarray:
     if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
         value = value.detach().cpu().numpy()
     array = np.asarray(value)
-    if tuple(array.shape) != spec.shape:
+    if not _fits(tuple(array.shape), spec.shape):
         raise ArgumentError(
             f"input '{spec.name}' of '{function}' has shape {tuple(array.shape)}, "
             f"expected {spec.shape}",
@@ -171,3 +291,8 @@ def _checked(spec: TensorSpec, value, function: str) -> np.ndarray:
             hint=f"convert it with .astype('{spec.dtype}')",
         )
     return np.ascontiguousarray(array)
+
+
+def _fits(shape: tuple[int, ...], expected: tuple) -> bool:
+    return len(shape) == len(expected) and all(
+        isinstance(e, str) or e == s for s, e in zip(shape, expected))

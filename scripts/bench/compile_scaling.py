@@ -123,7 +123,8 @@ def _clear_our_caches() -> None:
     """Forget what our passes memoised in earlier runs (PrimFunc signatures, plans)."""
     import importlib
 
-    for name in ("tvm_distx.passes.op_signatures", "tvm_distx.legalize.planner"):
+    for name in ("tvm_distx.passes.op_signatures", "tvm_distx.passes.tir_access",
+                 "tvm_distx.legalize.planner"):
         module = importlib.import_module(name)
         for value in vars(module).values():
             if callable(getattr(value, "cache_clear", None)):

@@ -9,6 +9,8 @@ replication.
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass
 from typing import Union
 
@@ -70,6 +72,12 @@ class TensorSharding:
         for axis, entry in enumerate(self.placement.entries):
             if entry.is_shard() and local[entry.dim] is not None:
                 local[entry.dim] = local[entry.dim] // self.mesh.shape[axis]
+        if any(not isinstance(d, (numbers.Integral, type(None))) for d in local):
+            import tvm  # only symbolic extents need TVM: (n_local * 2) // 2 is n_local
+
+            analyzer = tvm.sym.Analyzer()
+            local = [d if isinstance(d, (numbers.Integral, type(None))) else
+                     analyzer.simplify(d) for d in local]
         return tuple(local)
 
     def __str__(self) -> str:

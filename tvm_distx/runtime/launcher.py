@@ -27,6 +27,7 @@ session so that no rank outlives the call.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -147,6 +148,9 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
                            tuple(p for p in signature.params if p.name not in stored),
                            signature.results, signature.tuple_result)
     values = free.bind(list(inputs), runtime_params)
+    sizes = free.sizes(values)  # symbolic extents: checked here, before any rank starts
+    signature = signature.specialize(sizes) if signature.symbolic else signature
+    free = free.specialize(sizes) if free.symbolic else free
     if backend == "disco":
         return _run_disco(manifest, signature, free.params, values, timeout)
     if backend != "mpi":
@@ -154,6 +158,7 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
     job = Path(tempfile.mkdtemp(prefix="tvm-distx-job-"))
     try:
         _write_inputs(job, manifest, free.params, values)
+        (job / SIZES_FILE).write_text(json.dumps(sizes))
         _run_mpiexec(manifest, job, function, timeout, hosts, mpiexec, env)
         return _read_results(job, manifest, signature)
     finally:
@@ -175,6 +180,10 @@ def _run_disco(manifest: Manifest, signature, specs, values, timeout: float):
     entries = [manifest.entry(signature.name, r) for r in range(manifest.num_ranks)]
     outs = run_disco(manifest.library_path, entries, per_rank, timeout=timeout)
     return assemble_results(signature, outs)
+
+
+#: The file of a job folder giving the run's symbolic sizes (a JSON object).
+SIZES_FILE = "sizes.json"
 
 
 def _write_inputs(job: Path, manifest: Manifest, specs, values) -> None:

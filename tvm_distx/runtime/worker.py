@@ -25,6 +25,7 @@ Fault injection for tests: ``TVM_DISTX_FAULT="<rank>:<kind>"`` with kind
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -124,6 +125,9 @@ def _run(bundle: Path, folder: Path, function: str, comm, rank: int) -> None:
         raise BundleError(f"the bundle needs {manifest.num_ranks} ranks, the job has "
                           f"{comm.Get_size()}", hint=f"launch it with -n {manifest.num_ranks}")
     signature = manifest.function(function)
+    sizes_file = folder.parent / "sizes.json"  # the launcher's SIZES_FILE
+    if signature.symbolic:
+        signature = signature.specialize(json.loads(sizes_file.read_text()))
     check_weights(manifest, [rank])
     fault = _fault(rank)
     if fault == "raise":
