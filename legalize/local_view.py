@@ -2,14 +2,13 @@
 
 TVM's pass rewrites each ``call_tir`` on DTensors into a kernel over the local
 shard. When two mesh axes split the same tensor dimension (``"S[0]S[0]"``), one
-split overwrites the other and the kernels get wrong shapes (see
-``../shared/NOTES-tvm.md``). So before TVM's pass, such a kernel runs with each
-dimension split by its first mesh axis only: a later mesh axis that splits a
-dimension an earlier one already splits becomes ``R`` in every operand and the
-result (``"S[0]S[0]"`` becomes ``"S[0]R"``). Operands get there through a
-redistribute (an all-gather along that axis), and the result goes back through
-one (a local slice), so the values around the kernel keep the sharding
-propagation gave them. This costs that all-gather.
+split overwrites the other and the kernels get wrong shapes. So before TVM's
+pass, such a kernel runs with each dimension split by its first mesh axis only:
+a later mesh axis that splits a dimension an earlier one already splits becomes
+``R`` in every operand and the result (``"S[0]S[0]"`` becomes ``"S[0]R"``).
+Operands get there through a redistribute (an all-gather along that axis), and
+the result goes back through one (a local slice), so the values around the
+kernel keep the sharding propagation gave them. This costs that all-gather.
 
 TVM's pass also types the all-reduce it adds after a kernel with a split
 reduction as replicated on every mesh axis, which on a 2-D mesh it is not
@@ -38,7 +37,6 @@ lowers at once keeps its kernels exactly as written.
 from __future__ import annotations
 
 import logging
-from typing import Mapping
 
 import tvm
 from tvm import relax

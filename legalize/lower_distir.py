@@ -13,7 +13,7 @@ worker 0 with a broadcast or scatter. This pass:
   sharded reduction, which TVM runs over *all* workers with a result typed
   replicated, into ``tvm_distx.ccl.allreduce`` over the sub-groups of exactly
   the mesh axes that shard the reduction, keeping its input's layout (on a 2x2
-  mesh TVM's version gives wrong numbers, see ``../shared/NOTES-tvm.md``);
+  mesh TVM's version sums over every worker and gives wrong numbers);
 * gives a function that spans several meshes (pipeline stages) one version
   per *rank set*, the devices that belong to the same meshes and so run the
   same program. Version ``f_rank<d>`` is named after the first device ``d`` of

@@ -30,7 +30,7 @@ from tvm.relax.distributed import DTensorType
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvm_distx import _ir
-from tvm_distx.spec import TensorSharding
+from tvm_distx.layout import TensorSharding
 
 __all__ = ["bind_split_extents", "drop_extents_param", "split_factors"]
 

@@ -29,20 +29,11 @@ from tvm.relax.distributed import DTensorType
 from tvm_distx import _ir
 from tvm_distx._pass import module_pass
 from tvm_distx._rewrite import FunctionRewriter
-from tvm_distx.errors import ShardingError, UnsupportedValueError
+from tvm_distx.errors import ShardingError, UnsupportedProgramError, UnsupportedValueError
 from tvm_distx.layout import MeshTable, TensorSharding
 
-from .sharding_solver import (
-    Decision,
-    FunctionAnalysis,
-    ProgramAnalysis,
-    Strength,
-    UnsupportedProgramError,
-    decide_operands,
-    _field_type,
-    _replicated_plan,
-    call_site,
-)
+from .decisions import Decision, Strength, decide_operands, replicated_plan
+from .sharding_solver import FunctionAnalysis, ProgramAnalysis, _field_type, call_site
 
 __all__ = ["PropagateSharding", "PropagationResult", "propagate"]
 
@@ -426,7 +417,7 @@ class _FunctionEmitter(FunctionRewriter):
         known = [self.analysis.get(o) if isinstance(o, relax.Var) else None for o in operands]
         known += [self.analysis.get(v, s) for v, s in outputs]
         if sig is None:
-            plan = _replicated_plan(known, len(operands), len(outputs))
+            plan = replicated_plan(known, len(operands), len(outputs))
         else:
             # the outputs' shapes too, as in the analysis: a split that divides an
             # operand but not a result (a reshape of 12 into 3 x 4 on 4 devices)

@@ -5,8 +5,9 @@ rewrites the IR from its answers.
 
 Model
 -----
-Every tensor value has a :class:`Decision`: a sharding, how strongly it is held
-(:class:`Strength`) and why (a sentence shown by :func:`tvm_distx.explain`).
+Every tensor value has a :class:`~tvm_distx.passes.decisions.Decision`: a
+sharding, how strongly it is held
+(:class:`~tvm_distx.passes.decisions.Strength`) and why (a sentence shown by :func:`tvm_distx.explain`).
 A value with no decision is unknown; unknown is never read as replicated.
 
 Sources are ``R.dist.annotate_sharding`` and ``R.dist.redistribute`` results,
@@ -54,216 +55,37 @@ recorded. A function that no source reaches at all is left unsharded.
 
 from __future__ import annotations
 
-import enum
 import heapq
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import tvm
 from tvm import relax
 
 from tvm_distx import _ir
-from tvm_distx.errors import CallGraphError, ShardingConflictError, UnsupportedProgramError
-from tvm_distx.layout import (
-    MeshTable,
-    Partial,
-    Placement,
-    Replicate,
-    Shard,
-    TensorSharding,
-    replicated,
-)
+from tvm_distx.errors import CallGraphError, UnsupportedProgramError
+from tvm_distx.layout import MeshTable, Placement, TensorSharding, replicated
 from tvm_distx.mesh import DeviceMesh
 
+from .decisions import (
+    Decision,
+    Strength,
+    check_single_home,
+    completes_a_partial_sum,
+    decide_operands,
+    partial_note,
+    relayout_strength,
+    replicated_plan,
+)
 from .op_signatures import OpSignature, op_signature
 
-__all__ = [
-    "Strength",
-    "Decision",
-    "FunctionAnalysis",
-    "ProgramAnalysis",
-    "CallGraphError",
-    "UnsupportedProgramError",
-    "decide_operands",
-]
+__all__ = ["FunctionAnalysis", "ProgramAnalysis", "CallSummary", "call_site"]
 
 logger = logging.getLogger(__name__)
 
 _ANNOTATE = "relax.dist.annotate_sharding"
 _REDISTRIBUTE = "relax.dist.redistribute"
-
-
-class Strength(enum.IntEnum):
-    """How firmly a decision is held; stronger decisions win conflicts."""
-
-    DEFAULT = 0  #: nothing reached the value; replicated by default
-    PROPAGATED = 1  #: derived from other values
-    SOURCE = 2  #: an annotation, a DTensor type, a caller's signature, or a relayout of one
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The sharding of one value, how firmly it is held, and why.
-
-    Parameters
-    ----------
-    sharding : TensorSharding
-        The value's layout once complete.
-    strength : Strength
-    reason : str
-    partial : tuple of int
-        The mesh axes along which the operator that produces the value leaves a
-        partial sum (``"P"``, :attr:`produced`): each rank of such an axis
-        computes a full-shape addend and the value is their sum. ``sharding``
-        replicates these axes (TVM's DTensor types cannot say ``P``);
-        lowering completes the sum (an all-reduce, or a reduce-scatter when the
-        value is redistributed to a split on that axis). Empty for a complete
-        value.
-    """
-
-    sharding: TensorSharding
-    strength: Strength
-    reason: str
-    partial: tuple[int, ...] = ()
-
-    @property
-    def produced(self) -> TensorSharding:
-        """The layout as the operator leaves it: :class:`~tvm_distx.layout.Partial` on the
-        partial axes (``"P"``, ``"S[0]P"``); :attr:`sharding` when the value is complete."""
-        if not self.partial:
-            return self.sharding
-        entries = tuple(Partial() if axis in self.partial else entry
-                        for axis, entry in enumerate(self.sharding.placement.entries))
-        return TensorSharding(self.sharding.mesh, Placement(entries))
-
-
-# --------------------------------------------------------------------------- operators
-@dataclass(frozen=True)
-class OperandPlan:
-    """What one operator call needs of its operands and what it produces."""
-
-    mesh: DeviceMesh
-    operands: tuple[TensorSharding, ...]
-    outputs: tuple[TensorSharding, ...]
-    #: per output, the mesh axes that shard a label it does not have (a partial sum)
-    partial: tuple[tuple[int, ...], ...] = ()
-
-
-def _labelled(sig: OpSignature) -> list[tuple[str, ...]]:
-    return list(sig.labels) + list(sig.output)
-
-
-def decide_operands(
-    sig: OpSignature,
-    known: Sequence[Decision | None],
-    shapes: Sequence[tuple[int | None, ...] | None],
-) -> OperandPlan | None:
-    """Decide an operator call's shardings from what is known of its operands.
-
-    Parameters
-    ----------
-    sig : OpSignature
-        The call's signature.
-    known : sequence of Decision or None
-        One per operand, then one per output (None: unknown).
-    shapes : sequence of tuple or None
-        Static shapes in the same order, to keep shards even.
-
-    Returns
-    -------
-    OperandPlan or None
-        None when nothing is known yet.
-    """
-    slots = _labelled(sig)
-    order = sorted(
-        (i for i, d in enumerate(known) if d is not None),
-        key=lambda i: (-int(known[i].strength), i),
-    )
-    if not order:
-        return None
-    mesh = known[order[0]].sharding.mesh
-    axis_label: list[str | None] = []
-    for axis in range(mesh.ndim):
-        chosen = None
-        for i in order:
-            decision = known[i]
-            if decision.sharding.mesh != mesh:
-                continue
-            entry = decision.sharding.placement.entries[axis]
-            if isinstance(entry, Shard) and entry.dim < len(slots[i]):
-                label = slots[i][entry.dim]
-                if label not in sig.unshardable:
-                    chosen = label
-                    break
-        axis_label.append(chosen)
-    _drop_uneven(axis_label, mesh, slots, shapes)
-
-    def placement_for(labels: tuple[str, ...]) -> TensorSharding:
-        entries = []
-        for label in axis_label:
-            if label is not None and label in labels:
-                entries.append(Shard(labels.index(label)))
-            else:
-                entries.append(Replicate())
-        return TensorSharding(mesh, Placement(tuple(entries)))
-
-    return OperandPlan(
-        mesh=mesh,
-        operands=tuple(placement_for(labels) for labels in sig.labels),
-        outputs=tuple(placement_for(labels) for labels in sig.output),
-        partial=tuple(tuple(axis for axis, label in enumerate(axis_label)
-                            if label is not None and label not in labels)
-                      for labels in sig.output),
-    )
-
-
-def _drop_uneven(axis_label, mesh, slots, shapes) -> None:
-    """Replicate instead of sharding a label whose static extents do not divide."""
-    for label in set(filter(None, axis_label)):
-        parts = 1
-        for axis, chosen in enumerate(axis_label):
-            if chosen == label:
-                parts *= mesh.shape[axis]
-        for labels, shape in zip(slots, shapes):
-            if shape is None or label not in labels:
-                continue
-            extent = shape[labels.index(label)]
-            if extent is not None and extent % parts:
-                for axis, chosen in enumerate(axis_label):
-                    if chosen == label:
-                        axis_label[axis] = None
-                break
-
-
-def check_single_home(
-    known: Sequence[Decision | None], names: Sequence[str], *, function: str, site: str
-) -> None:
-    """Refuse a site whose strongest decisions are sources on two different meshes.
-
-    Annotations win conflicts, but when two annotations (or caller signatures)
-    put the operands of one operator or call on different meshes, no rule says
-    where it runs.
-
-    Raises
-    ------
-    ShardingConflictError
-        Naming the function, the site and both shardings.
-    """
-    sources = [(n, d) for n, d in zip(names, known)
-               if d is not None and d.strength == Strength.SOURCE]
-    for name, decision in sources[1:]:
-        first_name, first = sources[0]
-        if decision.sharding.mesh != first.sharding.mesh:
-            raise ShardingConflictError(
-                f"{site} takes '{first_name}' as {first.sharding} and '{name}' as "
-                f"{decision.sharding}; both are annotated, so no rule decides where it runs",
-                function=function,
-                var=name,
-                placement=str(decision.sharding.placement),
-                hint=f"redistribute one of them to the other's mesh with R.dist.redistribute, "
-                "or drop one annotation",
-            )
 
 
 # --------------------------------------------------------------------------- one function
@@ -544,7 +366,7 @@ class FunctionAnalysis:
         check_single_home(known, [_name(o) for o in operands] + [v.name for v, _ in outputs],
                           function=self.name, site=f"{what} at '{b.var.name}'")
         if sig is None:
-            plan = _replicated_plan(known, len(operands), len(outputs))
+            plan = replicated_plan(known, len(operands), len(outputs))
             reason = f"{what} has no sharding rule: replicated"
         else:
             shapes = [_ir.static_shape(o.ty) for o in operands] + [
@@ -554,7 +376,7 @@ class FunctionAnalysis:
             reason = f"{what} at '{b.var.name}'"
         if plan is None:
             return
-        if defer and sig is not None and _completes_a_partial_sum(plan, known[:len(operands)],
+        if defer and sig is not None and completes_a_partial_sum(plan, known[:len(operands)],
                                                                   known[len(operands):]):
             self._deferred.add(b.index)
             return
@@ -562,18 +384,18 @@ class FunctionAnalysis:
         for operand, needed in zip(operands, plan.operands):
             if isinstance(operand, relax.Var) and self.get(operand) is None:
                 self._set(operand, 0, Decision(needed, Strength.PROPAGATED, f"operand of {reason}"))
-        strength = _relayout_strength(sig, known[:len(operands)])
+        strength = relayout_strength(sig, known[:len(operands)])
         for (var, slot), produced, partial in zip(outputs, plan.outputs,
                                                   plan.partial or ((),) * len(outputs)):
             existing = self.get(var, slot)
             if existing is None:
                 self._set(var, slot, Decision(produced, strength,
-                                              f"result of {reason}" + _partial_note(partial),
+                                              f"result of {reason}" + partial_note(partial),
                                               partial))
             elif partial and not existing.partial and existing.sharding == produced:
                 # decided by a use first; the operator still leaves a partial sum
                 self.decisions[(var, slot)] = Decision(
-                    existing.sharding, existing.strength, existing.reason + _partial_note(partial),
+                    existing.sharding, existing.strength, existing.reason + partial_note(partial),
                     partial)
 
     def _call(self, b: _Binding, call: relax.Call) -> None:
@@ -595,47 +417,6 @@ class FunctionAnalysis:
                                                 f"result of '{callee}'"))
 
 
-def _completes_a_partial_sum(plan: OperandPlan, operands: Sequence[Decision | None],
-                             outputs: Sequence[Decision | None]) -> bool:
-    """Whether the plan would complete a partial operand by replicating the result.
-
-    True when no result is decided yet, some operand is a partial sum on mesh
-    axis ``a`` and every result of ``plan`` replicates ``a``: the results'
-    layout on ``a`` is then free, and a use may still ask for a split there (a
-    reduce-scatter instead of an all-reduce).
-    """
-    if any(d is not None for d in outputs):
-        return False
-    axes = {a for d in operands if d is not None for a in d.partial}
-    return any(all(out.placement.entries[a].is_replicate() for out in plan.outputs)
-               for a in axes if a < plan.mesh.ndim)
-
-
-def _relayout_strength(sig: OpSignature | None, operands: Sequence[Decision | None]) -> Strength:
-    """How firmly an operator's result is held: as its operand for a pure relayout.
-
-    A transpose (or a reshape that keeps every axis) of one operand moves no
-    value between ranks, so its result is held as firmly as the operand: the
-    transposed weight of a ``Linear`` keeps its annotation's strength, and a
-    matmul that meets it and a propagated activation keeps the weight split
-    (Megatron gathers the activation, never the weight). Every other result is
-    :attr:`Strength.PROPAGATED`.
-    """
-    if (sig is None or len(operands) != 1 or operands[0] is None or len(sig.output) != 1
-            or set(sig.output[0]) != set(sig.labels[0])):
-        return Strength.PROPAGATED
-    return operands[0].strength
-
-
-def _partial_note(axes: tuple[int, ...]) -> str:
-    """The reason's note for a partial sum on ``axes``."""
-    if not axes:
-        return ""
-    which = ", ".join(str(a) for a in axes)
-    return (f"; a partial sum (P) on mesh axis {which}, its summed axis being split there: "
-            "completed by an all-reduce, or a reduce-scatter where a use splits it")
-
-
 def call_site(var: relax.Var, function: str) -> str:
     """How messages and reasons name a call site."""
     return f"the call at '{var.name}' in '{function}'"
@@ -643,15 +424,6 @@ def call_site(var: relax.Var, function: str) -> str:
 
 def _name(expr: relax.Expr) -> str:
     return expr.name if isinstance(expr, relax.Var) else type(expr).__name__.lower()
-
-
-def _replicated_plan(known, n_operands, n_outputs) -> OperandPlan | None:
-    decided = [d for d in known if d is not None]
-    if not decided:
-        return None
-    mesh = max(decided, key=lambda d: int(d.strength)).sharding.mesh
-    rep = replicated(mesh)
-    return OperandPlan(mesh, (rep,) * n_operands, (rep,) * n_outputs)
 
 
 def _flat_args(call: relax.Call) -> list[relax.Expr]:

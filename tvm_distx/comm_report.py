@@ -17,7 +17,7 @@ import tvm
 
 from . import _ir
 from .errors import ArgumentError
-from .layout import TensorSharding
+from .layout import MeshTable, TensorSharding
 
 __all__ = ["CommRow", "CommReport", "comm_report"]
 
@@ -94,9 +94,7 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
                                                  plan_completion, true_sharding)
     from tvm_distx.legalize.planner import plan_redistribute
 
-    from .mesh import module_meshes
-
-    names = {(m.shape, m.device_range.start): name for name, m in module_meshes(mod).items()}
+    names = MeshTable(mod)
     rows: list[CommRow] = []
     for gv, func in _ir.relax_functions(mod):
         _check_propagated(gv.name_hint, func)
@@ -147,10 +145,10 @@ def _check_propagated(function: str, func) -> None:
                     "tvm_distx.passes.PropagateSharding() on the module first")
 
 
-def _where(step_sharding: TensorSharding, names: dict, between: bool) -> str:
+def _where(step_sharding: TensorSharding, names: MeshTable, between: bool) -> str:
     """A step's placement; with its mesh's name when the move goes between meshes."""
     text = str(step_sharding.placement)
     if not between:
         return text
     mesh = step_sharding.mesh
-    return f"{text} on {names.get((mesh.shape, mesh.device_range.start), mesh.describe())}"
+    return f"{text} on {names.ref(mesh) or mesh.describe()}"

@@ -40,7 +40,8 @@ from tvm import relax
 from . import _ir, ccl
 from .bundle import FORMAT, MANIFEST, VERSION, sha256_file
 from .errors import ArgumentError
-from .mesh import DeviceMesh, module_meshes
+from .layout import MeshTable
+from .mesh import DeviceMesh
 from .signature import FunctionSignature
 from .runtime.arrays import assemble_results
 
@@ -76,7 +77,7 @@ class DistExecutable:
         self.target = target
         self.num_ranks = num_ranks
         self.entries = entries
-        self.meshes = module_meshes(module)
+        self.meshes = MeshTable(module)
 
     # ---------------------------------------------------------------- running
     def run(self, *inputs, params: Mapping | None = None, backend: str = "mpi",
@@ -187,7 +188,8 @@ class DistExecutable:
         weights = dict(params or {})
         if weights:  # checks names, shapes and dtypes, before anything is written
             free = [p for p in signature.params if p.name not in weights]
-            signature.bind([np.zeros(_example_shape(p, self.meshes), p.dtype) for p in free],
+            signature.bind([np.zeros(_example_shape(p, self.meshes.as_dict()), p.dtype)
+                            for p in free],
                            weights)
         created = not root.exists()
         try:
@@ -234,7 +236,6 @@ class DistExecutable:
                           cc=self.target.cc or "riscv64-linux-gnu-gcc")
 
     def _manifest(self, files: list[dict], weights: dict[str, list[str]]) -> dict:
-        names = {(m.shape, m.device_range.start): name for name, m in self.meshes.items()}
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -242,15 +243,15 @@ class DistExecutable:
             "target": self.target.describe(),
             "num_ranks": self.num_ranks,
             "meshes": [{"name": name, "shape": list(m.shape), "devices": list(m.devices)}
-                       for name, m in self.meshes.items()],
-            "ranks": [{"rank": r, "coordinates": _coordinates(self.meshes, r)}
+                       for name, m in self.meshes.as_dict().items()],
+            "ranks": [{"rank": r, "coordinates": _coordinates(self.meshes.as_dict(), r)}
                       for r in range(self.num_ranks)],
-            "process_groups": _process_groups(self.meshes),
+            "process_groups": _process_groups(self.meshes.as_dict()),
             "collectives": sorted(_collectives(self.module)),
             "functions": {
                 name: {"entries": [e or None for e in self.entries[name]],
-                       "params": [p.to_json(names) for p in sig.params],
-                       "results": [r.to_json(names) for r in sig.results],
+                       "params": [p.to_json(self.meshes) for p in sig.params],
+                       "results": [r.to_json(self.meshes) for r in sig.results],
                        "tuple_result": sig.tuple_result,
                        "weights": weights.get(name, [])}
                 for name, sig in self.signatures.items()

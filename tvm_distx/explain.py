@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import tvm
 
+from .layout import TensorSharding
 
 __all__ = ["ShardingRow", "ShardingReport", "explain"]
 
@@ -28,6 +29,8 @@ class ShardingRow:
     placement: str
     local_shape: tuple
     reason: str
+    #: the value's layout as its producer leaves it (``mesh`` and ``placement`` as objects)
+    sharding: TensorSharding | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ def explain(mod: tvm.IRModule) -> ShardingReport:
                         placement=str(decision.produced.placement),
                         local_shape=sharding.local_shape(shape),
                         reason=decision.reason,
+                        sharding=decision.produced,
                     )
                 )
     return ShardingReport(tuple(rows))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ArgumentError, SymbolicExtentError, UnsupportedProgramError
-from .layout import Placement, TensorSharding
+from .layout import MeshTable, Placement, TensorSharding
 from .mesh import DeviceMesh
 
 __all__ = ["TensorSpec", "FunctionSignature"]
@@ -71,8 +71,8 @@ class TensorSpec:
         """The shape of one device's shard."""
         return tuple(self.sharding.local_shape(self.shape))
 
-    def to_json(self, mesh_names: dict[tuple, str]) -> dict:
-        """A JSON-ready description (the mesh by its name in ``mesh_names``).
+    def to_json(self, meshes: MeshTable) -> dict:
+        """A JSON-ready description (the mesh by its reference in the module's ``meshes``).
 
         A symbolic dimension is its variable's name in ``shape``; ``symbolic``
         lists each with the mesh axes that split it (informative: the placement
@@ -80,7 +80,7 @@ class TensorSpec:
         """
         mesh = self.sharding.mesh
         data = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
-                "mesh": mesh_names[_mesh_key(mesh)], "placement": str(self.sharding.placement)}
+                "mesh": meshes.ref(mesh), "placement": str(self.sharding.placement)}
         if self.symbolic:  # each symbolic dimension: its variable and the mesh axes splitting it
             data["symbolic"] = [{"dim": dim, "var": d, "mesh_axes": list(self.split_axes(dim))}
                                 for dim, d in enumerate(self.shape) if isinstance(d, str)]
@@ -93,10 +93,6 @@ class TensorSpec:
         shape = tuple(n if isinstance(n, str) else int(n) for n in data["shape"])
         return cls(str(data["name"]), shape, str(data["dtype"]),
                    TensorSharding(mesh, Placement.parse(data["placement"])))
-
-
-def _mesh_key(mesh: DeviceMesh) -> tuple:
-    return (mesh.shape, mesh.device_range.start)
 
 
 @dataclass(frozen=True)

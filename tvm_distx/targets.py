@@ -1,7 +1,7 @@
 """Target names: ``"x86"`` for this host's CPU, ``"rvv"`` for RISC-V with vectors.
 
 TVM 0.27 takes a target as a JSON dict; ``"mcpu": "native"`` is rejected and
-silently falls back to generic code (``../shared/NOTES-tvm.md``), so ``"x86"``
+silently falls back to generic code, so ``"x86"``
 asks LLVM for the host's CPU name. ``"rvv"`` is 64-bit RISC-V Linux with the
 ``V`` extension; its libraries are cross-linked with ``riscv64-linux-gnu-gcc``.
 """

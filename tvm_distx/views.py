@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-from .layout import Placement, TensorSharding, shard_bounds
+from .layout import TensorSharding, shard_bounds
 
 __all__ = ["Block", "tensor_blocks", "sharding_tables", "comm_table", "tensor_grid",
            "show_tensor_sharding", "plot_tensor_sharding", "value_sharding", "show_value",
@@ -227,7 +227,6 @@ def value_sharding(mod, function: str, value: str) -> tuple[TensorSharding, tupl
     """
     from .errors import ArgumentError
     from .explain import explain
-    from .mesh import module_meshes
 
     report = explain(mod)
     try:
@@ -236,8 +235,7 @@ def value_sharding(mod, function: str, value: str) -> tuple[TensorSharding, tupl
         known = ", ".join(r.value for r in report.for_function(function)) or "none"
         raise ArgumentError(f"function '{function}' has no tensor value '{value}'",
                             hint=f"its values are: {known}") from None
-    meshes = {**{str(m.shape): m for m in module_meshes(mod).values()}, **module_meshes(mod)}
-    return TensorSharding(meshes[row.mesh], Placement.parse(row.placement)), row.global_shape
+    return row.sharding, row.global_shape
 
 
 def show_value(mod, function: str, value: str, *, console=None) -> None:
