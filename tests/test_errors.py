@@ -124,7 +124,8 @@ class TestHierarchy:
         assert issubclass(cls, Exception)
 
     @pytest.mark.parametrize("cls", [c for c in ALL_ERRORS if c.rule not in
-                                     ("tvm-distx", "bundle", "argument", "launch")])
+                                     ("tvm-distx", "bundle", "argument", "launch",
+                                                    "collective-group", "peer-failed")])
     def test_every_compiler_error_is_a_sharding_error(self, cls):
         assert issubclass(cls, ShardingError)
 

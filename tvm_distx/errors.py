@@ -290,3 +290,6 @@ class PeerFailedError(DistxError, RuntimeError):
         super().__init__("the controller stopped the run" if rank is None
                          else f"rank {rank} failed")
         self.rank = rank
+
+    def __reduce__(self):
+        return type(self), (self.rank,)
