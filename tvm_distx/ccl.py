@@ -41,8 +41,7 @@ function                        arguments (then the output buffer) what the rank
 integers). A collective is called by every member of its group, in the same
 order on every member, and reductions fold the members' values in member
 order (the same bits on every backend); a send/recv is called by every device
-of either mesh. Ranks that
-take part in no step of a call do not call it.
+of either mesh. Ranks that take part in no step of a call do not call it.
 """
 
 from __future__ import annotations
