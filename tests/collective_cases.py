@@ -88,6 +88,8 @@ class Case:
             split, concat = self.dims
             want = np.concatenate([np.split(x, len(members), axis=split)[me] for x in mine],
                                   axis=concat)
+        elif self.op == "broadcast":
+            want = everyone[members[self.dims[0]]]
         elif self.op == "local_slice":
             want = np.split(everyone[device], len(members), axis=self.dims[0])[me]
         else:
@@ -96,7 +98,8 @@ class Case:
 
 
 _NAMES = {"allreduce": ccl.ALLREDUCE, "reducescatter": ccl.REDUCE_SCATTER,
-          "allgather": ccl.ALLGATHER, "alltoall": ccl.ALLTOALL, "local_slice": ccl.LOCAL_SLICE}
+          "allgather": ccl.ALLGATHER, "alltoall": ccl.ALLTOALL, "broadcast": ccl.BROADCAST,
+          "local_slice": ccl.LOCAL_SLICE}
 
 
 def cases_for(mesh_shape: tuple[int, ...]) -> list[Case]:
@@ -120,6 +123,8 @@ def cases_for(mesh_shape: tuple[int, ...]) -> list[Case]:
         out.append(Case("allgather", mesh_shape, axes, "float16", (1,)))
         for split, concat in ((1, 0), (0, 1), (2, 1)):
             out.append(Case("alltoall", mesh_shape, axes, dims=(split, concat)))
+        out.append(Case("broadcast", mesh_shape, axes, dims=(0,)))
+        out.append(Case("broadcast", mesh_shape, axes, "int32", (1,)))
     return out
 
 

@@ -2,8 +2,8 @@
 
 One compiled module holds a rank program per mesh (see ``collective_cases``):
 1-D meshes of 2 and 4 devices and a 2x2 mesh (groups along each axis and
-along both), with float32, float16 and int32 inputs. The MPI backend runs the
-same checks in ``tests/mpi/ccl_worker.py`` (``test_mpi_ccl.py``).
+along both), with float32, float16 and int32 inputs. The MPI backend runs its
+checks of the same functions in ``tests/mpi/ccl_worker.py`` (``test_mpi_ccl.py``).
 """
 
 from __future__ import annotations

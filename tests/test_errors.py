@@ -129,8 +129,8 @@ class TestHierarchy:
         assert issubclass(cls, Exception)
 
     @pytest.mark.parametrize("cls", [c for c in ALL_ERRORS if c.rule not in
-                                     ("tvm-distx", "bundle", "argument", "symbolic-extent", "launch", "qemu",
-                                      "collective-group", "peer-failed")])
+                                     ("tvm-distx", "bundle", "argument", "symbolic-extent",
+                                      "launch", "qemu", "collective-group", "peer-failed")])
     def test_every_compiler_error_is_a_sharding_error(self, cls):
         assert issubclass(cls, ShardingError)
 

@@ -13,34 +13,36 @@ imports no TVM and no compiler module.
 All but ``send`` are destination-passing (``R.call_dps_packed``): the output
 buffer comes last and is allocated by the caller with the rank-local shape.
 
-=============================== ================================== ====================================
+=============================== ================================== =================================
 function                        arguments (then the output buffer) what the rank does
-=============================== ================================== ====================================
+=============================== ================================== =================================
 ``tvm_distx.ccl.allreduce``     ``x, kind, group``                 reduce ``x`` over its group
-``tvm_distx.ccl.allgather``     ``x, group, (dim,)``               concatenate the group's blocks along
-                                                                   ``dim``
-``tvm_distx.ccl.reducescatter`` ``x, kind, group, (dim,)``         reduce ``x`` over its group; member
-                                                                   ``k`` keeps block ``k`` of the
-                                                                   result along ``dim``
+``tvm_distx.ccl.allgather``     ``x, group, (dim,)``               concatenate the group's blocks
+                                                                   along ``dim``
+``tvm_distx.ccl.reducescatter`` ``x, kind, group, (dim,)``         reduce ``x`` over its group;
+                                                                   member ``k`` keeps block ``k`` of
+                                                                   the result along ``dim``
 ``tvm_distx.ccl.alltoall``      ``x, group, (split, concat)``      split ``x`` along ``split``, send
                                                                    piece ``k`` to member ``k``,
                                                                    concatenate along ``concat``
 ``tvm_distx.ccl.broadcast``     ``x, group, (root,)``              member ``root``'s ``x``, on every
-                                                                   member (``x`` of the others is
-                                                                   not read)
+                                                                   member (the others' ``x`` is not
+                                                                   read)
 ``tvm_distx.ccl.local_slice``   ``x, group, (dim,)``               keep its piece of ``x`` along
                                                                    ``dim`` (no traffic)
 ``tvm_distx.ccl.send_recv``     ``x, spec``                        a rank of both meshes of a
                                                                    :class:`SendRecvSpec`
 ``tvm_distx.ccl.send``          ``x, spec`` (no output; impure)    a rank of the source mesh only
-``tvm_distx.ccl.recv``          ``spec``                           a rank of the destination mesh only
-=============================== ================================== ====================================
+``tvm_distx.ccl.recv``          ``spec``                           a rank of the destination mesh
+                                                                   only
+=============================== ================================== =================================
 
 ``group`` is a :class:`CollectiveGroup`, ``spec`` a :class:`SendRecvSpec` and
 ``kind`` one of :data:`REDUCE_KINDS`, each passed as a shape (a tuple of
 integers). A collective is called by every member of its group, in the same
-order on every member; a send/recv by every device of either mesh. Ranks that
-take part in no step of a call do not call it.
+order on every member, and reductions fold the members' values in member
+order (the same bits on every backend); a send/recv is called by every device
+of either mesh. Ranks that take part in no step of a call do not call it.
 """
 
 from __future__ import annotations
