@@ -65,3 +65,19 @@ def _absolute(node: ast.ImportFrom, source: Path, package: Path) -> str:
     parts = ["tvm_distx", *source.parent.relative_to(package).parts]
     parts = parts[: len(parts) - (node.level - 1)]
     return ".".join(parts + ([node.module] if node.module else []))
+
+
+def test_the_package_loads_the_frontend_and_the_compiler_only_on_first_use():
+    code = (
+        "import json, sys, tvm_distx\n"
+        "before = sorted(m for m in sys.modules if m.startswith(\n"
+        "    ('tvm_distx.passes', 'tvm_distx.legalize', 'tvm_distx.frontend')))\n"
+        "from tvm_distx import from_torch\n"
+        "from tvm_distx.frontend import from_torch as original\n"
+        "print(json.dumps([before, from_torch is original]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=True)
+    before, same = json.loads(done.stdout.splitlines()[-1])
+    assert before == []  # `import tvm_distx` alone loads neither the frontend nor the compiler
+    assert same  # tvm_distx.from_torch is the frontend's, loaded on first use

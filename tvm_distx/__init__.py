@@ -52,6 +52,7 @@ _LAZY = {
     "distribute": ".pipeline",
     "compile": ".pipeline",
     "DistExecutable": ".executable",
+    "from_torch": ".frontend",  # imports torch
 }
 
 
@@ -87,6 +88,7 @@ __all__ = [
     "distribute",
     "compile",
     "DistExecutable",
+    "from_torch",
     "comm_report",
     "DistxError",
     "BundleError",
