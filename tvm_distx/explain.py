@@ -30,7 +30,7 @@ class ShardingRow:
     local_shape: tuple
     reason: str
     #: the value's layout as its producer leaves it (``mesh`` and ``placement`` as objects)
-    sharding: TensorSharding | None = None
+    sharding: TensorSharding
 
 
 @dataclass(frozen=True)
