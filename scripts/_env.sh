@@ -16,7 +16,7 @@ fi
 STAMP="$VENV/.tvm_distx-installed"
 WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
-        || ! "$VENV/bin/python" -c "import tvm_distx, tvm, mpi4py, torch, pytest" >/dev/null 2>&1; then
+        || ! "$VENV/bin/python" -c "import tvm_distx, tvm, mpi4py, torch, transformers, pytest" >/dev/null 2>&1; then
     echo "[setup] installing tvm-distx and its dependencies into $VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     # torch==2.13.0 is the local CPU build (see pyproject.toml).
