@@ -77,3 +77,56 @@ def end_rank_job() -> NoReturn:
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()
     os._exit(0)
+
+
+def time_samples(call, barrier, slowest, samples: int, calls: int,
+                 warmup: int = 2) -> list[float]:
+    """Seconds per call of ``call``: ``samples`` samples of ``calls`` back-to-back calls.
+
+    ``barrier`` lines the ranks up before and after each sample, and ``slowest``
+    turns one rank's time into the slowest rank's (identity in one process).
+    """
+    import time
+
+    for _ in range(warmup):
+        call()
+    out = []
+    for _ in range(samples):
+        barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        elapsed = (time.perf_counter() - start) / calls
+        barrier()
+        out.append(slowest(elapsed))
+    return out
+
+
+def bundle_rank_call(bundle: str, inputs: dict, comm):
+    """This MPI rank's entry of a bundle, ready to call: ``(function, arguments)``.
+
+    Reads the bundle as our MPI worker does (:mod:`tvm_distx.runtime.worker`):
+    its manifest, this rank's weight shards, and the MPI collectives installed
+    before the VM resolves its functions. ``inputs`` holds the global value of
+    every parameter that is not a weight, by name; each rank takes its shard.
+    """
+    import numpy as np
+    import tvm
+    from tvm import relax
+
+    from tvm_distx.bundle import read_manifest
+    from tvm_distx.runtime import mpi_ccl, shard_array
+
+    rank = comm.Get_rank()
+    manifest = read_manifest(bundle)
+    signature = manifest.function("main")
+    entry = manifest.entry("main", rank)
+    mpi_ccl.install(comm)  # before the VM: it resolves its functions once
+    files = {w.name: manifest.root / w.file for w in manifest.files_of(rank)}
+    args = []
+    for spec in signature.params:
+        value = (np.load(files[spec.name]) if spec.name in files
+                 else shard_array(inputs[spec.name], spec.sharding, rank))
+        args.append(tvm.runtime.tensor(np.ascontiguousarray(value)))
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(manifest.library_path)), tvm.cpu())
+    return vm[entry], args

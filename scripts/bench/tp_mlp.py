@@ -51,7 +51,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import child_env, end_rank_job, free_port, median, spread, table  # noqa: E402
+from _common import (bundle_rank_call, child_env, end_rank_job, free_port, median,  # noqa: E402
+                     spread, table, time_samples)
 
 from tvm_distx.runtime.launcher import mpiexec_path  # noqa: E402
 from tvm_distx.runtime.rank_env import rank_environment  # noqa: E402
@@ -122,50 +123,16 @@ def build_bundle(ranks: int, x: np.ndarray, w1: np.ndarray, w2: np.ndarray,
 
 
 # ---------------------------------------------------------------------- inside the jobs
-def _samples(call, barrier, slowest, samples: int, calls: int, warmup: int = 2) -> list[float]:
-    for _ in range(warmup):
-        call()
-    out = []
-    for _ in range(samples):
-        barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        elapsed = (time.perf_counter() - start) / calls
-        barrier()
-        out.append(slowest(elapsed))
-    return out
-
-
 def ours_job(bundle: str, data: str, out: str, samples: int, calls: int) -> None:
     """A rank of ours: load the bundle like our MPI worker, then time ``vm[entry]``."""
     from mpi4py import MPI
 
-    import tvm
-    from tvm import relax
-
-    from tvm_distx.bundle import read_manifest
-    from tvm_distx.runtime import mpi_ccl, shard_array
-
     comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    manifest = read_manifest(bundle)
-    signature = manifest.function("main")
-    entry = manifest.entry("main", rank)
-    mpi_ccl.install(comm)  # before the VM: it resolves its functions once
-    files = {w.name: manifest.root / w.file for w in manifest.files_of(rank)}
-    x = np.load(Path(data) / "x.npy")
-    args = []
-    for spec in signature.params:
-        value = (np.load(files[spec.name]) if spec.name in files
-                 else shard_array(x, spec.sharding, rank))
-        args.append(tvm.runtime.tensor(np.ascontiguousarray(value)))
-    vm = relax.VirtualMachine(tvm.runtime.load_module(str(manifest.library_path)), tvm.cpu())
-    func = vm[entry]
+    func, args = bundle_rank_call(bundle, {"x": np.load(Path(data) / "x.npy")}, comm)
     error = float(np.abs(func(*args).numpy() - np.load(Path(data) / "y.npy")).max())
-    times = _samples(lambda: func(*args), comm.Barrier,
-                     lambda t: comm.allreduce(t, op=MPI.MAX), samples, calls)
-    if rank == 0:
+    times = time_samples(lambda: func(*args), comm.Barrier,
+                         lambda t: comm.allreduce(t, op=MPI.MAX), samples, calls)
+    if comm.Get_rank() == 0:
         Path(out).write_text(json.dumps({"times": times, "error": error}))
 
 
@@ -205,7 +172,7 @@ def torch_job(data: str, out: str, port: int, samples: int, calls: int) -> None:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return float(value[0])
 
-    times = _samples(forward, dist.barrier, slowest, samples, calls)
+    times = time_samples(forward, dist.barrier, slowest, samples, calls)
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps({"times": times, "error": error}))
@@ -223,7 +190,7 @@ def numpy_job(data: str, out: str, samples: int, calls: int) -> None:
         return np.matmul(h, w2, out=y)
 
     error = float(np.abs(forward() - np.load(Path(data) / "y.npy")).max())
-    times = _samples(forward, lambda: None, lambda t: t, samples, calls)
+    times = time_samples(forward, lambda: None, lambda t: t, samples, calls)
     Path(out).write_text(json.dumps({"times": times, "error": error}))
 
 
