@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import tvm
@@ -79,6 +80,7 @@ class _ParamPath:
     """A function parameter and the single-use calls that lead from it to an operand."""
 
     param: relax.Var
+    user: relax.Var  # the binding that reads the parameter
     axis: int  # the parameter's axis that becomes the operand's feature axis
     steps: list[relax.Call]  # from the parameter outwards; each step's args[0] is the previous
     vars: list[relax.Var]  # the variables the steps are bound to
@@ -141,7 +143,30 @@ class _Analysis:
                     taken.add(value.args[0])
             if site is not None:
                 found.append(site)
-        return found
+        return self._consistent(found)
+
+    def _consistent(self, sites: list[_Site]) -> list[_Site]:
+        """The sites whose weights are read by these sites only, all cut alike.
+
+        A fused parameter read by several sites (one fused expert tensor, each
+        expert picked out of it by ``take``) is split once, so every one of its
+        uses must be such a site, with the same segments on the same axis.
+        """
+        while True:
+            reads: dict[relax.Var, list[tuple[_Site, _ParamPath]]] = {}
+            for site in sites:
+                for path in (site.weight, site.bias):
+                    if path is not None:
+                        reads.setdefault(path.param, []).append((site, path))
+            bad = set()
+            for param, items in reads.items():
+                users = Counter(self.uses.get(param, []))
+                cuts = {(path.axis, tuple(site.bounds)) for site, path in items}
+                if users != Counter(path.user for _, path in items) or len(cuts) > 1:
+                    bad |= {id(site) for site, _ in items}
+            if not bad:
+                return sites
+            sites = [site for site in sites if id(site) not in bad]
 
     def _split_site(self, var: relax.Var, call: relax.Call) -> _Site | None:
         source = call.args[0]
@@ -194,12 +219,9 @@ class _Analysis:
     def _last_axis_slice(call, rank: int, extent: int) -> tuple[int, int] | None:
         if not _ir.is_call_to(call, "relax.strided_slice") or len(call.args) < 4:
             return None
-        try:
-            axes = [int(a) for a in call.args[1].values]
-            begin = [int(b) for b in call.args[2].values]
-            end = [int(e) for e in call.args[3].values]
-            strides = [int(s) for s in call.args[4].values] if len(call.args) > 4 else [1]
-        except (AttributeError, TypeError):
+        axes, begin, end = (_ints(a) for a in call.args[1:4])
+        strides = _ints(call.args[4]) if len(call.args) > 4 else [1]
+        if None in (axes, begin, end, strides):
             return None  # symbolic bounds
         if len(axes) != 1 or axes[0] % rank != rank - 1 or strides != [1]:
             return None
@@ -271,12 +293,12 @@ class _Analysis:
             return None
         axis %= rank
         while True:
-            if not self.only_use(value, user):
-                return None
-            if value in self.weights:
+            if value in self.weights:  # its other uses are checked by _consistent
                 steps.reverse()
                 vars_.reverse()
-                return _ParamPath(value, axis, steps, vars_)
+                return _ParamPath(value, user, axis, steps, vars_)
+            if not self.only_use(value, user):
+                return None
             call = self.bound.get(value)
             if not isinstance(call, relax.Call):
                 return None
@@ -292,8 +314,8 @@ class _Analysis:
                     return None
                 axis = axis if axis < taken else axis - index_rank + 1
             elif _ir.is_call_to(call, "relax.strided_slice"):
-                sliced = {int(a) % inner_rank for a in call.args[1].values}
-                if axis in sliced:
+                sliced = _ints(call.args[1])
+                if sliced is None or axis in {a % inner_rank for a in sliced}:
                     return None
             else:
                 return None
@@ -341,7 +363,7 @@ class _Splitter(PyExprMutator):
                     args = [bias, value] if site.bias_first else [value, bias]
                 else:  # a reshape keeping the feature axis last
                     dims = list(call.args[1].values)
-                    args = [value, relax.ShapeExpr(dims[:-1] + [hi - lo])]
+                    args = [value, relax.ShapeExpr(dims[:-1] + [_int64(hi - lo)])]
                 value = relax.Call(call.op, args, call.attrs, call.ty_args)
                 name = f"{var.name}_{tag}"
             self._bind(holders, value)
@@ -414,12 +436,14 @@ def _rewrite(mod: tvm.IRModule, func: relax.Function,
 
     def segments(path: _ParamPath, bounds) -> list[relax.Var]:
         param = path.param
+        if param in replaced:  # a fused tensor read by several sites is cut once
+            return replaced[param]
         shape = _ir.static_shape(param.ty)
         out = []
         for j, (lo, hi) in enumerate(bounds):
             name = _fresh(f"{param.name}_seg{j}", taken)
-            dims = list(shape)
-            dims[path.axis] = hi - lo
+            dims = [_int64(d) for d in shape]
+            dims[path.axis] = _int64(hi - lo)
             out.append(relax.Var(name, relax.TensorType(dims, param.ty.dtype)))
             derived.append(DerivedParam(name, param.name, shape, path.axis, lo, hi))
         replaced[param] = out
@@ -433,6 +457,25 @@ def _rewrite(mod: tvm.IRModule, func: relax.Function,
     params = [q for p in func.params for q in replaced.get(p, [p])]
     new = relax.Function(params, body.body, body.ret_ty, body.is_pure, body.attrs, body.span)
     return new, derived
+
+
+def _ints(expr: relax.Expr) -> list[int] | None:
+    """The integers of a shape or tuple argument (``strided_slice``'s axes, bounds); None if symbolic."""
+    items = expr.values if isinstance(expr, relax.ShapeExpr) else getattr(expr, "fields", None)
+    if items is None:
+        return None
+    out = []
+    for item in items:
+        if not isinstance(item, tvm.tirx.IntImm):  # a PrimValue wrapping an integer
+            item = getattr(item, "value", None)
+        if not isinstance(item, tvm.tirx.IntImm):
+            return None
+        out.append(int(item.value))
+    return out
+
+
+def _int64(value: int) -> tvm.tirx.IntImm:
+    return tvm.tirx.IntImm("int64", value)
 
 
 def _fresh(name: str, taken: set[str]) -> str:
