@@ -261,8 +261,7 @@ def gated_mlp():
     annotated = _column_per_segment(split, {"*gate_up_weight_seg*": "S[0]",
                                             "*gate_up_bias_seg*": "S[0]"},
                                     {"*down_weight": "S[1]"}, 2)
-    # our CPU kernel schedules do not build every segment kernel yet
-    exe = td.compile(annotated, schedule=False)
+    exe = td.compile(annotated)
     return annotated, exe, weights, x.numpy(), want
 
 
@@ -335,7 +334,7 @@ def test_fused_3d_expert_tensors_are_split_per_segment():
     )
     annotated = _column_per_segment(split, {"*gate_up_proj_seg*": "S[1]"},
                                     {"*down_proj": "S[2]"}, 2)
-    exe = td.compile(annotated, schedule=False)
+    exe = td.compile(annotated)
     np.testing.assert_allclose(exe.run(x.numpy(), params=weights, backend="emulate"), want,
                                atol=1e-5)
     # one all-reduce per expert's down projection; nothing gathered for the chunks
@@ -401,7 +400,7 @@ def test_gpt2_c_attn_is_split_per_segment_and_equals_transformers_on_mpi(gpt2, p
     annotated = _column_per_segment(mod, _GPT2_COLUMN, _GPT2_ROW, parts)
     # per layer one all-reduce after attention and one after the MLP; nothing gathered
     assert _collectives(annotated) == ["all_reduce"] * 4
-    exe = td.compile(annotated, schedule=False)
+    exe = td.compile(annotated)
     specs = {p.name: p for p in exe.signatures["main"].params}
     held = sum(np.prod(specs[f"{fused}_seg{j}"].local_shape) for j in range(3))
     assert held * parts == weights[fused].size  # each rank holds 1/p of c_attn: 1/p of q, k, v
