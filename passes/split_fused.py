@@ -99,7 +99,7 @@ class _Site:
     chain: list[tuple[relax.Var, relax.Call]]  # after the matmul, in program order
     bias: _ParamPath | None = None
     bias_first: bool = False  # the bias is the add's first operand
-    dead: set = field(default_factory=set)  # bindings that are not emitted again
+    dead: set[relax.Var] = field(default_factory=set)  # bindings not emitted again
 
 
 class _Analysis:
@@ -245,8 +245,11 @@ class _Analysis:
             if not isinstance(call, relax.Call) or not isinstance(call.op, tvm.ir.Op):
                 return None
             if _ir.is_call_to(call, "relax.matmul"):
+                shape = _ir.static_shape(call.args[1].ty)
+                if not shape or len(shape) < 2 or shape[-1] != extent:
+                    return None  # the weight's last axis must be the output features
                 weight = self._param_path(call.args[1], value, -1)
-                if weight is None or _ir.static_shape(call.args[1].ty)[-1] != extent:
+                if weight is None:
                     return None
                 chain.reverse()
                 site = _Site(anchor, bounds, consumers, call, value, weight, chain, bias,
@@ -294,6 +297,8 @@ class _Analysis:
         axis %= rank
         while True:
             if value in self.weights:  # its other uses are checked by _consistent
+                if None in (_ir.static_shape(value.ty) or (None,)):
+                    return None  # a weight with a run-time extent cannot be cut here
                 steps.reverse()
                 vars_.reverse()
                 return _ParamPath(value, user, axis, steps, vars_)

@@ -59,22 +59,25 @@ class GateUpExpected:
 
 @I.ir_module
 class Qkv:
-    """GPT-2's c_attn: a Conv1D weight stored (in, out), addmm then a view, split q|k|v."""
+    """GPT-2's c_attn: a Conv1D weight stored (in, out), addmm then a view, split q|k|v.
+
+    The segments differ in size (q 32, k and v 8 each, as with grouped-query heads).
+    """
 
     @R.function
     def main(x: R.Tensor((2, 5, 16), "float32"), w: R.Tensor((16, 48), "float32"),
-             b: R.Tensor((48,), "float32")) -> R.Tensor((2, 5, 16), "float32"):
+             b: R.Tensor((48,), "float32")) -> R.Tensor((2, 5, 8), "float32"):
         R.func_attr({"num_input": 1})
         with R.dataflow():
             x2 = R.reshape(x, R.shape([10, 16]))
             y = R.matmul(x2, w, out_dtype="float32")
             yb = R.add(b, y)
             y3 = R.reshape(yb, R.shape([2, 5, 48]))
-            qkv = R.split(y3, [16, 32], axis=2)
+            qkv = R.split(y3, [32, 40], axis=2)
             q = qkv[0]
             k = qkv[1]
             v = qkv[2]
-            out = R.add(R.multiply(q, k), v)
+            out = R.add(R.sum(q, axis=[-1], keepdims=True), R.multiply(k, v))
             R.output(out)
         return out
 
@@ -82,23 +85,23 @@ class Qkv:
 @I.ir_module
 class QkvExpected:
     @R.function
-    def main(x: R.Tensor((2, 5, 16), "float32"), w_seg0: R.Tensor((16, 16), "float32"),
-             w_seg1: R.Tensor((16, 16), "float32"), w_seg2: R.Tensor((16, 16), "float32"),
-             b_seg0: R.Tensor((16,), "float32"), b_seg1: R.Tensor((16,), "float32"),
-             b_seg2: R.Tensor((16,), "float32")) -> R.Tensor((2, 5, 16), "float32"):
+    def main(x: R.Tensor((2, 5, 16), "float32"), w_seg0: R.Tensor((16, 32), "float32"),
+             w_seg1: R.Tensor((16, 8), "float32"), w_seg2: R.Tensor((16, 8), "float32"),
+             b_seg0: R.Tensor((32,), "float32"), b_seg1: R.Tensor((8,), "float32"),
+             b_seg2: R.Tensor((8,), "float32")) -> R.Tensor((2, 5, 8), "float32"):
         R.func_attr({"num_input": 1})
         with R.dataflow():
             x2 = R.reshape(x, R.shape([10, 16]))
             y0 = R.matmul(x2, w_seg0, out_dtype="float32")
             yb0 = R.add(b_seg0, y0)
-            q = R.reshape(yb0, R.shape([2, 5, 16]))
+            q = R.reshape(yb0, R.shape([2, 5, 32]))
             y1 = R.matmul(x2, w_seg1, out_dtype="float32")
             yb1 = R.add(b_seg1, y1)
-            k = R.reshape(yb1, R.shape([2, 5, 16]))
+            k = R.reshape(yb1, R.shape([2, 5, 8]))
             y2 = R.matmul(x2, w_seg2, out_dtype="float32")
             yb2 = R.add(b_seg2, y2)
-            v = R.reshape(yb2, R.shape([2, 5, 16]))
-            out = R.add(R.multiply(q, k), v)
+            v = R.reshape(yb2, R.shape([2, 5, 8]))
+            out = R.add(R.sum(q, axis=[-1], keepdims=True), R.multiply(k, v))
             R.output(out)
         return out
 
@@ -157,21 +160,21 @@ def relax_well_formed(mod) -> bool:
 def test_the_derivations_say_how_each_parameter_is_cut_from_the_users_weight():
     found = derivations_of(SplitFusedProjections()(Qkv))["main"]
     assert found.params == (
-        DerivedParam("w_seg0", "w", (16, 48), 1, 0, 16),
-        DerivedParam("w_seg1", "w", (16, 48), 1, 16, 32),
-        DerivedParam("w_seg2", "w", (16, 48), 1, 32, 48),
-        DerivedParam("b_seg0", "b", (48,), 0, 0, 16),
-        DerivedParam("b_seg1", "b", (48,), 0, 16, 32),
-        DerivedParam("b_seg2", "b", (48,), 0, 32, 48),
+        DerivedParam("w_seg0", "w", (16, 48), 1, 0, 32),
+        DerivedParam("w_seg1", "w", (16, 48), 1, 32, 40),
+        DerivedParam("w_seg2", "w", (16, 48), 1, 40, 48),
+        DerivedParam("b_seg0", "b", (48,), 0, 0, 32),
+        DerivedParam("b_seg1", "b", (48,), 0, 32, 40),
+        DerivedParam("b_seg2", "b", (48,), 0, 40, 48),
     )
     w = np.arange(16 * 48, dtype="float32").reshape(16, 48)
     bound = found.bind({"w": w, "other": 1})
-    np.testing.assert_array_equal(bound["w_seg1"], w[:, 16:32])
+    np.testing.assert_array_equal(bound["w_seg1"], w[:, 32:40])
     assert bound["other"] == 1 and "w" not in bound
     # derived names pass through; a weight given twice or of another shape is refused
-    assert found.bind({"w_seg0": w[:, :16]})["w_seg0"].shape == (16, 16)
+    assert found.bind({"w_seg0": w[:, :32]})["w_seg0"].shape == (16, 32)
     with pytest.raises(td.ArgumentError, match="given both whole and as its segment"):
-        found.bind({"w": w, "w_seg0": w[:, :16]})
+        found.bind({"w": w, "w_seg0": w[:, :32]})
     with pytest.raises(td.ArgumentError, match=r"weight 'w' has shape \[16, 47\]"):
         found.bind({"w": w[:, :47]})
     assert Derivations.from_json(found.to_json()) == found
