@@ -166,6 +166,8 @@ class _Analysis:
                     bad |= {id(site) for site, _ in items}
             if not bad:
                 return sites
+            logger.debug("fused projections left whole: their weights have other uses or "
+                         "are cut differently (%d site(s))", len(bad))
             sites = [site for site in sites if id(site) not in bad]
 
     def _split_site(self, var: relax.Var, call: relax.Call) -> _Site | None:
@@ -415,6 +417,9 @@ class SplitFusedProjections:
         for gv, func in _ir.relax_functions(mod):
             if func.attrs is None or "global_symbol" not in func.attrs:
                 continue  # a private function's parameters are not the user's weights
+            if any(_ir.dtensor_sharding(p.ty) is not None for p in func.params):
+                logger.debug("%s already has DTensor parameters: left as it is", gv.name_hint)
+                continue  # propagated already: run this pass before annotating
             sites = _Analysis(func).sites()
             if not sites:
                 continue

@@ -409,3 +409,11 @@ def test_gpt2_c_attn_is_split_per_segment_and_equals_transformers_on_mpi(gpt2, p
     assert held * parts == weights[fused].size  # each rank holds 1/p of c_attn: 1/p of q, k, v
     out = exe.run(*inputs, params=weights, backend="mpi")
     np.testing.assert_allclose(out, want, atol=1e-4)
+
+
+def test_an_annotated_weight_is_left_whole():
+    # a fused weight the user placed already keeps that placement (run the pass first)
+    from tvm_distx.presets import Preset, with_meshes
+
+    annotated = Preset((("w", "S[0]", None),)).apply(with_meshes(GateUp, [(2,)]))
+    tvm.ir.assert_structural_equal(SplitFusedProjections()(annotated), annotated)
