@@ -219,6 +219,57 @@ def test_what_cannot_be_split_per_segment_is_left_alone(mod):
     assert derivations_of(after) == {}
 
 
+def test_an_annotated_weight_is_left_whole():
+    # a fused weight the user placed already keeps that placement (run the pass first)
+    from tvm_distx.presets import Preset, with_meshes
+
+    annotated = Preset((("w", "S[0]", None),)).apply(with_meshes(GateUp, [(2,)]))
+    tvm.ir.assert_structural_equal(SplitFusedProjections()(annotated), annotated)
+
+
+@I.ir_module
+class BatchedExperts:
+    """Every expert at once: a batched matmul over the fused (E, 2I, H) tensor."""
+
+    @R.function
+    def main(x: R.Tensor((4, 6, 16), "float32"), w: R.Tensor((4, 48, 16), "float32")
+             ) -> R.Tensor((4, 6, 24), "float32"):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            wt = R.permute_dims(w, axes=[0, 2, 1])
+            y = R.matmul(x, wt, out_dtype="float32")
+            parts = R.split(y, 2, axis=2)
+            gate = parts[0]
+            up = parts[1]
+            out = R.multiply(R.nn.silu(gate), up)
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class BatchedExpertsExpected:
+    @R.function
+    def main(x: R.Tensor((4, 6, 16), "float32"), w_seg0: R.Tensor((4, 24, 16), "float32"),
+             w_seg1: R.Tensor((4, 24, 16), "float32")) -> R.Tensor((4, 6, 24), "float32"):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            wt0 = R.permute_dims(w_seg0, axes=[0, 2, 1])
+            gate = R.matmul(x, wt0, out_dtype="float32")
+            wt1 = R.permute_dims(w_seg1, axes=[0, 2, 1])
+            up = R.matmul(x, wt1, out_dtype="float32")
+            out = R.multiply(R.nn.silu(gate), up)
+            R.output(out)
+        return out
+
+
+def test_a_batched_expert_matmul_is_cut_on_the_fused_axis_of_the_3d_tensor():
+    after = SplitFusedProjections()(BatchedExperts)
+    tvm.ir.assert_structural_equal(after["main"], BatchedExpertsExpected["main"])
+    assert derivations_of(after)["main"].params == (
+        DerivedParam("w_seg0", "w", (4, 48, 16), 1, 0, 24),
+        DerivedParam("w_seg1", "w", (4, 48, 16), 1, 24, 48))
+
+
 # --------------------------------------------------------------------------- PyTorch models
 torch = pytest.importorskip("torch")
 
@@ -410,10 +461,3 @@ def test_gpt2_c_attn_is_split_per_segment_and_equals_transformers_on_mpi(gpt2, p
     out = exe.run(*inputs, params=weights, backend="mpi")
     np.testing.assert_allclose(out, want, atol=1e-4)
 
-
-def test_an_annotated_weight_is_left_whole():
-    # a fused weight the user placed already keeps that placement (run the pass first)
-    from tvm_distx.presets import Preset, with_meshes
-
-    annotated = Preset((("w", "S[0]", None),)).apply(with_meshes(GateUp, [(2,)]))
-    tvm.ir.assert_structural_equal(SplitFusedProjections()(annotated), annotated)
