@@ -158,7 +158,11 @@ def relax_well_formed(mod) -> bool:
 
 
 def test_the_derivations_say_how_each_parameter_is_cut_from_the_users_weight():
-    found = derivations_of(SplitFusedProjections()(Qkv))["main"]
+    after = SplitFusedProjections()(Qkv)
+    found = derivations_of(after)["main"]
+    # plain data in a module attribute: it survives TVMScript and TVM's own passes
+    assert derivations_of(tvm.script.from_source(after.script()))["main"] == found
+    assert derivations_of(tvm.relax.transform.LegalizeOps()(after))["main"] == found
     assert found.params == (
         DerivedParam("w_seg0", "w", (16, 48), 1, 0, 32),
         DerivedParam("w_seg1", "w", (16, 48), 1, 32, 40),
