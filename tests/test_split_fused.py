@@ -439,7 +439,7 @@ def gpt2():
         body = _GPT2Body(model).eval()
         np.testing.assert_array_equal(body(ids, positions).numpy(), want)
     mod, weights = from_torch(body, (ids, positions))
-    return SplitFusedProjections()(mod), weights, (ids.numpy(), positions.numpy()), want
+    return mod, weights, (ids.numpy(), positions.numpy()), want
 
 
 # GPT-2's Conv1D stores (in, out): column parallel splits dim 1, row parallel dim 0
@@ -450,7 +450,8 @@ _GPT2_ROW = {"*c_proj_weight": "S[0]"}
 
 @pytest.mark.parametrize("parts", [2, 4])
 def test_gpt2_c_attn_is_split_per_segment_and_equals_transformers_on_mpi(gpt2, parts):
-    mod, weights, inputs, want = gpt2
+    imported, weights, inputs, want = gpt2
+    mod = SplitFusedProjections()(imported)
     fused = "p_model_transformer_h_0_attn_c_attn_weight"
     assert weights[fused].shape == (64, 192) and f"{fused}_seg0" not in weights
     assert [d.stop - d.start for d in derivations_of(mod)["main"].params
@@ -465,3 +466,13 @@ def test_gpt2_c_attn_is_split_per_segment_and_equals_transformers_on_mpi(gpt2, p
     out = exe.run(*inputs, params=weights, backend="mpi")
     np.testing.assert_allclose(out, want, atol=1e-4)
 
+
+
+def test_gpt2_c_attn_split_evenly_instead_gathers_every_layer(gpt2):
+    # what the pass avoids: an even split of the fused (64, 192) weight puts a rank
+    # boundary inside k, and every layer all-gathers q|k|v to cut it
+    imported, _, _, _ = gpt2
+    column = {"*c_attn_weight": "S[1]", "*c_attn_bias": "S[0]",
+              **{g: p for g, p in _GPT2_COLUMN.items() if "c_attn" not in g}}
+    collectives = _collectives(_column_per_segment(imported, column, _GPT2_ROW, 2))
+    assert collectives == ["all_gather", "local_slice", "all_reduce", "all_reduce"] * 2
