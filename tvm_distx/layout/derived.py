@@ -39,6 +39,11 @@ class DerivedParam:
         The axis of ``source`` that is sliced (non-negative).
     start, stop : int
         The half-open range taken on ``axis``.
+
+    Raises
+    ------
+    ArgumentError
+        If the name is the source's, or the axis or range does not fit the shape.
     """
 
     name: str
@@ -51,15 +56,18 @@ class DerivedParam:
     def __post_init__(self) -> None:
         object.__setattr__(self, "source_shape", tuple(int(d) for d in self.source_shape))
         if not self.name or not self.source or self.name == self.source:
-            raise ValueError(f"DerivedParam needs a name distinct from its source, got "
-                             f"{self.name!r} from {self.source!r}")
+            raise ArgumentError(f"DerivedParam needs a name distinct from its source, got "
+                                f"{self.name!r} from {self.source!r}",
+                                hint="DerivedParam('w_seg0', 'w', (16, 48), 1, 0, 16)")
         if not 0 <= self.axis < len(self.source_shape):
-            raise ValueError(f"DerivedParam {self.name!r}: axis {self.axis} is outside "
-                             f"{self.source!r}'s shape {list(self.source_shape)}")
+            raise ArgumentError(f"DerivedParam {self.name!r}: axis {self.axis} is outside "
+                                f"{self.source!r}'s shape {list(self.source_shape)}",
+                                hint="give a non-negative axis of the source's shape")
         if not 0 <= self.start < self.stop <= self.source_shape[self.axis]:
-            raise ValueError(f"DerivedParam {self.name!r}: [{self.start}, {self.stop}) is not a "
-                             f"non-empty range of axis {self.axis} of {self.source!r} "
-                             f"(extent {self.source_shape[self.axis]})")
+            raise ArgumentError(f"DerivedParam {self.name!r}: [{self.start}, {self.stop}) is not "
+                                f"a non-empty range of axis {self.axis} of {self.source!r} "
+                                f"(extent {self.source_shape[self.axis]})",
+                                hint="0 <= start < stop <= the axis' extent")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -110,11 +118,13 @@ class Derivations:
         object.__setattr__(self, "params", tuple(self.params))
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
-            raise ValueError(f"Derivations: a parameter is derived twice ({names})")
+            raise ArgumentError(f"Derivations: a parameter is derived twice ({names})",
+                                hint="give each derived parameter once")
         sources = {p.source for p in self.params}
         if sources & set(names):
-            raise ValueError(f"Derivations: {sorted(sources & set(names))} are both derived "
-                             "and a source (derive from the user's weight directly)")
+            raise ArgumentError(f"Derivations: {sorted(sources & set(names))} are both derived "
+                                "and a source",
+                                hint="derive every parameter from the user's weight directly")
 
     def __bool__(self) -> bool:
         return bool(self.params)
@@ -133,7 +143,7 @@ class Derivations:
 
         Raises
         ------
-        ValueError
+        ArgumentError
             If the two cuts are on different axes (not one slice).
         """
         out = {p.name: p for p in self.params}
@@ -141,8 +151,10 @@ class Derivations:
             parent = out.get(p.source)
             if parent is not None:
                 if p.axis != parent.axis:
-                    raise ValueError(f"Derivations.merged: {p.name!r} cuts {parent.name!r} on "
-                                     f"axis {p.axis}, which was cut on axis {parent.axis}")
+                    raise ArgumentError(f"Derivations.merged: {p.name!r} cuts {parent.name!r} "
+                                        f"on axis {p.axis}, which was cut on axis "
+                                        f"{parent.axis}: not one slice of the user's weight",
+                                        hint="cut segments on the axis of their parent")
                 out.pop(parent.name)
                 p = DerivedParam(p.name, parent.source, parent.source_shape, parent.axis,
                                  parent.start + p.start, parent.start + p.stop)
