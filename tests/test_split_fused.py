@@ -482,3 +482,57 @@ def test_gpt2_c_attn_split_evenly_instead_gathers_every_layer(gpt2):
               **{g: p for g, p in _GPT2_COLUMN.items() if "c_attn" not in g}}
     collectives = _collectives(_column_per_segment(imported, column, _GPT2_ROW, 2))
     assert collectives == ["all_gather", "local_slice", "all_reduce", "all_reduce"] * 2
+
+
+_GATE_UP_SCRIPT = """
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+
+@I.ir_module
+class GateUpOnTwo:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor((8, 16), "float32"), w: R.Tensor((64, 16), "float32"),
+             d: R.Tensor((32, 16), "float32")) -> R.Tensor((8, 16), "float32"):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            parts = R.split(R.matmul(x, R.permute_dims(w)), 2, axis=-1)
+            gate = parts[0]
+            up = parts[1]
+            out = R.matmul(R.multiply(R.nn.silu(gate), up), d)
+            R.output(out)
+        return out
+"""
+
+
+def test_the_command_line_splits_fused_projections_and_takes_fused_weights(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "model.py").write_text(_GATE_UP_SCRIPT)
+    (tmp_path / "rules.json").write_text(json.dumps(
+        [{"param": "w_seg0", "result": "S[0]"}, {"param": "w_seg1", "result": "S[0]"},
+         {"param": "d", "result": "S[0]"}]))
+    rng = np.random.default_rng(3)
+    x, w, d = (rng.standard_normal(s, dtype="float32") / 4 for s in [(8, 16), (64, 16),
+                                                                     (32, 16)])
+    np.savez(tmp_path / "w.npz", w=w, d=d)
+    np.save(tmp_path / "x.npy", x)
+
+    def cli(*argv):
+        done = subprocess.run([sys.executable, "-m", "tvm_distx", *argv], capture_output=True,
+                              text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    cli("compile", "model.py", "--split-fused", "--rules", "rules.json", "--weights", "w.npz",
+        "-o", "bundle")
+    cli("run", "bundle", "-n", "2", "--backend", "disco", "-i", "x.npy", "-o", "out")
+    gate, up = np.split(x @ w.T, 2, axis=-1)
+    want = (gate / (1 + np.exp(-gate)) * up) @ d
+    np.testing.assert_allclose(np.load(tmp_path / "out" / "out0.npy"), want, atol=1e-5)
+    plan = cli("plan", "model.py", "--split-fused", "--rules", "rules.json")
+    assert "all_reduce" in plan and "all_gather" not in plan
