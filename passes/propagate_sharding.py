@@ -30,7 +30,7 @@ from tvm_distx import _ir
 from tvm_distx._pass import module_pass
 from tvm_distx._rewrite import FunctionRewriter
 from tvm_distx.errors import ShardingError, UnsupportedProgramError, UnsupportedValueError
-from tvm_distx.layout import MeshTable, TensorSharding
+from tvm_distx.layout import MeshTable, TensorSharding, replicated
 
 from .decisions import Decision, Strength, decide_operands, replicated_plan
 from .sharding_solver import FunctionAnalysis, ProgramAnalysis, _field_type, call_site
@@ -380,6 +380,11 @@ class _FunctionEmitter(FunctionRewriter):
             new = self.use(value)
         new = self.bb.normalize(new)
         want = self._sharding(b.var) if self.analysis.tensor_slots(b.var) == 1 else None
+        if want is not None and isinstance(new, tvm.ir.Constant) and _ir.is_tensor_type(new.ty):
+            # a constant bound to a variable (LegalizeOps folds arange and full into
+            # one) is a DTensor like every other value its users read: replicated,
+            # and split without communication where its users want it split
+            new = self._constant(new, replicated(want.mesh), b.var)
         if want is not None and _ir.is_tensor_type(b.var.ty):
             have = TensorSharding.from_type(new.ty)
             if have is not None and have != want:
