@@ -2,8 +2,8 @@
 
 The rewrite is checked as exact IR on small TVMScript modules; the derivation
 of the new parameters from the user's weights, on real multi-rank runs against
-PyTorch (a fused gate|up MLP, a fused 3-D expert tensor, and a tiny GPT-2 when
-it can be imported).
+PyTorch and transformers (a fused gate|up MLP, fused 3-D expert tensors, and a
+tiny GPT2LMHeadModel imported directly), through ``run``, bundles and the CLI.
 """
 
 from __future__ import annotations
@@ -409,43 +409,19 @@ def test_fused_3d_expert_tensors_are_split_per_segment():
 
 
 # --------------------------------------------------------------------------- GPT-2
-class _GPT2Body(torch.nn.Module):
-    """GPT2LMHeadModel's own modules (embeddings, GPT2Block, ln_f, lm_head), ids to logits.
-
-    The positions are an input: what remains of transformers' forward around
-    these modules is the cache and mask bookkeeping, which a causal prefill
-    with no padding does not need (the test checks the logits are the model's).
-    """
-
-    def __init__(self, model) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids, positions):
-        body = self.model.transformer
-        hidden = body.wte(ids) + body.wpe(positions)
-        for block in body.h:
-            out = block(hidden)
-            hidden = out[0] if isinstance(out, tuple) else out
-        return self.model.lm_head(body.ln_f(hidden))
-
-
 @pytest.fixture(scope="module")
 def gpt2():
     transformers = pytest.importorskip("transformers")
-    from tvm_distx.frontend import from_torch
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2,
                                      n_head=4, bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config).eval()
-    ids, positions = torch.randint(0, 128, (1, 7)), torch.arange(7)[None]
+    ids = torch.randint(0, 128, (1, 7))
     with torch.no_grad():
         want = model(ids, use_cache=False).logits.numpy()
-        body = _GPT2Body(model).eval()
-        np.testing.assert_array_equal(body(ids, positions).numpy(), want)
-    mod, weights = from_torch(body, (ids, positions))
-    return mod, weights, (ids.numpy(), positions.numpy()), want
+    mod, weights = td.from_torch(model, (ids,))  # input_ids -> logits
+    return mod, weights, (ids.numpy(),), want
 
 
 # GPT-2's Conv1D stores (in, out): column parallel splits dim 1, row parallel dim 0
@@ -458,7 +434,7 @@ _GPT2_ROW = {"*c_proj_weight": "S[0]"}
 def test_gpt2_c_attn_is_split_per_segment_and_equals_transformers_on_mpi(gpt2, parts):
     imported, weights, inputs, want = gpt2
     mod = SplitFusedProjections()(imported)
-    fused = "p_model_transformer_h_0_attn_c_attn_weight"
+    fused = "p_transformer_h_0_attn_c_attn_weight"
     assert weights[fused].shape == (64, 192) and f"{fused}_seg0" not in weights
     assert [d.stop - d.start for d in derivations_of(mod)["main"].params
             if d.source == fused] == [64, 64, 64]  # q | k | v, found from the split
