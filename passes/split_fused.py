@@ -470,7 +470,10 @@ def _rewrite(mod: tvm.IRModule, func: relax.Function,
 
 
 def _ints(expr: relax.Expr) -> list[int] | None:
-    """The integers of a shape or tuple argument (``strided_slice``'s axes, bounds); None if symbolic."""
+    """The integers of a shape or tuple argument (``strided_slice``'s axes and bounds).
+
+    None when one of them is symbolic.
+    """
     items = expr.values if isinstance(expr, relax.ShapeExpr) else getattr(expr, "fields", None)
     if items is None:
         return None
