@@ -30,9 +30,11 @@ What is recognised (from the graph, never from names)
 * The matmul's weight operand (and the bias) is a parameter of the function,
   possibly through ``permute_dims``, ``take`` or ``strided_slice`` on other
   axes (an expert picked out of a 3-D tensor).
-* Every intermediate value has no other use, and neither have the weight and
-  the bias: the fused weight must disappear entirely. Only weights (the
-  parameters after the function's ``num_input`` inputs) are rewritten.
+* Every intermediate value has no other use, and the weight and the bias are
+  read by such sites only, all cut alike (a fused expert tensor read once per
+  expert is cut once): the fused weight disappears entirely. Only weights (the
+  parameters after the function's ``num_input`` inputs; every parameter when
+  it has no ``num_input``) of public functions are rewritten.
 
 How a new parameter is cut from the user's weight is recorded as plain data
 (:class:`tvm_distx.layout.derived.DerivedParam`) in the module attribute
