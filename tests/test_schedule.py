@@ -89,6 +89,16 @@ def test_matmul_with_bias_and_relu_epilogue():
                   rule="matmul")
 
 
+def test_matmul_with_an_epilogue_that_reads_a_value_twice():
+    # silu(x @ w + b) = t * sigmoid(t): t is read by two epilogue blocks, so it stays in
+    # memory (inlining it into the tile store would leave a read of an unwritten buffer)
+    def silu(t):
+        return t / (1 + np.exp(-t))
+
+    scheduled_run(lambda x, w, b: relax.op.nn.silu(relax.op.add(relax.op.matmul(x, w), b)),
+                  lambda x, w, b: silu(x @ w + b), (10, 16), (16, 32), (32,), rule="matmul")
+
+
 @pytest.mark.parametrize("shapes", [((3, 32, 16), (3, 16, 64)),   # batch matmul
                                     ((3, 32, 16), (16, 64)),      # broadcast weight
                                     ((30, 20), (20, 24)),         # sizes that tile unevenly

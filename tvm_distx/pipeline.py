@@ -145,7 +145,10 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
     ShardingError
         From any stage, naming the function and the value.
     """
+    from tvm_distx.passes import derivations_of
+
     resolved = resolve_target(target, **target_options)
+    derivations = derivations_of(mod)  # parameters cut from a user's fused weight
     stages = run_stages(mod, dump_dir=dump_dir)
     propagated, lowered = stages["propagate_sharding"], stages["lower_distir"]
     signatures = {gv.name_hint: FunctionSignature.from_function(gv.name_hint, func)
@@ -160,7 +163,7 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
     logger.info("building for %s", resolved.name)
     vm_exec, built = _build(built, unscheduled, resolved.target)
     return DistExecutable(lowered, signatures, vm_exec, resolved, built=built,
-                          **_rank_entries(lowered, signatures))
+                          derivations=derivations, **_rank_entries(lowered, signatures))
 
 
 def _build(built: tvm.IRModule, unscheduled: tvm.IRModule, target):
