@@ -33,6 +33,11 @@ __all__ = ["prim_func_signature"]
 logger = logging.getLogger(__name__)
 
 
+#: Values that symbolic extents stand for while the access patterns are read (primes
+#: near 2**16: products of three stay far inside int64).
+_STAND_INS = (65521, 65519, 65497, 65479, 65449, 65447, 65437, 65423, 65419, 65413)
+
+
 # --------------------------------------------------------------------------- call_tir
 @register_signature("relax.call_tir")
 def _call_tir(call: relax.Call, mod: tvm.IRModule) -> OpSignature | None:
@@ -195,6 +200,25 @@ class _PrimFuncAnalysis:
         self.escaped: set[int] = set()  # buffers used other than by loads/stores
         self.loose: set[int] = set()  # buffers accessed outside any block
         self.analyzer = tvm.sym.Analyzer()
+        self._bind_extents()
+
+    def _bind_extents(self) -> None:
+        """Every symbolic extent of the buffers stands for a distinct large prime.
+
+        A legalized reshape over a run-time extent ``s`` indexes with
+        ``((h * s + i) // s) % 4``, which folds to ``h`` only when the analyzer
+        can compare ``i`` with ``s``; it cannot for a symbol. With ``s`` bound
+        to a large prime, the analyzer folds the index exactly as it does for
+        a static extent, and a prime folds nothing that holds only for some
+        sizes (it divides no other extent, so no spurious fusion appears).
+        """
+        free = []
+        for p in self.params:
+            for dim in self.buffers[self.buffer_index[p]].ty.shape:
+                if isinstance(dim, tvm.ir.Var) and not any(dim.same_as(f) for f in free):
+                    free.append(dim)
+        for dim, value in zip(free, _STAND_INS):
+            self.analyzer.bind(dim, tirx.IntImm(str(dim.ty.dtype), value))
 
     # -- buffers
     def _buffer(self, var) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import tvm
 
 from . import _ir
@@ -33,6 +34,14 @@ class CommRow:
     src: str
     dst: str
     bytes_per_rank: int
+    #: Names of the symbolic extents the bytes are per unit of (``bytes_per_rank``
+    #: times their product is the true count); empty for a static shape.
+    per: tuple[str, ...] = ()
+
+    @property
+    def bytes_text(self) -> str:
+        """``bytes_per_rank`` with thousands separators, ``x s`` per symbolic extent."""
+        return f"{self.bytes_per_rank:,}" + "".join(f" x {name}" for name in self.per)
 
 
 @dataclass(frozen=True)
@@ -46,21 +55,33 @@ class CommReport:
         """The sum of the rows: each collective counted once where it appears in the IR.
 
         A function called several times runs its collectives on every call;
-        the report lists the program text, not a trace.
+        the report lists the program text, not a trace. Rows of symbolic shapes
+        count their bytes per unit of their symbolic extents (see ``total_text``).
         """
         return sum(r.bytes_per_rank for r in self.rows)
+
+    @property
+    def total_text(self) -> str:
+        """The total, one term per set of symbolic extents (``"4,096 x s + 512"``)."""
+        by_unit: dict[tuple[str, ...], int] = {}
+        for r in self.rows:
+            by_unit[r.per] = by_unit.get(r.per, 0) + r.bytes_per_rank
+        if not by_unit:
+            return "0"
+        return " + ".join(f"{total:,}" + "".join(f" x {n}" for n in per)
+                          for per, total in sorted(by_unit.items(), key=lambda kv: -len(kv[0])))
 
     def __str__(self) -> str:
         header = ("function", "value", "mesh axis", "collective", "from", "to", "bytes/rank")
         table = [header] + [
             (r.function, r.value, "-" if r.mesh_axis is None else str(r.mesh_axis),
-             r.collective, r.src, r.dst, f"{r.bytes_per_rank:,}")
+             r.collective, r.src, r.dst, r.bytes_text)
             for r in self.rows
         ]
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                  for row in table]
-        lines.append(f"total bytes received per rank: {self.total_bytes_per_rank:,}")
+        lines.append(f"total bytes received per rank: {self.total_text}")
         return "\n".join(lines) + "\n"
 
 
@@ -113,13 +134,15 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
                     if partial is None:
                         continue
                     dst = TensorSharding.from_type(var.ty) if var in completes else None
-                    plan = plan_completion(partial, dst, _ir.static_shape(var.ty),
+                    shape, per, unit = _planned_shape(var.ty)
+                    plan = plan_completion(partial, dst, shape,
                                            var.ty.tensor_ty.dtype,
                                            allow_send_recv=ALLOW_SEND_RECV)
                 elif _ir.is_call_to(value, "relax.dist.redistribute"):
+                    shape, per, unit = _planned_shape(var.ty)
                     plan = plan_redistribute(true_sharding(value.args[0], bound),
                                              TensorSharding.from_type(var.ty),
-                                             _ir.static_shape(var.ty), var.ty.tensor_ty.dtype,
+                                             shape, var.ty.tensor_ty.dtype,
                                              allow_send_recv=ALLOW_SEND_RECV)
                 else:
                     continue
@@ -129,8 +152,26 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
                                         step.collective.name.lower(),
                                         _where(step.src, names, between),
                                         _where(step.dst, names, between),
-                                        step.bytes_received))
+                                        step.bytes_received // unit, per))
     return CommReport(tuple(rows))
+
+
+def _planned_shape(ty) -> tuple[tuple[int, ...], tuple[str, ...], int]:
+    """``(shape to plan, symbolic extent names, unit)`` for a DTensor type.
+
+    A symbolic extent is planned at the mesh's device count, which every split
+    of it divides; the plan's steps do not depend on the extent, and its bytes
+    are linear in it, so dividing them by ``unit`` (that count to the power of
+    the number of symbolic extents) gives the bytes per unit of the extents.
+    """
+    shape = _ir.static_shape(ty)
+    if shape is None or all(d is not None for d in shape):
+        return shape, (), 1
+    stand_in = int(np.prod([int(d) for d in ty.device_mesh.shape]))
+    dims = ty.tensor_ty.shape.values
+    per = tuple(str(dims[i]) for i, d in enumerate(shape) if d is None)
+    planned = tuple(stand_in if d is None else d for d in shape)
+    return planned, per, stand_in ** len(per)
 
 
 def _check_propagated(function: str, func) -> None:

@@ -19,6 +19,7 @@ ATen operator             Relax translation
 ``scaled_dot_product_     two 4-D ``matmul`` around a ``softmax``, any mask
 attention``
 ``cumsum``                ``cumsum`` in the dtype torch gives the result
+``full``, ``masked_fill`` a 0-d constant broadcast when the value is infinite or NaN
 ``&``, ``|``, ``^``       TVM's own, cast to the dtype torch gives the result
 ``slice``, ``split``, ...  TVM's own, shape stated as torch knows it (``match_cast``)
 ========================  ====================================================
@@ -30,6 +31,7 @@ attention``
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable
 
 import tvm
@@ -236,6 +238,46 @@ def _with_torch_dtype(name: str) -> Callable:
     return convert
 
 
+def _non_finite(value) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def _filled(importer, shape, value, dtype: str) -> relax.Var:
+    """A tensor of ``shape`` filled with ``value``, infinite and NaN values included.
+
+    TVM's ``full`` fails in LegalizeOps on a non-finite value (a TypeError in
+    its TOPI check of the dtype), so those broadcast a 0-d constant instead.
+    """
+    import numpy as np
+
+    bb = importer.block_builder
+    if not _non_finite(value):
+        return bb.emit(relax.op.full(shape, relax.const(value, dtype), dtype))
+    scalar = relax.const(np.array(value, dtype=dtype))
+    return bb.emit(relax.op.broadcast_to(scalar, shape))
+
+
+def _full(node, importer) -> relax.Var:
+    """``torch.full(size, value)``, infinite and NaN fill values included."""
+    value = _arg(node, 1, "fill_value")
+    if not _non_finite(value):
+        return _original(importer, "full.default")(node)
+    size = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
+    shape = [importer.env[d] if not isinstance(d, int) else d for d in size]
+    dtype = _torch_dtype_of(node) or "float32"
+    return _filled(importer, shape, value, dtype)
+
+
+def _masked_fill(node, importer) -> relax.Var:
+    """``x.masked_fill(mask, value)``, infinite and NaN fill values included."""
+    value = _arg(node, 2, "value")
+    if not _non_finite(value):
+        return _original(importer, "masked_fill.Scalar")(node)
+    x = importer.env[node.args[0]]
+    fill = _filled(importer, x.ty.shape, value, _dtype_of(x))
+    return importer.block_builder.emit(relax.op.where(importer.env[node.args[1]], fill, x))
+
+
 #: TVM converters whose result dtype can differ from torch's (see :func:`_with_torch_dtype`).
 _DTYPE_CHECKED = ("__and__.Tensor", "__or__.Tensor", "__xor__.Tensor",
                   "bitwise_and.Tensor", "bitwise_or.Tensor", "bitwise_xor.Tensor")
@@ -345,6 +387,8 @@ CONVERTERS: dict[str, Callable] = {
     "_unsafe_view.default": _unsafe_view,
     "scaled_dot_product_attention.default": _sdpa,
     "cumsum.default": _cumsum,
+    "full.default": _full,
+    "masked_fill.Scalar": _masked_fill,
     **{name: _with_torch_dtype(name) for name in _DTYPE_CHECKED},
     **{name: _with_torch_shape(name) for name in _SHAPE_CHECKED},
 }

@@ -208,11 +208,14 @@ def comm_table(report):
     columns = ("function", "value", "mesh axis", "collective", "from", "to")
     for index, header in enumerate(columns):
         table.add_column(header, footer="total" if index == 0 else "")
+    static = all(not r.per for r in report.rows)
+    total = report.total_bytes_per_rank
     table.add_column("bytes/rank", justify="right",
-                     footer=f"{report.total_bytes_per_rank:,} ({human_bytes(report.total_bytes_per_rank)})")
+                     footer=f"{total:,} ({human_bytes(total)})" if static else report.total_text)
     for r in report.rows:
         table.add_row(r.function, r.value, "-" if r.mesh_axis is None else str(r.mesh_axis),
                       r.collective, r.src, r.dst,
+                      r.bytes_text if r.per else
                       f"{r.bytes_per_rank:,} ({human_bytes(r.bytes_per_rank)})")
     return table
 
