@@ -1,0 +1,187 @@
+"""Mixture of experts: transformers' sparse MLPs imported with a static dispatch, run expert
+parallel on 2 and 4 MPI ranks and compared with transformers (float32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+
+import tvm  # noqa: E402
+from tvm import relax  # noqa: E402
+
+import tvm_distx as td  # noqa: E402
+from tvm_distx import moe  # noqa: E402
+from tvm_distx.errors import RuleError  # noqa: E402
+from tvm_distx.frontend import from_torch  # noqa: E402
+from tvm_distx.pipeline import run_stages  # noqa: E402
+from tvm_distx.presets import megatron, with_meshes  # noqa: E402
+from tvm_distx.runtime.arrays import shard_array  # noqa: E402
+from tvm_distx.torch_moe import find_experts, static_experts  # noqa: E402
+
+TOKENS, HIDDEN = 8, 64
+
+
+def _mixtral_config(**extra):
+    return tf.MixtralConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=96,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                            num_local_experts=4, num_experts_per_tok=2,
+                            max_position_embeddings=64, tie_word_embeddings=False, **extra)
+
+
+def _qwen2_moe_config():
+    return tf.Qwen2MoeConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=96,
+                             moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                             num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                             tie_word_embeddings=False)
+
+
+def _sort_and_scan(mod):
+    # the router's top-k as a kernel (a sort), which propagation reads like any other
+    with tvm.target.Target({"kind": "llvm"}):
+        return relax.backend.DispatchSortScan()(mod)
+
+
+def _import_block(block):
+    """A transformers sparse-MLP block imported with its experts' static dispatch."""
+    torch.manual_seed(1)
+    x = torch.randn(1, TOKENS, HIDDEN)
+    with torch.no_grad():
+        want = block(x)
+    want = (want[0] if isinstance(want, tuple) else want).numpy()
+    with static_experts(block):
+        mod, weights = from_torch(block, (x,), decompose=True)
+    return _sort_and_scan(mod), weights, x.numpy(), want
+
+
+@pytest.fixture(scope="module")
+def mixtral_block():
+    torch.manual_seed(0)
+    model = tf.MixtralForCausalLM(_mixtral_config()).eval()
+    return _import_block(model.model.layers[0].mlp)
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_block():
+    torch.manual_seed(0)
+    model = tf.Qwen2MoeForCausalLM(_qwen2_moe_config()).eval()
+    return _import_block(model.model.layers[0].mlp)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def mixtral_expert_parallel(request, mixtral_block):
+    mod, _, _, _ = mixtral_block
+    annotated = moe.expert_parallel().apply(with_meshes(mod, [(request.param,)]))
+    return request.param, annotated, td.compile(annotated)
+
+
+def test_static_dispatch_equals_transformers_in_torch():
+    torch.manual_seed(0)
+    model = tf.MixtralForCausalLM(_mixtral_config()).eval()
+    ids = torch.randint(0, 128, (2, TOKENS))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        with static_experts(model) as names:
+            got = model(ids, use_cache=False).logits
+        again = model(ids, use_cache=False).logits
+    assert names == ["model.layers.0.mlp.experts"]
+    assert [n for n, _ in find_experts(model)] == names
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert torch.equal(again, want)  # the original forward is back
+    assert "forward" not in vars(model.model.layers[0].mlp.experts)
+
+
+def test_expert_weights_are_found_by_structure(mixtral_block):
+    mod, weights, _, _ = mixtral_block
+    found = moe.expert_weights(mod)
+    assert found == [
+        moe.ExpertWeight("p_experts_gate_up_proj", 4, expert_dim=0, intermediate_dim=1,
+                         role="up"),
+        moe.ExpertWeight("p_experts_down_proj", 4, expert_dim=0, intermediate_dim=2,
+                         role="down"),
+    ]
+    assert weights["p_experts_gate_up_proj"].shape == (4, 2 * 96, HIDDEN)
+    # the router stays replicated; a base preset places the other weights
+    plan = moe.expert_parallel(base=megatron(column=["*gate_weight"], column_bias=[], row=[]))
+    rules = {r.param: str(r.result) for r in plan.rules(mod)}
+    assert rules == {"p_gate_weight": "S[0]", "p_experts_gate_up_proj": "S[0]",
+                     "p_experts_down_proj": "S[0]"}
+    assert {r.param: str(r.result) for r in plan.override({"*gate_weight": "R"}).rules(mod)}[
+        "p_gate_weight"] == "R"
+    tensor = {r.param: str(r.result) for r in moe.tensor_parallel_experts().rules(mod)}
+    assert tensor == {"p_experts_gate_up_proj": "S[1]", "p_experts_down_proj": "S[2]"}
+
+
+def test_a_model_without_experts_is_refused_with_a_hint():
+    linear = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    mod, _ = from_torch(linear, (torch.randn(2, 8),))
+    with pytest.raises(RuleError, match="no expert weights") as err:
+        moe.expert_parallel().rules(mod)
+    assert "static_experts" in str(err.value)
+    with pytest.raises(RuleError, match="strategy"):
+        moe.MoePlan("pipeline")
+
+
+def test_expert_parallel_equals_transformers_on_mpi(mixtral_block, mixtral_expert_parallel):
+    _, weights, x, want = mixtral_block
+    ranks, _, exe = mixtral_expert_parallel
+    out = exe.run(x, params=weights, backend="mpi")
+    np.testing.assert_allclose(out, want, atol=1e-4, rtol=0)
+
+
+def test_expert_parallel_holds_one_pth_of_the_experts_and_all_reduces_once(
+        mixtral_block, mixtral_expert_parallel):
+    _, weights, _, _ = mixtral_block
+    ranks, annotated, exe = mixtral_expert_parallel
+    rows = [r for r in td.comm_report(run_stages(annotated)["local_view"]).rows
+            if r.collective != "local_slice"]
+    assert [(r.collective, r.src, r.dst) for r in rows] == [("all_reduce", "P", "R")]
+    # the (tokens, hidden) output only, as a ring all-reduce receives it
+    assert rows[0].bytes_per_rank == 2 * (ranks - 1) * TOKENS * HIDDEN * 4 // ranks
+    specs = {s.name: s for s in exe.signatures["main"].params}
+    experts = ("p_experts_gate_up_proj", "p_experts_down_proj")
+    total = sum(weights[n].nbytes for n in experts)
+    held = []
+    for rank in range(ranks):
+        parts = [shard_array(weights[n], specs[n].sharding, rank) for n in experts]
+        held.append(sum(p.nbytes for p in parts))
+        # whole experts: rank r holds experts r*E/p .. (r+1)*E/p - 1
+        per_rank = 4 // ranks
+        np.testing.assert_array_equal(
+            parts[0], weights[experts[0]][rank * per_rank:(rank + 1) * per_rank])
+    assert held == [total // ranks] * ranks
+    assert specs["p_gate_weight"].sharding.placement.entries[0].is_replicate()
+
+
+def test_the_comparison_prefers_expert_parallel(mixtral_block):
+    mod, _, _, _ = mixtral_block
+    meshed = with_meshes(mod, [(2,)])
+    comparison = moe.compare(meshed)
+    assert comparison.chosen == "expert"
+    expert = moe.MoeComparison.collectives(comparison.expert)
+    tensor = moe.MoeComparison.collectives(comparison.tensor)
+    assert [r.collective for r in expert] == ["all_reduce"]
+    # inside each expert, the split of the intermediate features cuts the fused gate|up
+    # weight between gate and up, and the down projection's partial sums still carry the
+    # expert dimension: more collectives and more bytes
+    assert comparison.tensor.total_bytes_per_rank > comparison.expert.total_bytes_per_rank
+    assert len(tensor) > len(expert)
+    assert "<- chosen" in str(comparison).splitlines()[1]
+    assert moe.moe_parallel(meshed).strategy == "expert"
+
+
+def test_qwen2_moe_block_runs_expert_parallel_on_two_mpi_ranks(qwen2_moe_block):
+    mod, weights, x, want = qwen2_moe_block
+    assert [w.name for w in moe.expert_weights(mod)] == ["p_experts_gate_up_proj",
+                                                         "p_experts_down_proj"]
+    annotated = moe.expert_parallel().apply(with_meshes(mod, [(2,)]))
+    rows = [r for r in td.comm_report(run_stages(annotated)["local_view"]).rows
+            if r.collective != "local_slice"]
+    assert [r.collective for r in rows] == ["all_reduce"]
+    # the shared expert and its gate are dense and replicated here (a base preset splits them)
+    exe = td.compile(annotated, schedule=False)
+    out = exe.run(x, params=weights, backend="mpi")
+    np.testing.assert_allclose(out, want, atol=1e-4, rtol=0)
