@@ -185,3 +185,25 @@ def test_qwen2_moe_block_runs_expert_parallel_on_two_mpi_ranks(qwen2_moe_block):
     exe = td.compile(annotated, schedule=False)
     out = exe.run(x, params=weights, backend="mpi")
     np.testing.assert_allclose(out, want, atol=1e-4, rtol=0)
+
+
+def test_router_converts_without_torch_decompositions(mixtral_block):
+    """The router's in-place ``div_`` goes through ``torch_moe.CONVERTERS``; the 2-D tokens
+    then meet the 3-D experts in one ``relax.matmul`` (no broadcast), still found."""
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from tvm_distx.torch_moe import CONVERTERS
+
+    _, weights, x, want = mixtral_block
+    torch.manual_seed(0)
+    block = tf.MixtralForCausalLM(_mixtral_config()).eval().model.layers[0].mlp
+    with static_experts(block), torch.no_grad():
+        exported = torch.export.export(block, (torch.from_numpy(x),))
+    mod = from_exported_program(exported, keep_params_as_input=True,
+                                unwrap_unit_return_tuple=True, run_ep_decomposition=False,
+                                custom_convert_map=CONVERTERS)
+    mod, _ = relax.frontend.detach_params(mod)
+    assert [w.role for w in moe.expert_weights(mod)] == ["up", "down"]
+    exe = td.compile(moe.expert_parallel().apply(with_meshes(_sort_and_scan(mod), [(2,)])))
+    np.testing.assert_allclose(exe.run(x, params=weights, backend="emulate"), want,
+                               atol=1e-4, rtol=0)

@@ -45,14 +45,17 @@ exact zeros.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import tvm
 
 from .errors import RuleError
-from .presets import Preset
 from .rules import ShardingRule
+
+if TYPE_CHECKING:  # presets re-exports this module's plans, so it is imported lazily
+    from .comm_report import CommReport
+    from .presets import Preset
 
 __all__ = ["ExpertWeight", "MoePlan", "MoeComparison", "expert_weights", "expert_parallel",
            "tensor_parallel_experts", "compare", "moe_parallel"]
@@ -194,15 +197,16 @@ class MoePlan:
         Placements of the other weights.
     model_axis, mesh_ndim : int
         The mesh axis that splits the experts, and the number of mesh axes.
-    overrides : Preset
-        Patterns added by :meth:`override`; they win over everything.
+    overrides : tuple of (str, str, str or None)
+        ``(glob, placement, mesh)`` patterns added by :meth:`override`; they
+        win over everything.
     """
 
     strategy: str = "expert"
     base: Preset | None = None
     model_axis: int = 0
     mesh_ndim: int = 1
-    overrides: Preset = field(default_factory=Preset)
+    overrides: tuple[tuple[str, str, str | None], ...] = ()
 
     def __post_init__(self) -> None:
         if self.strategy not in ("expert", "tensor"):
@@ -215,8 +219,9 @@ class MoePlan:
 
     def override(self, patterns: dict[str, str], mesh: str | None = None) -> "MoePlan":
         """This plan with ``patterns`` (glob -> placement) added last (they win)."""
+        added = tuple((glob, placement, mesh) for glob, placement in patterns.items())
         return MoePlan(self.strategy, self.base, self.model_axis, self.mesh_ndim,
-                       self.overrides.override(patterns, mesh))
+                       self.overrides + added)
 
     def expert_placements(self, mod: tvm.IRModule, function: str = "main") -> dict[str, str]:
         """The placement of each expert weight of ``mod`` under this plan."""
@@ -248,7 +253,9 @@ class MoePlan:
         if self.base is not None:
             chosen.update(self.base.placements(names))
         chosen.update({name: (placement, None) for name, placement in experts.items()})
-        chosen.update(self.overrides.placements(names))
+        from .presets import Preset
+
+        chosen.update(Preset(self.overrides).placements(names))
         return [ShardingRule(param=name, result=placement, function=function,
                              **({"meshes": mesh} if mesh else {}))
                 for name, (placement, mesh) in chosen.items()]
@@ -298,8 +305,8 @@ class MoeComparison:
         ``"expert"`` or ``"tensor"``.
     """
 
-    expert: "object"
-    tensor: "object"
+    expert: CommReport
+    tensor: CommReport
     chosen: str
 
     @staticmethod

@@ -35,6 +35,10 @@ carries transformers' experts interface (``has_gate``, ``has_bias``,
 ``is_transposed`` and the fused 3-D parameters with one leading dimension,
 the expert count). Activation and gating go through the module's own
 ``act_fn`` / ``_apply_gate``, so a family's gating variant is kept.
+
+:data:`CONVERTERS` holds the converters the routers need beyond TVM's
+frontend (for its ``custom_convert_map``), when the module is exported
+without torch's decompositions.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from typing import Iterator
 
 from .errors import UnsupportedProgramError
 
-__all__ = ["static_experts", "find_experts", "dense_experts_forward"]
+__all__ = ["static_experts", "find_experts", "dense_experts_forward", "CONVERTERS"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,3 +182,14 @@ def static_experts(model) -> Iterator[list[str]]:
                 del module.forward
             else:
                 module.forward = forward
+
+
+def _in_place_divide(node, importer):
+    # The router normalizes its top-k weights in place (``w /= w.sum(-1)``); torch.export
+    # keeps ``div_`` and every later use reads its result, so it converts as ``div``.
+    return importer.convert_map["div.Tensor"](node)
+
+
+#: Converters for ``tvm.relax.frontend.torch.from_exported_program(custom_convert_map=...)``
+#: (each is called with the FX node and the importer).
+CONVERTERS = {"div_.Tensor": _in_place_divide}
