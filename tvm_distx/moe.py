@@ -194,7 +194,10 @@ class MoePlan:
         ``"expert"`` (split the expert dimension) or ``"tensor"`` (split each
         expert's intermediate dimension).
     base : Preset, optional
-        Placements of the other weights.
+        Placements of the other weights: any object with
+        ``rules(mod, function)`` (a :class:`tvm_distx.presets.Preset`, or
+        ``presets.tensor_parallel()``). Its rules for the expert weights are
+        replaced by this plan's.
     model_axis, mesh_ndim : int
         The mesh axis that splits the experts, and the number of mesh axes.
     overrides : tuple of (str, str, str or None)
@@ -248,17 +251,17 @@ class MoePlan:
                             hint="import the model with tvm_distx.from_torch under "
                             "tvm_distx.torch_moe.static_experts(model), before LegalizeOps; "
                             "for a dense model use presets.tensor_parallel()")
-        names = [p.name for p in mod[function].params]
-        chosen: dict[str, tuple[str, str | None]] = {}
-        if self.base is not None:
-            chosen.update(self.base.placements(names))
-        chosen.update({name: (placement, None) for name, placement in experts.items()})
         from .presets import Preset
 
-        chosen.update(Preset(self.overrides).placements(names))
-        return [ShardingRule(param=name, result=placement, function=function,
-                             **({"meshes": mesh} if mesh else {}))
-                for name, (placement, mesh) in chosen.items()]
+        names = [p.name for p in mod[function].params]
+        overrides = Preset(self.overrides).placements(names)
+        ours = {name: (placement, None) for name, placement in experts.items()}
+        ours.update(overrides)
+        base = [] if self.base is None else self.base.rules(mod, function)
+        kept = [rule for rule in base if rule.param is None or rule.param not in ours]
+        return kept + [ShardingRule(param=name, result=placement, function=function,
+                                    **({"meshes": mesh} if mesh else {}))
+                       for name, (placement, mesh) in ours.items()]
 
     def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` annotated with :meth:`rules`."""

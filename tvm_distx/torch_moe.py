@@ -37,8 +37,8 @@ the expert count). Activation and gating go through the module's own
 ``act_fn`` / ``_apply_gate``, so a family's gating variant is kept.
 
 :data:`CONVERTERS` holds the converters the routers need beyond TVM's
-frontend (for its ``custom_convert_map``), when the module is exported
-without torch's decompositions.
+frontend (for its ``custom_convert_map``): in-place ``div_`` and
+``scatter_``, and ``topk(sorted=False)``.
 """
 
 from __future__ import annotations
@@ -184,12 +184,46 @@ def static_experts(model) -> Iterator[list[str]]:
                 module.forward = forward
 
 
-def _in_place_divide(node, importer):
-    # The router normalizes its top-k weights in place (``w /= w.sum(-1)``); torch.export
-    # keeps ``div_`` and every later use reads its result, so it converts as ``div``.
-    return importer.convert_map["div.Tensor"](node)
+def _in_place(functional: str):
+    """A converter of an in-place operator (``div_``, ``scatter_``) as its functional form.
+
+    Later users of the result read the converted value; so do later users of
+    the mutated operand, whose binding is replaced.
+    """
+
+    def convert(node, importer):
+        result = importer.convert_map[functional](node)
+        importer.env[node.args[0]] = result
+        return result
+
+    convert.__name__ = f"convert_{functional.split('.')[0]}_in_place"
+    return convert
+
+
+def _topk_any_order(node, importer):
+    """``topk`` with ``sorted=False`` (routers with group-limited selection ask for it).
+
+    Unsorted means "in any order", and the sorted order is one of them, so
+    TVM's sorted ``topk`` is a correct translation.
+    """
+    from tvm import relax
+
+    args = importer.retrieve_args(node)
+    names = ("input", "k", "dim", "largest", "sorted")
+    given = dict(zip(names, args))
+    given.update(node.kwargs)
+    return importer.block_builder.emit(relax.op.topk(
+        given["input"], k=given.get("k", 1), axis=given.get("dim", -1),
+        largest=given.get("largest", True), ret_type="both", dtype="int64"))
 
 
 #: Converters for ``tvm.relax.frontend.torch.from_exported_program(custom_convert_map=...)``
-#: (each is called with the FX node and the importer).
-CONVERTERS = {"div_.Tensor": _in_place_divide}
+#: that routers need beyond TVM's frontend: the in-place normalisation of the top-k
+#: weights (``div_``), the group mask of group-limited routing (``scatter_``), and
+#: ``topk(..., sorted=False)``. Each is called with the FX node and the importer.
+CONVERTERS = {
+    "div_.Tensor": _in_place("div.Tensor"),
+    "scatter_.value": _in_place("scatter.value"),
+    "scatter_.src": _in_place("scatter.src"),
+    "topk.default": _topk_any_order,
+}
