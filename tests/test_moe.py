@@ -164,12 +164,15 @@ def test_a_model_without_experts_is_refused_with_a_hint():
         moe.MoePlan("pipeline")
 
 
-def test_expert_parallel_mixtral_logits_equal_transformers_on_mpi(mixtral,
-                                                                  mixtral_expert_parallel):
+def test_expert_parallel_mixtral_logits_equal_transformers_on_mpi_and_disco(
+        mixtral, mixtral_expert_parallel):
     _, weights, ids, want = mixtral
     ranks, _, exe = mixtral_expert_parallel
     out = exe.run(ids, params=weights, backend="mpi")
     np.testing.assert_allclose(out, want, atol=1e-4, rtol=0)
+    if ranks == 2:
+        out = exe.run(ids, params=weights, backend="disco")
+        np.testing.assert_allclose(out, want, atol=1e-4, rtol=0)
 
 
 def test_expert_parallel_holds_one_pth_of_the_experts_and_all_reduces_once(
