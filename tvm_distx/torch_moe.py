@@ -33,7 +33,7 @@ Experts modules are found by structure, not by class or layer names: a module
 whose forward takes ``(hidden_states, top_k_index, top_k_weights)`` and that
 carries transformers' experts interface (``has_gate``, ``has_bias``,
 ``is_transposed`` and the fused 3-D parameters with one leading dimension,
-the expert count). Activation and gating go through the module's own
+the expert count) and takes the routing as three positional inputs. Activation and gating go through the module's own
 ``act_fn`` / ``_apply_gate``, so a family's gating variant is kept.
 
 :data:`CONVERTERS` holds the converters the routers need beyond TVM's
@@ -55,9 +55,6 @@ __all__ = ["static_experts", "find_experts", "dense_experts_forward", "CONVERTER
 
 logger = logging.getLogger(__name__)
 
-_ROUTING_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
-
-
 def _fused_weights(module):
     """The (up, down) 3-D expert parameters of a transformers experts module, or None."""
     up = getattr(module, "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj", None)
@@ -71,20 +68,23 @@ def _fused_weights(module):
     return up, down
 
 
+def _takes_routing(forward) -> bool:
+    """Whether ``forward`` takes three positional inputs: tokens, top-k indices, top-k weights."""
+    forward = getattr(forward, "__wrapped__", forward)  # the interface's dispatching wrapper
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if params and params[0].name == "self":
+        params = params[1:]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
 def _is_experts_module(module) -> bool:
     if not all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed")):
         return False
-    if _fused_weights(module) is None:
-        return False
-    try:
-        params = tuple(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return False
-    # the decorator's forward is (*args, **kwargs); the wrapped one names the routing inputs
-    wrapped = getattr(module.forward, "__wrapped__", None)
-    if wrapped is not None:
-        params = tuple(inspect.signature(wrapped).parameters)[1:]
-    return params[:3] == _ROUTING_ARGS or params[:1] == ("args",)
+    return _fused_weights(module) is not None and _takes_routing(module.forward)
 
 
 def find_experts(model) -> list[tuple[str, object]]:
