@@ -270,9 +270,19 @@ def test_transposed_biased_experts_run_expert_parallel():
     assert moe.expert_weights(mod) == [
         moe.ExpertWeight("p_experts_gate_up_proj", 4, expert_dim=0, intermediate_dim=2,
                          role="up"),
+        moe.ExpertWeight("p_experts_gate_up_proj_bias", 4, expert_dim=0, intermediate_dim=1,
+                         role="up_bias"),
         moe.ExpertWeight("p_experts_down_proj", 4, expert_dim=0, intermediate_dim=1,
                          role="down"),
+        moe.ExpertWeight("p_experts_down_proj_bias", 4, expert_dim=0, intermediate_dim=None,
+                         role="down_bias"),
     ]
+    tensor = {r.param: str(r.result) for r in moe.tensor_parallel_experts().rules(mod)}
+    assert tensor["p_experts_down_proj_bias"] == "R"
     exe = td.compile(moe.expert_parallel().apply(with_meshes(mod, [(2,)])))
+    # every expert weight and bias is split on the expert dimension
+    specs = {s.name: s for s in exe.signatures["main"].params}
+    for weight in moe.expert_weights(mod):
+        assert specs[weight.name].local_shape[0] == 2, weight.name
     out = exe.run(x, params=weights, backend="emulate")[0]
     np.testing.assert_allclose(out, want, atol=1e-4, rtol=0)

@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 #: Operators an expert weight may pass through on its way to the matmul, with how
 #: they map the output axes to input axes (None: same axes).
-_LAYOUT_OPS = ("relax.permute_dims", "relax.broadcast_to", "relax.astype")
+_LAYOUT_OPS = ("relax.permute_dims", "relax.broadcast_to", "relax.expand_dims", "relax.astype")
 
 
 @dataclass(frozen=True)
@@ -79,16 +79,18 @@ class ExpertWeight:
         The number of experts (the extent of ``expert_dim``).
     expert_dim : int
         The parameter axis indexing the experts.
-    intermediate_dim : int
-        The parameter axis of the experts' hidden (intermediate) features.
+    intermediate_dim : int or None
+        The parameter axis of the experts' hidden (intermediate) features;
+        None for the bias of a down projection (it has none).
     role : str
-        ``"up"`` (tokens in, intermediate features out) or ``"down"``.
+        ``"up"`` (tokens in, intermediate features out), ``"down"``, or the
+        bias added to one of them, ``"up_bias"`` or ``"down_bias"``.
     """
 
     name: str
     experts: int
     expert_dim: int
-    intermediate_dim: int
+    intermediate_dim: int | None
     role: str
 
 
@@ -125,7 +127,32 @@ def _trace_to_param(expr, producers, params):
         elif name == "relax.broadcast_to":
             lead = len(call.ty.shape) - len(source.ty.shape)
             axes = [a - lead if a is not None and a >= lead else None for a in axes]
+        elif name == "relax.expand_dims":
+            out_ndim = len(call.ty.shape)
+            inserted = {int(a) % out_ndim for a in call.attrs.axis}
+            kept = [a for a in range(out_ndim) if a not in inserted]
+            axes = [kept.index(a) if a is not None and a in kept else None for a in axes]
         expr = source
+
+
+def _expert_bias(add, roles, producers, params) -> ExpertWeight | None:
+    """The per-expert bias that ``add`` adds to an expert matmul's ``(E, T, N)`` result."""
+    for out, other in (add.args, add.args[::-1]):
+        role = roles.get(out) if isinstance(out, tvm.relax.Var) else None
+        if role is None or len(other.ty.shape) != 3:
+            continue
+        traced = _trace_to_param(other, producers, params)
+        if traced is None:
+            return None
+        param, axes = traced
+        # one row per expert, the same for every token
+        if len(param.ty.shape) != 2 or axes[0] is None or axes[1] is not None or axes[2] is None:
+            return None
+        return ExpertWeight(name=param.name, experts=int(param.ty.shape[axes[0]]),
+                            expert_dim=axes[0],
+                            intermediate_dim=axes[2] if role == "up" else None,
+                            role=f"{role}_bias")
+    return None
 
 
 def expert_weights(mod: tvm.IRModule, function: str = "main") -> list[ExpertWeight]:
@@ -153,12 +180,18 @@ def expert_weights(mod: tvm.IRModule, function: str = "main") -> list[ExpertWeig
         return any(v in expert_outputs for v in tvm.relax.analysis.free_vars(expr)) \
             if not isinstance(expr, tvm.relax.Var) else expr in expert_outputs
 
+    roles: dict = {}  # a value computed by an expert matmul -> "up" or "down"
     for block in func.body.blocks:
         for binding in block.bindings:
             value = binding.value
             producers[binding.var] = value
             if depends_on_experts(value):
                 expert_outputs.add(binding.var)
+            if _op_name(value) == "relax.add":
+                bias = _expert_bias(value, roles, producers, params)
+                if bias is not None:
+                    found.setdefault(bias.name, bias)
+                continue
             if _op_name(value) != "relax.matmul":
                 continue
             lhs, rhs = value.args
@@ -177,6 +210,7 @@ def expert_weights(mod: tvm.IRModule, function: str = "main") -> list[ExpertWeig
                 role="down" if down else "up")
             found.setdefault(weight.name, weight)
             expert_outputs.add(binding.var)
+            roles[binding.var] = weight.role
     order = [p.name for p in func.params]
     return sorted(found.values(), key=lambda w: order.index(w.name))
 
@@ -232,7 +266,8 @@ class MoePlan:
         for weight in expert_weights(mod, function):
             dim = weight.expert_dim if self.strategy == "expert" else weight.intermediate_dim
             entries = ["R"] * self.mesh_ndim
-            entries[self.model_axis] = f"S[{dim}]"
+            if dim is not None:  # a down projection's bias is whole in every expert slice
+                entries[self.model_axis] = f"S[{dim}]"
             out[weight.name] = "".join(entries)
         return out
 
