@@ -109,10 +109,17 @@ def mixtral():
     return mod, weights, ids.numpy(), want
 
 
+def _attention(ranks: int):
+    """Attention split by heads; with fewer KV heads (2) than ranks, k and v stay whole."""
+    kv = ["*k_proj_weight", "*v_proj_weight"] if ranks <= 2 else []
+    return megatron(column=["*q_proj_weight", *kv], column_bias=[], row=["*o_proj_weight"])
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
 def mixtral_expert_parallel(request, mixtral):
     mod, _, _, _ = mixtral
-    annotated = moe.expert_parallel().apply(with_meshes(mod, [(request.param,)]))
+    plan = moe.expert_parallel(base=_attention(request.param))
+    annotated = plan.apply(with_meshes(mod, [(request.param,)]))
     annotated = _legalize_for_hf(annotated)
     return request.param, annotated, td.compile(annotated)
 
@@ -175,17 +182,17 @@ def test_expert_parallel_mixtral_logits_equal_transformers_on_mpi_and_disco(
         np.testing.assert_allclose(out, want, atol=1e-4, rtol=0)
 
 
-def test_expert_parallel_holds_one_pth_of_the_experts_and_all_reduces_once(
+def test_expert_parallel_holds_one_pth_of_the_experts_and_all_reduces_once_per_block(
         mixtral, mixtral_expert_parallel):
     _, weights, _, _ = mixtral
     ranks, annotated, exe = mixtral_expert_parallel
     rows = [r for r in td.comm_report(run_stages(annotated)["local_view"]).rows
             if r.collective != "local_slice"]
-    assert [(r.collective, r.src, r.dst) for r in rows] == [("all_reduce", "P", "R")]
-    # the (tokens, hidden) output only, as a ring all-reduce receives it
-    assert rows[0].bytes_per_rank == 2 * (ranks - 1) * TOKENS * HIDDEN * 4 // ranks
+    # one all-reduce completes the attention's output projection, one the MoE layer
+    assert [(r.collective, r.src, r.dst) for r in rows] == [("all_reduce", "P", "R")] * 2
+    # each the (tokens, hidden) output only, as a ring all-reduce receives it
+    assert {r.bytes_per_rank for r in rows} == {2 * (ranks - 1) * TOKENS * HIDDEN * 4 // ranks}
     specs = {s.name: s for s in exe.signatures["main"].params}
-    # attention is replicated here: the only collective is the MoE layer's all-reduce
     experts = ("p_model_model_layers_0_mlp_experts_gate_up_proj",
                "p_model_model_layers_0_mlp_experts_down_proj")
     total = sum(weights[n].nbytes for n in experts)
@@ -200,6 +207,8 @@ def test_expert_parallel_holds_one_pth_of_the_experts_and_all_reduces_once(
     assert held == [total // ranks] * ranks
     router = specs["p_model_model_layers_0_mlp_gate_weight"]
     assert router.sharding.placement.entries[0].is_replicate()
+    query = specs["p_model_model_layers_0_self_attn_q_proj_weight"]
+    assert query.local_shape == (HIDDEN // ranks, HIDDEN)  # whole heads per rank
 
 
 def test_the_comparison_prefers_expert_parallel(mixtral_block):
