@@ -124,20 +124,37 @@ def mixtral_expert_parallel(request, mixtral):
     return request.param, annotated, td.compile(annotated)
 
 
-def test_static_dispatch_equals_transformers_in_torch():
+def _deepseek_v3():
+    # multi-head latent attention, a dense first layer, group-limited sigmoid routing
+    config = tf.DeepseekV3Config(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=48,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+        topk_group=1, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    return tf.DeepseekV3ForCausalLM(config), "model.layers.1.mlp.experts"
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_static_dispatch_equals_transformers_in_torch(family):
     torch.manual_seed(0)
-    model = tf.MixtralForCausalLM(_mixtral_config()).eval()
+    if family == "mixtral":
+        model, experts = tf.MixtralForCausalLM(_mixtral_config()), "model.layers.0.mlp.experts"
+    else:
+        model, experts = _deepseek_v3()
+    model = model.eval()
     ids = torch.randint(0, 128, (2, TOKENS))
     with torch.no_grad():
         want = model(ids, use_cache=False).logits
         with static_experts(model) as names:
             got = model(ids, use_cache=False).logits
         again = model(ids, use_cache=False).logits
-    assert names == ["model.layers.0.mlp.experts"]
+    assert names == [experts]
     assert [n for n, _ in find_experts(model)] == names
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert torch.equal(again, want)  # the original forward is back
-    assert "forward" not in vars(model.model.layers[0].mlp.experts)
+    assert "forward" not in vars(model.get_submodule(experts))
 
 
 def test_expert_weights_are_found_by_structure(mixtral_block):
