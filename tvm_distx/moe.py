@@ -13,7 +13,9 @@ expert, used as the *batch* operand of a batched matmul::
 layout operators only. Its *expert dimension* is the parameter axis that
 becomes the batch axis; its *intermediate dimension* is the output axis of the
 first ("up") matmul and the contracted axis of the second ("down") one, which
-is the matmul whose other operand depends on an expert matmul.
+is the matmul whose other operand depends on an expert matmul. A 2-D
+parameter added to an expert matmul's result, one row per expert and the same
+for every token, is that projection's bias, split with its experts.
 
 Two plans split them on one mesh axis of ``p`` ranks:
 

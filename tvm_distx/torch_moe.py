@@ -30,11 +30,11 @@ work), ``E / k`` times the arithmetic of a sparse dispatch. The tokens that
 an expert did not receive contribute exact zeros.
 
 Experts modules are found by structure, not by class or layer names: a module
-whose forward takes ``(hidden_states, top_k_index, top_k_weights)`` and that
-carries transformers' experts interface (``has_gate``, ``has_bias``,
-``is_transposed`` and the fused 3-D parameters with one leading dimension,
-the expert count) and takes the routing as three positional inputs. Activation and gating go through the module's own
-``act_fn`` / ``_apply_gate``, so a family's gating variant is kept.
+that carries transformers' experts interface (``has_gate``, ``has_bias``,
+``is_transposed`` and two fused 3-D parameters with one leading dimension, the
+expert count) and whose forward takes the routing as three positional inputs
+(tokens, top-k indices, top-k weights). Activation and gating go through the
+module's own ``act_fn`` / ``_apply_gate``, so a family's gating variant is kept.
 
 :data:`CONVERTERS` holds the converters the routers need beyond TVM's
 frontend (for its ``custom_convert_map``): in-place ``div_`` and
@@ -54,6 +54,7 @@ from .errors import UnsupportedProgramError
 __all__ = ["static_experts", "find_experts", "dense_experts_forward", "CONVERTERS"]
 
 logger = logging.getLogger(__name__)
+
 
 def _fused_weights(module):
     """The (up, down) 3-D expert parameters of a transformers experts module, or None."""
