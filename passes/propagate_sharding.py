@@ -380,6 +380,11 @@ class _FunctionEmitter(FunctionRewriter):
             new = self.use(value)
         new = self.bb.normalize(new)
         want = self._sharding(b.var) if self.analysis.tensor_slots(b.var) == 1 else None
+        if want is not None and isinstance(new, tvm.ir.Constant) and _ir.is_tensor_type(new.ty):
+            # a constant bound to a variable (LegalizeOps folds arange and full into
+            # one) is a DTensor like every other value its users read: replicated,
+            # and split without communication where its users want it split
+            new = self._constant(new, replicated(want.mesh), b.var)
         if want is not None and _ir.is_tensor_type(b.var.ty):
             have = TensorSharding.from_type(new.ty)
             if have is not None and have != want:

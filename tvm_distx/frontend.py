@@ -5,18 +5,30 @@ shard them by name) and come back as a dict of numpy arrays. TVM's frontend
 names a parameter ``p_`` followed by its dotted PyTorch name with dots turned
 into underscores: ``layers.0.mlp.fc1.weight`` becomes
 ``p_layers_0_mlp_fc1_weight``.
+
+A Hugging Face causal language model (a transformers ``PreTrainedModel``)
+imports as it is, with no wrapper: its forward is traced from ``input_ids``
+with ``use_cache=False``, so the program returns the logits alone (no key-value
+cache object), and its parameter names are the model's own. Operators TVM's
+frontend lacks are translated by :mod:`tvm_distx.torch_ops`.
+
+``dynamic_shapes`` is torch.export's own argument: a dimension marked
+``torch.export.Dim`` becomes a symbolic dimension of the Relax program, so one
+import (and one :func:`tvm_distx.compile`) serves every size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import Iterator
 
 import numpy as np
 import tvm
 
 from .errors import ArgumentError, UnsupportedProgramError
 
-__all__ = ["from_torch", "relax_name"]
+__all__ = ["from_torch", "is_hf_causal_lm", "relax_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +38,52 @@ def relax_name(torch_name: str) -> str:
     return "p_" + torch_name.replace(".", "_")
 
 
-def from_torch(module, example_inputs: tuple, *, unwrap_single_result: bool = True,
+def is_hf_causal_lm(module) -> bool:
+    """Whether ``module`` is a transformers model (checked without importing transformers)."""
+    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
+               for cls in type(module).__mro__)
+
+
+def _export_arguments(module, example_inputs: tuple, dynamic_shapes):
+    """``(args, kwargs, dynamic_shapes)`` for ``torch.export.export`` of ``module``.
+
+    A transformers model is called as ``model(input_ids=..., use_cache=False)``,
+    so that its output holds the logits only; ``dynamic_shapes`` given for the
+    positional ``example_inputs`` is keyed by name to match.
+    """
+    if not is_hf_causal_lm(module):
+        return example_inputs, {}, dynamic_shapes
+    if len(example_inputs) != 1:
+        raise ArgumentError(
+            f"a Hugging Face {type(module).__name__} is imported from input_ids alone, "
+            f"not {len(example_inputs)} example inputs",
+            hint="from_torch(model, (input_ids,)) with input_ids of shape (batch, sequence)")
+    if dynamic_shapes is not None and isinstance(dynamic_shapes, (tuple, list)):
+        dynamic_shapes = {"input_ids": dynamic_shapes[0]}
+    return (), {"input_ids": example_inputs[0]}, dynamic_shapes
+
+
+@contextlib.contextmanager
+def _without_cache(module) -> Iterator[None]:
+    """A transformers model's config set not to build a key-value cache, for the export.
+
+    Passing ``use_cache=False`` as an argument would make it an input of the
+    exported program; the config's default is read at trace time instead.
+    """
+    config = getattr(module, "config", None) if is_hf_causal_lm(module) else None
+    if config is None or not hasattr(config, "use_cache"):
+        yield
+        return
+    saved = config.use_cache
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = saved
+
+
+def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
+               unwrap_single_result: bool = True,
                decompose: bool = False) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
     """Import a PyTorch module as a Relax module whose weights are named parameters of ``main``.
 
@@ -35,7 +92,11 @@ def from_torch(module, example_inputs: tuple, *, unwrap_single_result: bool = Tr
     module : torch.nn.Module
         The model, in eval mode.
     example_inputs : tuple of torch.Tensor
-        Inputs of the traced forward.
+        Inputs of the traced forward (for a Hugging Face model: ``(input_ids,)``).
+    dynamic_shapes : optional
+        torch.export's ``dynamic_shapes`` for ``example_inputs``, e.g.
+        ``({1: torch.export.Dim("seq", max=512)},)``: those dimensions become
+        symbolic in the Relax program.
     unwrap_single_result : bool
         Return a tensor, not a 1-tuple, when the model returns one tensor.
     decompose : bool
@@ -61,11 +122,15 @@ def from_torch(module, example_inputs: tuple, *, unwrap_single_result: bool = Tr
     from tvm import relax
     from tvm.relax.frontend.torch import from_exported_program
 
+    from .torch_ops import CONVERTERS
+
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    args, kwargs, dynamic_shapes = _export_arguments(module, example_inputs, dynamic_shapes)
     try:
-        with torch.no_grad():
-            exported = torch.export.export(module.eval(), example_inputs)
+        with torch.no_grad(), _without_cache(module):
+            exported = torch.export.export(module.eval(), args, kwargs,
+                                           dynamic_shapes=dynamic_shapes)
     except Exception as err:  # torch raises many types while tracing
         raise ArgumentError(f"torch.export could not trace {type(module).__name__}: "
                             f"{type(err).__name__}: {str(err).splitlines()[0]}",
@@ -74,7 +139,8 @@ def from_torch(module, example_inputs: tuple, *, unwrap_single_result: bool = Tr
     try:
         mod = from_exported_program(exported, keep_params_as_input=True,
                                     unwrap_unit_return_tuple=unwrap_single_result,
-                                    run_ep_decomposition=decompose)
+                                    run_ep_decomposition=decompose,
+                                    custom_convert_map=dict(CONVERTERS))
     except Exception as err:  # the frontend raises assertion and key errors
         raise UnsupportedProgramError(
             f"TVM's PyTorch frontend cannot translate {type(module).__name__}: "

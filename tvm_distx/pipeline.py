@@ -35,12 +35,25 @@ def _stages():
     from tvm_distx.passes import PropagateSharding
 
     return [
-        ("legalize_ops", relax.transform.LegalizeOps()),
+        ("legalize_ops", legalize_ops),
         ("propagate_sharding", PropagateSharding(require_legalized=True)),
         ("local_view", LowerGlobalViewToLocalView()),
         ("legalize_redistribute", LegalizeRedistribute()),
         ("lower_distir", LowerDistIR()),
     ]
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_distx.LegalizeOps")
+def legalize_ops(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Every Relax operator as a call to a TIR function, sort, scan and top-k included.
+
+    ``LegalizeOps`` has no rule for ``sort``, ``cumsum`` or ``topk`` (used by
+    position ids and mixture-of-experts routing); ``DispatchSortScan`` lowers
+    them first, to the generic CPU kernels (any LLVM target gets the same ones).
+    """
+    with tvm.target.Target({"kind": "llvm"}):
+        mod = relax.backend.DispatchSortScan()(mod)
+    return relax.transform.LegalizeOps()(mod)
 
 
 #: The stage names, in order (also the file names under ``dump_dir``).
