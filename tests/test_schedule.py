@@ -89,6 +89,21 @@ def test_matmul_with_bias_and_relu_epilogue():
                   rule="matmul")
 
 
+def test_matmul_whose_epilogue_reads_the_product_twice():
+    # a gated MLP's silu(x @ w) * u: silu reads the product directly and through sigmoid;
+    # inlined backwards one block at a time, the product's buffer was left read but never
+    # written ("used before its definition" when building)
+    def op(x, w, u):
+        return relax.op.multiply(relax.op.nn.silu(relax.op.matmul(x, w)), u)
+
+    def ref(x, w, u):
+        p = x @ w
+        return p / (1 + np.exp(-p)) * u
+
+    mod = scheduled_run(op, ref, (8, 64), (64, 80), (8, 80), rule="matmul")
+    assert len(kernels(mod)) == 1
+
+
 def test_batch_matmul_with_a_per_batch_bias_and_scale_epilogue():
     # a mixture-of-experts layer: each expert (the batch) adds its own bias, then the
     # routing weights scale every (expert, token) row. The expand_dims blocks read only

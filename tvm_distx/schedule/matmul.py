@@ -144,8 +144,19 @@ class MatmulRule(Rule):
             sch.compute_inline(producer.rv)
         # The accumulator tile; the epilogue then reads it instead of memory.
         acc_store = sch.cache_write(mm, 0, "local")
+        # Fold the epilogue into its last block first: a block that reads the matmul's
+        # result twice, once directly and once through another epilogue block (silu is
+        # x * sigmoid(x)), cannot be inlined backwards into the tile after that other
+        # block was; it would keep reading a buffer that no block writes any more.
+        epilogue = []
+        for consumer in found.epilogue[:-1]:
+            try:
+                sch.compute_inline(consumer.rv)
+            except ScheduleError:
+                epilogue.append(consumer)
+        epilogue += found.epilogue[-1:]
         separate = []
-        for consumer in found.epilogue:
+        for consumer in epilogue:
             try:
                 sch.reverse_compute_inline(consumer.rv)
             except ScheduleError:
