@@ -9,9 +9,6 @@ import pytest
 torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
-import tvm  # noqa: E402
-from tvm import relax  # noqa: E402
-
 import tvm_distx as td  # noqa: E402
 from tvm_distx import moe  # noqa: E402
 from tvm_distx.errors import RuleError  # noqa: E402
@@ -39,22 +36,16 @@ def _qwen2_moe_config():
                              tie_word_embeddings=False)
 
 
-def _sort_and_scan(mod):
-    # the router's top-k as a kernel (a sort), which propagation reads like any other
-    with tvm.target.Target({"kind": "llvm"}):
-        return relax.backend.DispatchSortScan()(mod)
-
-
 def _import_block(block):
-    """A transformers sparse-MLP block imported with its experts' static dispatch."""
+    """A transformers sparse-MLP block, imported (from_torch switches its experts to the
+    static dispatch)."""
     torch.manual_seed(1)
     x = torch.randn(1, TOKENS, HIDDEN)
     with torch.no_grad():
         want = block(x)
     want = (want[0] if isinstance(want, tuple) else want).numpy()
-    with static_experts(block):
-        mod, weights = from_torch(block, (x,), decompose=True)
-    return _sort_and_scan(mod), weights, x.numpy(), want
+    mod, weights = from_torch(block, (x,))
+    return mod, weights, x.numpy(), want
 
 
 @pytest.fixture(scope="module")
@@ -65,47 +56,13 @@ def mixtral_block():
 
 
 @pytest.fixture(scope="module")
-def qwen2_moe_block():
-    torch.manual_seed(0)
-    model = tf.Qwen2MoeForCausalLM(_qwen2_moe_config()).eval()
-    return _import_block(model.model.layers[0].mlp)
-
-
-class _Logits(torch.nn.Module):
-    """input_ids -> logits, without a cache, with an all-ones attention mask.
-
-    Until ``tvm_distx.from_torch`` imports Hugging Face models directly, this
-    wrapper and :func:`_legalize_for_hf` stand in for it (the mask keeps
-    transformers' packed-sequence check, a boolean cumsum, out of the graph).
-    """
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-
-
-def _legalize_for_hf(mod):
-    # the position and mask arithmetic of an HF model is constant for a static
-    # sequence: fold it so that no constant-valued variable reaches propagation
-    with tvm.target.Target({"kind": "llvm"}):
-        return tvm.transform.Sequential([
-            relax.transform.LegalizeOps(), relax.backend.DispatchSortScan(),
-            relax.transform.LegalizeOps(), relax.transform.FoldConstant(),
-            relax.transform.CanonicalizeBindings()])(mod)
-
-
-@pytest.fixture(scope="module")
 def mixtral():
     torch.manual_seed(0)
     model = tf.MixtralForCausalLM(_mixtral_config()).eval()
     ids = torch.randint(0, 128, (1, TOKENS))
     with torch.no_grad():
         want = model(ids, use_cache=False).logits.numpy()
-    with static_experts(model):
-        mod, weights = from_torch(_Logits(model), (ids,), decompose=True)
+    mod, weights = from_torch(model, (ids,))
     return mod, weights, ids.numpy(), want
 
 
@@ -120,7 +77,6 @@ def mixtral_expert_parallel(request, mixtral):
     mod, _, _, _ = mixtral
     plan = moe.expert_parallel(base=_attention(request.param))
     annotated = plan.apply(with_meshes(mod, [(request.param,)]))
-    annotated = _legalize_for_hf(annotated)
     return request.param, annotated, td.compile(annotated)
 
 
@@ -210,8 +166,8 @@ def test_expert_parallel_holds_one_pth_of_the_experts_and_all_reduces_once_per_b
     # each the (tokens, hidden) output only, as a ring all-reduce receives it
     assert {r.bytes_per_rank for r in rows} == {2 * (ranks - 1) * TOKENS * HIDDEN * 4 // ranks}
     specs = {s.name: s for s in exe.signatures["main"].params}
-    experts = ("p_model_model_layers_0_mlp_experts_gate_up_proj",
-               "p_model_model_layers_0_mlp_experts_down_proj")
+    experts = ("p_model_layers_0_mlp_experts_gate_up_proj",
+               "p_model_layers_0_mlp_experts_down_proj")
     total = sum(weights[n].nbytes for n in experts)
     held = []
     for rank in range(ranks):
@@ -222,9 +178,9 @@ def test_expert_parallel_holds_one_pth_of_the_experts_and_all_reduces_once_per_b
         np.testing.assert_array_equal(
             parts[0], weights[experts[0]][rank * per_rank:(rank + 1) * per_rank])
     assert held == [total // ranks] * ranks
-    router = specs["p_model_model_layers_0_mlp_gate_weight"]
+    router = specs["p_model_layers_0_mlp_gate_weight"]
     assert router.sharding.placement.entries[0].is_replicate()
-    query = specs["p_model_model_layers_0_self_attn_q_proj_weight"]
+    query = specs["p_model_layers_0_self_attn_q_proj_weight"]
     assert query.local_shape == (HIDDEN // ranks, HIDDEN)  # whole heads per rank
 
 
@@ -245,38 +201,34 @@ def test_the_comparison_prefers_expert_parallel(mixtral_block):
     assert moe.moe_parallel(meshed).strategy == "expert"
 
 
-def test_qwen2_moe_block_runs_expert_parallel_on_two_mpi_ranks(qwen2_moe_block):
-    mod, weights, x, want = qwen2_moe_block
-    assert [w.name for w in moe.expert_weights(mod)] == ["p_experts_gate_up_proj",
-                                                         "p_experts_down_proj"]
-    annotated = moe.expert_parallel().apply(with_meshes(mod, [(2,)]))
+def test_qwen2_moe_runs_expert_parallel_on_two_mpi_ranks():
+    """Qwen2-MoE: q/k/v biases, and a dense shared expert with a sigmoid gate beside the
+    routed experts (replicated here)."""
+    torch.manual_seed(0)
+    model = tf.Qwen2MoeForCausalLM(_qwen2_moe_config()).eval()
+    ids = torch.randint(0, 128, (1, TOKENS))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits.numpy()
+    mod, weights = from_torch(model, (ids,))
+    assert [w.name for w in moe.expert_weights(mod)] == [
+        "p_model_layers_0_mlp_experts_gate_up_proj", "p_model_layers_0_mlp_experts_down_proj"]
+    annotated = moe.expert_parallel(base=_attention(2)).apply(with_meshes(mod, [(2,)]))
     rows = [r for r in td.comm_report(run_stages(annotated)["local_view"]).rows
             if r.collective != "local_slice"]
-    assert [r.collective for r in rows] == ["all_reduce"]
-    # the shared expert and its gate are dense and replicated here (a base preset splits them)
-    exe = td.compile(annotated, schedule=False)
-    out = exe.run(x, params=weights, backend="mpi")
+    assert [r.collective for r in rows] == ["all_reduce"] * 2
+    out = td.compile(annotated).run(ids.numpy(), params=weights, backend="mpi")
     np.testing.assert_allclose(out, want, atol=1e-4, rtol=0)
 
 
-def test_router_converts_without_torch_decompositions(mixtral_block):
-    """The router's in-place ``div_`` goes through ``torch_moe.CONVERTERS``; the 2-D tokens
-    then meet the 3-D experts in one ``relax.matmul`` (no broadcast), still found."""
-    from tvm.relax.frontend.torch import from_exported_program
-
-    from tvm_distx.torch_moe import CONVERTERS
-
-    _, weights, x, want = mixtral_block
+def test_deepseek_v3_routing_converts_and_runs_expert_parallel():
+    """DeepSeek-V3's router: sigmoid scores, a group mask built in place (scatter_,
+    masked_fill with -inf), topk(sorted=False), an in-place normalisation; plus shared
+    experts beside the routed ones."""
     torch.manual_seed(0)
-    block = tf.MixtralForCausalLM(_mixtral_config()).eval().model.layers[0].mlp
-    with static_experts(block), torch.no_grad():
-        exported = torch.export.export(block, (torch.from_numpy(x),))
-    mod = from_exported_program(exported, keep_params_as_input=True,
-                                unwrap_unit_return_tuple=True, run_ep_decomposition=False,
-                                custom_convert_map=CONVERTERS)
-    mod, _ = relax.frontend.detach_params(mod)
+    model, _ = _deepseek_v3()
+    mod, weights, x, want = _import_block(model.eval().model.layers[1].mlp)
     assert [w.role for w in moe.expert_weights(mod)] == ["up", "down"]
-    exe = td.compile(moe.expert_parallel().apply(with_meshes(_sort_and_scan(mod), [(2,)])))
+    exe = td.compile(moe.expert_parallel().apply(with_meshes(mod, [(2,)])))
     np.testing.assert_allclose(exe.run(x, params=weights, backend="emulate"), want,
                                atol=1e-4, rtol=0)
 

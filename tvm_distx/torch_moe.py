@@ -38,7 +38,9 @@ module's own ``act_fn`` / ``_apply_gate``, so a family's gating variant is kept.
 
 :data:`CONVERTERS` holds the converters the routers need beyond TVM's
 frontend (for its ``custom_convert_map``): in-place ``div_`` and
-``scatter_``, and ``topk(sorted=False)``.
+``scatter_``, ``masked_fill`` with an infinite value, and
+``topk(sorted=False)``. :mod:`tvm_distx.torch_ops` includes them, so
+:func:`tvm_distx.from_torch` uses them.
 """
 
 from __future__ import annotations
@@ -218,13 +220,35 @@ def _topk_any_order(node, importer):
         largest=given.get("largest", True), ret_type="both", dtype="int64"))
 
 
+def _masked_fill(node, importer):
+    """``masked_fill(x, mask, value)`` as ``where(mask, value, x)`` with a scalar constant.
+
+    TVM's converter materialises ``full_like(x, value)``, whose legalization
+    fails for an infinite value (the group mask of a router fills with -inf).
+    """
+    from tvm import relax
+
+    x, mask, value = importer.retrieve_args(node)[:3]
+    fill = relax.const(value, str(x.ty.dtype)) if isinstance(value, (int, float)) else value
+    return importer.block_builder.emit(relax.op.where(mask, fill, x))
+
+
+def _masked_fill_in_place(node, importer):
+    result = _masked_fill(node, importer)
+    importer.env[node.args[0]] = result
+    return result
+
+
 #: Converters for ``tvm.relax.frontend.torch.from_exported_program(custom_convert_map=...)``
 #: that routers need beyond TVM's frontend: the in-place normalisation of the top-k
-#: weights (``div_``), the group mask of group-limited routing (``scatter_``), and
-#: ``topk(..., sorted=False)``. Each is called with the FX node and the importer.
+#: weights (``div_``), the group mask of group-limited routing (``scatter_``, and
+#: ``masked_fill`` with -inf), and ``topk(..., sorted=False)``. Each is called with the
+#: FX node and the importer.
 CONVERTERS = {
     "div_.Tensor": _in_place("div.Tensor"),
     "scatter_.value": _in_place("scatter.value"),
     "scatter_.src": _in_place("scatter.src"),
     "topk.default": _topk_any_order,
+    "masked_fill.Scalar": _masked_fill,
+    "masked_fill_.Scalar": _masked_fill_in_place,
 }

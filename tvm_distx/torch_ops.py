@@ -257,3 +257,11 @@ CONVERTERS: dict[str, Callable] = {
     "cumsum.default": _cumsum,
     **{name: _with_torch_dtype(name) for name in _DTYPE_CHECKED},
 }
+
+
+# ------------------------------------------------------------------ mixture of experts
+# The routers' operators (in-place ``div_`` and ``scatter_``, ``topk(sorted=False)``) are
+# kept with the static expert dispatch that needs them, in :mod:`tvm_distx.torch_moe`.
+from .torch_moe import CONVERTERS as _MOE_CONVERTERS  # noqa: E402
+
+CONVERTERS.update(_MOE_CONVERTERS)
