@@ -62,6 +62,7 @@ class LowerGlobalViewToLocalView:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         mod = bind_split_extents(_pin_call_arguments(split_once(mod)))
+        mod = _replicated_kernels_as_local(mod)
         try:
             return dist_transform.LowerGlobalViewToLocalView()(mod)
         except tvm.error.InternalError as err:
@@ -157,6 +158,44 @@ def _alone(mod: tvm.IRModule, binding: relax.VarBinding) -> tvm.IRModule:
     for key, infos in mod.global_infos.items():
         alone.update_global_info(key, infos)
     return alone
+
+
+def _replicated_kernels_as_local(mod: tvm.IRModule) -> tvm.IRModule:
+    """Every kernel whose operands and results are all replicated, marked as local already.
+
+    On such a kernel every rank computes on whole tensors: its global view is
+    its local view, and there is nothing to rewrite. TVM's pass rewrites it
+    anyway, and breaks the kernels ``DispatchSortScan`` writes for ``cumsum``
+    and ``sort`` (their output buffer gets a layout over a fresh copy of the
+    symbolic extent, and the kernel no longer builds). Calling them through
+    ``call_tir_local_view`` leaves them as written.
+    """
+    out = mod.clone()
+    for gv, func in _ir.relax_functions(mod):
+        if any(_all_replicated(binding) for binding in _kernels(func)):
+            out[gv] = _AsLocal(mod).visit_expr(func)
+    return out
+
+
+def _all_replicated(binding: relax.VarBinding) -> bool:
+    types = _kernel_types(binding)
+    return all(isinstance(ty, DTensorType) for ty in types) and not any(
+        _sharded(ty) for ty in types)
+
+
+@mutator
+class _AsLocal(PyExprMutator):
+    _LOCAL = tvm.ir.Op.get("relax.dist.call_tir_local_view")
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        if not (_ir.is_call_to(value, "relax.call_tir") and _all_replicated(binding)):
+            super().visit_var_binding_(binding)
+            return
+        args = [value.args[0], self.visit_expr(value.args[1]), *value.args[2:]]
+        call = self.builder_.normalize(
+            relax.Call(self._LOCAL, args, value.attrs, value.ty_args, value.span))
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, call))
 
 
 def _pin_call_arguments(mod: tvm.IRModule) -> tvm.IRModule:

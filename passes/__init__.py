@@ -3,6 +3,9 @@
 - :class:`AnnotateSharding` inserts ``R.dist.annotate_sharding`` from rules.
 - :class:`PropagateSharding` propagates shardings through the whole module,
   calls of private functions included.
+- :class:`SplitFusedProjections` gives each segment of a fused projection
+  (q|k|v, gate|up) its own weight parameter, recording how it is cut from the
+  user's weight (:func:`derivations_of`).
 
 Propagation reads each call's signature (:mod:`.op_signatures`) from the
 rules of :mod:`.relax_op_rules` and :mod:`.tir_access`, registered on import
@@ -12,5 +15,7 @@ here; :mod:`.sharding_solver` decides the shardings from them.
 from . import relax_op_rules, tir_access  # noqa: F401 - register the built-in signature rules
 from .annotate_sharding import AnnotateSharding
 from .propagate_sharding import PropagateSharding, propagate
+from .split_fused import SplitFusedProjections, derivations_of
 
-__all__ = ["AnnotateSharding", "PropagateSharding", "propagate"]
+__all__ = ["AnnotateSharding", "PropagateSharding", "SplitFusedProjections", "derivations_of",
+           "propagate"]

@@ -20,6 +20,7 @@ from .errors import (
     BundleError,
     CallGraphError,
     CollectiveGroupError,
+    CompilerStageError,
     DistxError,
     LaunchError,
     PeerFailedError,
@@ -110,6 +111,7 @@ __all__ = [
     "UnsupportedValueError",
     "CallGraphError",
     "UnsupportedProgramError",
+    "CompilerStageError",
     "ScriptError",
     "QemuError",
 ]

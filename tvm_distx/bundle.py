@@ -25,8 +25,12 @@ The manifest (``"format": "tvm-distx-bundle"``, ``"version": 1``) holds:
 ``functions``
     Per public function: ``entries`` (the function each rank runs, ``null`` for
     none), ``params`` and ``results`` (name, global shape, dtype, mesh and
-    placement), ``tuple_result``, and ``weights`` (the names of the
-    parameters that are stored in the bundle instead of passed at run time).
+    placement), ``tuple_result``, ``weights`` (the names of the
+    parameters that are stored in the bundle instead of passed at run time),
+    and, optionally, ``derived``: the parameters cut from a user's fused
+    weight, ``[{"name", "source", "source_shape", "axis", "start", "stop"}]``
+    (:class:`tvm_distx.layout.derived.DerivedParam`), so that a weight given
+    at run time may be the user's fused one.
 ``weight_files``
     ``[{"rank", "name", "file", "shape", "dtype", "sha256"}]``: each rank's
     shard of each weight.
@@ -44,13 +48,14 @@ import json
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from .errors import BundleError
+from .layout.derived import Derivations
 from .mesh import DeviceMesh
 from .signature import FunctionSignature, TensorSpec
 
@@ -91,6 +96,7 @@ class Manifest:
     weight_files: tuple[WeightFile, ...]
     collectives: tuple[str, ...]
     raw: dict
+    derivations: dict[str, Derivations] = field(default_factory=dict)
 
     @property
     def library_path(self) -> Path:
@@ -218,7 +224,7 @@ def _parse(root: Path, data: dict) -> Manifest:
                               f"{mesh.device_range.stop - 1}, but the bundle has {num_ranks} "
                               "ranks", hint="export the bundle again")
         meshes[mesh.name] = mesh
-    functions, entries, weights = {}, {}, {}
+    functions, entries, weights, derivations = {}, {}, {}, {}
     for name, f in _require(data, "functions", dict, "at the top level").items():
         specs = {}
         for kind in ("params", "results"):
@@ -245,6 +251,7 @@ def _parse(root: Path, data: dict) -> Manifest:
                                                 bool(f["tuple_result"]))
             row = tuple(e if e else None for e in f["entries"])
             weights[name] = tuple(str(w) for w in f.get("weights", []))
+            derivations[name] = Derivations.from_json(f.get("derived"))
         if len(row) != num_ranks:
             raise BundleError(f"function '{name}' lists {len(row)} entries for {num_ranks} ranks")
         unknown = sorted(set(weights[name]) - {p.name for p in functions[name].params})
@@ -264,7 +271,7 @@ def _parse(root: Path, data: dict) -> Manifest:
                           hint="export the bundle again")
     return Manifest(root, num_ranks, library, dict(data.get("target") or {}), meshes,
                     functions, entries, weights, tuple(files),
-                    tuple(str(c) for c in data.get("collectives", [])), data)
+                    tuple(str(c) for c in data.get("collectives", [])), data, derivations)
 
 
 def check_weights(manifest: Manifest, ranks: Sequence[int] | None = None) -> None:

@@ -14,6 +14,9 @@ subcommand      what it does
 ``run``         ``BUNDLE -n N [--backend mpi|disco] [-i X.npy ...] [-o OUT]`` -> results
 ==============  ===========================================================================
 
+``--split-fused`` runs :class:`tvm_distx.passes.SplitFusedProjections` on the
+module before the rules, so that rules can place each segment's weight.
+
 ``MODULE.py`` is a TVMScript file. Rules are a JSON or YAML list of
 :class:`tvm_distx.ShardingRule` fields, for example
 ``[{"param": "A", "result": "S[1]", "function": "mlp"}]``. ``annotate`` and
@@ -114,6 +117,10 @@ def _load(args: argparse.Namespace):
     if not Path(args.module).is_file():
         raise ArgumentError(f"module file {args.module} does not exist")
     mod = load_module(args.module)
+    if getattr(args, "split_fused", False):
+        from .passes import SplitFusedProjections
+
+        mod = SplitFusedProjections()(mod)
     rules = _read_rules(getattr(args, "rules", None))
     return AnnotateSharding(rules)(mod) if rules else mod
 
@@ -312,6 +319,10 @@ def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = Fa
     parser.add_argument("module", type=Path, help="a TVMScript file")
     parser.add_argument("--rules", type=Path, required=rules_required,
                         help="sharding rules: a JSON or YAML list of ShardingRule fields")
+    parser.add_argument("--split-fused", action="store_true",
+                        help="first give each segment of a fused projection (q|k|v, gate|up) "
+                        "its own weight, <weight>_seg<j>, for the rules to place; --weights "
+                        "and run-time weights stay the fused ones")
 
 
 def _parser() -> argparse.ArgumentParser:

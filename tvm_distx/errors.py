@@ -25,6 +25,7 @@ __all__ = [
     "CollectiveGroupError",
     "PeerFailedError",
     "ShardingError",
+    "CompilerStageError",
     "PlacementSyntaxError",
     "PlacementRankError",
     "ShardDimError",
@@ -207,6 +208,16 @@ class UnsupportedProgramError(ShardingError):
     """A construct that sharding propagation does not handle (yet)."""
 
     rule = "unsupported-program"
+
+
+class CompilerStageError(UnsupportedProgramError):
+    """TVM failed inside one stage of :func:`tvm_distx.compile` on a valid program.
+
+    The message names the stage and TVM's reason; the hint says how to get
+    the module of every stage (``dump_dir``) to see or report it.
+    """
+
+    rule = "compiler-stage"
 
 
 class ScriptError(ShardingError):

@@ -41,6 +41,7 @@ from . import _ir, ccl
 from .bundle import FORMAT, MANIFEST, VERSION, sha256_file
 from .errors import ArgumentError
 from .layout import MeshTable
+from .layout.derived import Derivations
 from .mesh import DeviceMesh
 from .signature import FunctionSignature
 from .runtime.arrays import assemble_results
@@ -65,11 +66,17 @@ class DistExecutable:
         How many ranks (devices) the program runs on.
     entries : dict of str to list
         Per public function, the function each rank runs (None: none).
+    derivations : dict of str to Derivations
+        Per public function, the parameters cut from a user's weight (the
+        segments of a fused projection, see
+        :class:`tvm_distx.passes.SplitFusedProjections`). ``run`` and
+        ``export`` cut them from the weights they are given.
     """
 
     def __init__(self, module: tvm.IRModule, signatures: dict[str, FunctionSignature],
                  vm_exec, target, *, num_ranks: int, entries: dict[str, list],
-                 built: tvm.IRModule | None = None) -> None:
+                 built: tvm.IRModule | None = None,
+                 derivations: Mapping[str, Derivations] | None = None) -> None:
         self.module = module
         self.built = built if built is not None else module
         self.signatures = signatures
@@ -77,6 +84,7 @@ class DistExecutable:
         self.target = target
         self.num_ranks = num_ranks
         self.entries = entries
+        self.derivations = dict(derivations or {})
         self.meshes = MeshTable(module)
 
     # ---------------------------------------------------------------- running
@@ -90,7 +98,9 @@ class DistExecutable:
             The global values of the parameters not given in ``params``, in
             order (numpy arrays or torch tensors).
         params : mapping of str to array, optional
-            Global values by parameter name (weights, typically).
+            Global values by parameter name (weights, typically). A fused
+            weight that the program uses per segment is given whole, under the
+            user's name; it is cut here (see :attr:`derivations`).
         backend : {"mpi", "disco", "emulate"}
             How the ranks run (see the module documentation).
         function : str
@@ -113,6 +123,7 @@ class DistExecutable:
             If a rank fails or the run times out.
         """
         signature = self._signature(function)
+        params = self._derived(function, params)
         if backend not in BACKENDS:
             raise ArgumentError(f"unknown backend {backend!r}",
                                 hint=f"use one of {', '.join(BACKENDS)}")
@@ -148,6 +159,11 @@ class DistExecutable:
             return launch(tmp, list(inputs), params=params, function=function, timeout=timeout,
                           **options)
 
+    def _derived(self, function: str, params: Mapping | None) -> dict:
+        """``params`` with each fused weight replaced by the segments the program takes."""
+        derivations = self.derivations.get(function)
+        return derivations.bind(params) if derivations else dict(params or {})
+
     def _signature(self, function: str) -> FunctionSignature:
         if function not in self.signatures:
             raise ArgumentError(f"the program has no public function '{function}'",
@@ -164,8 +180,8 @@ class DistExecutable:
         directory : path
             Created if missing; an existing bundle there is replaced.
         params : mapping of str to array, optional
-            Global weights by parameter name of ``function``. Each rank's file
-            holds only its shard.
+            Global weights by parameter name of ``function`` (a fused weight
+            whole, as for :meth:`run`). Each rank's file holds only its shard.
         function : str
             The function whose parameters ``params`` names.
 
@@ -185,7 +201,7 @@ class DistExecutable:
             raise ArgumentError(f"cannot export to {root}: it is an existing file",
                                 hint="give a new or existing directory")
         signature = self._signature(function)
-        weights = dict(params or {})
+        weights = self._derived(function, params)
         if weights:  # checks names, shapes and dtypes, before anything is written
             free = [p for p in signature.params if p.name not in weights]
             signature.bind([np.zeros(_example_shape(p, self.meshes.as_dict()), p.dtype)
@@ -253,7 +269,8 @@ class DistExecutable:
                        "params": [p.to_json(self.meshes) for p in sig.params],
                        "results": [r.to_json(self.meshes) for r in sig.results],
                        "tuple_result": sig.tuple_result,
-                       "weights": weights.get(name, [])}
+                       "weights": weights.get(name, []),
+                       "derived": self.derivations.get(name, Derivations()).to_json()}
                 for name, sig in self.signatures.items()
             },
             "weight_files": files,

@@ -21,6 +21,7 @@ import tvm
 from tvm import relax
 
 from . import _ir
+from .errors import CompilerStageError, DistxError
 from .executable import DistExecutable
 from .signature import FunctionSignature
 from .targets import resolve_target
@@ -99,7 +100,16 @@ def run_stages(mod: tvm.IRModule, *,
         (dump / "00_input.py").write_text(mod.script(show_meta=False))
     out = {}
     for index, (name, stage) in enumerate(_stages(), start=1):
-        mod = stage(mod)
+        try:
+            mod = stage(mod)
+        except DistxError:
+            raise
+        except Exception as err:  # TVM raises InternalError, KeyError, TypeError, ...
+            raise CompilerStageError(
+                f"stage '{name}' failed inside TVM: {type(err).__name__}: "
+                f"{_ir.tvm_error_reason(err)}",
+                hint="tvm_distx.compile(mod, dump_dir='stages') writes the module before and "
+                "after every stage; please report the failing one") from None
         out[name] = mod
         logger.debug("distribute: %s done", name)
         if dump is not None:
@@ -135,21 +145,72 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
     ShardingError
         From any stage, naming the function and the value.
     """
+    from tvm_distx.passes import derivations_of
+
     resolved = resolve_target(target, **target_options)
+    derivations = derivations_of(mod)  # parameters cut from a user's fused weight
     stages = run_stages(mod, dump_dir=dump_dir)
     propagated, lowered = stages["propagate_sharding"], stages["lower_distir"]
     signatures = {gv.name_hint: FunctionSignature.from_function(gv.name_hint, func)
                   for gv, func in _ir.relax_functions(propagated)
                   if func.attrs is not None and "global_symbol" in func.attrs}
-    built = lowered
+    built = unscheduled = lowered
     if schedule and resolved.schedulable:
-        from .schedule import schedule_module
+        from .schedule import ScheduleCPU, fuse_kernels
 
-        built = schedule_module(lowered, resolved.target)
+        unscheduled = fuse_kernels(lowered)
+        built = ScheduleCPU(resolved.target)(unscheduled)
     logger.info("building for %s", resolved.name)
-    vm_exec = tvm.compile(built, target=resolved.target)
+    vm_exec, built = _build(built, unscheduled, resolved.target)
     return DistExecutable(lowered, signatures, vm_exec, resolved, built=built,
-                          **_rank_entries(lowered, signatures))
+                          derivations=derivations, **_rank_entries(lowered, signatures))
+
+
+def _build(built: tvm.IRModule, unscheduled: tvm.IRModule, target):
+    """``tvm.compile(built)``; a scheduled kernel that TVM cannot build falls back to TVM's.
+
+    Our schedules are checked by tests, but a kernel shape they never met can
+    still reach a TVM lowering check. Then each scheduled kernel is built
+    alone, those that fail are replaced by their unscheduled version (logged
+    as a warning), and the module is built again.
+    """
+    from .schedule import SCHEDULED_ATTR
+
+    try:
+        return tvm.compile(built, target=target), built
+    except Exception as err:  # TVM raises InternalError, TVMError, ...
+        failure = err
+    scheduled = [(gv, func) for gv, func in built.functions.items()
+                 if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None
+                 and bool(func.attrs.get(SCHEDULED_ATTR, False))]
+    broken = [gv for gv, func in scheduled if not _builds_alone(func, target)]
+    if broken:
+        logger.warning("our schedule of %s does not build (%s); using TVM's default lowering "
+                       "for %s", ", ".join(gv.name_hint for gv in broken),
+                       _ir.tvm_error_reason(failure),
+                       "it" if len(broken) == 1 else "them")
+        built = built.clone()
+        for gv in broken:
+            built.update_func(gv, unscheduled[gv.name_hint])
+        try:
+            return tvm.compile(built, target=target), built
+        except Exception as err:  # noqa: BLE001 - reported below
+            failure = err
+    raise CompilerStageError(
+        f"stage 'build' failed inside TVM: {type(failure).__name__}: "
+        f"{_ir.tvm_error_reason(failure)}",
+        hint="tvm_distx.compile(mod, schedule=False) builds without our kernel schedules; "
+        "tvm_distx.compile(mod, dump_dir='stages') writes the module of every stage") from None
+
+
+def _builds_alone(func, target) -> bool:
+    """Whether one TIR kernel builds on its own for ``target``."""
+    try:
+        tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                    target=target)
+    except Exception:  # noqa: BLE001 - any failure means: do not use this schedule
+        return False
+    return True
 
 
 def _rank_entries(lowered: tvm.IRModule, signatures) -> dict:

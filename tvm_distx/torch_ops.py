@@ -20,6 +20,7 @@ ATen operator             Relax translation
 attention``
 ``cumsum``                ``cumsum`` in the dtype torch gives the result
 ``&``, ``|``, ``^``       TVM's own, cast to the dtype torch gives the result
+``slice``, ``split``, ...  TVM's own, shape stated as torch knows it (``match_cast``)
 ========================  ====================================================
 
 :data:`CONVERTERS` maps each to its converter, in the form of the frontend's
@@ -31,6 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import tvm
 from tvm import relax
 
 __all__ = ["CONVERTERS"]
@@ -69,8 +71,12 @@ def _diff(node, importer) -> relax.Var:
         x = bb.emit(relax.op.concat(pieces, axis=axis))
     for _ in range(n):
         extent = x.ty.shape[axis]
-        later = bb.emit(relax.op.strided_slice(x, [axis], [1], [extent]))
-        earlier = bb.emit(relax.op.strided_slice(x, [axis], [0], [extent - 1]))
+        # in bounds by construction: without the promise, a symbolic extent
+        # gives each slice a different clamped extent and their difference
+        # loses its shape
+        later = bb.emit(relax.op.strided_slice(x, [axis], [1], [extent], assume_inbound=True))
+        earlier = bb.emit(relax.op.strided_slice(x, [axis], [0], [extent - 1],
+                                                 assume_inbound=True))
         x = (bb.emit(relax.op.not_equal(later, earlier)) if _dtype_of(x) == "bool"
              else bb.emit(relax.op.subtract(later, earlier)))
     return x
@@ -203,6 +209,15 @@ def _torch_dtype_of(node) -> str | None:
     return str(dtype).replace("torch.", "") if dtype is not None else None
 
 
+def _original(importer, name: str) -> Callable:
+    """TVM's own converter of ``name`` (before :data:`CONVERTERS` replaced it)."""
+    originals = importer.__dict__.get("_tvm_distx_original_converters")
+    if originals is None:
+        originals = importer.create_convert_map()
+        importer.__dict__["_tvm_distx_original_converters"] = originals
+    return originals[name]
+
+
 def _with_torch_dtype(name: str) -> Callable:
     """TVM's own converter of ``name``, its result cast to the dtype torch gives it.
 
@@ -211,11 +226,7 @@ def _with_torch_dtype(name: str) -> Callable:
     TVM's bitwise operator. The dtype torch.export recorded is the truth.
     """
     def convert(node, importer) -> relax.Var:
-        originals = importer.__dict__.get("_tvm_distx_original_converters")
-        if originals is None:
-            originals = importer.create_convert_map()
-            importer.__dict__["_tvm_distx_original_converters"] = originals
-        out = originals[name](node)
+        out = _original(importer, name)(node)
         want = _torch_dtype_of(node)
         if want is not None and isinstance(out.ty, relax.TensorType) and _dtype_of(out) != want:
             out = importer.block_builder.emit(relax.op.astype(out, want))
@@ -245,6 +256,85 @@ def _cumsum(node, importer) -> relax.Var:
     return bb.emit(relax.op.cumsum(x, axis=dim))
 
 
+def _shape_vars(importer) -> dict[str, object]:
+    """The program's symbolic dimensions (TIR variables) by name, from its inputs' shapes."""
+    found = importer.__dict__.get("_tvm_distx_shape_vars")
+    if found is None:
+        found = {}
+        for value in importer.env.values():
+            ty = getattr(value, "ty", None)
+            if isinstance(value, relax.Var) and isinstance(ty, relax.TensorType) and \
+                    isinstance(ty.shape, relax.ShapeExpr):
+                for dim in ty.shape.values:
+                    if isinstance(dim, tvm.tirx.Var):
+                        found.setdefault(dim.name, dim)
+        importer.__dict__["_tvm_distx_shape_vars"] = found
+    return found
+
+
+def _tir_dim(dim, names: dict):
+    """A torch size (int or SymInt) as a TIR expression over ``names``, or None."""
+    import sympy
+    import torch
+
+    if isinstance(dim, int):
+        return dim
+    if not isinstance(dim, torch.SymInt):
+        return None
+    expr = dim.node.expr
+
+    def convert(e):
+        if isinstance(e, sympy.Integer):
+            return tvm.tirx.IntImm("int64", int(e))
+        if isinstance(e, sympy.Symbol):
+            return names.get(str(e))
+        if isinstance(e, (sympy.Add, sympy.Mul)):
+            terms = [convert(a) for a in e.args]
+            if any(t is None for t in terms):
+                return None
+            out = terms[0]
+            for t in terms[1:]:
+                out = out + t if isinstance(e, sympy.Add) else out * t
+            return out
+        return None
+
+    return convert(expr)
+
+
+def _with_torch_shape(name: str) -> Callable:
+    """TVM's own converter of ``name``, its result's shape the one torch.export knows.
+
+    TVM infers a slice's extent without knowing the symbolic dimensions'
+    ranges: ``ids[:, :1]`` on a sequence of ``s`` tokens gets the extent
+    ``min(1, s)``, which every later shape carries, and a kernel whose buffer
+    extents are such expressions cannot be built. torch.export knows ``s >= 1``
+    and records the extent ``1``; a ``match_cast`` to that shape states it.
+    """
+    def convert(node, importer) -> relax.Var:
+        out = _original(importer, name)(node)
+        value = node.meta.get("val")
+        if value is None or not isinstance(out.ty, relax.TensorType) or \
+                not isinstance(out.ty.shape, relax.ShapeExpr):
+            return out
+        names = _shape_vars(importer)
+        shape = [_tir_dim(d, names) for d in value.shape]
+        if any(d is None for d in shape):
+            return out
+        analyzer = tvm.sym.Analyzer()
+        have = out.ty.shape.values
+        if len(have) == len(shape) and all(
+                analyzer.can_prove_equal(a, b) for a, b in zip(have, shape)):
+            return out
+        return importer.block_builder.match_cast(out, relax.TensorType(shape, _dtype_of(out)))
+
+    convert.__name__ = f"shaped_{name.replace('.', '_')}"
+    return convert
+
+
+#: TVM converters whose result shape can be clumsier than torch's (:func:`_with_torch_shape`).
+_SHAPE_CHECKED = ("slice.Tensor", "narrow.default", "split.Tensor", "select.int")
+
+
 #: Converters by ATen overload name, for ``from_exported_program(custom_convert_map=...)``.
 CONVERTERS: dict[str, Callable] = {
     "diff.default": _diff,
@@ -256,6 +346,7 @@ CONVERTERS: dict[str, Callable] = {
     "scaled_dot_product_attention.default": _sdpa,
     "cumsum.default": _cumsum,
     **{name: _with_torch_dtype(name) for name in _DTYPE_CHECKED},
+    **{name: _with_torch_shape(name) for name in _SHAPE_CHECKED},
 }
 
 

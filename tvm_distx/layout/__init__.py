@@ -16,6 +16,9 @@ module                                    owns
                                           shardings (``send_recv_transfers``)
 :mod:`~tvm_distx.layout.abi`              the runtime ABI's integer encodings:
                                           ``CollectiveGroup``, ``SendRecvSpec``, ``Piece``
+:mod:`~tvm_distx.layout.derived`          ``DerivedParam``, ``Derivations``: a parameter
+                                          cut from a user's weight (a fused projection's
+                                          segment), and cutting it from the weights
 ========================================  ===================================================
 
 The package imports no TVM at import time and no compiler module
@@ -25,6 +28,7 @@ The package imports no TVM at import time and no compiler module
 
 from ..mesh import DeviceMesh, MeshRef
 from .abi import CollectiveGroup, Piece, SendRecvSpec
+from .derived import DerivedParam, Derivations
 from .geometry import (
     PARTIAL,
     REPLICATE,
@@ -65,4 +69,6 @@ __all__ = [
     "CollectiveGroup",
     "SendRecvSpec",
     "Piece",
+    "DerivedParam",
+    "Derivations",
 ]

@@ -138,7 +138,9 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
     signature = manifest.function(function)
     check_weights(manifest)
     stored = set(manifest.weights.get(function, ()))
-    runtime_params = dict(params or {})
+    # a fused weight given whole is cut into the segments the program takes
+    derivations = manifest.derivations.get(signature.name)
+    runtime_params = derivations.bind(params) if derivations else dict(params or {})
     overlap = stored & set(runtime_params)
     if overlap:
         raise ArgumentError(f"{', '.join(sorted(overlap))} are weights stored in the bundle",

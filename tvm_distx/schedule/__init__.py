@@ -68,6 +68,7 @@ __all__ = [
     "CPUTraits",
     "DEFAULT_RULES",
     "RULE_ATTR",
+    "fuse_kernels",
     "SCHEDULED_ATTR",
     "InjectiveRule",
     "MatmulRule",
@@ -213,9 +214,16 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target | None = None, 
     tvm.IRModule
         The module with scheduled kernels, ready for ``tvm.compile``.
     """
-    if fuse and any(isinstance(func, relax.Function) for func in mod.functions.values()):
-        mod = tvm.transform.Sequential([relax.transform.AnnotateTIROpPattern(),
-                                        relax.transform.FuseOps(),
-                                        relax.transform.FuseTIR(),
-                                        relax.transform.DeadCodeElimination()])(mod)
+    if fuse:
+        mod = fuse_kernels(mod)
     return ScheduleCPU(target)(mod)
+
+
+def fuse_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with each kernel fused with its elementwise consumers (TVM's FuseOps and FuseTIR)."""
+    if not any(isinstance(func, relax.Function) for func in mod.functions.values()):
+        return mod
+    return tvm.transform.Sequential([relax.transform.AnnotateTIROpPattern(),
+                                     relax.transform.FuseOps(),
+                                     relax.transform.FuseTIR(),
+                                     relax.transform.DeadCodeElimination()])(mod)

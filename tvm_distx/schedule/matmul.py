@@ -144,21 +144,21 @@ class MatmulRule(Rule):
             sch.compute_inline(producer.rv)
         # The accumulator tile; the epilogue then reads it instead of memory.
         acc_store = sch.cache_write(mm, 0, "local")
-        # Fold the epilogue into its last block first: a block that reads the matmul's
-        # result twice, once directly and once through another epilogue block (silu is
-        # x * sigmoid(x)), cannot be inlined backwards into the tile after that other
-        # block was; it would keep reading a buffer that no block writes any more.
-        epilogue = []
-        for consumer in found.epilogue[:-1]:
-            try:
-                sch.compute_inline(consumer.rv)
-            except ScheduleError:
-                epilogue.append(consumer)
-        epilogue += found.epilogue[-1:]
+        # Inline the epilogue into the tile store while it is a chain: a value that a
+        # later block reads too (silu's x * sigmoid(x)) must stay in memory, and TVM's
+        # reverse_compute_inline does not check that (it leaves a read of a buffer
+        # that nothing writes any more).
         separate = []
-        for consumer in epilogue:
+        tail = found.block.output
+        for consumer in found.epilogue:
+            readers = [b for b in found.epilogue
+                       if any(load.source.same_as(tail) for load in b.loads)]
+            if separate or len(readers) != 1 or readers[0] is not consumer:
+                separate.append(consumer)
+                continue
             try:
                 sch.reverse_compute_inline(consumer.rv)
+                tail = consumer.output
             except ScheduleError:
                 separate.append(consumer)
 
