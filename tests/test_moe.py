@@ -132,6 +132,10 @@ def test_expert_weights_are_found_by_structure(mixtral_block):
         "p_gate_weight"] == "R"
     tensor = {r.param: str(r.result) for r in moe.tensor_parallel_experts().rules(mod)}
     assert tensor == {"p_experts_gate_up_proj": "S[1]", "p_experts_down_proj": "S[2]"}
+    # applied, the fused gate|up weight is first split per segment, each cut within itself
+    annotated = moe.tensor_parallel_experts().apply(with_meshes(mod, [(2,)]))
+    assert [p.name for p in annotated["main"].params][2:] == [
+        "p_experts_gate_up_proj_seg0", "p_experts_gate_up_proj_seg1", "p_experts_down_proj"]
 
 
 def test_a_model_without_experts_is_refused_with_a_hint():
@@ -209,13 +213,17 @@ def test_the_comparison_prefers_expert_parallel(mixtral_block):
     expert = moe.MoeComparison.collectives(comparison.expert)
     tensor = moe.MoeComparison.collectives(comparison.tensor)
     assert [r.collective for r in expert] == ["all_reduce"]
-    # inside each expert, the split of the intermediate features cuts the fused gate|up
-    # weight between gate and up, and the down projection's partial sums still carry the
-    # expert dimension: more collectives and more bytes
-    assert comparison.tensor.total_bytes_per_rank > comparison.expert.total_bytes_per_rank
-    assert len(tensor) > len(expert)
+    # inside each expert (the fused gate|up weight split per segment), the down
+    # projection's partial sums still carry the expert dimension: E times the bytes
+    assert [r.collective for r in tensor] == ["all_reduce"]
+    assert comparison.tensor.total_bytes_per_rank == 4 * comparison.expert.total_bytes_per_rank
     assert "<- chosen" in str(comparison).splitlines()[1]
     assert moe.moe_parallel(meshed).strategy == "expert"
+    # the plan not chosen is correct too, from the fused weights as imported
+    _, weights, x, want = mixtral_block
+    exe = td.compile(moe.tensor_parallel_experts().apply(meshed))
+    np.testing.assert_allclose(exe.run(x, params=weights, backend="emulate"), want,
+                               atol=1e-4, rtol=0)
 
 
 def test_qwen2_moe_runs_expert_parallel_on_two_mpi_ranks():

@@ -26,8 +26,10 @@ Two plans split them on one mesh axis of ``p`` ranks:
   sum over experts is a partial sum completed by **one all-reduce** of the
   ``(T, H)`` result per MoE layer. No expert weight is ever gathered.
 * :func:`tensor_parallel_experts` splits every expert on its intermediate
-  dimension (Megatron inside each expert): each rank holds a slice of every
-  expert, the down projection leaves a partial sum.
+  dimension (Megatron inside each expert, a fused gate|up weight per segment):
+  each rank holds a slice of every expert, and the down projection leaves a
+  partial sum of the ``(E, T, H)`` expert outputs, completed by one all-reduce
+  before the routing weights combine them (``E`` times the bytes).
 
 :func:`compare` runs both through propagation and the local view and returns
 their comm reports side by side; :func:`moe_parallel` returns the cheaper plan
@@ -301,9 +303,17 @@ class MoePlan:
                        for name, (placement, mesh) in ours.items()]
 
     def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
-        """``mod`` annotated with :meth:`rules`."""
-        from .passes import AnnotateSharding
+        """``mod`` annotated with :meth:`rules`.
 
+        For tensor parallelism inside the experts, fused projections are first
+        split per segment (:class:`tvm_distx.passes.SplitFusedProjections`), so
+        that a fused gate|up expert weight is cut within gate and within up, never
+        between them; ``compile`` and ``run`` then take the fused weights as imported.
+        """
+        from .passes import AnnotateSharding, SplitFusedProjections
+
+        if self.strategy == "tensor":
+            mod = SplitFusedProjections()(mod)
         return AnnotateSharding(self.rules(mod, function))(mod)
 
 
