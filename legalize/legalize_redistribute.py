@@ -99,19 +99,19 @@ class _Legalizer(PyExprMutator):
                 var=binding.var.name,
                 hint="run PropagateSharding first",
             )
-        if None in shape:
+        plan = _plan_with_symbolic_extents(src, dst, shape, binding.var.ty.tensor_ty.dtype)
+        if plan is None:
             raise UnsupportedProgramError(
                 f"redistributing a tensor with a symbolic (run-time) dimension from "
                 f"\"{src.placement}\" to \"{dst.placement}\" is not supported yet: a symbolic extent can "
-                "be kept or split by a kernel, but not moved between layouts",
+                "be kept or split by a kernel, but not moved between layouts (a local slice "
+                "along a static dimension is the one move allowed)",
                 function=self.function,
                 var=binding.var.name,
                 placement=str(dst.placement),
                 hint="keep the layout of tensors with symbolic dimensions through the function "
                 "(annotate them once), or give this dimension a static size",
             )
-        plan = plan_redistribute(src, dst, shape, binding.var.ty.tensor_ty.dtype,
-                                 allow_send_recv=ALLOW_SEND_RECV)
         value = source
         for step in plan.steps:
             value = self._emit_step(value, step, binding.var)
@@ -165,6 +165,27 @@ class _Legalizer(PyExprMutator):
                            relax.Tuple(args)],
                           ty_args=[out_ty])
         return self.builder_.emit(call, name_hint=f"{var.name}_{step.collective.name.lower()}")
+
+
+def _plan_with_symbolic_extents(src: TensorSharding, dst: TensorSharding, shape, dtype):
+    """The plan of a redistribute; with symbolic dimensions, only local slices of static ones.
+
+    A local slice cuts each rank's block out of its own copy, with the extents
+    the array has at run time, so a symbolic dimension that it does not cut
+    may stay symbolic. The plan is made on a stand-in extent for each symbolic
+    dimension that every mesh axis divides; any other step (data moving between
+    ranks, or a cut of the symbolic dimension itself) returns None.
+    """
+    if None not in shape:
+        return plan_redistribute(src, dst, shape, dtype, allow_send_recv=ALLOW_SEND_RECV)
+    stand_in = max(src.mesh.size, dst.mesh.size)
+    symbolic = {d for d, extent in enumerate(shape) if extent is None}
+    plan = plan_redistribute(src, dst, tuple(stand_in if e is None else e for e in shape),
+                             dtype, allow_send_recv=ALLOW_SEND_RECV)
+    if all(step.collective is Collective.LOCAL_SLICE and not symbolic & set(step.tensor_axes)
+           for step in plan.steps):
+        return plan
+    return None
 
 
 @module_pass(name="tvm_distx.LegalizeRedistribute")

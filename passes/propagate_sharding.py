@@ -29,7 +29,7 @@ from tvm.relax.distributed import DTensorType
 from tvm_distx import _ir
 from tvm_distx._pass import module_pass
 from tvm_distx._rewrite import FunctionRewriter
-from tvm_distx.errors import ShardingError, UnsupportedProgramError, UnsupportedValueError
+from tvm_distx.errors import ShardingError, UnsupportedProgramError
 from tvm_distx.layout import MeshTable, TensorSharding, replicated
 
 from .decisions import Decision, Strength, decide_operands, replicated_plan
@@ -473,16 +473,19 @@ class _FunctionEmitter(FunctionRewriter):
         self._finish(b, new, dataflow)
 
     def _constant(self, const, needed: TensorSharding, var: relax.Var):
-        """A constant operand, typed as a replicated DTensor (constants are never sharded)."""
-        if not needed.placement.is_replicated():
-            raise UnsupportedValueError(
-                f"a constant operand would have to be sharded as \"{needed.placement}\"",
-                function=self.name,
-                var=var.name,
-                placement=str(needed.placement),
-                hint="pass the constant as a function parameter, which can be sharded",
-            )
-        return tvm.ir.GenericConst(const.value, self.owner.dtensor_type(const.ty, needed))
+        """A constant operand: a replicated DTensor constant, sliced where a use splits it.
+
+        Every rank holds the whole constant (it is part of the one program all
+        ranks run); a split use reads its block through a local slice, which
+        moves no data.
+        """
+        whole = tvm.ir.GenericConst(const.value,
+                                    self.owner.dtensor_type(const.ty, replicated(needed.mesh)))
+        if needed.placement.is_replicated():
+            return whole
+        bound = self.bb.emit(whole, name_hint=f"{var.name}_const")
+        return self.bb.emit(self.owner.redistribute(bound, needed),
+                            name_hint=f"{var.name}_const_redist")
 
     def _typed_call_tir(self, call: relax.Call, plan, var: relax.Var) -> relax.Call:
         out_ty = call.ty_args[0]

@@ -287,3 +287,32 @@ def test_a_partial_sum_passed_to_a_function_on_a_2x2_mesh():
     value = np.random.default_rng(6).standard_normal((6, 4, 16), "float32")
     got = td.compile(mod, schedule=False).run(value, backend="emulate")
     np.testing.assert_allclose(got, value.sum(axis=2).max(axis=0), rtol=1e-5, atol=1e-5)
+
+
+def test_a_local_slice_along_a_static_dimension_keeps_a_symbolic_one():
+    # the routing weights of an expert-parallel MoE layer: (experts, tokens) replicated,
+    # read split on the experts, with a run-time token count. Each rank cuts its block
+    # from its own copy, so the symbolic extent needs no plan; one compile serves all.
+    n = tvm.tirx.Var("n", "int64")
+    mesh = DeviceMesh((2,), tvm.ir.Range(0, 2))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, 8), "float32"))
+    w = relax.Var("w", relax.TensorType((n, 8), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            xr = bb.emit(relax.op.distributed.annotate_sharding(x, mesh, Placement.from_text("R")))
+            ws = bb.emit(relax.op.distributed.annotate_sharding(
+                w, mesh, Placement.from_text("S[1]")))
+            y = bb.emit_output(relax.op.multiply(xr, ws))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    mod.update_global_info("mesh", [mesh])
+    mod = relax.transform.LegalizeOps()(mod)
+    legal = LegalizeRedistribute()(LowerGlobalViewToLocalView()(PropagateSharding()(mod)))
+    text = legal["main"].script()
+    assert text.count("tvm_distx.ccl.local_slice") == 1 and "redistribute" not in text
+    exe = td.compile(mod)
+    rng = np.random.default_rng(0)
+    for size in (1, 5):
+        a, b = (rng.standard_normal((size, 8), dtype="float32") for _ in range(2))
+        np.testing.assert_array_equal(exe.run(a, b, backend="emulate"), a * b)

@@ -171,21 +171,31 @@ def test_match_cast_keeps_the_cast_and_the_sharding():
     assert str(out["main"].ty.ret.placement) == '"S[1]"'
 
 
-def test_a_constant_that_would_need_sharding_is_refused():
+def test_a_constant_that_a_use_splits_is_replicated_and_sliced_locally():
+    # an HF attention mask, folded to a constant with a heads dimension, meets the
+    # split heads: every rank holds the constant and reads its block (no collective)
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((8, 8), "float32"))
     mesh = relax.distributed.DeviceMesh((2,), tvm.ir.Range(0, 2))
-    bias = relax.const(np.arange(8, dtype="float32"))
+    bias = np.arange(64, dtype="float32").reshape(8, 8)
     with bb.function("main", [x]):
         x1 = bb.emit(relax.op.distributed.annotate_sharding(
             x, mesh, relax.distributed.Placement.from_text("S[1]")))
-        y = bb.emit(relax.op.add(x1, bias), name_hint="y")
+        y = bb.emit(relax.op.add(x1, relax.const(bias)), name_hint="y")
         bb.emit_func_output(y)
     mod = bb.get()
     mod.update_global_info("mesh", [mesh])
-    with pytest.raises(td.UnsupportedValueError, match="constant") as info:
-        PropagateSharding()(mod)
-    assert (info.value.function, info.value.var) == ("main", "y")
+    out = PropagateSharding()(relax.transform.LegalizeOps()(mod))
+    moves = [b for b in out["main"].body.blocks[0].bindings
+             if isinstance(b.value, relax.Call) and b.value.op.name == "relax.dist.redistribute"]
+    assert [(b.var.name, str(b.value.args[0].ty.placement), str(b.var.ty.placement))
+            for b in moves] == [("y_const_redist", '"R"', '"S[1]"')]
+    from tvm_distx.pipeline import run_stages
+
+    rows = td.comm_report(run_stages(relax.transform.LegalizeOps()(mod))["local_view"]).rows
+    assert [(r.collective, r.bytes_per_rank) for r in rows] == [("local_slice", 0)]
+    data = np.random.default_rng(0).standard_normal((8, 8)).astype("float32")
+    np.testing.assert_allclose(td.compile(mod).run(data, backend="emulate"), data + bias)
 
 
 def test_an_annotation_written_in_the_ir_is_validated_against_its_mesh():

@@ -89,6 +89,22 @@ def test_matmul_with_bias_and_relu_epilogue():
                   rule="matmul")
 
 
+def test_batch_matmul_with_a_per_batch_bias_and_scale_epilogue():
+    # a mixture-of-experts layer: each expert (the batch) adds its own bias, then the
+    # routing weights scale every (expert, token) row. The expand_dims blocks read only
+    # the bias and the weights; computed at the tile loop they covered every batch and
+    # the epilogue raced ahead of other tiles (wrong numbers, about 87 here).
+    def op(x, w, b, s):
+        biased = relax.op.add(relax.op.matmul(x, w), relax.op.expand_dims(b, [1]))
+        return relax.op.multiply(biased, relax.op.expand_dims(s, [-1]))
+
+    def ref(x, w, b, s):
+        return (x @ w + b[:, None, :]) * s[:, :, None]
+
+    mod = scheduled_run(op, ref, (4, 8, 96), (4, 96, 64), (4, 64), (4, 8), rule="matmul")
+    assert "expand_dims" not in script(mod)  # both inlined into the epilogue
+
+
 def test_matmul_with_an_epilogue_that_reads_a_value_twice():
     # silu(x @ w + b) = t * sigmoid(t): t is read by two epilogue blocks, so it stays in
     # memory (inlining it into the tile store would leave a read of an unwritten buffer)

@@ -122,13 +122,14 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
     from tvm import relax
     from tvm.relax.frontend.torch import from_exported_program
 
+    from .torch_moe import static_experts
     from .torch_ops import CONVERTERS
 
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     args, kwargs, dynamic_shapes = _export_arguments(module, example_inputs, dynamic_shapes)
     try:
-        with torch.no_grad(), _without_cache(module):
+        with torch.no_grad(), _without_cache(module), static_experts(module):
             exported = torch.export.export(module.eval(), args, kwargs,
                                            dynamic_shapes=dynamic_shapes)
     except Exception as err:  # torch raises many types while tracing

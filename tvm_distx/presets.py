@@ -199,3 +199,4 @@ def with_meshes(mod: tvm.IRModule, shapes: Sequence[Sequence[int]]) -> tvm.IRMod
     out = mod.clone() if hasattr(mod, "clone") else mod
     out.update_global_info("mesh", meshes)
     return out
+from .moe import expert_parallel, moe_parallel, tensor_parallel_experts  # noqa: E402,F401 (MoE plans)

@@ -392,3 +392,11 @@ CONVERTERS: dict[str, Callable] = {
     **{name: _with_torch_dtype(name) for name in _DTYPE_CHECKED},
     **{name: _with_torch_shape(name) for name in _SHAPE_CHECKED},
 }
+
+
+# ------------------------------------------------------------------ mixture of experts
+# The routers' operators (in-place ``div_`` and ``scatter_``, ``topk(sorted=False)``) are
+# kept with the static expert dispatch that needs them, in :mod:`tvm_distx.torch_moe`.
+from .torch_moe import CONVERTERS as _MOE_CONVERTERS  # noqa: E402
+
+CONVERTERS.update(_MOE_CONVERTERS)

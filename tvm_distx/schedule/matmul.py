@@ -8,7 +8,7 @@ prologue and epilogue blocks; :mod:`tvm_distx.schedule` describes the recipe.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad
@@ -34,6 +34,9 @@ class MatmulMatch:
     k: tirx.Var
     lhs: TensorLoad
     rhs: TensorLoad
+    #: blocks after the matmul that do not read its result (an epilogue's other
+    #: operand, such as a broadcast bias); they are inlined into their consumers
+    side: list[Block] = field(default_factory=list)
 
 
 class MatmulRule(Rule):
@@ -100,7 +103,17 @@ class MatmulRule(Rule):
         if len(lhs) != 1 or len(rhs) != 1:
             return None
         at = blocks.index(mm)
-        return MatmulMatch(mm, blocks[:at], blocks[at + 1:], i, j, k, lhs[0], rhs[0])
+        # An epilogue block reads the matmul's result, directly or through another
+        # epilogue block. A block that does not is a side producer: computed at the
+        # tile loop it would cover every tile (all batches), and its consumers with it.
+        derived, epilogue, side = {mm.output}, [], []
+        for block in blocks[at + 1:]:
+            if any(any(load.source.same_as(buf) for buf in derived) for load in block.loads):
+                epilogue.append(block)
+                derived.add(block.output)
+            else:
+                side.append(block)
+        return MatmulMatch(mm, blocks[:at], epilogue, i, j, k, lhs[0], rhs[0], side)
 
     def tile(self, m: int, n: int, cpu: CPUTraits, dtype: str) -> tuple[int, int]:
         """The register tile ``(mr, nr)`` for an ``m x n`` output.
@@ -126,6 +139,9 @@ class MatmulRule(Rule):
             except ScheduleError:
                 logger.debug("matmul: prologue %s stays a loop nest of its own", producer.name)
                 schedule_flat(sch, producer, cpu)
+        for producer in found.side:
+            # raises ScheduleError when it cannot be inlined: the recipe is abandoned
+            sch.compute_inline(producer.rv)
         # The accumulator tile; the epilogue then reads it instead of memory.
         acc_store = sch.cache_write(mm, 0, "local")
         # Inline the epilogue into the tile store while it is a chain: a value that a
