@@ -82,6 +82,26 @@ def _without_cache(module) -> Iterator[None]:
         config.use_cache = saved
 
 
+def _writes_into_views(exported) -> bool:
+    """Whether an exported graph has an in-place operator whose target is a view.
+
+    Writing into a fresh value (``x.div_(s)``) is handled by our converters;
+    writing through a view (``slice``, ``select``, ...) is not.
+    """
+    views = set()
+    for node in exported.graph.nodes:
+        if node.op != "call_function":
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            continue
+        if any(a.alias_info is not None and not a.alias_info.is_write for a in schema.returns):
+            views.add(node)
+        if schema.is_mutable and node.args and node.args[0] in views:
+            return True
+    return False
+
+
 def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
                unwrap_single_result: bool = True,
                decompose: bool = False) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
@@ -132,6 +152,11 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
         with torch.no_grad(), _without_cache(module), static_experts(module):
             exported = torch.export.export(module.eval(), args, kwargs,
                                            dynamic_shapes=dynamic_shapes)
+        if _writes_into_views(exported):
+            # ``y[..., :8].copy_(x)`` writes into a view of y; TVM's frontend would
+            # copy into a temporary. Functionalising (no decomposition) turns such
+            # writes into slice_scatter and the like.
+            exported = exported.run_decompositions({})
     except Exception as err:  # torch raises many types while tracing
         raise ArgumentError(f"torch.export could not trace {type(module).__name__}: "
                             f"{type(err).__name__}: {str(err).splitlines()[0]}",

@@ -19,7 +19,8 @@ ATen operator             Relax translation
 ``scaled_dot_product_     two 4-D ``matmul`` around a ``softmax``, any mask
 attention``
 ``cumsum``                ``cumsum`` in the dtype torch gives the result
-``full``, ``masked_fill`` a 0-d constant broadcast when the value is infinite or NaN
+``full``                  a 0-d constant broadcast when the value is infinite or NaN
+``new_empty``             ``zeros``
 ``&``, ``|``, ``^``       TVM's own, cast to the dtype torch gives the result
 ``slice``, ``split``, ...  TVM's own, shape stated as torch knows it (``match_cast``)
 ========================  ====================================================
@@ -268,14 +269,12 @@ def _full(node, importer) -> relax.Var:
     return _filled(importer, shape, value, dtype)
 
 
-def _masked_fill(node, importer) -> relax.Var:
-    """``x.masked_fill(mask, value)``, infinite and NaN fill values included."""
-    value = _arg(node, 2, "value")
-    if not _non_finite(value):
-        return _original(importer, "masked_fill.Scalar")(node)
-    x = importer.env[node.args[0]]
-    fill = _filled(importer, x.ty.shape, value, _dtype_of(x))
-    return importer.block_builder.emit(relax.op.where(importer.env[node.args[1]], fill, x))
+def _new_empty(node, importer) -> relax.Var:
+    """``x.new_empty(size)``: zeros (an uninitialised tensor may hold anything, zeros too)."""
+    size = _arg(node, 1, "size")
+    shape = [importer.env[d] if not isinstance(d, int) else d for d in size]
+    dtype = _torch_dtype_of(node) or _dtype_of(importer.env[node.args[0]])
+    return importer.block_builder.emit(relax.op.zeros(shape, dtype))
 
 
 #: TVM converters whose result dtype can differ from torch's (see :func:`_with_torch_dtype`).
@@ -388,15 +387,16 @@ CONVERTERS: dict[str, Callable] = {
     "scaled_dot_product_attention.default": _sdpa,
     "cumsum.default": _cumsum,
     "full.default": _full,
-    "masked_fill.Scalar": _masked_fill,
+    "new_empty.default": _new_empty,
     **{name: _with_torch_dtype(name) for name in _DTYPE_CHECKED},
     **{name: _with_torch_shape(name) for name in _SHAPE_CHECKED},
 }
 
 
 # ------------------------------------------------------------------ mixture of experts
-# The routers' operators (in-place ``div_`` and ``scatter_``, ``topk(sorted=False)``) are
-# kept with the static expert dispatch that needs them, in :mod:`tvm_distx.torch_moe`.
+# The routers' operators (in-place ``div_`` and ``scatter_``, ``masked_fill`` as a ``where``
+# with a scalar, which also serves infinite fill values, ``topk(sorted=False)``) are kept
+# with the static expert dispatch that needs them, in :mod:`tvm_distx.torch_moe`.
 from .torch_moe import CONVERTERS as _MOE_CONVERTERS  # noqa: E402
 
 CONVERTERS.update(_MOE_CONVERTERS)
