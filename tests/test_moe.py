@@ -194,9 +194,8 @@ def test_one_expert_parallel_compile_serves_every_sequence_length():
     seq = torch.export.Dim("seq", min=1, max=32)
     mod, weights = from_torch(model, (torch.randint(0, 128, (1, TOKENS)),),
                               dynamic_shapes=({1: seq},))
-    # the experts only: split attention with a run-time length still needs an all-gather
-    # of a tensor with a symbolic extent, which lowering does not do yet
-    exe = td.compile(moe.expert_parallel().apply(with_meshes(mod, [(2,)])))
+    # attention split by heads and the experts split, the sequence length symbolic
+    exe = td.compile(moe.expert_parallel(base=_attention(2)).apply(with_meshes(mod, [(2,)])))
     for length in (1, 7, 32):
         ids = torch.randint(0, 128, (1, length))
         with torch.no_grad():
