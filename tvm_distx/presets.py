@@ -33,7 +33,8 @@ from .errors import RuleError
 from .rules import ShardingRule
 
 __all__ = ["Preset", "megatron", "data_parallel", "data_and_model", "pipeline_stages",
-           "with_meshes"]
+           "with_meshes", "tensor_parallel", "TensorParallel", "expert_parallel",
+           "moe_parallel", "tensor_parallel_experts"]
 
 logger = logging.getLogger(__name__)
 
@@ -200,3 +201,4 @@ def with_meshes(mod: tvm.IRModule, shapes: Sequence[Sequence[int]]) -> tvm.IRMod
     out.update_global_info("mesh", meshes)
     return out
 from .moe import expert_parallel, moe_parallel, tensor_parallel_experts  # noqa: E402,F401 (MoE plans)
+from .tp_plan import TensorParallel, tensor_parallel  # noqa: E402,F401 (structure-found plans)

@@ -1,0 +1,518 @@
+"""Tensor-parallel plans found from a model's graph, not from its layer names.
+
+:func:`tensor_parallel` reads the Relax graph of ``main`` as
+:func:`tvm_distx.from_torch` imports it (before ``LegalizeOps``) and decides,
+for every weight, Megatron's placement:
+
+* A **linear** is a ``matmul`` of an activation with a weight parameter, seen
+  directly (``(in, out)``, as GPT-2's ``Conv1D`` stores it) or through a
+  ``permute_dims`` (``(out, in)``, as ``torch.nn.Linear`` stores it), with an
+  optional bias ``add`` of a parameter.
+* A linear whose result goes, through reshapes and transposes only, into an
+  ``add`` is **row parallel**: it writes the residual branch. Its weight is
+  split on its input features; the product is a partial sum, completed by one
+  all-reduce.
+* Walking back from a row-parallel linear's input, every linear reached before
+  any other linear is **column parallel**: they read the block's input
+  (the q, k, v projections of an attention, the gate and up projections of a
+  gated MLP, the first layer of a plain MLP). Their weights are split on their
+  output features, so the block between them runs on each rank's share with
+  no communication.
+* **Attention** splits whole heads only. A column-parallel linear whose result
+  is reshaped to ``(..., heads, head_dim)`` is split only when ``heads``
+  divides by the rank count. Key and value projections with fewer heads than
+  ranks (grouped-query attention) stay replicated: each rank slices the heads
+  its query heads need, locally, so the rank count is not limited to the key
+  and value head count. If the query heads do not divide, the whole block
+  stays replicated.
+* The **LM head**, the linear whose result is the function's output, is column
+  parallel (its vocabulary split); the logits are gathered at the end.
+* **Embeddings** stay replicated. A vocabulary-parallel embedding would hold
+  ``1/p`` of the table, but its lookup needs a masked gather and an all-reduce
+  of every token's hidden state; that is not built yet.
+* **Fused projections** (q|k|v, gate|up) are first cut into one parameter per
+  segment (:class:`tvm_distx.passes.SplitFusedProjections`), so each segment is
+  column parallel on its own. **Experts** (3-D weights) follow
+  :func:`tvm_distx.moe.moe_parallel`, the cheaper of expert and tensor
+  parallelism.
+
+The plan is pure data (:class:`TensorParallelPlan`): one :class:`WeightRole`
+per weight, with its reason, and one :class:`ParallelBlock` per parallel
+region; ``str(plan)`` is the per-block summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax
+
+from . import _ir
+from .errors import RuleError
+from .rules import ShardingRule
+
+__all__ = ["ParallelBlock", "TensorParallel", "TensorParallelPlan", "WeightRole",
+           "tensor_parallel"]
+
+logger = logging.getLogger(__name__)
+
+#: Operators a row-parallel linear's result may pass before its residual ``add``.
+_LAYOUT_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.astype"})
+
+
+@dataclass(frozen=True)
+class WeightRole:
+    """What the plan does with one weight.
+
+    Attributes
+    ----------
+    param : str
+        The parameter of ``main``.
+    role : str
+        ``"column"``, ``"row"``, ``"lm_head"`` or ``"replicated"``.
+    axis : int or None
+        The weight axis split on the model mesh axis (None when replicated).
+    reason : str
+        Why, in one line.
+    bias : bool
+        Whether the parameter is a linear's bias.
+    """
+
+    param: str
+    role: str
+    axis: int | None
+    reason: str
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelBlock:
+    """One parallel region: column-parallel linears, then the row-parallel one that ends it.
+
+    Attributes
+    ----------
+    name : str
+        The common prefix of its weights' names (for reading only).
+    kind : str
+        ``"attention"`` (its columns are reshaped to heads), ``"mlp"`` or
+        ``"replicated"`` (it could not be split, see the roles' reasons).
+    column : tuple of str
+        Its column-parallel weights.
+    row : str
+        The row-parallel weight.
+    """
+
+    name: str
+    kind: str
+    column: tuple[str, ...]
+    row: str
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """The roles of every linear's weight and the parallel blocks, for ``ranks`` ranks."""
+
+    ranks: int
+    roles: tuple[WeightRole, ...]
+    blocks: tuple[ParallelBlock, ...]
+
+    def role(self, param: str) -> WeightRole | None:
+        """The role of ``param``, None for a parameter that is not a linear's weight."""
+        return next((r for r in self.roles if r.param == param), None)
+
+    def placements(self, model_axis: int = 0, mesh_ndim: int = 1) -> dict[str, str]:
+        """Placement text of every split weight (replicated weights are not listed)."""
+        out = {}
+        for r in self.roles:
+            if r.axis is None:
+                continue
+            entries = ["R"] * mesh_ndim
+            entries[model_axis] = f"S[{r.axis}]"
+            out[r.param] = "".join(entries)
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"tensor-parallel plan for {self.ranks} ranks: {len(self.blocks)} blocks, "
+                 f"ideal one all-reduce each"]
+        for b in self.blocks:
+            lines.append(f"  {b.name or '(block)'} [{b.kind}]: column {', '.join(b.column)}; "
+                         f"row {b.row}")
+        for r in self.roles:
+            if r.role in ("lm_head", "replicated") and not r.bias:
+                lines.append(f"  {r.param}: {r.role} ({r.reason})")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------- reading the graph
+@dataclass
+class _Linear:
+    """A matmul of an activation with a weight parameter (internal, holds IR)."""
+
+    weight: str
+    out_axis: int       # the weight axis of the output features
+    bias: str | None
+    source: relax.Expr  # the activation operand
+    result: relax.Var   # after the bias
+    matmul: relax.Var   # the matmul itself
+
+
+class _Graph:
+    """Bindings, users and linears of one dataflow function."""
+
+    def __init__(self, func: relax.Function) -> None:
+        self.func = func
+        self.params = {p.name: p for p in func.params}
+        self.value: dict = {}
+        self.users: dict = {}
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                self.value[binding.var] = binding.value
+                for operand in _operands(binding.value):
+                    self.users.setdefault(operand, []).append(binding.var)
+        self.outputs = set(_operands(func.body.body)) | {func.body.body}
+        self.linears: dict = {}  # matmul var (and bias-add var) -> _Linear
+        for var, value in self.value.items():
+            linear = self._linear(var, value)
+            if linear is not None:
+                self.linears[linear.result] = linear
+
+    def _param_name(self, expr) -> str | None:
+        if isinstance(expr, relax.Var) and expr.name in self.params and \
+                self.params[expr.name].same_as(expr) and _ir.static_shape(expr.ty) and \
+                len(_ir.static_shape(expr.ty)) == 2:
+            return expr.name
+        return None
+
+    def is_bias(self, expr) -> bool:
+        """A 1-D parameter (a bias)."""
+        return isinstance(expr, relax.Var) and expr.name in self.params and \
+            len(_ir.static_shape(expr.ty) or ()) == 1
+
+    def only_used_by(self, param: str, linear: _Linear) -> bool:
+        """Whether the weight ``param`` feeds nothing but ``linear`` (it is not tied)."""
+        users = self.users.get(self.params[param], [])
+        return all(u is linear.matmul or (
+            _ir.is_call_to(self.value[u], "relax.permute_dims") and
+            self.users.get(u, []) == [linear.matmul]) for u in users)
+
+    def _linear(self, var, value) -> _Linear | None:
+        if not _ir.is_call_to(value, "relax.matmul"):
+            return None
+        source, other = value.args
+        weight, out_axis = self._param_name(other), 1
+        if weight is None and isinstance(other, relax.Var) and \
+                _ir.is_call_to(self.value.get(other), "relax.permute_dims"):
+            transpose = self.value[other]
+            axes = transpose.attrs.axes
+            if axes is None or [int(a) for a in axes] == [1, 0]:
+                weight, out_axis = self._param_name(transpose.args[0]), 0
+        if weight is None:
+            return None
+        result, bias = var, None
+        users = self.users.get(var, [])
+        if len(users) == 1 and _ir.is_call_to(self.value[users[0]], "relax.add"):
+            add = self.value[users[0]]
+            other_operand = add.args[1] if add.args[0].same_as(var) else add.args[0]
+            name = (other_operand.name if isinstance(other_operand, relax.Var) and
+                    other_operand.name in self.params else None)
+            if name is not None and len(_ir.static_shape(other_operand.ty) or ()) == 1:
+                result, bias = users[0], name
+        return _Linear(weight, out_axis, bias, source, result, var)
+
+    def forward_to(self, var, stop) -> relax.Var | None:
+        """The first user of ``var`` (through layout ops) for which ``stop`` holds."""
+        seen = var
+        while True:
+            users = self.users.get(seen, [])
+            if len(users) != 1:
+                return None
+            user = users[0]
+            value = self.value[user]
+            if stop(user, value):
+                return user
+            if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and
+                    value.op.name in _LAYOUT_OPS):
+                return None
+            seen = user
+
+    def linears_behind(self, expr) -> list[_Linear]:
+        """The linears reached walking back from ``expr`` without crossing a linear."""
+        found, stack, seen = [], [expr], set()
+        while stack:
+            node = stack.pop()
+            if not isinstance(node, relax.Var) or node in seen:
+                continue
+            seen.add(node)
+            if node in self.linears:
+                found.append(self.linears[node])
+                continue
+            value = self.value.get(node)
+            if value is not None:
+                stack.extend(_operands(value))
+        return found
+
+    def heads_of(self, linear: _Linear) -> tuple[int, int] | None:
+        """``(heads, head_dim)`` if the linear's result is reshaped to them, else None."""
+        src = _ir.static_shape(linear.result.ty)
+
+        def is_heads_reshape(user, value):
+            dst = _ir.static_shape(user.ty)
+            return _ir.is_call_to(value, "relax.reshape") and src is not None and \
+                dst is not None and len(dst) == len(src) + 1
+
+        found = self.forward_to(linear.result, is_heads_reshape)
+        if found is None:
+            return None
+        dst = _ir.static_shape(found.ty)
+        if not src or not dst or len(dst) != len(src) + 1 or src[-1] is None or \
+                dst[-2] is None or dst[-1] is None or dst[-2] * dst[-1] != src[-1]:
+            return None
+        return dst[-2], dst[-1]
+
+
+def _operands(expr) -> list:
+    if isinstance(expr, relax.Call):
+        out = []
+        for arg in expr.args:
+            out.extend(_operands(arg) if isinstance(arg, relax.Tuple) else [arg])
+        return out
+    if isinstance(expr, relax.Tuple):
+        return list(expr.fields)
+    if isinstance(expr, relax.TupleGetItem):
+        return [expr.tuple_value]
+    return [expr] if isinstance(expr, relax.Var) else []
+
+
+def _common_prefix(names) -> str:
+    prefix = os.path.commonprefix(list(names))
+    return prefix.rstrip("_")
+
+
+# ----------------------------------------------------------------------------- planning
+def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
+                         function: str = "main") -> TensorParallelPlan:
+    """The tensor-parallel plan of ``function`` for ``ranks`` ranks (see the module doc).
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        As imported (relax operators, before ``LegalizeOps``), fused projections
+        already cut per segment if they should be.
+    ranks : int
+        The size of the model mesh axis.
+    function : str
+        The function whose parameters are planned.
+
+    Returns
+    -------
+    TensorParallelPlan
+    """
+    graph = _Graph(mod[function])
+    roles: dict[str, WeightRole] = {}
+    blocks: list[ParallelBlock] = []
+    linears = list(graph.linears.values())
+
+    def is_residual_add(user, value):  # an add of two activations, not of a bias
+        return _ir.is_call_to(value, "relax.add") and not any(
+            graph.is_bias(a) for a in value.args)
+
+    for row in linears:
+        if graph.forward_to(row.result, is_residual_add) is None:
+            continue
+        order = {name: i for i, name in enumerate(graph.params)}
+        columns = sorted((c for c in graph.linears_behind(row.source) if c is not row),
+                         key=lambda c: order[c.weight])
+        if not columns:
+            continue
+        block = _plan_block(graph, row, columns, ranks, roles)
+        if block is not None:
+            blocks.append(block)
+    for linear in linears:
+        if linear.weight in roles:
+            continue
+        if linear.result in graph.outputs or \
+                graph.forward_to(linear.result, lambda u, _: u in graph.outputs) is not None:
+            vocab = _ir.static_shape(graph.params[linear.weight].ty)[linear.out_axis]
+            if not graph.only_used_by(linear.weight, linear):
+                roles[linear.weight] = WeightRole(
+                    linear.weight, "replicated", None, "the output projection is tied to "
+                    "another use (the embedding): splitting it would gather it every run")
+                continue
+            if vocab % ranks == 0:
+                roles[linear.weight] = WeightRole(
+                    linear.weight, "lm_head", linear.out_axis,
+                    "the output projection: vocabulary split, logits gathered at the end")
+                continue
+            roles[linear.weight] = WeightRole(
+                linear.weight, "replicated", None,
+                f"the output projection's {vocab} outputs do not divide by {ranks} ranks")
+            continue
+        roles[linear.weight] = WeightRole(linear.weight, "replicated", None,
+                                          "not in a column -> row block")
+    return TensorParallelPlan(ranks, tuple(roles.values()), tuple(blocks))
+
+
+def _plan_block(graph: _Graph, row: _Linear, columns: list[_Linear], ranks: int,
+                roles: dict[str, WeightRole]) -> ParallelBlock | None:
+    """The roles of one region's weights; None if a weight already has a role."""
+    if any(c.weight in roles for c in columns) or row.weight in roles:
+        return None
+    heads = {c.weight: graph.heads_of(c) for c in columns}
+    attention = any(h is not None for h in heads.values())
+    shapes = {c.weight: _ir.static_shape(graph.params[c.weight].ty) for c in columns}
+    split, kept = [], []
+    for c in columns:
+        width = shapes[c.weight][c.out_axis]
+        head = heads[c.weight]
+        if head is not None and head[0] % ranks != 0:
+            kept.append((c, f"{head[0]} heads do not divide by {ranks} ranks: each rank "
+                            "slices the heads it needs"))
+        elif head is None and width % ranks != 0:
+            kept.append((c, f"{width} output features do not divide by {ranks} ranks"))
+        else:
+            split.append(c)
+    row_shape = _ir.static_shape(graph.params[row.weight].ty)
+    row_in = row_shape[1 - row.out_axis]
+    if not split or row_in % ranks != 0 or (attention and not any(
+            heads[c.weight] is not None for c in split)):
+        reason = (f"no column of the block divides by {ranks} ranks" if not split else
+                  f"the row projection's {row_in} inputs do not divide by {ranks} ranks"
+                  if row_in % ranks else f"the query heads do not divide by {ranks} ranks")
+        for linear in [*columns, row]:
+            roles[linear.weight] = WeightRole(linear.weight, "replicated", None, reason)
+            if linear.bias:
+                roles[linear.bias] = WeightRole(linear.bias, "replicated", None, reason,
+                                                bias=True)
+        names = [c.weight for c in columns]
+        return ParallelBlock(_common_prefix(names + [row.weight]), "replicated",
+                             tuple(names), row.weight)
+    kind = "attention" if attention else "mlp"
+    for c in split:
+        roles[c.weight] = WeightRole(c.weight, "column", c.out_axis,
+                                     f"reads the {kind} block's input; output features split")
+        if c.bias:
+            roles[c.bias] = WeightRole(c.bias, "column", 0, "bias of a column-parallel linear",
+                                       bias=True)
+    for c, reason in kept:
+        roles[c.weight] = WeightRole(c.weight, "replicated", None, reason)
+        if c.bias:
+            roles[c.bias] = WeightRole(c.bias, "replicated", None, reason, bias=True)
+    roles[row.weight] = WeightRole(row.weight, "row", 1 - row.out_axis,
+                                   f"writes the {kind} block's residual branch; input features "
+                                   "split, one all-reduce")
+    if row.bias:
+        roles[row.bias] = WeightRole(row.bias, "replicated", None,
+                                     "bias of a row-parallel linear: added once, after the sum",
+                                     bias=True)
+    names = [c.weight for c in columns]
+    return ParallelBlock(_common_prefix(names + [row.weight]), kind, tuple(names), row.weight)
+
+
+# ------------------------------------------------------------------------------- preset
+@dataclass(frozen=True)
+class TensorParallel:
+    """The preset :func:`tensor_parallel` returns: a plan found in each module it is applied to.
+
+    Behaves like :class:`tvm_distx.presets.Preset`: :meth:`rules`, :meth:`apply`,
+    :meth:`override`; :meth:`plan` gives the plan itself.
+    """
+
+    model_axis: int = 0
+    mesh_ndim: int = 1
+    overrides: tuple[tuple[str, str, str | None], ...] = ()
+    split_fused: bool = True
+    experts: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.model_axis < self.mesh_ndim:
+            raise RuleError(f"tensor_parallel(model_axis={self.model_axis}, "
+                            f"mesh_ndim={self.mesh_ndim}): no such mesh axis",
+                            hint="tensor_parallel(model_axis=0) for a 1-D mesh")
+
+    def override(self, patterns: dict[str, str], mesh: str | None = None) -> "TensorParallel":
+        """This preset with ``patterns`` (glob -> placement) added last (they win)."""
+        added = tuple((glob, placement, mesh) for glob, placement in patterns.items())
+        return TensorParallel(self.model_axis, self.mesh_ndim, self.overrides + added,
+                              self.split_fused, self.experts)
+
+    def ranks(self, mod: tvm.IRModule) -> int:
+        """The size of the model mesh axis of ``mod``'s first mesh."""
+        meshes = mod.global_infos.get("mesh") if mod.global_infos else None
+        if not meshes:
+            raise RuleError("the module has no device mesh",
+                            hint="presets.with_meshes(mod, [(2,)]) first")
+        shape = [int(s) for s in meshes[0].shape]
+        if len(shape) != self.mesh_ndim:
+            raise RuleError(f"tensor_parallel(mesh_ndim={self.mesh_ndim}) on a mesh of shape "
+                            f"{tuple(shape)}",
+                            hint=f"tensor_parallel(model_axis=..., mesh_ndim={len(shape)})")
+        return shape[self.model_axis]
+
+    def plan(self, mod: tvm.IRModule, function: str = "main") -> TensorParallelPlan:
+        """The plan for ``mod`` (on its mesh's model axis)."""
+        return plan_tensor_parallel(mod, self.ranks(mod), function)
+
+    def rules(self, mod: tvm.IRModule, function: str = "main") -> list[ShardingRule]:
+        """Sharding rules: the plan's placements, then the overrides."""
+        from .presets import Preset
+
+        chosen = {name: (placement, None) for name, placement in
+                  self.plan(mod, function).placements(self.model_axis, self.mesh_ndim).items()}
+        names = [p.name for p in mod[function].params]
+        chosen.update(Preset(self.overrides).placements(names))
+        return [ShardingRule(param=name, result=placement, function=function,
+                             **({"meshes": mesh} if mesh else {}))
+                for name, (placement, mesh) in chosen.items()]
+
+    def prepare(self, mod: tvm.IRModule) -> tvm.IRModule:
+        """``mod`` with fused projections cut per segment (when ``split_fused``)."""
+        if not self.split_fused:
+            return mod
+        from .passes import SplitFusedProjections
+
+        return SplitFusedProjections()(mod)
+
+    def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+        """``mod`` with fused projections cut, annotated with :meth:`rules`.
+
+        A model with experts gets :func:`tvm_distx.moe.moe_parallel` for them,
+        with this plan for every other weight.
+        """
+        from . import moe
+        from .passes import AnnotateSharding
+
+        mod = self.prepare(mod)
+        if self.experts and moe.expert_weights(mod, function):
+            base = TensorParallel(self.model_axis, self.mesh_ndim, self.overrides,
+                                  split_fused=False, experts=False)
+            plan = moe.moe_parallel(mod, base, model_axis=self.model_axis,
+                                    mesh_ndim=self.mesh_ndim, function=function)
+            return plan.apply(mod, function)
+        return AnnotateSharding(self.rules(mod, function))(mod)
+
+
+def tensor_parallel(model_axis: int = 0, mesh_ndim: int = 1) -> TensorParallel:
+    """Megatron tensor parallelism found from the graph's structure, not names.
+
+    Parameters
+    ----------
+    model_axis : int
+        The mesh axis of the tensor parallelism.
+    mesh_ndim : int
+        The number of mesh axes.
+
+    Returns
+    -------
+    TensorParallel
+        A preset: ``.apply(mod)``, ``.rules(mod)``, ``.override(...)``, ``.plan(mod)``.
+
+    Examples
+    --------
+    >>> preset = tensor_parallel()
+    >>> annotated = preset.apply(with_meshes(mod, [(2,)]))   # doctest: +SKIP
+    >>> print(preset.plan(with_meshes(mod, [(2,)])))          # doctest: +SKIP
+    """
+    return TensorParallel(model_axis, mesh_ndim)
