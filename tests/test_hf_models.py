@@ -24,9 +24,8 @@ from tvm_distx.frontend import relax_name  # noqa: E402
 from tvm_distx.pipeline import run_stages  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
+from hf_tiny import VOCAB, build, logits, tokens  # noqa: E402
 from reference_llama import ReferenceLlama  # noqa: E402
-
-VOCAB = 128
 
 #: Megatron placements for the Llama family's layer names (biases only in Qwen2).
 LLAMA_TP = presets.megatron(
@@ -34,32 +33,6 @@ LLAMA_TP = presets.megatron(
             "*up_proj_weight", "*lm_head_weight"),
     column_bias=("*q_proj_bias", "*k_proj_bias", "*v_proj_bias"),
     row=("*o_proj_weight", "*down_proj_weight"))
-
-
-def build(family: str, layers: int = 2):
-    """A tiny random model of ``family``: hidden 64, 4 heads, 2 KV heads, vocabulary 128."""
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
-                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, tie_word_embeddings=False)
-    configs = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
-    if family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4,
-                                         n_positions=64, bos_token_id=0, eos_token_id=0)
-        return transformers.GPT2LMHeadModel(config).eval()
-    config_class, model_class = configs[family]
-    return model_class(config_class(**common)).eval()
-
-
-def logits(model, ids: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.from_numpy(ids), use_cache=False).logits.numpy()
-
-
-def tokens(seq: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, (1, seq), dtype=np.int64)
 
 
 @pytest.fixture(scope="module")

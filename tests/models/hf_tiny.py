@@ -1,0 +1,45 @@
+"""Tiny random Hugging Face causal LMs built from configs in code (no download).
+
+Hidden 64, 4 query heads, 2 key/value heads (grouped-query attention), MLP 160,
+vocabulary 128, untied LM heads where the family allows it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+
+VOCAB = 128
+
+
+def build(family: str, layers: int = 2):
+    """A tiny random ``family`` model (``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``mixtral``)."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, tie_word_embeddings=False)
+    if family == "gpt2":  # GPT-2 ties its LM head to the token embedding
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4,
+                                         n_positions=64, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(config).eval()
+    if family == "mixtral":
+        config = transformers.MixtralConfig(**common, num_local_experts=4,
+                                            num_experts_per_tok=2)
+        return transformers.MixtralForCausalLM(config).eval()
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+    config_class, model_class = classes[family]
+    return model_class(config_class(**common)).eval()
+
+
+def logits(model, ids: np.ndarray) -> np.ndarray:
+    """transformers' float32 logits for ``ids`` (batch, sequence)."""
+    with torch.no_grad():
+        return model(torch.from_numpy(ids), use_cache=False).logits.numpy()
+
+
+def tokens(seq: int, seed: int = 0) -> np.ndarray:
+    """Random token ids of shape (1, seq)."""
+    return np.random.default_rng(seed).integers(0, VOCAB, (1, seq), dtype=np.int64)
