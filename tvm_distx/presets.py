@@ -34,7 +34,7 @@ from .rules import ShardingRule
 
 __all__ = ["Preset", "megatron", "data_parallel", "data_and_model", "pipeline_stages",
            "with_meshes", "tensor_parallel", "TensorParallel", "expert_parallel",
-           "moe_parallel", "tensor_parallel_experts"]
+           "moe_parallel", "tensor_parallel_experts", "from_hf", "HFPlan"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,3 +202,4 @@ def with_meshes(mod: tvm.IRModule, shapes: Sequence[Sequence[int]]) -> tvm.IRMod
     return out
 from .moe import expert_parallel, moe_parallel, tensor_parallel_experts  # noqa: E402,F401 (MoE plans)
 from .tp_plan import TensorParallel, tensor_parallel  # noqa: E402,F401 (structure-found plans)
+from .hf_plan import HFPlan, from_hf  # noqa: E402,F401 (transformers' own plans)

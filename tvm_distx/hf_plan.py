@@ -1,0 +1,235 @@
+"""Hugging Face's own tensor-parallel plans (``base_model_tp_plan``) as our placements.
+
+transformers ships, with most causal LMs, a plan that maps module paths to
+parallel styles: ``{"layers.*.self_attn.q_proj": "colwise", ...,
+"layers.*.mlp.down_proj": "rowwise"}`` in the config, and
+``{"lm_head": "colwise_gather_output"}`` on the model class. :func:`from_hf`
+reads both and gives each style's placement to the weights it names:
+
+======================================  ==============================================
+style                                   our placement
+======================================  ==============================================
+``colwise``, ``colwise_rep``,           weight ``S[0]`` (``(out, in)``: output features
+``colwise_gather_output``               split), bias ``S[0]``; propagation gathers the
+                                        output where a use needs it whole
+``rowwise``, ``rowwise_rep``,           weight ``S[1]`` (input features split), bias
+``rowwise_split_input``                 replicated; one all-reduce
+``packed_colwise``                      each segment of the fused weight ``S[0]`` on its
+                                        own (:class:`tvm_distx.passes.SplitFusedProjections`)
+``embedding_colwise``                   the table ``S[1]`` (hidden split)
+expert styles (``moe_tp_experts``,      the experts by :func:`tvm_distx.moe.moe_parallel`
+``grouped_gemm``, ...)                  (the cheaper of tensor and expert parallelism)
+``replicate``, ``local_params``, ...    replicated (these only hook a module's forward)
+======================================  ==============================================
+
+Styles we cannot honour (``embedding_rowwise``, ``sequence_parallel``,
+``packed_rowwise``, ``mla_kv_a_proj``) raise a :class:`~tvm_distx.RuleError`
+naming the style and the module, when the plan is read.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass
+
+import tvm
+
+from .errors import RuleError
+from .frontend import relax_name
+from .rules import ShardingRule
+
+__all__ = ["HFPlan", "from_hf"]
+
+logger = logging.getLogger(__name__)
+
+#: style -> (weight axis split, bias axis split or None); None: nothing split
+_LINEAR_STYLES = {
+    "colwise": (0, 0), "colwise_rep": (0, 0), "colwise_gather_output": (0, 0),
+    "rowwise": (1, None), "rowwise_rep": (1, None), "rowwise_split_input": (1, None),
+    "embedding_colwise": (1, None),
+}
+#: Styles that only hook a module's forward: its parameters stay whole.
+_FORWARD_ONLY = frozenset({"replicate", "replicated_with_grad_allreduce", "local_params",
+                           "all_reduce", "moe_identity_expert", "isolated"})
+#: Styles of experts modules and their fused 3-D weights (planned by tvm_distx.moe).
+_EXPERT_STYLES = frozenset({"moe_tp_experts", "grouped_gemm", "ep_dispatch_experts",
+                            "ep_router"})
+#: Styles we cannot honour, with what to do instead.
+_UNSUPPORTED = {
+    "embedding_rowwise": "a vocabulary-parallel embedding needs a masked lookup and an "
+                         "all-reduce, which is not built; override it: .override({'...': 'R'})",
+    "sequence_parallel": "use presets.megatron(sequence_parallel=True) for sequence "
+                         "parallelism",
+    "packed_rowwise": "a row-parallel fused projection is not split per segment yet; "
+                      "use presets.tensor_parallel()",
+    "mla_kv_a_proj": "multi-head latent attention's joint projection is not split yet; "
+                     "use presets.tensor_parallel()",
+}
+
+
+@dataclass(frozen=True)
+class HFPlan:
+    """A transformers tensor-parallel plan, as a preset (``rules``, ``apply``, ``override``).
+
+    Parameters
+    ----------
+    entries : tuple of (str, str)
+        ``(module or parameter path from the model's root, style)``.
+    source : str
+        Where the plan came from (for messages).
+    model_axis, mesh_ndim : int
+        The mesh axis of the tensor parallelism, and the number of mesh axes.
+    overrides : tuple of (str, str, str or None)
+        ``(glob over parameter names, placement, mesh)``, winning over the plan.
+    """
+
+    entries: tuple[tuple[str, str], ...]
+    source: str = "the plan"
+    model_axis: int = 0
+    mesh_ndim: int = 1
+    overrides: tuple[tuple[str, str, str | None], ...] = ()
+
+    def __post_init__(self) -> None:
+        known = set(_LINEAR_STYLES) | _FORWARD_ONLY | _EXPERT_STYLES | {"packed_colwise"}
+        for path, style in self.entries:
+            if style in _UNSUPPORTED:
+                raise RuleError(f"{self.source}: style '{style}' of module '{path}' cannot be "
+                                "honoured", hint=_UNSUPPORTED[style])
+            if style not in known:
+                raise RuleError(f"{self.source}: unknown parallel style '{style}' of module "
+                                f"'{path}'", hint="styles: " + ", ".join(sorted(known)))
+        if not 0 <= self.model_axis < self.mesh_ndim:
+            raise RuleError(f"from_hf(model_axis={self.model_axis}, mesh_ndim="
+                            f"{self.mesh_ndim}): no such mesh axis",
+                            hint="from_hf(model, model_axis=0) for a 1-D mesh")
+
+    def override(self, patterns: dict[str, str], mesh: str | None = None) -> "HFPlan":
+        """This plan with ``patterns`` (glob over parameter names -> placement) winning."""
+        added = tuple((glob, placement, mesh) for glob, placement in patterns.items())
+        return HFPlan(self.entries, self.source, self.model_axis, self.mesh_ndim,
+                      self.overrides + added)
+
+    @property
+    def has_experts(self) -> bool:
+        return any(style in _EXPERT_STYLES for _, style in self.entries)
+
+    def _placement(self, axis: int) -> str:
+        entries = ["R"] * self.mesh_ndim
+        entries[self.model_axis] = f"S[{axis}]"
+        return "".join(entries)
+
+    def placements(self, mod: tvm.IRModule, function: str = "main") -> dict[str, str]:
+        """The placement of every parameter of ``mod`` the plan splits."""
+        from .passes import derivations_of
+
+        params = {p.name: p for p in mod[function].params}
+        derived = derivations_of(mod).get(function)
+        segments: dict[str, list[str]] = {}
+        for d in (derived.params if derived is not None else ()):
+            segments.setdefault(d.source, []).append(d.name)
+        out: dict[str, str] = {}
+        for path, style in self.entries:
+            if style in _FORWARD_ONLY or style in _EXPERT_STYLES:
+                continue
+            for glob, axes in self._globs(path, style):
+                for name in params:
+                    if not fnmatch.fnmatchcase(name, glob):
+                        continue
+                    if style == "packed_colwise":  # its segments, once cut (dense only)
+                        for seg in segments.get(name, ()):
+                            out[seg] = self._placement(axes)
+                        continue
+                    if len(params[name].ty.shape) != (2 if glob.endswith("weight") else 1):
+                        continue  # a 3-D expert weight: planned with the experts
+                    if axes is not None:
+                        out[name] = self._placement(axes)
+        return out
+
+    def _globs(self, path: str, style: str):
+        """``(glob over Relax parameter names, axis)`` the entry ``path`` names."""
+        if style == "packed_colwise":  # (out, in) segments: output features split
+            yield relax_name(path), 0
+            yield relax_name(path + ".weight"), 0
+            return
+        weight_axis, bias_axis = _LINEAR_STYLES[style]
+        yield relax_name(path), weight_axis  # the path names a parameter itself
+        yield relax_name(path + ".weight"), weight_axis
+        yield relax_name(path + ".bias"), bias_axis
+
+    def rules(self, mod: tvm.IRModule, function: str = "main") -> list[ShardingRule]:
+        """Sharding rules for ``mod``'s parameters: the plan's, then the overrides.
+
+        Raises
+        ------
+        RuleError
+            If no parameter of ``mod`` matches the plan (a plan for another model).
+        """
+        from .presets import Preset
+
+        chosen = {name: (placement, None)
+                  for name, placement in self.placements(mod, function).items()}
+        if not chosen and not self.has_experts:
+            raise RuleError(f"{self.source} matches no parameter of '{function}'",
+                            function=function,
+                            hint="import the model itself with tvm_distx.from_torch(model, "
+                            "(input_ids,)), whose parameter names follow its modules")
+        names = [p.name for p in mod[function].params]
+        chosen.update(Preset(self.overrides).placements(names))
+        return [ShardingRule(param=name, result=placement, function=function,
+                             **({"meshes": mesh} if mesh else {}))
+                for name, (placement, mesh) in chosen.items()]
+
+    def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+        """``mod`` annotated with the plan (fused projections cut per segment first)."""
+        from . import moe
+        from .passes import AnnotateSharding, SplitFusedProjections
+
+        if self.has_experts and moe.expert_weights(mod, function):
+            # the experts' fused weights are cut by the tensor plan of moe_parallel
+            plan = moe.moe_parallel(mod, self, model_axis=self.model_axis,
+                                    mesh_ndim=self.mesh_ndim, function=function)
+            return plan.apply(mod, function)
+        if any(style == "packed_colwise" for _, style in self.entries):
+            mod = SplitFusedProjections()(mod)
+        return AnnotateSharding(self.rules(mod, function))(mod)
+
+
+def from_hf(model_or_config, *, model_axis: int = 0, mesh_ndim: int = 1,
+            prefix: str | None = None) -> HFPlan:
+    """The tensor-parallel plan transformers ships with a model, as our preset.
+
+    Parameters
+    ----------
+    model_or_config : transformers.PreTrainedModel or PretrainedConfig
+        A model (its config's ``base_model_tp_plan`` under its
+        ``base_model_prefix``, and its class's ``_tp_plan`` for the LM head), or
+        a config alone (its ``base_model_tp_plan`` under ``prefix``).
+    model_axis, mesh_ndim : int
+        The mesh axis of the tensor parallelism, and the number of mesh axes.
+    prefix : str, optional
+        The base model's attribute name (``"model"`` for Llama); read from the
+        model when one is given.
+
+    Returns
+    -------
+    HFPlan
+
+    Raises
+    ------
+    RuleError
+        If the config has no ``base_model_tp_plan`` (GPT-2's has none), or the
+        plan uses a style we cannot honour (named, with its module).
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    name = type(model_or_config).__name__
+    base = getattr(config, "base_model_tp_plan", None)
+    if not base:
+        raise RuleError(f"{name}'s config has no base_model_tp_plan: transformers ships no "
+                        "tensor-parallel plan for it",
+                        hint="presets.tensor_parallel() finds the plan from the graph")
+    if prefix is None:
+        prefix = getattr(model_or_config, "base_model_prefix", None) or "model"
+    entries = [(f"{prefix}.{path}" if prefix else path, style) for path, style in base.items()]
+    entries += list((getattr(type(model_or_config), "_tp_plan", None) or {}).items())
+    return HFPlan(tuple(entries), f"{name}'s base_model_tp_plan", model_axis, mesh_ndim)
