@@ -17,10 +17,11 @@ TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
 NOTEBOOKS = sorted(TUTORIALS.glob("[0-9][0-9]_*.ipynb"))
 
 
-def test_the_four_tutorials_exist():
+def test_the_five_tutorials_exist():
     assert [p.stem for p in NOTEBOOKS] == [
         "01_annotate_and_propagate", "02_redistribute_on_nd_meshes",
-        "03_tensor_parallel_pytorch_on_mpi", "04_riscv_rvv_bundle"]
+        "03_tensor_parallel_pytorch_on_mpi", "04_riscv_rvv_bundle",
+        "05_huggingface_llm_on_mpi"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -26,7 +26,7 @@ from .executable import DistExecutable
 from .signature import FunctionSignature
 from .targets import resolve_target
 
-__all__ = ["STAGES", "compile", "distribute", "run_stages"]
+__all__ = ["STAGES", "compile", "distribute", "legalize_ops", "run_stages"]
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,9 @@ one after the other, each in its own process:
 3. ``collectives.py``: collectives on 2 ranks, ours over MPI and disco shared
    memory against mpi4py and gloo;
 4. ``tp_mlp.py``: a tensor-parallel MLP forward on 1 and 2 ranks against
-   DTensor on gloo and numpy.
+   DTensor on gloo and numpy;
+5. ``llm_prefill.py``: the prefill of a 101M-parameter random Llama on 1, 2
+   and 4 ranks against torch eager and transformers' own tensor parallelism.
 
 ``results.md`` holds each benchmark's tables under the command that made them,
 with the date, the commit and the machine; ``results.png`` plots them (six
@@ -54,6 +56,10 @@ BENCHES = [
     ("tp_mlp", "Tensor-parallel MLP forward",
      ["--rounds", "3"], ["--rounds", "1", "--samples", "2"],
      ["--shape", "8", "64", "256", "--rounds", "1", "--samples", "1", "--calls", "1"]),
+    ("llm_prefill", "Llama prefill, tensor parallel",
+     [], ["--layers", "2", "--rounds", "1", "--samples", "2"],
+     ["--hidden", "64", "--layers", "1", "--tokens", "8", "--ranks", "1", "2", "--rounds", "1",
+      "--samples", "1", "--calls", "1"]),
 ]
 
 
