@@ -102,13 +102,14 @@ def time_samples(call, barrier, slowest, samples: int, calls: int,
     return out
 
 
-def bundle_rank_call(bundle: str, inputs: dict, comm):
+def bundle_rank_call(bundle: str, inputs: dict, comm, *, with_signature: bool = False):
     """This MPI rank's entry of a bundle, ready to call: ``(function, arguments)``.
 
     Reads the bundle as our MPI worker does (:mod:`tvm_distx.runtime.worker`):
     its manifest, this rank's weight shards, and the MPI collectives installed
     before the VM resolves its functions. ``inputs`` holds the global value of
     every parameter that is not a weight, by name; each rank takes its shard.
+    ``with_signature`` adds the function's global signature to the result.
     """
     import numpy as np
     import tvm
@@ -129,4 +130,6 @@ def bundle_rank_call(bundle: str, inputs: dict, comm):
                  else shard_array(inputs[spec.name], spec.sharding, rank))
         args.append(tvm.runtime.tensor(np.ascontiguousarray(value)))
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(manifest.library_path)), tvm.cpu())
+    if with_signature:  # to assemble results split across the ranks
+        return vm[entry], args, signature
     return vm[entry], args
