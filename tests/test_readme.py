@@ -38,3 +38,7 @@ def test_readme_python_blocks_run(capsys, tmp_path):
         error = float(out.split(f"b={b} max |error| vs numpy:")[1].split()[0])
         assert error < 1e-5
     assert "[symbolic-extent] input 'x' of 'main'" in out  # the indivisible batch
+    for length in (1, 7, 32):  # the Hugging Face Llama, tensor parallel, one compile
+        error = float(out.split(f"hf seq={length} max |error|:")[1].split()[0])
+        assert error < 1e-4
+    assert "[attention]" in out and "[mlp]" in out  # the plan's blocks
