@@ -51,7 +51,12 @@ def legalize_ops(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     ``LegalizeOps`` has no rule for ``sort``, ``cumsum`` or ``topk`` (used by
     position ids and mixture-of-experts routing); ``DispatchSortScan`` lowers
     them first, to the generic CPU kernels (any LLVM target gets the same ones).
+    Before both, :class:`~tvm_distx.legalize.linear.LegalizeLinear` reads
+    ``(out, in)`` weights in place instead of transposing them on every call.
     """
+    from tvm_distx.legalize.linear import LegalizeLinear
+
+    mod = LegalizeLinear()(mod)
     with tvm.target.Target({"kind": "llvm"}):
         mod = relax.backend.DispatchSortScan()(mod)
     return relax.transform.LegalizeOps()(mod)
