@@ -21,6 +21,7 @@ import tvm_distx as td
 from propagation_tools import propagate
 from tvm_distx.passes import PropagateSharding
 from tvm_distx.errors import UnsupportedProgramError
+from tvm_distx.layout import TensorSharding, replicated
 
 
 # --------------------------------------------------------------------------- a superset of TVM
@@ -263,3 +264,31 @@ def test_one_value_as_two_operands_needing_different_shardings(placement):
     value = np.random.default_rng(4).standard_normal((6, 6), "float32")
     got = td.compile(mod, schedule=False).run(value, backend="emulate")
     np.testing.assert_allclose(got, value @ value, rtol=1e-5, atol=1e-5)
+
+
+def test_a_variable_bound_to_a_constant_becomes_a_replicated_dtensor():
+    # LegalizeOps folds arange (position ids) into a constant bound to a variable;
+    # its users are DTensor computations, so it must be a DTensor on their mesh too
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    mesh = relax.distributed.DeviceMesh((2,), tvm.ir.Range(0, 2))
+    with bb.function("main", [x]):
+        x1 = bb.emit(relax.op.distributed.annotate_sharding(
+            x, mesh, relax.distributed.Placement.from_text("S[0]")))
+        pos = bb.emit(relax.op.arange(0, 8, 1, "float32"), name_hint="pos")
+        y = bb.emit(relax.op.add(x1, pos), name_hint="y")
+        bb.emit_func_output(y)
+    mod = bb.get()
+    mod.update_global_info("mesh", [mesh])
+    legal = relax.transform.LegalizeOps()(mod)
+    bound = [b for b in legal["main"].body.blocks[0].bindings if b.var.name == "pos"]
+    assert len(bound) == 1 and isinstance(bound[0].value, tvm.ir.Constant)
+    out = PropagateSharding()(legal)
+    pos_ty = [b.var.ty for b in out["main"].body.blocks[0].bindings if b.var.name == "pos"]
+    assert len(pos_ty) == 1
+    have = TensorSharding.from_type(pos_ty[0])
+    assert have is not None, f"pos stayed a plain tensor: {pos_ty[0]}"
+    assert have == replicated(TensorSharding.from_type(out["main"].ty.ret).mesh)
+    data = np.random.default_rng(0).standard_normal((4, 8)).astype("float32")
+    np.testing.assert_allclose(td.compile(mod).run(data, backend="emulate"),
+                               data + np.arange(8, dtype="float32"))
