@@ -484,13 +484,14 @@ class TensorParallel:
         from . import moe
         from .passes import AnnotateSharding
 
-        mod = self.prepare(mod)
         if self.experts and moe.expert_weights(mod, function):
+            # the experts' fused weights are cut, when needed, by the MoE tensor plan
             base = TensorParallel(self.model_axis, self.mesh_ndim, self.overrides,
                                   split_fused=False, experts=False)
             plan = moe.moe_parallel(mod, base, model_axis=self.model_axis,
                                     mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
+        mod = self.prepare(mod)
         return AnnotateSharding(self.rules(mod, function))(mod)
 
 

@@ -14,7 +14,10 @@ VOCAB = 128
 
 
 def build(family: str, layers: int = 2):
-    """A tiny random ``family`` model (``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``mixtral``)."""
+    """A tiny random ``family`` model.
+
+    ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``mixtral`` or ``qwen2_moe``.
+    """
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -27,6 +30,11 @@ def build(family: str, layers: int = 2):
         config = transformers.MixtralConfig(**common, num_local_experts=4,
                                             num_experts_per_tok=2)
         return transformers.MixtralForCausalLM(config).eval()
+    if family == "qwen2_moe":  # a shared expert beside the routed ones
+        config = transformers.Qwen2MoeConfig(**common, moe_intermediate_size=48,
+                                             shared_expert_intermediate_size=80, num_experts=4,
+                                             num_experts_per_tok=2)
+        return transformers.Qwen2MoeForCausalLM(config).eval()
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
