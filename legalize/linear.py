@@ -74,9 +74,9 @@ class _Folder(PyExprMutator):
         self.uses: dict = {}
         for block in func.body.blocks:
             for binding in block.bindings:
-                for operand in _ir_operands(binding.value):
+                for operand in _ir.operand_vars(binding.value):
                     self.uses[operand] = self.uses.get(operand, 0) + 1
-        for operand in _ir_operands(func.body.body):
+        for operand in _ir.operand_vars(func.body.body):
             self.uses[operand] = self.uses.get(operand, 0) + 1
 
     def _transposed_weight(self, expr) -> relax.Var | None:
@@ -117,14 +117,3 @@ class _Folder(PyExprMutator):
         return self.builder_.call_te(_matmul_weight_transposed, self.visit_expr(x),
                                      self.visit_expr(weight), out_dtype,
                                      primfunc_name_hint="matmul_weight_transposed")
-
-
-def _ir_operands(expr) -> list:
-    if isinstance(expr, relax.Call):
-        out = []
-        for arg in expr.args:
-            out.extend(_ir_operands(arg) if isinstance(arg, relax.Tuple) else [arg])
-        return out
-    if isinstance(expr, relax.Tuple):
-        return list(expr.fields)
-    return [expr] if isinstance(expr, relax.Var) else []

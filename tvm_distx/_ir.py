@@ -58,6 +58,22 @@ def dtensor_sharding(ty) -> tuple[DeviceMesh, Placement] | None:
     return DeviceMesh.from_tvm(ty.device_mesh), Placement.from_tvm(ty.placement)
 
 
+def operand_vars(expr) -> list:
+    """The variables an expression reads directly: a call's arguments (tuples opened),
+    a tuple's fields, a tuple item's tuple, or the variable itself."""
+    if isinstance(expr, relax.Call):
+        out = []
+        for arg in expr.args:
+            out.extend(operand_vars(arg) if isinstance(arg, relax.Tuple) else
+                       [arg] if isinstance(arg, relax.Var) else [])
+        return out
+    if isinstance(expr, relax.Tuple):
+        return [f for f in expr.fields if isinstance(f, relax.Var)]
+    if isinstance(expr, relax.TupleGetItem):
+        return operand_vars(expr.tuple_value)
+    return [expr] if isinstance(expr, relax.Var) else []
+
+
 def relax_functions(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, relax.Function]]:
     """The module's Relax functions in program order.
 

@@ -170,9 +170,9 @@ class _Graph:
         for block in func.body.blocks:
             for binding in block.bindings:
                 self.value[binding.var] = binding.value
-                for operand in _operands(binding.value):
+                for operand in _ir.operand_vars(binding.value):
                     self.users.setdefault(operand, []).append(binding.var)
-        self.outputs = set(_operands(func.body.body)) | {func.body.body}
+        self.outputs = set(_ir.operand_vars(func.body.body)) | {func.body.body}
         self.linears: dict = {}  # matmul var (and bias-add var) -> _Linear
         for var, value in self.value.items():
             linear = self._linear(var, value)
@@ -251,7 +251,7 @@ class _Graph:
                 continue
             value = self.value.get(node)
             if value is not None:
-                stack.extend(_operands(value))
+                stack.extend(_ir.operand_vars(value))
         return found
 
     def heads_of(self, linear: _Linear) -> tuple[int, int] | None:
@@ -271,19 +271,6 @@ class _Graph:
                 dst[-2] is None or dst[-1] is None or dst[-2] * dst[-1] != src[-1]:
             return None
         return dst[-2], dst[-1]
-
-
-def _operands(expr) -> list:
-    if isinstance(expr, relax.Call):
-        out = []
-        for arg in expr.args:
-            out.extend(_operands(arg) if isinstance(arg, relax.Tuple) else [arg])
-        return out
-    if isinstance(expr, relax.Tuple):
-        return list(expr.fields)
-    if isinstance(expr, relax.TupleGetItem):
-        return [expr.tuple_value]
-    return [expr] if isinstance(expr, relax.Var) else []
 
 
 def _common_prefix(names) -> str:
