@@ -199,3 +199,20 @@ def test_mixtral_gets_experts_split_by_the_moe_plan():
     ids = tokens(8, seed=9)
     np.testing.assert_allclose(td.compile(annotated).run(ids, params=weights, backend="mpi"),
                                logits(model, ids), atol=1e-4, rtol=0)
+
+
+def test_the_summary_counts_collectives_against_the_ideal(llama):
+    _, mod, _ = llama
+    text = presets.tensor_parallel().summary(presets.with_meshes(mod, [(2,)]))
+    assert "collectives: 4 all-reduce for 4 split blocks (ideal: one each)" in text
+    assert "extra:" not in text
+
+
+def test_the_summary_shows_what_an_even_split_of_fused_qkv_costs():
+    """Without the per-segment cut, GPT-2's c_attn split evenly needs gathers: listed."""
+    model = build("gpt2", layers=1)
+    mod, _ = _import(model, tokens(8))
+    meshed = presets.with_meshes(mod, [(2,)])
+    text = presets.TensorParallel(split_fused=False).summary(meshed)
+    assert "extra: all_gather" in text
+    assert "extra:" not in presets.tensor_parallel().summary(meshed)

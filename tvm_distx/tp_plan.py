@@ -442,6 +442,29 @@ class TensorParallel:
         """The plan for ``mod`` (on its mesh's model axis)."""
         return plan_tensor_parallel(mod, self.ranks(mod), function)
 
+    def summary(self, mod: tvm.IRModule, function: str = "main") -> str:
+        """The plan's blocks, then its collectives against the ideal.
+
+        The ideal is one all-reduce per split block (Megatron's count: one per
+        attention block and one per MLP) plus what the experts' plan adds; any
+        other collective is listed with the value it moves, so a weight left
+        whole or a gather between layers shows at once.
+        """
+        from .comm_report import comm_report
+        from .pipeline import run_stages
+
+        meshed = self.prepare(mod)
+        plan = self.plan(meshed, function)
+        report = comm_report(run_stages(self.apply(mod, function))["local_view"])
+        moves = [r for r in report.rows if r.collective != "local_slice"]
+        reduces = [r for r in moves if r.collective in ("all_reduce", "reduce_scatter")]
+        split = [b for b in plan.blocks if b.kind != "replicated"]
+        lines = [str(plan), f"collectives: {len(reduces)} all-reduce for {len(split)} split "
+                 f"blocks (ideal: one each), {report.total_text} bytes received per rank"]
+        lines += [f"  extra: {r.collective} of {r.value} ({r.src} -> {r.dst}, "
+                  f"{r.bytes_text} bytes)" for r in moves if r not in reduces]
+        return "\n".join(lines)
+
     def rules(self, mod: tvm.IRModule, function: str = "main") -> list[ShardingRule]:
         """Sharding rules: the plan's placements, then the overrides."""
         from .presets import Preset
