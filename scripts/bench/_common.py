@@ -79,6 +79,21 @@ def end_rank_job() -> NoReturn:
     os._exit(0)
 
 
+def run_job(key: str, command: list[str], env: dict, out: Path, timeout: float) -> dict:
+    """Run one benchmark job and read the JSON it writes to ``out``.
+
+    A job that fails (or writes nothing) stops the benchmark with its output's tail.
+    """
+    import json
+    import subprocess
+
+    done = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
+    if done.returncode != 0 or not out.exists():
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise SystemExit(f"{key} failed with exit code {done.returncode}")
+    return json.loads(out.read_text())
+
+
 def time_samples(call, barrier, slowest, samples: int, calls: int,
                  warmup: int = 2) -> list[float]:
     """Seconds per call of ``call``: ``samples`` samples of ``calls`` back-to-back calls.

@@ -42,7 +42,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (bundle_rank_call, child_env, end_rank_job, free_port, median,  # noqa: E402
-                     spread, table, time_samples)
+                     run_job, spread, table, time_samples)
 
 from tvm_distx.runtime.launcher import mpiexec_path  # noqa: E402
 from tvm_distx.runtime.rank_env import rank_environment  # noqa: E402
@@ -215,11 +214,7 @@ def run_contender(key: str, kind: str, ranks: int, threads: int, folder: Path, s
                    str(free_port())] + common
     else:
         command = [sys.executable, SCRIPT, "--torch-job", str(threads)] + common
-    done = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
-    if done.returncode != 0 or not out.exists():
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise SystemExit(f"{key} failed with exit code {done.returncode}")
-    return json.loads(out.read_text())
+    return run_job(key, command, env, out, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

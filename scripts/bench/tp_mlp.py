@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (bundle_rank_call, child_env, end_rank_job, free_port, median,  # noqa: E402
-                     spread, table, time_samples)
+                     run_job, spread, table, time_samples)
 
 from tvm_distx.runtime.launcher import mpiexec_path  # noqa: E402
 from tvm_distx.runtime.rank_env import rank_environment  # noqa: E402
@@ -217,11 +216,7 @@ def run_contender(key: str, kind: str, ranks: int, threads: int, folder: Path,
         else:
             for name in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"):
                 env.pop(name, None)
-    done = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
-    if done.returncode != 0 or not out.exists():
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise SystemExit(f"{key} failed with exit code {done.returncode}")
-    return json.loads(out.read_text())
+    return run_job(key, command, env, out, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
