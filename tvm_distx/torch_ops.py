@@ -7,23 +7,18 @@ lacks. The operators below appear in Hugging Face causal language models
 has a short exact translation into Relax operators that our sharding rules
 already know:
 
-========================  ====================================================
-ATen operator             Relax translation
-========================  ====================================================
-``diff``                  two ``strided_slice`` and a ``subtract`` (``n`` times)
-``repeat_interleave``     ``repeat`` (an integer count per element)
-``where.ScalarOther``     ``where`` with a scalar constant as the other branch
-``where.ScalarSelf``      ``where`` with a scalar constant as the first branch
-``to.device``             the value itself, cast if a dtype is given
-``_unsafe_view``          ``reshape``
-``scaled_dot_product_     two 4-D ``matmul`` around a ``softmax``, any mask
-attention``
-``cumsum``                ``cumsum`` in the dtype torch gives the result
-``full``                  a 0-d constant broadcast when the value is infinite or NaN
-``new_empty``             ``zeros``
-``&``, ``|``, ``^``       TVM's own, cast to the dtype torch gives the result
-``slice``, ``split``, ...  TVM's own, shape stated as torch knows it (``match_cast``)
-========================  ====================================================
+* ``diff``: two ``strided_slice`` and a ``subtract`` (``n`` times);
+* ``repeat_interleave``: ``repeat`` (an integer count per element);
+* ``where.ScalarOther`` / ``where.ScalarSelf``: ``where`` with a scalar constant;
+* ``to.device``: the value itself, cast if a dtype is given;
+* ``_unsafe_view``: ``reshape``;
+* ``scaled_dot_product_attention``: two 4-D ``matmul`` around a ``softmax``, any mask;
+* ``cumsum``: ``cumsum`` in the dtype torch gives the result;
+* ``full``: a 0-d constant broadcast when the value is infinite or NaN;
+* ``new_empty``: ``zeros``;
+* ``&``, ``|``, ``^``: TVM's own, cast to the dtype torch gives the result;
+* ``slice``, ``split``, ``narrow``, ``select``: TVM's own, with the result's shape
+  stated as torch.export knows it (a ``match_cast``).
 
 :data:`CONVERTERS` maps each to its converter, in the form of the frontend's
 ``custom_convert_map``: a function ``(fx.Node, importer) -> relax.Var``.
