@@ -165,14 +165,14 @@ def _annotate(args: argparse.Namespace) -> int:
 
 
 def _propagate(args: argparse.Namespace) -> int:
-    from tvm import relax
-
     from .passes import PropagateSharding
 
     _writable_file(args.output, "-o")
     mod = _load(args)
     if args.legalize:
-        mod = relax.transform.LegalizeOps()(mod)
+        from .pipeline import legalize_ops
+
+        mod = legalize_ops(mod)
     _write_module(PropagateSharding(require_legalized=args.legalize)(mod), args.output)
     return EXIT_OK
 
@@ -199,15 +199,12 @@ def _explain(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .comm_report import comm_report
+    from .pipeline import legalize_ops, run_stages
     from .views import comm_table, plot_value, sharding_tables, show_value
-
-    from tvm import relax
-
-    from .pipeline import run_stages
 
     # legalized first, as compile does: TVM types few high-level operators on DTensors
     _writable_file(args.png, "--png")
-    annotated = relax.transform.LegalizeOps()(_load(args))
+    annotated = legalize_ops(_load(args))
     with _progress("propagating and lowering"):
         stages = run_stages(annotated)
     console = Console()
