@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tvm
 
 from .errors import RuleError
 from .frontend import relax_name
-from .rules import ShardingRule
+from .rules import ShardingRule, pattern_entries, rules_for
 
 __all__ = ["HFPlan", "from_hf"]
 
@@ -106,9 +106,7 @@ class HFPlan:
 
     def override(self, patterns: dict[str, str], mesh: str | None = None) -> "HFPlan":
         """This plan with ``patterns`` (glob over parameter names -> placement) winning."""
-        added = tuple((glob, placement, mesh) for glob, placement in patterns.items())
-        return HFPlan(self.entries, self.source, self.model_axis, self.mesh_ndim,
-                      self.overrides + added)
+        return replace(self, overrides=self.overrides + pattern_entries(patterns, mesh))
 
     @property
     def has_experts(self) -> bool:
@@ -176,9 +174,7 @@ class HFPlan:
                             "(input_ids,)), whose parameter names follow its modules")
         names = [p.name for p in mod[function].params]
         chosen.update(Preset(self.overrides).placements(names))
-        return [ShardingRule(param=name, result=placement, function=function,
-                             **({"meshes": mesh} if mesh else {}))
-                for name, (placement, mesh) in chosen.items()]
+        return rules_for(chosen, function)
 
     def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` annotated with the plan (fused projections cut per segment first)."""

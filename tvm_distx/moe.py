@@ -49,13 +49,13 @@ exact zeros.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import tvm
 
 from .errors import RuleError
-from .rules import ShardingRule
+from .rules import ShardingRule, pattern_entries, rules_for
 
 if TYPE_CHECKING:  # presets re-exports this module's plans, so it is imported lazily
     from .comm_report import CommReport
@@ -260,9 +260,7 @@ class MoePlan:
 
     def override(self, patterns: dict[str, str], mesh: str | None = None) -> "MoePlan":
         """This plan with ``patterns`` (glob -> placement) added last (they win)."""
-        added = tuple((glob, placement, mesh) for glob, placement in patterns.items())
-        return MoePlan(self.strategy, self.base, self.model_axis, self.mesh_ndim,
-                       self.overrides + added)
+        return replace(self, overrides=self.overrides + pattern_entries(patterns, mesh))
 
     def expert_placements(self, mod: tvm.IRModule, function: str = "main") -> dict[str, str]:
         """The placement of each expert weight of ``mod`` under this plan."""
@@ -298,9 +296,7 @@ class MoePlan:
         ours.update(overrides)
         base = [] if self.base is None else self.base.rules(mod, function)
         kept = [rule for rule in base if rule.param is None or rule.param not in ours]
-        return kept + [ShardingRule(param=name, result=placement, function=function,
-                                    **({"meshes": mesh} if mesh else {}))
-                       for name, (placement, mesh) in ours.items()]
+        return kept + rules_for(ours, function)
 
     def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` annotated with :meth:`rules`.

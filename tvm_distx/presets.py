@@ -30,7 +30,7 @@ from typing import Sequence
 import tvm
 
 from .errors import RuleError
-from .rules import ShardingRule
+from .rules import ShardingRule, pattern_entries, rules_for
 
 __all__ = ["Preset", "megatron", "data_parallel", "data_and_model", "pipeline_stages",
            "with_meshes", "tensor_parallel", "TensorParallel", "expert_parallel",
@@ -58,7 +58,7 @@ class Preset:
 
     def override(self, patterns: dict[str, str], mesh: str | None = None) -> "Preset":
         """A preset with ``patterns`` (glob -> placement) added after these (they win)."""
-        return Preset(self.patterns + tuple((g, p, mesh) for g, p in patterns.items()))
+        return Preset(self.patterns + pattern_entries(patterns, mesh))
 
     def placements(self, names: Sequence[str]) -> dict[str, tuple[str, str | None]]:
         """The placement (and mesh) each matching name gets."""
@@ -85,9 +85,7 @@ class Preset:
                             function=function,
                             hint=f"its parameters are {', '.join(names[:8])}...; override the "
                             "preset's patterns")
-        return [ShardingRule(param=name, result=placement, function=function,
-                             **({"meshes": mesh} if mesh else {}))
-                for name, (placement, mesh) in chosen.items()]
+        return rules_for(chosen, function)
 
     def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` annotated with :meth:`rules`."""

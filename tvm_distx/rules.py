@@ -36,7 +36,7 @@ from .errors import MeshError, PlacementSyntaxError, RuleError
 from .layout import Placement, PlacementLike, as_placement
 from .mesh import MeshRef
 
-__all__ = ["ShardingRule"]
+__all__ = ["ShardingRule", "pattern_entries", "rules_for"]
 
 
 @dataclass(frozen=True)
@@ -206,3 +206,16 @@ def _check_op_exists(name: str) -> None:
             "Relax operators are named like 'relax.matmul' or 'relax.nn.relu'"
         )
         raise RuleError(f"op={name!r} is not a registered operator", hint=hint) from None
+
+
+def pattern_entries(patterns: dict[str, str],
+                    mesh: str | None = None) -> tuple[tuple[str, str, str | None], ...]:
+    """``{glob: placement}`` as the ``(glob, placement, mesh)`` entries presets keep."""
+    return tuple((glob, placement, mesh) for glob, placement in patterns.items())
+
+
+def rules_for(chosen: dict[str, tuple[str, str | None]], function: str) -> list[ShardingRule]:
+    """One rule per parameter of ``chosen`` (name -> (placement, mesh or None))."""
+    return [ShardingRule(param=name, result=placement, function=function,
+                         **({"meshes": mesh} if mesh else {}))
+            for name, (placement, mesh) in chosen.items()]

@@ -45,14 +45,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tvm
 from tvm import relax
 
 from . import _ir
 from .errors import RuleError
-from .rules import ShardingRule
+from .rules import ShardingRule, pattern_entries, rules_for
 
 __all__ = ["ParallelBlock", "TensorParallel", "TensorParallelPlan", "WeightRole",
            "tensor_parallel"]
@@ -421,9 +421,7 @@ class TensorParallel:
 
     def override(self, patterns: dict[str, str], mesh: str | None = None) -> "TensorParallel":
         """This preset with ``patterns`` (glob -> placement) added last (they win)."""
-        added = tuple((glob, placement, mesh) for glob, placement in patterns.items())
-        return TensorParallel(self.model_axis, self.mesh_ndim, self.overrides + added,
-                              self.split_fused, self.experts)
+        return replace(self, overrides=self.overrides + pattern_entries(patterns, mesh))
 
     def ranks(self, mod: tvm.IRModule) -> int:
         """The size of the model mesh axis of ``mod``'s first mesh."""
@@ -473,9 +471,7 @@ class TensorParallel:
                   self.plan(mod, function).placements(self.model_axis, self.mesh_ndim).items()}
         names = [p.name for p in mod[function].params]
         chosen.update(Preset(self.overrides).placements(names))
-        return [ShardingRule(param=name, result=placement, function=function,
-                             **({"meshes": mesh} if mesh else {}))
-                for name, (placement, mesh) in chosen.items()]
+        return rules_for(chosen, function)
 
     def prepare(self, mod: tvm.IRModule) -> tvm.IRModule:
         """``mod`` with fused projections cut per segment (when ``split_fused``)."""
