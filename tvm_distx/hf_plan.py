@@ -37,7 +37,7 @@ import tvm
 
 from .errors import RuleError
 from .frontend import relax_name
-from .rules import ShardingRule, pattern_entries, rules_for
+from .rules import Preset, ShardingRule, pattern_entries, rules_for
 
 __all__ = ["HFPlan", "from_hf"]
 
@@ -163,8 +163,6 @@ class HFPlan:
         RuleError
             If no parameter of ``mod`` matches the plan (a plan for another model).
         """
-        from .presets import Preset
-
         chosen = {name: (placement, None)
                   for name, placement in self.placements(mod, function).items()}
         if not chosen and not self.has_experts:

@@ -55,11 +55,10 @@ from typing import TYPE_CHECKING
 import tvm
 
 from .errors import RuleError
-from .rules import ShardingRule, pattern_entries, rules_for
+from .rules import Preset, ShardingRule, pattern_entries, rules_for
 
-if TYPE_CHECKING:  # presets re-exports this module's plans, so it is imported lazily
+if TYPE_CHECKING:
     from .comm_report import CommReport
-    from .presets import Preset
 
 __all__ = ["ExpertWeight", "MoePlan", "MoeComparison", "expert_weights", "expert_parallel",
            "tensor_parallel_experts", "compare", "moe_parallel"]
@@ -288,8 +287,6 @@ class MoePlan:
                             hint="import the model with tvm_distx.from_torch under "
                             "tvm_distx.torch_moe.static_experts(model), before LegalizeOps; "
                             "for a dense model use presets.tensor_parallel()")
-        from .presets import Preset
-
         names = [p.name for p in mod[function].params]
         overrides = Preset(self.overrides).placements(names)
         ours = {name: (placement, None) for name, placement in experts.items()}

@@ -22,15 +22,13 @@ each parallel region, and no all-reduce.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import tvm
 
 from .errors import RuleError
-from .rules import ShardingRule, pattern_entries, rules_for
+from .rules import Preset  # noqa: F401 (the presets' class, re-exported here)
 
 __all__ = ["Preset", "megatron", "data_parallel", "data_and_model", "pipeline_stages",
            "with_meshes", "tensor_parallel", "TensorParallel", "expert_parallel",
@@ -41,57 +39,6 @@ logger = logging.getLogger(__name__)
 COLUMN_WEIGHTS = ("*q_proj_weight", "*k_proj_weight", "*v_proj_weight", "*fc1_weight")
 COLUMN_BIASES = ("*q_proj_bias", "*k_proj_bias", "*v_proj_bias", "*fc1_bias")
 ROW_WEIGHTS = ("*out_proj_weight", "*fc2_weight")
-
-
-@dataclass(frozen=True)
-class Preset:
-    """Placements for parameters of ``main`` chosen by glob patterns (later ones win).
-
-    Parameters
-    ----------
-    patterns : tuple of (str, str, str or None)
-        ``(glob over parameter names, placement, mesh)``; mesh None means the
-        module's only mesh.
-    """
-
-    patterns: tuple[tuple[str, str, str | None], ...] = field(default_factory=tuple)
-
-    def override(self, patterns: dict[str, str], mesh: str | None = None) -> "Preset":
-        """A preset with ``patterns`` (glob -> placement) added after these (they win)."""
-        return Preset(self.patterns + pattern_entries(patterns, mesh))
-
-    def placements(self, names: Sequence[str]) -> dict[str, tuple[str, str | None]]:
-        """The placement (and mesh) each matching name gets."""
-        chosen: dict[str, tuple[str, str | None]] = {}
-        for glob, placement, mesh in self.patterns:
-            for name in names:
-                if fnmatch.fnmatchcase(name, glob):
-                    chosen[name] = (placement, mesh)
-        return chosen
-
-    def rules(self, mod: tvm.IRModule, function: str = "main") -> list[ShardingRule]:
-        """The sharding rules this preset gives ``mod``'s parameters.
-
-        Raises
-        ------
-        RuleError
-            If no pattern matches any parameter (a preset for another model).
-        """
-        names = [p.name for p in mod[function].params]
-        chosen = self.placements(names)
-        if not chosen:
-            raise RuleError(f"no parameter of '{function}' matches the preset's patterns "
-                            f"({', '.join(g for g, _, _ in self.patterns)})",
-                            function=function,
-                            hint=f"its parameters are {', '.join(names[:8])}...; override the "
-                            "preset's patterns")
-        return rules_for(chosen, function)
-
-    def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
-        """``mod`` annotated with :meth:`rules`."""
-        from .passes import AnnotateSharding
-
-        return AnnotateSharding(self.rules(mod, function))(mod)
 
 
 def megatron(column: Sequence[str] = COLUMN_WEIGHTS, column_bias: Sequence[str] = COLUMN_BIASES,

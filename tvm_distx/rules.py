@@ -29,14 +29,18 @@ ShardingRule(param='A', result='S[1]', function='mlp')
 from __future__ import annotations
 
 import difflib
+import fnmatch
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from .errors import MeshError, PlacementSyntaxError, RuleError
 from .layout import Placement, PlacementLike, as_placement
 from .mesh import MeshRef
 
-__all__ = ["ShardingRule", "pattern_entries", "rules_for"]
+if TYPE_CHECKING:
+    import tvm
+
+__all__ = ["Preset", "ShardingRule", "pattern_entries", "rules_for"]
 
 
 @dataclass(frozen=True)
@@ -219,3 +223,54 @@ def rules_for(chosen: dict[str, tuple[str, str | None]], function: str) -> list[
     return [ShardingRule(param=name, result=placement, function=function,
                          **({"meshes": mesh} if mesh else {}))
             for name, (placement, mesh) in chosen.items()]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Placements for parameters of ``main`` chosen by glob patterns (later ones win).
+
+    Parameters
+    ----------
+    patterns : tuple of (str, str, str or None)
+        ``(glob over parameter names, placement, mesh)``; mesh None means the
+        module's only mesh.
+    """
+
+    patterns: tuple[tuple[str, str, str | None], ...] = field(default_factory=tuple)
+
+    def override(self, patterns: dict[str, str], mesh: str | None = None) -> "Preset":
+        """A preset with ``patterns`` (glob -> placement) added after these (they win)."""
+        return Preset(self.patterns + pattern_entries(patterns, mesh))
+
+    def placements(self, names: Sequence[str]) -> dict[str, tuple[str, str | None]]:
+        """The placement (and mesh) each matching name gets."""
+        chosen: dict[str, tuple[str, str | None]] = {}
+        for glob, placement, mesh in self.patterns:
+            for name in names:
+                if fnmatch.fnmatchcase(name, glob):
+                    chosen[name] = (placement, mesh)
+        return chosen
+
+    def rules(self, mod: tvm.IRModule, function: str = "main") -> list[ShardingRule]:
+        """The sharding rules this preset gives ``mod``'s parameters.
+
+        Raises
+        ------
+        RuleError
+            If no pattern matches any parameter (a preset for another model).
+        """
+        names = [p.name for p in mod[function].params]
+        chosen = self.placements(names)
+        if not chosen:
+            raise RuleError(f"no parameter of '{function}' matches the preset's patterns "
+                            f"({', '.join(g for g, _, _ in self.patterns)})",
+                            function=function,
+                            hint=f"its parameters are {', '.join(names[:8])}...; override the "
+                            "preset's patterns")
+        return rules_for(chosen, function)
+
+    def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+        """``mod`` annotated with :meth:`rules`."""
+        from .passes import AnnotateSharding
+
+        return AnnotateSharding(self.rules(mod, function))(mod)

@@ -52,7 +52,7 @@ from tvm import relax
 
 from . import _ir
 from .errors import RuleError
-from .rules import ShardingRule, pattern_entries, rules_for
+from .rules import Preset, ShardingRule, pattern_entries, rules_for
 
 __all__ = ["ParallelBlock", "TensorParallel", "TensorParallelPlan", "WeightRole",
            "tensor_parallel"]
@@ -465,8 +465,6 @@ class TensorParallel:
 
     def rules(self, mod: tvm.IRModule, function: str = "main") -> list[ShardingRule]:
         """Sharding rules: the plan's placements, then the overrides."""
-        from .presets import Preset
-
         chosen = {name: (placement, None) for name, placement in
                   self.plan(mod, function).placements(self.model_axis, self.mesh_ndim).items()}
         names = [p.name for p in mod[function].params]
