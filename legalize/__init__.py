@@ -2,7 +2,9 @@
 
 - :func:`plan_redistribute` plans the cheapest collectives for a change of
   sharding (pure, cached; see :mod:`tvm_distx.legalize.planner`).
-- :class:`LowerGlobalViewToLocalView` is TVM's pass, refusing what it gets wrong.
+- :class:`LowerGlobalViewToLocalView` is TVM's pass, refusing what it gets wrong;
+  then :class:`MergeAllReduces` lets partial sums combined linearly share one
+  all-reduce (:mod:`~tvm_distx.legalize.linearity` says which kernels are linear).
 - :mod:`~tvm_distx.legalize.partial_sums` reads back the partial sums TVM's
   all-reduces complete and plans their completion (all-reduce or reduce-scatter).
 - :class:`LegalizeRedistribute` replaces every redistribute by the collectives
@@ -15,12 +17,14 @@
 from .legalize_redistribute import LegalizeRedistribute
 from .local_view import LowerGlobalViewToLocalView
 from .lower_distir import CollectiveGroup, LowerDistIR
+from .merge_allreduce import MergeAllReduces
 from .planner import Collective, RedistPlan, RedistStep, lower_bound_bytes, plan_redistribute
 
 __all__ = [
     "LegalizeRedistribute",
     "LowerGlobalViewToLocalView",
     "LowerDistIR",
+    "MergeAllReduces",
     "CollectiveGroup",
     "plan_redistribute",
     "lower_bound_bytes",

@@ -32,6 +32,10 @@ and TVM's pass runs again. Only a module that still fails becomes an
 :class:`~tvm_distx.UnsupportedProgramError` naming the function and the
 kernel's result, found by lowering each sharded kernel alone. A module TVM
 lowers at once keeps its kernels exactly as written.
+
+After TVM's pass, partial sums that are only combined linearly (a shared
+expert's row-parallel result added to the routed experts') share one all-reduce
+(:class:`~tvm_distx.legalize.merge_allreduce.MergeAllReduces`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from tvm_distx._pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.layout import Placement, Replicate, TensorSharding
 
+from .merge_allreduce import MergeAllReduces
 from .split_extents import bind_split_extents
 
 __all__ = ["LowerGlobalViewToLocalView", "split_once"]
@@ -63,18 +68,23 @@ class LowerGlobalViewToLocalView:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         mod = bind_split_extents(_pin_call_arguments(split_once(mod)))
         mod = _replicated_kernels_as_local(mod)
-        try:
-            return dist_transform.LowerGlobalViewToLocalView()(mod)
-        except tvm.error.InternalError as err:
-            if _LOOP_CONFLICT not in str(err):
-                raise _explain(mod, err) from None
-        mod, kernels = _simplify_sharded_kernels(mod)
-        logger.info("TVM's local view could not shard the loops as written; retrying with "
-                    "simplified indices in %s", ", ".join(sorted(kernels)))
-        try:
-            return dist_transform.LowerGlobalViewToLocalView()(mod)
-        except tvm.error.InternalError as err:
+        return MergeAllReduces()(_tvm_local_view(mod))
+
+
+def _tvm_local_view(mod: tvm.IRModule) -> tvm.IRModule:
+    """TVM's pass; once more on simplified kernels if it cannot shard their loops."""
+    try:
+        return dist_transform.LowerGlobalViewToLocalView()(mod)
+    except tvm.error.InternalError as err:
+        if _LOOP_CONFLICT not in str(err):
             raise _explain(mod, err) from None
+    mod, kernels = _simplify_sharded_kernels(mod)
+    logger.info("TVM's local view could not shard the loops as written; retrying with "
+                "simplified indices in %s", ", ".join(sorted(kernels)))
+    try:
+        return dist_transform.LowerGlobalViewToLocalView()(mod)
+    except tvm.error.InternalError as err:
+        raise _explain(mod, err) from None
 
 
 #: What TVM's pass says of a kernel whose loops would need two shardings.

@@ -156,13 +156,46 @@ def partial_sum(call: relax.Call, bound: Mapping[relax.Var, relax.Expr]) -> Part
     producer = bound.get(source) if isinstance(source, relax.Var) else None
     if sharding is None or not isinstance(producer, relax.Call):
         return None
-    axes = reduced_axes(producer, sharding, bound)
+    axes = reduced_axes(producer, sharding, bound) or _axes_upstream(producer, bound)
     if not axes:
         return None
     entries = tuple(Partial() if a in axes else e
                     for a, e in enumerate(sharding.placement.entries))
     return PartialSum(source, TensorSharding(sharding.mesh, Placement(entries)),
                       str(call.attrs.op_type))
+
+
+def _axes_upstream(producer: relax.Call, bound: Mapping[relax.Var, relax.Expr]) -> tuple[int, ...]:
+    """The summed axes of addends combined by linear kernels before their all-reduce.
+
+    :class:`~tvm_distx.legalize.merge_allreduce.MergeAllReduces` runs kernels
+    that are linear in partial sums on the addends (``add(a, b)`` of two
+    row-parallel results) and completes the result with one all-reduce. An
+    addend is only ever consumed that way or by its all-reduce, so the first
+    kernel reached through the local kernels' operands that reduces a split
+    axis is one of the sharded reductions summed. All-reduce results,
+    redistributes and parameters end the search.
+    """
+    seen: set[relax.Var] = set()
+    stack = [producer]
+    while stack:
+        call = stack.pop()
+        if not _ir.is_call_to(call, _LOCAL_KERNEL) or not isinstance(call.args[1], relax.Tuple):
+            continue
+        for arg in reversed(call.args[1].fields):
+            source = bound.get(arg) if isinstance(arg, relax.Var) and arg not in seen else None
+            if not _ir.is_call_to(source, _LOCAL_KERNEL):
+                continue  # an all-reduce's or a redistribute's result is complete
+            seen.add(arg)
+            out = TensorSharding.from_type(arg.ty)
+            axes = reduced_axes(source, out, bound) if out is not None else ()
+            if axes:
+                return axes
+            stack.append(source)
+    return ()
+
+
+_LOCAL_KERNEL = "relax.dist.call_tir_local_view"
 
 
 # ---------------------------------------------------------------------- planning
