@@ -2,9 +2,9 @@
 
 For each family ``presets.tensor_parallel()`` is compiled once per rank count and
 run on MPI (and on disco with 2 ranks); ``presets.from_hf(model)`` must give the
-same annotated module on 2 ranks where transformers ships a plan (GPT-2 ships
-none, and ``from_hf`` says so; on 4 ranks transformers' plan would split the 2
-key/value heads, where ours keeps them whole). Each compile is also checked for its collectives: one
+same annotated module on 2 and 4 ranks where transformers ships a plan (GPT-2
+ships none, and ``from_hf`` says so; on 4 ranks both keep the 2 key/value heads
+whole, where transformers' own plan would split them). Each compile is also checked for its collectives: one
 all-reduce per attention block and one per MLP or MoE layer, nothing else.
 """
 
@@ -33,11 +33,10 @@ FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "mixtral", "qwen2_moe"]
 
 def _replicated_by_design(name: str, value: np.ndarray, family: str, ranks: int) -> bool:
     """Weights every rank holds whole, by design: vectors (norms, row-parallel biases),
-    embeddings, MoE routers, Qwen2-MoE's shared expert (gated by a per-token factor before
-    its sum with the routed experts; splitting it would cost a second all-reduce per layer
-    today), GPT-2's tied head, and the 2 key/value heads on 4 ranks."""
+    embeddings, MoE routers and Qwen2-MoE's one-output shared-expert gate, GPT-2's tied
+    head, and the 2 key/value heads on 4 ranks."""
     return (value.ndim == 1 or "embed" in name or name.endswith(("wte_weight", "wpe_weight"))
-            or name.endswith("mlp_gate_weight") or "shared_expert" in name
+            or name.endswith(("mlp_gate_weight", "shared_expert_gate_weight"))
             or (family == "gpt2" and name.endswith("lm_head_weight"))
             or (ranks == 4 and ("k_proj" in name or "v_proj" in name)))
 
@@ -74,8 +73,13 @@ def test_tensor_parallel_and_the_hf_plan_run_equal_to_transformers(family, ranks
     if name == "gpt2":
         with pytest.raises(RuleError, match="no base_model_tp_plan"):
             presets.from_hf(model)
-    elif ranks == 2:  # on 4 ranks the HF plan splits the 2 KV heads; ours keeps them whole
-        tvm.ir.assert_structural_equal(presets.from_hf(model).apply(meshed), annotated)
+    else:  # on 4 ranks both keep the 2 key/value heads whole
+        hf_plan = presets.from_hf(model)
+        if name == "qwen2_moe":  # transformers' plan leaves the shared expert whole; ours splits it
+            hf_plan = hf_plan.override({"*shared_expert_gate_proj_weight": "S[0]",
+                                        "*shared_expert_up_proj_weight": "S[0]",
+                                        "*shared_expert_down_proj_weight": "S[1]"})
+        tvm.ir.assert_structural_equal(hf_plan.apply(meshed), annotated)
     rows = td.comm_report(run_stages(annotated)["local_view"]).rows
     assert [r.collective for r in rows if r.collective != "local_slice"] == ["all_reduce"] * 2
     exe = td.compile(annotated)

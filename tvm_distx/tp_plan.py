@@ -8,10 +8,11 @@ for every weight, Megatron's placement:
   directly (``(in, out)``, as GPT-2's ``Conv1D`` stores it) or through a
   ``permute_dims`` (``(out, in)``, as ``torch.nn.Linear`` stores it), with an
   optional bias ``add`` of a parameter.
-* A linear whose result goes, through reshapes and transposes only, into an
-  ``add`` is **row parallel**: it writes the residual branch. Its weight is
-  split on its input features; the product is a partial sum, completed by one
-  all-reduce.
+* A linear whose result goes, through reshapes, transposes and scalings only,
+  into an ``add`` is **row parallel**: it writes the residual branch. Its weight
+  is split on its input features; the product is a partial sum, completed by
+  one all-reduce. Two such branches added together (a shared expert beside the
+  routed experts) share one all-reduce.
 * Walking back from a row-parallel linear's input, every linear reached before
   any other linear is **column parallel**: they read the block's input
   (the q, k, v projections of an attention, the gate and up projections of a
@@ -55,12 +56,15 @@ from .errors import RuleError
 from .rules import Preset, ShardingRule, pattern_entries, rules_for
 
 __all__ = ["ParallelBlock", "TensorParallel", "TensorParallelPlan", "WeightRole",
-           "tensor_parallel"]
+           "attention_heads", "tensor_parallel"]
 
 logger = logging.getLogger(__name__)
 
-#: Operators a row-parallel linear's result may pass before its residual ``add``.
-_LAYOUT_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.astype"})
+#: Operators a row-parallel linear's result may pass before its residual ``add``: layout
+#: changes, and a scaling (a shared expert's per-token gate), which a sum over ranks
+#: passes too (:class:`tvm_distx.legalize.merge_allreduce.MergeAllReduces`).
+_BRANCH_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.astype",
+                         "relax.multiply"})
 
 
 @dataclass(frozen=True)
@@ -234,7 +238,7 @@ class _Graph:
             if stop(user, value):
                 return user
             if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and
-                    value.op.name in _LAYOUT_OPS):
+                    value.op.name in _BRANCH_OPS):
                 return None
             seen = user
 
@@ -271,6 +275,23 @@ class _Graph:
                 dst[-2] is None or dst[-1] is None or dst[-2] * dst[-1] != src[-1]:
             return None
         return dst[-2], dst[-1]
+
+
+def attention_heads(mod: tvm.IRModule,
+                    function: str = "main") -> dict[str, tuple[int, str | None]]:
+    """Every linear whose result is reshaped into heads: weight -> ``(heads, bias)``.
+
+    Read from the graph (the reshape to ``(..., heads, head_dim)``), as
+    :func:`tensor_parallel` reads it; other plans ask it which projections
+    cannot be split by whole heads.
+    """
+    graph = _Graph(mod[function])
+    out = {}
+    for linear in graph.linears.values():
+        heads = graph.heads_of(linear)
+        if heads is not None:
+            out[linear.weight] = (heads[0], linear.bias)
+    return out
 
 
 def _common_prefix(names) -> str:
