@@ -325,8 +325,10 @@ class _Rewriter(PyExprMutator):
         return self.visit_expr(func)
 
     def _prepend_param_annotations(self, func, params) -> relax.Function:
+        # in parameter order, whatever the order of the rules that placed them
         bindings = []
-        for param, sharding in params.items():
+        for param in (p for p in func.params if p in params):
+            sharding = params[param]
             value = _annotate(param, sharding)
             ann = relax.Var(f"{param.name}_ann", param.ty)
             bindings.append(relax.VarBinding(ann, value))

@@ -22,6 +22,11 @@ expert styles (``moe_tp_experts``,      the experts by :func:`tvm_distx.moe.moe_
 ``replicate``, ``local_params``, ...    replicated (these only hook a module's forward)
 ======================================  ==============================================
 
+A projection whose output is reshaped into fewer heads than ranks (the key and
+value projections of grouped-query attention on many ranks) stays whole, as in
+:func:`tvm_distx.presets.tensor_parallel`: transformers' plan would give a rank
+part of a head.
+
 Styles we cannot honour (``embedding_rowwise``, ``sequence_parallel``,
 ``packed_rowwise``, ``mla_kv_a_proj``) raise a :class:`~tvm_distx.RuleError`
 naming the style and the module, when the plan is read.
@@ -142,6 +147,31 @@ class HFPlan:
                         continue  # a 3-D expert weight: planned with the experts
                     if axes is not None:
                         out[name] = self._placement(axes)
+        return self._whole_heads(mod, function, out)
+
+    def _whole_heads(self, mod: tvm.IRModule, function: str,
+                     out: dict[str, str]) -> dict[str, str]:
+        """``out`` without the splits of projections whose heads do not divide by the ranks.
+
+        transformers' plan splits the key and value projections whatever their
+        head count; with fewer key/value heads than ranks a rank would get part
+        of a head, and every use would gather it back. As
+        :func:`tvm_distx.presets.tensor_parallel` does, such a projection stays
+        whole and each rank slices the heads its query heads need.
+        """
+        from .tp_plan import attention_heads
+
+        meshes = mod.global_infos.get("mesh") if mod.global_infos else None
+        if not meshes or len(meshes[0].shape) <= self.model_axis:
+            return out
+        ranks = int(meshes[0].shape[self.model_axis])
+        for weight, (heads, bias) in attention_heads(mod, function).items():
+            if weight in out and heads % ranks:
+                logger.warning("%s: '%s' has %d heads, which do not divide by %d ranks: kept "
+                               "whole (each rank slices the heads it needs)", self.source,
+                               weight, heads, ranks)
+                out.pop(weight)
+                out.pop(bias, None)
         return out
 
     def _globs(self, path: str, style: str):
