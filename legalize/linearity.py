@@ -29,14 +29,12 @@ import tvm_ffi
 from tvm import tirx
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
-__all__ = ["ZERO", "linear_in"]
+__all__ = ["NONLINEAR", "ZERO", "linear_in"]
 
 #: The degree of the literal ``0.0``: homogeneous of every degree.
 ZERO = -1
-
-
-class _NotLinear(Exception):
-    """Raised inside the walk: the kernel is not linear in the summed operands."""
+#: The degree of anything that is not homogeneous of degree 0 or 1.
+NONLINEAR = 2
 
 
 def linear_in(func: tirx.PrimFunc, summed: frozenset[int] | set[int], num_inputs: int) -> bool:
@@ -64,11 +62,9 @@ def linear_in(func: tirx.PrimFunc, summed: frozenset[int] | set[int], num_inputs
     for index, buffer in enumerate(buffers[:num_inputs]):
         degrees[buffer] = 1 if index in summed else 0
     outputs = buffers[num_inputs:]
-    try:
-        _Degrees(degrees, set(outputs)).stmt(func.body)
-    except _NotLinear:
-        return False
-    return all(degrees.get(out) in (1, ZERO) for out in outputs)
+    walk = _Degrees(degrees)
+    walk.stmt(func.body)
+    return walk.readable and all(degrees.get(out) in (1, ZERO) for out in outputs)
 
 
 def _join(a: int, b: int) -> int:
@@ -77,22 +73,23 @@ def _join(a: int, b: int) -> int:
         return b
     if b == ZERO or a == b:
         return a
-    raise _NotLinear
+    return NONLINEAR
 
 
 class _Degrees:
     """Walks a kernel's statements, giving each buffer and expression its degree."""
 
-    def __init__(self, degrees: dict, outputs: set) -> None:
+    def __init__(self, degrees: dict) -> None:
         self.degrees = degrees  # inputs on entry; every buffer written is added
         self.inputs = set(degrees)
-        self.outputs = outputs
+        #: False once a statement was met that the walk cannot judge
+        self.readable = True
 
     # -- statements
     def stmt(self, node) -> None:
         if isinstance(node, tirx.BufferStore):
             if node.buffer in self.inputs:
-                raise _NotLinear  # the kernel writes into an input
+                self.readable = False  # the kernel writes into an input
             for index in node.indices:
                 self.index(index)
             value = self.expr(node.value)
@@ -118,21 +115,20 @@ class _Degrees:
         elif isinstance(node, (tirx.For, tirx.AttrStmt, tirx.LetStmt, tirx.AssertStmt)):
             self.stmt(node.body)  # loops, and attributes or lets of indices
         elif not isinstance(node, (tirx.AllocBuffer, tirx.DeclBuffer)):
-            raise _NotLinear  # (a fresh buffer takes the degree of what is stored into it)
+            self.readable = False  # (a fresh buffer takes the degree of what is stored into it)
 
     # -- expressions
     def index(self, expr) -> None:
         """An index, a condition or a predicate: it may not depend on a summed value."""
         if self.expr(expr) not in (0, ZERO):
-            raise _NotLinear
+            self.readable = False
 
     def expr(self, node) -> int:
         if isinstance(node, tvm.ir.TensorLoad):
             for index in node.indices:
                 self.index(index)
-            if node.source not in self.degrees:
-                raise _NotLinear  # read before anything was stored into it
-            return self.degrees[node.source]
+            # a buffer read before anything was stored into it is not judged
+            return self.degrees.get(node.source, NONLINEAR)
         if isinstance(node, tirx.FloatImm):
             return ZERO if node.value == 0.0 else 0
         if isinstance(node, (tirx.Add, tirx.Sub)):
@@ -141,20 +137,16 @@ class _Degrees:
             a, b = self.expr(node.a), self.expr(node.b)
             if ZERO in (a, b):
                 return ZERO
-            if a + b > 1:
-                raise _NotLinear
-            return a + b
+            return min(a + b, NONLINEAR)
         if isinstance(node, tirx.Div):
-            if self.expr(node.b) != 0:
-                raise _NotLinear
             a = self.expr(node.a)
-            if a == 1 and not _is_float(node):
-                raise _NotLinear  # integer division truncates
+            if self.expr(node.b) != 0 or (a == 1 and not _is_float(node)):
+                return NONLINEAR  # (integer division truncates)
             return a
         if isinstance(node, tirx.Cast):
             degree = self.expr(node.value)
             if degree == 1 and not (_is_float(node) and _is_float(node.value)):
-                raise _NotLinear  # a cast to or from an integer truncates
+                return NONLINEAR  # a cast to or from an integer truncates
             return degree
         if isinstance(node, tirx.Select):
             self.index(node.condition)
@@ -167,9 +159,7 @@ class _Degrees:
             return self.expr(node.body)
         # anything else (max, exp, a comparison, an index variable, a constant): only
         # of values every rank holds whole
-        if self._reads_summed(node):
-            raise _NotLinear
-        return 0
+        return NONLINEAR if self._reads_summed(node) else 0
 
     def _reads_summed(self, node) -> bool:
         found = []

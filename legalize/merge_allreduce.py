@@ -198,8 +198,10 @@ class _Merger:
         if not _no_larger(binding.var.ty, [s.addend.ty for s in sources]):
             return None
         kernel = self.mod[call.args[0]]
-        if not isinstance(kernel, tvm.tirx.PrimFunc) or \
-                not linear_in(kernel, frozenset(summed), len(args)):
+        # the kernel's buffers are the tensor arguments (scalars are other parameters)
+        tensors = [i for i, a in enumerate(args) if _ir.is_tensor_type(a.ty)]
+        if not isinstance(kernel, tvm.tirx.PrimFunc) or not summed <= set(tensors) or \
+                not linear_in(kernel, frozenset(tensors.index(i) for i in summed), len(tensors)):
             return None
         on_addends = [held[a].addend if i in summed else a for i, a in enumerate(args)]
         addend = relax.DataflowVar(f"{binding.var.name}_addend", binding.var.ty)
