@@ -36,6 +36,7 @@ __all__ = [
     "decide_operands",
     "check_single_home",
     "completes_a_partial_sum",
+    "only_replicated",
     "relayout_strength",
     "partial_note",
     "replicated_plan",
@@ -227,6 +228,18 @@ def completes_a_partial_sum(plan: OperandPlan, operands: Sequence[Decision | Non
     axes = {a for d in operands if d is not None for a in d.partial}
     return any(all(out.placement.entries[a].is_replicate() for out in plan.outputs)
                for a in axes if a < plan.mesh.ndim)
+
+
+def only_replicated(known: Sequence[Decision | None]) -> bool:
+    """Whether some of a call's values are unknown and every known one is replicated.
+
+    Such a call is decided last: a replicated operand holds every slice, so it
+    constrains neither the others nor the result.
+    """
+    decided = [d for d in known if d is not None]
+    return (len(decided) < len(known) and all(
+        not d.partial and not any(e.is_shard() for e in d.sharding.placement.entries)
+        for d in decided))
 
 
 def relayout_strength(sig: OpSignature | None, operands: Sequence[Decision | None]) -> Strength:

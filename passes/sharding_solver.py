@@ -74,6 +74,7 @@ from .decisions import (
     check_single_home,
     completes_a_partial_sum,
     decide_operands,
+    only_replicated,
     partial_note,
     relayout_strength,
     replicated_plan,
@@ -144,6 +145,8 @@ class FunctionAnalysis:
         self._queued: set[int] = set()
         # operator bindings waiting for a use to decide how a partial sum is completed
         self._deferred: set[int] = set()
+        # operator bindings that only replicated values reached so far (see _operator)
+        self._waiting: set[int] = set()
 
         for param, given in zip(func.params, params):
             typed = TensorSharding.from_type(param.ty)
@@ -222,10 +225,11 @@ class FunctionAnalysis:
             self._step(self.bindings[index])
 
     def _resolve_deferred(self) -> None:
-        """Decide the deferred operators that no use decided, from their operands."""
-        while self._deferred:
-            index = min(self._deferred)
+        """Decide the deferred and waiting operators that nothing else decided, in order."""
+        while self._deferred or self._waiting:
+            index = min(self._deferred | self._waiting)
             self._deferred.discard(index)
+            self._waiting.discard(index)
             b = self.bindings[index]
             self._operator(b, b.value, defer=False)
             self._solve()
@@ -380,7 +384,14 @@ class FunctionAnalysis:
                                                                   known[len(operands):]):
             self._deferred.add(b.index)
             return
+        if defer and sig is not None and only_replicated(known):
+            # a replicated operand says nothing about the others (it can be sliced
+            # locally): wait for a split to reach the call from elsewhere (an
+            # annotation further down, say) before replicating the unknown ones
+            self._waiting.add(b.index)
+            return
         self._deferred.discard(b.index)
+        self._waiting.discard(b.index)
         for operand, needed in zip(operands, plan.operands):
             if isinstance(operand, relax.Var) and self.get(operand) is None:
                 self._set(operand, 0, Decision(needed, Strength.PROPAGATED, f"operand of {reason}"))
