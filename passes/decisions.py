@@ -96,6 +96,8 @@ class OperandPlan:
     outputs: tuple[TensorSharding, ...]
     #: per output, the mesh axes that shard a label it does not have (a partial sum)
     partial: tuple[tuple[int, ...], ...] = ()
+    #: where operands disagreed with equal strength, which split won and why (by cost)
+    choice: str = ""
 
 
 def _labelled(sig: OpSignature) -> list[tuple[str, ...]]:
@@ -132,8 +134,9 @@ def decide_operands(
         return None
     mesh = known[order[0]].sharding.mesh
     axis_label: list[str | None] = []
+    choices: list[str] = []
     for axis in range(mesh.ndim):
-        chosen = None
+        proposed: dict[str, Strength] = {}  # label -> the strongest decision proposing it
         for i in order:
             decision = known[i]
             if decision.sharding.mesh != mesh:
@@ -142,8 +145,15 @@ def decide_operands(
             if isinstance(entry, Shard) and entry.dim < len(slots[i]):
                 label = slots[i][entry.dim]
                 if label not in sig.unshardable:
-                    chosen = label
-                    break
+                    proposed.setdefault(label, decision.strength)
+        top = max(proposed.values(), default=None)
+        tied = [label for label, strength in proposed.items() if strength == top]
+        chosen = tied[0] if tied else None
+        if len(tied) > 1:
+            costs = {label: _axis_cost(sig, label, axis, mesh, known, slots, shapes)
+                     for label in tied}
+            chosen = min(tied, key=lambda label: costs[label])  # ties: the earlier operand
+            choices.append(_choice_note(axis, chosen, costs))
         axis_label.append(chosen)
     _drop_uneven(axis_label, mesh, slots, shapes)
 
@@ -163,7 +173,61 @@ def decide_operands(
         partial=tuple(tuple(axis for axis, label in enumerate(axis_label)
                             if label is not None and label not in labels)
                       for labels in sig.output),
+        choice="; ".join(choices),
     )
+
+
+def _axis_cost(sig: OpSignature, label: str, axis: int, mesh: DeviceMesh,
+               known: Sequence[Decision | None], slots: list[tuple[str, ...]],
+               shapes: Sequence[tuple[int | None, ...] | None]) -> tuple[float, float]:
+    """What splitting ``label`` on mesh ``axis`` costs: (elements moved, elements held) per rank.
+
+    Moved: every known value that is split on ``axis`` another way is gathered
+    (``(p-1)/p`` of it) or exchanged (``(p-1)/p**2``); a replicated one is
+    sliced for free; a reduction label leaves the outputs partial, completed by
+    an all-reduce (``2(p-1)/p`` of each). Held: the elements of every operand and
+    output on one rank. An unknown extent counts as unknown (infinite), so that
+    a choice between unknowns falls back to the operands' order.
+    """
+    p = mesh.shape[axis]
+    moved = held = 0.0
+    for i, labels in enumerate(slots):
+        size = _elements(shapes[i] if i < len(shapes) else None)
+        held += size / p if label in labels else size
+        decision = known[i]
+        if decision is None or decision.sharding.mesh != mesh:
+            continue
+        entry = decision.sharding.placement.entries[axis]
+        if not isinstance(entry, Shard):
+            continue
+        if label not in labels:
+            moved += size * (p - 1) / p
+        elif labels.index(label) != entry.dim:
+            moved += size * (p - 1) / (p * p)
+    if all(label not in out for out in sig.output):
+        for j in range(len(sig.labels), len(slots)):
+            moved += 2 * _elements(shapes[j] if j < len(shapes) else None) * (p - 1) / p
+    return moved, held
+
+
+def _elements(shape: tuple[int | None, ...] | None) -> float:
+    if shape is None or any(d is None for d in shape):
+        return float("inf")
+    count = 1
+    for d in shape:
+        count *= d
+    return float(count)
+
+
+def _choice_note(axis: int, chosen: str, costs: dict[str, tuple[float, float]]) -> str:
+    def text(label):
+        moved, held = costs[label]
+        return f"'{label}' moves {moved:,.0f} and holds {held:,.0f} elements per rank"
+
+    others = [label for label in costs if label != chosen]
+    how = "as cheap as" if any(costs[o] == costs[chosen] for o in others) else "cheaper than"
+    return (f"mesh axis {axis}: split {text(chosen)}; {how} "
+            + ", ".join(text(label) for label in others))
 
 
 def _drop_uneven(axis_label, mesh, slots, shapes) -> None:

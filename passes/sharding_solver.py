@@ -17,10 +17,16 @@ until nothing changes (a worklist over bindings, in program order):
 
 * an operator call is described by an einsum-like signature
   (:mod:`tvm_distx.passes.op_signatures`). Per mesh axis, the strongest operand
-  that shards a label decides that the label is sharded on that mesh axis (ties
-  go to the earlier operand; replicated operands never decide, because a
-  replicated operand can always be sliced locally). Unknown operands and
-  results then follow from the labels. A result is held as firmly as its
+  that shards a label decides that the label is sharded on that mesh axis.
+  Equally strong operands that shard different labels are a choice, made by
+  modelled cost: the elements moved per rank (gathers, exchanges, the
+  all-reduce of a partial result), then the elements held per rank; the choice
+  and both costs go into the reason :func:`tvm_distx.explain` shows. Replicated
+  operands never decide, because a replicated operand can always be sliced
+  locally: a call that only replicated values reached waits until nothing else
+  is left to do, so that a split arriving later (a pipeline stage's annotation
+  further down) still decides its other operands. Unknown operands and results
+  then follow from the labels. A result is held as firmly as its
   operand when the operator only relayouts one operand (a transpose): the
   transposed weight of a ``Linear`` stays as strong as its annotation, so a
   matmul that meets it and an activation split elsewhere keeps the weight
@@ -378,6 +384,8 @@ class FunctionAnalysis:
             ]
             plan = decide_operands(sig, known, shapes)
             reason = f"{what} at '{b.var.name}'"
+            if plan is not None and plan.choice:
+                reason += f" ({plan.choice})"
         if plan is None:
             return
         if defer and sig is not None and completes_a_partial_sum(plan, known[:len(operands)],
