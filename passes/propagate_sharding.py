@@ -72,7 +72,8 @@ class PropagationResult:
     unlegalized: list = field(default_factory=list)
 
 
-def propagate(mod: tvm.IRModule, *, require_legalized: bool = False) -> PropagationResult:
+def propagate(mod: tvm.IRModule, *, require_legalized: bool = False,
+              warn_unlegalized: bool = True) -> PropagationResult:
     """Propagate shardings through ``mod`` and keep the analyses.
 
     :class:`PropagateSharding` is this function as a pass; see it for the
@@ -101,7 +102,8 @@ def propagate(mod: tvm.IRModule, *, require_legalized: bool = False) -> Propagat
                 hint="run relax.transform.LegalizeOps() before PropagateSharding "
                 "(tvm_distx.distribute does this for you)",
             )
-        logger.warning("%s; run LegalizeOps before PropagateSharding", text)
+        if warn_unlegalized:
+            logger.warning("%s; run LegalizeOps before PropagateSharding", text)
     return result
 
 
@@ -118,6 +120,9 @@ class PropagateSharding:
         reduction needs, silently giving wrong numbers. Pipelines that lower
         must pass True; without it, such calls are logged as a warning (which
         keeps the pass a drop-in replacement for TVM's).
+    warn_unlegalized : bool, default True
+        Log that warning. False for a module propagated only to be read (a
+        high-level view of the shardings), never lowered.
 
     Raises
     ------
@@ -127,11 +132,13 @@ class PropagateSharding:
         invalid sharding; the message names the function.
     """
 
-    def __init__(self, *, require_legalized: bool = False) -> None:
+    def __init__(self, *, require_legalized: bool = False, warn_unlegalized: bool = True) -> None:
         self.require_legalized = require_legalized
+        self.warn_unlegalized = warn_unlegalized
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return propagate(mod, require_legalized=self.require_legalized).mod
+        return propagate(mod, require_legalized=self.require_legalized,
+                         warn_unlegalized=self.warn_unlegalized).mod
 
 
 class _ModuleRewriter:

@@ -1,34 +1,52 @@
 # Shared set-up for scripts/test and scripts/demo (sourced, not run).
 # Creates or reuses .venv at the repository root and installs the package with
-# its test dependencies. Nothing has to be installed by hand.
+# the extras the caller names in DISTX_EXTRAS ("" for the demo, "test" for the
+# tests). Nothing has to be installed by hand.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
+EXTRAS="${DISTX_EXTRAS:-}"
+case "$EXTRAS" in
+    test) NEEDED="tvm_distx, tvm, mpi4py, torch, transformers, pytest" ;;
+    *) NEEDED="tvm_distx, tvm, mpi4py" ;;
+esac
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV"
     "$PY" -m venv "$VENV"
 fi
 
-# Reinstall only when the project's requirements changed since the last install.
+# Reinstall only when the project's requirements (or the extras asked for) changed since
+# the last install; an install with the test extra also serves the demo.
 STAMP="$VENV/.tvm_distx-installed"
-WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
-        || ! "$VENV/bin/python" -c "import tvm_distx, tvm, mpi4py, torch, transformers, pytest" >/dev/null 2>&1; then
-    echo "[setup] installing tvm-distx and its dependencies into $VENV"
+WANT="$( (cat "$ROOT/pyproject.toml"; echo "extras=$EXTRAS") | sha256sum | cut -d' ' -f1)"
+WANT_TEST="$( (cat "$ROOT/pyproject.toml"; echo "extras=test") | sha256sum | cut -d' ' -f1)"
+HAVE="$(cat "$STAMP" 2>/dev/null || true)"
+if { [ "$HAVE" != "$WANT" ] && [ "$HAVE" != "$WANT_TEST" ]; } \
+        || ! "$VENV/bin/python" -c "import $NEEDED" >/dev/null 2>&1; then
+    if [ -n "$EXTRAS" ]; then
+        echo "[setup] installing tvm-distx[$EXTRAS] into $VENV (the first time: TVM, numpy," \
+             "MPICH, PyTorch CPU and transformers, about 2 GB, a few minutes)"
+        SPEC="$ROOT[$EXTRAS]"
+    else
+        echo "[setup] installing tvm-distx into $VENV (the first time: TVM, numpy and MPICH," \
+             "about 600 MB, one or two minutes)"
+        SPEC="$ROOT"
+    fi
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     # torch==2.13.0 is the local CPU build (see pyproject.toml).
-    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test]"
+    "$VENV/bin/python" -m pip install --quiet -e "$SPEC"
     echo "$WANT" > "$STAMP"
 fi
 
 export PATH="$VENV/bin:$PATH"
 
-# The RISC-V cross compiler and qemu user-mode emulation, for RVV bundles checked under
-# qemu (Debian packages, installed once when missing).
-if ! command -v riscv64-linux-gnu-gcc >/dev/null 2>&1 || ! command -v qemu-riscv64 >/dev/null 2>&1; then
+# The tests check RVV bundles under qemu: the RISC-V cross compiler and qemu user-mode
+# emulation (Debian packages, installed once when missing).
+if [ "$EXTRAS" = test ] && { ! command -v riscv64-linux-gnu-gcc >/dev/null 2>&1 \
+        || ! command -v qemu-riscv64 >/dev/null 2>&1; }; then
     echo "[setup] installing gcc-riscv64-linux-gnu and qemu-user with apt-get"
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq

@@ -90,7 +90,7 @@ def explain(mod: tvm.IRModule) -> ShardingReport:
     from tvm_distx import _ir
     from tvm_distx.passes.propagate_sharding import propagate
 
-    result = propagate(mod)
+    result = propagate(mod, warn_unlegalized=False)  # read, never lowered
     rows = []
     for name, analysis in result.analyses.items():
         values = list(analysis.func.params) + [b.var for b in analysis.bindings]
