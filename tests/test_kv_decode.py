@@ -23,6 +23,7 @@ from tvm_distx import presets  # noqa: E402
 from tvm_distx.errors import ArgumentError  # noqa: E402
 from tvm_distx.layout import Replicate, Shard  # noqa: E402
 from tvm_distx.pipeline import run_stages  # noqa: E402
+from tvm_distx.runtime.launcher import launch  # noqa: E402
 from tvm_distx.signature import FunctionSignature  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
@@ -75,19 +76,35 @@ def _prompt(length: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, (1, length), dtype=np.int64)
 
 
-def _generate(case, prompt: np.ndarray, new_tokens: int, backend: str = "mpi"):
-    """Greedy tokens by one run per step, and the prefill's logits."""
+def _generate(case, prompt: np.ndarray, new_tokens: int, bundle: Path | None = None):
+    """Greedy tokens by one one-shot MPI run per step, and the prefill's logits.
+
+    Each step is ``exe.run`` (which writes a bundle and launches the ranks). With
+    ``bundle`` (a bundle of ``decode`` written once, weights included), each decode
+    step is one launch of it, as ``tvm-distx run`` does: the same ranks' programs,
+    without relinking the library and rewriting the weights every token.
+    """
     exe, weights, cache = case["exe"], case["weights"], case["cache"]
+
+    def run(function, *inputs):
+        if bundle is None or function != "decode":
+            return exe.run(*inputs, params=weights, function=function, backend="mpi")
+        return launch(bundle, list(inputs), function=function)
+
     length = prompt.shape[1]
-    logits, *state = exe.run(prompt, np.arange(length), *cache.zeros(), params=weights,
-                             function="prefill", backend=backend)
+    logits, *state = run("prefill", prompt, np.arange(length), *cache.zeros())
     prefill_logits = logits
     tokens = [int(logits[0, -1].argmax())]
     for step in range(new_tokens - 1):
-        logits, *state = exe.run(np.array([[tokens[-1]]]), np.array([length + step]), *state,
-                                 params=weights, function="decode", backend=backend)
+        logits, *state = run("decode", np.array([[tokens[-1]]]), np.array([length + step]),
+                             *state)
         tokens.append(int(logits[0, -1].argmax()))
     return tokens, prefill_logits
+
+
+def _bundle(case, directory: Path) -> Path:
+    """The program written once, with the decode's weights (prefill takes the same)."""
+    return case["exe"].export(directory / "bundle", params=case["weights"], function="decode")
 
 
 def _transformers_tokens(model, prompt: np.ndarray, new_tokens: int) -> list[int]:
@@ -118,17 +135,17 @@ def test_llama_gqa_generates_transformers_tokens_on_2_mpi_ranks(llama2):
     np.testing.assert_allclose(prefill_logits, want, atol=1e-4, rtol=0)
 
 
-def test_gpt2_generates_transformers_tokens_on_2_mpi_ranks(gpt2_2):
+def test_gpt2_generates_transformers_tokens_on_2_mpi_ranks(gpt2_2, tmp_path):
     prompt = _prompt(5, seed=2)
-    tokens, _ = _generate(gpt2_2, prompt, NEW_TOKENS)
+    tokens, _ = _generate(gpt2_2, prompt, NEW_TOKENS, bundle=_bundle(gpt2_2, tmp_path))
     want = _transformers_tokens(gpt2_2["model"], prompt, NEW_TOKENS)
     assert len(set(want)) > 3  # the weights make the tokens vary
     assert tokens == want
 
 
-def test_gpt2_generates_transformers_tokens_on_4_mpi_ranks(gpt2_4):
+def test_gpt2_generates_transformers_tokens_on_4_mpi_ranks(gpt2_4, tmp_path):
     prompt = _prompt(7, seed=3)
-    tokens, _ = _generate(gpt2_4, prompt, NEW_TOKENS)
+    tokens, _ = _generate(gpt2_4, prompt, NEW_TOKENS, bundle=_bundle(gpt2_4, tmp_path))
     assert tokens == _transformers_tokens(gpt2_4["model"], prompt, NEW_TOKENS)
 
 
