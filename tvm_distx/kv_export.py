@@ -17,8 +17,9 @@ functions of the same form::
   ``decode`` serves every step. Attention reads the whole static cache under
   the causal mask of those positions.
 * ``prefill`` takes a prompt of a **symbolic length** ``seq`` (``input_ids`` of
-  shape ``(batch, seq)``, ``cache_position = arange(start, start + seq)``);
-  ``decode`` takes one token (``(batch, 1)``).
+  shape ``(batch, seq)``, ``cache_position = arange(start, start + seq)``), or
+  of one static length (``prompt_length=``); ``decode`` takes one token
+  (``(batch, 1)``).
 
 The mechanism is general, with no knowledge of model families: the model is
 called with a transformers :class:`~transformers.cache_utils.Cache` whose layers
@@ -208,7 +209,7 @@ def _cache_geometry(model, batch: int) -> list[tuple[tuple[int, ...], tuple[int,
 
 # ---------------------------------------------------------------------------- the export
 def export_decoder(model, max_length: int, *, batch_size: int = 1,
-                   example_prompt_length: int = 4) -> DecoderProgram:
+                   prompt_length: int | None = None) -> DecoderProgram:
     """Import ``model`` as ``prefill`` and ``decode`` with its key-value cache as explicit state.
 
     Parameters
@@ -219,9 +220,11 @@ def export_decoder(model, max_length: int, *, batch_size: int = 1,
         The static maximum number of tokens, prompt included.
     batch_size : int
         The batch of both functions (the caches' first axis).
-    example_prompt_length : int
-        The prompt length traced for ``prefill`` (any value from 2 to
-        ``max_length``; ``prefill`` serves every length).
+    prompt_length : int, optional
+        None (the default): ``prefill`` takes a prompt of any length, a
+        symbolic extent ``seq``. An int from 2 to ``max_length``: ``prefill``
+        takes prompts of exactly that length (for programs whose sharding
+        cannot move a symbolic extent yet, such as the experts' dispatch).
 
     Returns
     -------
@@ -245,11 +248,12 @@ def export_decoder(model, max_length: int, *, batch_size: int = 1,
     """
     import torch
 
-    if max_length < 2 or not 2 <= example_prompt_length <= max_length or batch_size < 1:
+    traced = min(4, max_length) if prompt_length is None else prompt_length
+    if max_length < 2 or not 2 <= traced <= max_length or batch_size < 1:
         raise ArgumentError(
             f"export_decoder(max_length={max_length}, batch_size={batch_size}, "
-            f"example_prompt_length={example_prompt_length}): lengths out of range",
-            hint="export_decoder(model, max_length=64) with 2 <= example_prompt_length "
+            f"prompt_length={prompt_length}): lengths out of range",
+            hint="export_decoder(model, max_length=64) with 2 <= prompt_length "
             "<= max_length and batch_size >= 1")
     model = model.eval()
     geometry = _cache_geometry(model, batch_size)
@@ -264,9 +268,9 @@ def export_decoder(model, max_length: int, *, batch_size: int = 1,
     step = _step_module(model, layers)
     caches = tuple(torch.zeros(s, dtype=getattr(torch, dtype)) for s in shapes)
     seq = torch.export.Dim("seq", min=1, max=max_length)
-    prompt = example_prompt_length
+    prompt_dims = ({1: seq}, {0: seq}) if prompt_length is None else (None, None)
     functions = {}
-    for name, length, dims in (("prefill", prompt, ({1: seq}, {0: seq})),
+    for name, length, dims in (("prefill", traced, prompt_dims),
                                ("decode", 1, (None, None))):
         ids = torch.zeros((batch_size, length), dtype=torch.long)
         positions = torch.arange(length, dtype=torch.long)
