@@ -87,6 +87,10 @@ def test_run_failures_exit_1_and_bad_rank_counts_exit_2(rules, tmp_path):
     assert done.returncode == 2 and "[argument] input 'x' of 'main' has shape" in done.stderr
     done = tvm_distx("run", str(tmp_path / "bundle"), "-n", "3")
     assert done.returncode == 2 and "needs 2 ranks, not 3" in done.stderr
+    # repeated -i are the inputs in order: two for a one-input function is refused
+    done = tvm_distx("run", str(tmp_path / "bundle"), "-n", "2", "-i", str(tmp_path / "x.npy"),
+                     "-i", str(tmp_path / "x.npy"))
+    assert done.returncode == 2 and "takes 1 positional input(s) (x), got 2" in done.stderr
     np.save(tmp_path / "x.npy", np.zeros((128, 128), "float32"))
     import os
 
@@ -131,12 +135,18 @@ def test_compile_then_run_a_bundle_on_disco(rules, tmp_path):
     (["propagate", TP, "--rules", "RULES_BAD_FIELD"], "rule 0 in .*unexpected keyword"),
     (["propagate", TP, "--rules", "RULES_BAD_PLACEMENT"], "\\[sharding-rule\\] placement \"Q\\[1\\]\""),
     (["compile", TP, "--weights", "nowhere.npz", "-o", "OUT"], "cannot read weights"),
+    (["propagate", TP, "--rules", "bad.yaml"], "cannot read rules from .*bad.yaml: YAML .* "
+     "at line 2, column 2"),
+    (["propagate", "MODULE_DIR"], "module file .*MODULE_DIR is a directory, not a file"),
 ])
 def test_bad_input_is_one_line_with_a_hint_and_exit_code_2(argv, message, tmp_path, capsys):
     files = {"RULES_NOT_JSON": "[{", "RULES_BAD_FIELD": '[{"parm": "A"}]',
-             "RULES_BAD_PLACEMENT": '[{"param": "A", "result": "Q[1]", "function": "mlp"}]'}
+             "RULES_BAD_PLACEMENT": '[{"param": "A", "result": "Q[1]", "function": "mlp"}]',
+             "bad.yaml": "- param: A\n - result: S[1]\n"}
     for key, text in files.items():
         (tmp_path / key).write_text(text)
+    (tmp_path / "MODULE_DIR").mkdir()
+    files["MODULE_DIR"] = None
     argv = [str(tmp_path / a) if a in files or a == "OUT" else a for a in argv]
     done = tvm_distx(*argv)
     assert done.returncode == 2

@@ -55,18 +55,25 @@ def _read_rules(path: Path | None) -> list:
 
     if path is None:
         return []
+    import yaml
+
+    _input_file(path, "--rules file")
+    hint = ('give --rules a JSON or YAML list such as [{"param": "A", "result": "S[1]", '
+            '"function": "mlp"}]')
     try:
         text = Path(path).read_text()
         if Path(path).suffix in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
-    except (OSError, ValueError) as err:  # JSON and YAML errors are ValueErrors
-        raise ArgumentError(f"cannot read rules from {path}: {err}",
-                            hint='give a JSON or YAML list such as [{"param": "A", '
-                            '"result": "S[1]", "function": "mlp"}]') from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ArgumentError(f"cannot read rules from {path}: YAML {problem}{where}",
+                            hint=hint) from None
+    except (OSError, ValueError) as err:  # JSON errors are ValueErrors
+        raise ArgumentError(f"cannot read rules from {path}: {err}", hint=hint) from None
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise ArgumentError(f"rules in {path} must be a list of objects",
                             hint='for example [{"callee": "mlp", "args": {"0": "R"}}]')
@@ -96,6 +103,16 @@ def _position(key):
     return key
 
 
+def _input_file(path: Path, what: str) -> None:
+    """Refuse, before any work, an input that is missing or is a directory."""
+    if Path(path).is_dir():
+        raise ArgumentError(f"{what} {path} is a directory, not a file",
+                            hint=f"give the {what} itself, for example {Path(path) / 'model.py'}"
+                            if what == "module file" else f"give the {what} itself")
+    if not Path(path).is_file():
+        raise ArgumentError(f"{what} {path} does not exist")
+
+
 def _writable_file(path: Path | None, option: str) -> None:
     """Refuse, before any work, an output file whose directory does not exist."""
     if path is not None and not Path(path).parent.is_dir():
@@ -114,8 +131,7 @@ def _load(args: argparse.Namespace):
     from .passes import AnnotateSharding
     from .script import load_module
 
-    if not Path(args.module).is_file():
-        raise ArgumentError(f"module file {args.module} does not exist")
+    _input_file(args.module, "module file")
     mod = load_module(args.module)
     if getattr(args, "split_fused", False):
         from .passes import SplitFusedProjections
@@ -270,8 +286,7 @@ def _run(args: argparse.Namespace) -> int:
     _output_directory(args.output, "-o")  # before any rank starts, not after the run
     inputs = []
     for path in args.inputs:
-        if not Path(path).is_file():
-            raise ArgumentError(f"input file {path} does not exist")
+        _input_file(path, "input file")
         try:
             inputs.append(np.load(path, allow_pickle=False))
         except ValueError as err:
@@ -372,8 +387,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=_positive(int), required=True, help="the number of ranks")
     p.add_argument("--backend", default="mpi", choices=["mpi", "disco"])
     p.add_argument("--function", default="main")
-    p.add_argument("-i", "--inputs", nargs="*", default=[], metavar="NPY",
-                   help="global inputs, in parameter order")
+    p.add_argument("-i", "--inputs", nargs="+", action="extend", default=[], metavar="NPY",
+                   help="global inputs, in parameter order (-i a.npy b.npy, or -i a.npy -i b.npy)")
     p.add_argument("-o", "--output", default="out", help="directory for the results")
     p.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds before a stuck run is stopped")
