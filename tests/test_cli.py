@@ -91,6 +91,7 @@ def test_run_failures_exit_1_and_bad_rank_counts_exit_2(rules, tmp_path):
     done = tvm_distx("run", str(tmp_path / "bundle"), "-n", "2", "-i", str(tmp_path / "x.npy"),
                      "-i", str(tmp_path / "x.npy"))
     assert done.returncode == 2 and "takes 1 positional input(s) (x), got 2" in done.stderr
+    assert "hint: give one -i file per input" in done.stderr  # flags on the CLI, not params=
     np.save(tmp_path / "x.npy", np.zeros((128, 128), "float32"))
     import os
 

@@ -171,7 +171,8 @@ def read_manifest(bundle: str | os.PathLike) -> Manifest:
     path = root / MANIFEST
     if not path.is_file():
         raise BundleError(f"{root} is not a tvm-distx bundle: {MANIFEST} is missing",
-                          hint="make one with tvm_distx.compile(...).export(dir)")
+                          hint="make one with tvm_distx.compile(...).export(dir)",
+                          cli_hint="make one with tvm-distx compile MODULE --rules RULES -o DIR")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

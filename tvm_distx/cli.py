@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     except DistxError as err:
         if args.verbose:
             logger.exception("tvm-distx failed")
-        sys.stderr.write(f"tvm-distx: error: {err}\n")
+        sys.stderr.write(f"tvm-distx: error: {err.for_cli()}\n")
         return EXIT_FAILED if isinstance(err, LaunchError) else EXIT_USAGE
 
 
