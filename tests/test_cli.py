@@ -92,6 +92,12 @@ def test_run_failures_exit_1_and_bad_rank_counts_exit_2(rules, tmp_path):
                      "-i", str(tmp_path / "x.npy"))
     assert done.returncode == 2 and "takes 1 positional input(s) (x), got 2" in done.stderr
     assert "hint: give one -i file per input" in done.stderr  # flags on the CLI, not params=
+    # an output directory that cannot be made is refused before any rank runs
+    (tmp_path / "a_file").write_text("")
+    done = tvm_distx("run", str(tmp_path / "bundle"), "-n", "2", "-i", str(tmp_path / "x.npy"),
+                     "-o", str(tmp_path / "a_file" / "out"))
+    assert done.returncode == 2 and "cannot write -o" in done.stderr and \
+        "Not a directory" in done.stderr and "Traceback" not in done.stderr
     np.save(tmp_path / "x.npy", np.zeros((128, 128), "float32"))
     import os
 

@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -121,10 +122,22 @@ def _writable_file(path: Path | None, option: str) -> None:
 
 
 def _output_directory(path: Path, option: str) -> None:
-    """Refuse, before any work, an output directory that is an existing file."""
-    if Path(path).exists() and not Path(path).is_dir():
+    """Refuse, before any work, an output directory that cannot be written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
         raise ArgumentError(f"{option} {path} is not a directory (it is an existing file)",
                             hint=f"give {option} a new or existing directory")
+    # the results must not be lost after the work is done: write a probe now, into the
+    # directory or its nearest existing ancestor (nothing is created before the run)
+    probe = next(p for p in [path, *path.absolute().parents] if p.exists())
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        raise ArgumentError(f"cannot write {option} {path}: {err.strerror}",
+                            hint=f"give {option} a directory you can write") from None
 
 
 def _load(args: argparse.Namespace):
