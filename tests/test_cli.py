@@ -178,3 +178,17 @@ def test_verbose_shows_the_traceback_and_a_real_process_exits_2(tmp_path):
     usage = subprocess.run([sys.executable, "-m", "tvm_distx", "frobnicate"],
                            capture_output=True, text=True)
     assert usage.returncode == 2 and "invalid choice" in usage.stderr
+
+
+def test_ctrl_c_while_tvm_loads_is_one_line_and_exit_130(rules):
+    """The command line imports TVM (seconds) only inside the command, where Ctrl-C is caught."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "tvm_distx", "propagate", TP, "--rules", rules],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # the package itself loads in a fraction of a second; TVM takes longer
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip() == "interrupted" and "Traceback" not in err
