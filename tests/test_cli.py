@@ -192,3 +192,56 @@ def test_ctrl_c_while_tvm_loads_is_one_line_and_exit_130(rules):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err.strip() == "interrupted" and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def two_layer_script(tmp_path_factory):
+    """A two-layer transformer (attention and MLP, residuals) imported from PyTorch, as TVMScript."""
+    torch = pytest.importorskip("torch")
+
+    class Layer(torch.nn.Module):
+        def __init__(self, width=32, heads=4):
+            super().__init__()
+            self.heads = heads
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(width, width, bias=False)
+                                              for _ in range(4))
+            self.up = torch.nn.Linear(width, 64, bias=False)
+            self.down = torch.nn.Linear(64, width, bias=False)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = (f(x).reshape(b, t, self.heads, d // self.heads).transpose(1, 2)
+                       for f in (self.q, self.k, self.v))
+            mixed = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+            x = x + self.o(mixed.transpose(1, 2).reshape(b, t, d))
+            return x + self.down(torch.relu(self.up(x)))
+
+    model = torch.nn.Sequential(Layer(), Layer()).eval()
+    mod, _ = td.from_torch(model, (torch.zeros(1, 8, 32),))
+    path = tmp_path_factory.mktemp("script") / "two_layers.py"
+    path.write_text(mod.script())
+    return str(path)
+
+
+def test_plan_with_the_tensor_parallel_preset_prints_each_layer_against_the_ideal(
+        two_layer_script, tmp_path):
+    done = tvm_distx("plan", two_layer_script, "--preset", "tensor-parallel", "--mesh", "2")
+    assert done.returncode == 0, done.stderr
+    assert "layer 0: 2 all-reduce(s), ideal 2 (ideal)" in done.stdout
+    assert "layer 1: 2 all-reduce(s), ideal 2 (ideal)" in done.stdout
+    done = tvm_distx("annotate", two_layer_script, "--preset", "tensor-parallel", "--mesh", "2",
+                     "-o", str(tmp_path / "annotated.py"))
+    assert done.returncode == 0, done.stderr
+    annotated = td.load_module(tmp_path / "annotated.py")
+    assert annotated.script().count("R.dist.annotate_sharding") == 12
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rules", "r.json"], "--rules and --preset both say how to shard"),
+    (["--mesh", "2y"], "--mesh '2y' is not a mesh shape"),
+])
+def test_preset_and_mesh_errors_are_one_line(two_layer_script, extra, message, tmp_path):
+    (tmp_path / "r.json").write_text("[]")
+    extra = [str(tmp_path / a) if a == "r.json" else a for a in extra]
+    done = tvm_distx("plan", two_layer_script, "--preset", "tensor-parallel", *extra)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr

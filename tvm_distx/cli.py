@@ -145,13 +145,49 @@ def _load(args: argparse.Namespace):
     from .script import load_module
 
     _input_file(args.module, "module file")
-    mod = load_module(args.module)
+    mod = _with_mesh(load_module(args.module), getattr(args, "mesh", None))
+    preset = _preset(args)
+    if preset is not None:
+        return preset.apply(mod)
     if getattr(args, "split_fused", False):
         from .passes import SplitFusedProjections
 
         mod = SplitFusedProjections()(mod)
     rules = _read_rules(getattr(args, "rules", None))
     return AnnotateSharding(rules)(mod) if rules else mod
+
+
+def _preset(args: argparse.Namespace):
+    """The preset --preset names (None without one); --rules and --preset exclude each other."""
+    name = getattr(args, "preset", None)
+    if name is None:
+        return None
+    if getattr(args, "rules", None) is not None:
+        raise ArgumentError("--rules and --preset both say how to shard",
+                            hint="give one of them: --rules FILE, or --preset tensor-parallel")
+    from .presets import tensor_parallel
+
+    return tensor_parallel()
+
+
+def _with_mesh(mod, text: str | None):
+    """``mod`` with the mesh of --mesh (``2``, ``2x2``) when it has none."""
+    if text is None:
+        return mod
+    try:
+        shape = tuple(int(n) for n in text.lower().split("x"))
+        if not shape or any(n <= 0 for n in shape):
+            raise ValueError(text)
+    except ValueError:
+        raise ArgumentError(f"--mesh {text!r} is not a mesh shape",
+                            hint="give --mesh a device count or a shape: --mesh 2, --mesh 2x2") \
+            from None
+    if mod.global_infos and mod.global_infos.get("mesh"):
+        raise ArgumentError(f"--mesh {text}: the module already has its meshes",
+                            hint="drop --mesh, or remove the module's I.module_global_infos")
+    from .presets import with_meshes
+
+    return with_meshes(mod, [shape])
 
 
 def _write_module(mod, output: Path | None) -> None:
@@ -186,9 +222,9 @@ def _progress(description: str):
 # ---------------------------------------------------------------------- subcommands
 def _annotate(args: argparse.Namespace) -> int:
     _writable_file(args.output, "-o")
-    if args.rules is None:
-        raise ArgumentError("annotate needs --rules", hint="tvm-distx annotate model.py "
-                            "--rules rules.json")
+    if args.rules is None and args.preset is None:
+        raise ArgumentError("annotate needs --rules or --preset", hint="tvm-distx annotate "
+                            "model.py --rules rules.json, or --preset tensor-parallel")
     _write_module(_load(args), args.output)
     return EXIT_OK
 
@@ -219,9 +255,23 @@ def _plan(args: argparse.Namespace) -> int:
     from .comm_report import comm_report
     from .views import comm_table
 
+    preset = _preset(args)
+    if preset is not None:  # the plan per layer, against the ideal
+        mod = _with_mesh(_load_plain(args), args.mesh)
+        with _progress("planning, propagating and lowering"):
+            summary = preset.layers(mod)
+        sys.stdout.write(str(summary) + "\n")
+        return EXIT_OK
     report = comm_report(_propagated(args)["local_view"])
     Console().print(comm_table(report))
     return EXIT_OK
+
+
+def _load_plain(args: argparse.Namespace):
+    from .script import load_module
+
+    _input_file(args.module, "module file")
+    return load_module(args.module)
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -344,6 +394,11 @@ def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = Fa
     parser.add_argument("module", type=Path, help="a TVMScript file")
     parser.add_argument("--rules", type=Path, required=rules_required,
                         help="sharding rules: a JSON or YAML list of ShardingRule fields")
+    parser.add_argument("--preset", choices=["tensor-parallel"], default=None,
+                        help="instead of --rules: the tensor-parallel plan found from the "
+                        "graph's structure (presets.tensor_parallel())")
+    parser.add_argument("--mesh", default=None, metavar="N or AxB",
+                        help="the device mesh to add when the module has none (2, 2x2)")
     parser.add_argument("--split-fused", action="store_true",
                         help="first give each segment of a fused projection (q|k|v, gate|up) "
                         "its own weight, <weight>_seg<j>, for the rules to place; --weights "
