@@ -138,6 +138,30 @@ def test_a_tampered_missing_or_misshapen_weight_is_refused_before_any_rank_runs(
         launch(bundle, [np.zeros((128, 128), "float32")])
 
 
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: edit_manifest(b, lambda d: d.update(library="../../../../bin/ls")),
+     "the library is '../../../../bin/ls', outside the bundle"),
+    (lambda b: edit_manifest(b, lambda d: d["weight_files"][0].update(file="/etc/passwd")),
+     "weight 'A' of rank 0 is '/etc/passwd', outside the bundle"),
+    (lambda b: (b / "lib.so").write_bytes((b / "lib.so").read_bytes()[:10]),
+     "is not a shared library"),
+    (lambda b: (b / "lib.so").write_bytes((b / "lib.so").read_bytes() + b"\0"),
+     "library .* does not match its sha256"),
+    (lambda b: (b / "lib.so").write_bytes(_elf_for_machine((b / "lib.so").read_bytes(), 243)),
+     "built for riscv64, and this host is x86_64"),
+], ids=["library-escapes", "weight-escapes", "truncated-library", "changed-library",
+        "other-architecture"])
+def test_a_library_that_cannot_run_here_is_refused_before_launching(bundle, damage, message):
+    damage(bundle)
+    with pytest.raises(td.BundleError, match=message):
+        launch(bundle, [np.zeros((128, 128), "float32")])
+
+
+def _elf_for_machine(library: bytes, machine: int) -> bytes:
+    """The library with its ELF header's machine changed (as a cross-built one has it)."""
+    return library[:18] + machine.to_bytes(2, "little") + library[20:]
+
+
 def test_a_wrong_rank_count_is_refused_before_launching(bundle):
     with pytest.raises(td.BundleError, match="needs 2 ranks, not 4") as info:
         launch(bundle, [np.zeros((128, 128), "float32")], num_ranks=4)

@@ -262,3 +262,16 @@ class TestArchitecture:
         for base in bases:
             assert issubclass(cls, base)
 
+
+
+def test_a_hint_speaks_the_interface_the_user_is_in():
+    """Python callers read the Python hint; the CLI prints the flag-level one."""
+    err = errors.ArgumentError("'main' takes 1 input, got 2", hint="pass weights in params=",
+                               cli_hint="give one -i file per input")
+    assert str(err).endswith("hint: pass weights in params=")
+    assert err.for_cli() == "[argument] 'main' takes 1 input, got 2\nhint: give one -i file per input"
+    plain = errors.BundleError("no manifest", hint="export it again")
+    assert plain.for_cli() == str(plain)
+    sharding = errors.ShardingError("bad", function="f", hint="annotate it in Python",
+                                    cli_hint="add a rule to --rules")
+    assert sharding.for_cli().endswith("hint: add a rule to --rules")

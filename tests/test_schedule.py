@@ -278,3 +278,45 @@ def test_scheduled_tensor_parallel_mlp_equals_numpy_on_two_emulated_ranks(tmp_pa
     out_sharding = TensorSharding.from_type(propagated["main"].ty.ret)
     for device, out in zip((0, 1), outs):
         np.testing.assert_allclose(out, shard_array(want, out_sharding, device), atol=1e-5)
+
+
+# --------------------------------------------------------------------------- matvec
+def _linear_module(rows, depth, width, bias: bool):
+    """``silu(x @ w.T (+ b))`` with ``w`` stored (out, in), legalized as compile does."""
+    from tvm_distx.pipeline import legalize_ops
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((rows, depth), "float32"))
+    w = relax.Var("w", relax.TensorType((width, depth), "float32"))
+    b = relax.Var("b", relax.TensorType((width,), "float32"))
+    with bb.function("main", [x, w, b] if bias else [x, w]):
+        with bb.dataflow():
+            y = relax.op.matmul(x, relax.op.permute_dims(w))
+            out = bb.emit_output(relax.op.nn.silu(relax.op.add(y, b) if bias else y))
+        bb.emit_func_output(out)
+    return legalize_ops(bb.get())
+
+
+@pytest.mark.parametrize("rows, depth, width, bias", [(1, 256, 96, True), (3, 100, 64, False),
+                                                      (4, 64, 30, True)])
+def test_a_few_rows_times_an_out_in_weight_read_once_in_parallel(rows, depth, width, bias):
+    mod = schedule_module(_linear_module(rows, depth, width, bias), TARGET)
+    rules = {f.attrs[RULE_ATTR] for f in kernels(mod).values()}
+    assert "matvec" in rules, rules
+    text = script(mod)
+    assert "T.parallel" in text and "T.vectorized" in text
+    assert "w_global" not in text  # the weight is read in place, never packed
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, depth), dtype="float32")
+    w = rng.standard_normal((width, depth), dtype="float32")
+    b = rng.standard_normal((width,), dtype="float32")
+    t = x @ w.T + (b if bias else 0)
+    got = run(mod, *([x, w, b] if bias else [x, w]))
+    np.testing.assert_allclose(got, t / (1 + np.exp(-t)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [8, None])  # more rows, or a symbolic count: a matrix product
+def test_many_or_symbolic_rows_stay_a_matrix_product(rows):
+    mod = _linear_module(rows if rows else tvm.tirx.Var("n", "int64"), 64, 32, False)
+    rules = {f.attrs[RULE_ATTR] for f in kernels(schedule_module(mod, TARGET)).values()}
+    assert "matmul" in rules and "matvec" not in rules, rules

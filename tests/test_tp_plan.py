@@ -216,3 +216,41 @@ def test_the_summary_shows_what_an_even_split_of_fused_qkv_costs():
     text = presets.TensorParallel(split_fused=False).summary(meshed)
     assert "extra: all_gather" in text
     assert "extra:" not in presets.tensor_parallel().summary(meshed)
+
+
+def test_the_per_layer_summary_places_weights_and_collectives_in_their_layers(llama):
+    """Llama, 2 layers: each layer splits its own q/k/v/o and gate/up/down and runs two
+    all-reduces, the ideal; the LM head is its own row."""
+    _, mod, _ = llama
+    summary = presets.tensor_parallel().layers(presets.with_meshes(mod, [(2,)]))
+    assert [layer.name for layer in summary.layers] == ["layer 0", "layer 1", "head"]
+    assert summary.ideal and [layer.all_reduces for layer in summary.layers] == [2, 2, 0]
+    assert [layer.ideal for layer in summary.layers] == [2, 2, 0]
+    for index, layer in enumerate(summary.layers[:2]):
+        split = {name: placement for name, placement, _ in layer.split}
+        assert len(split) == 7 and all(f"layers_{index}_" in name for name in split)
+        assert split[f"p_model_layers_{index}_mlp_down_proj_weight"] == "S[1]"
+    assert [name for name, _, _ in summary.layers[2].split] == ["p_lm_head_weight"]
+    assert "layer 1: 2 all-reduce(s), ideal 2 (ideal)" in str(summary)
+
+
+def test_the_per_layer_summary_flags_extra_collectives_in_the_layer_that_has_them():
+    """GPT-2 with c_attn split evenly (no per-segment cut): each layer gathers q|k|v."""
+    model = build("gpt2", layers=2)
+    mod, _ = _import(model, tokens(8))
+    meshed = presets.with_meshes(mod, [(2,)])
+    summary = presets.TensorParallel(split_fused=False).layers(meshed)
+    assert not summary.ideal
+    assert all(any(r.collective == "all_gather" for r in layer.extra)
+               for layer in summary.layers[:2])
+    assert "extra: all_gather" in str(summary)
+    assert presets.tensor_parallel().layers(meshed).ideal
+
+
+def test_a_moe_layer_counts_one_all_reduce_with_its_attention():
+    model = build("mixtral", layers=2)
+    mod, _ = _import(model, tokens(8))
+    summary = presets.tensor_parallel().layers(presets.with_meshes(mod, [(2,)]))
+    assert summary.ideal and [layer.ideal for layer in summary.layers] == [2, 2, 0]
+    experts = [name for name, _, reason in summary.layers[1].split if "experts" in reason]
+    assert experts and all("layers_1_" in name for name in experts)

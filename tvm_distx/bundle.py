@@ -10,8 +10,11 @@ The manifest (``"format": "tvm-distx-bundle"``, ``"version": 1``) holds:
 
 ``num_ranks``
     How many processes the program needs (device ``d`` is rank ``d``).
-``library``, ``target``
-    The library's file name and the TVM target it was built for.
+``library``, ``library_sha256``, ``target``
+    The library's file name (relative to the bundle, as every file the manifest
+    names), its sha256 and the TVM target it was built for.
+    :func:`check_library` checks the library before any rank starts: an ELF
+    shared library, for this host's architecture, with that sha256.
 ``meshes``
     ``[{"name", "shape", "devices"}]``, every mesh of the program.
 ``ranks``
@@ -60,7 +63,7 @@ from .mesh import DeviceMesh
 from .signature import FunctionSignature, TensorSpec
 
 __all__ = ["FORMAT", "VERSION", "Manifest", "WeightFile", "read_manifest", "check_weights",
-           "sha256_file"]
+           "sha256_file", "check_library"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +174,8 @@ def read_manifest(bundle: str | os.PathLike) -> Manifest:
     path = root / MANIFEST
     if not path.is_file():
         raise BundleError(f"{root} is not a tvm-distx bundle: {MANIFEST} is missing",
-                          hint="make one with tvm_distx.compile(...).export(dir)")
+                          hint="make one with tvm_distx.compile(...).export(dir)",
+                          cli_hint="make one with tvm-distx compile MODULE --rules RULES -o DIR")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -266,12 +270,63 @@ def _parse(root: Path, data: dict) -> Manifest:
                                     tuple(int(n) for n in w["shape"]), str(w["dtype"]),
                                     str(w["sha256"])))
     library = _require(data, "library", str, "at the top level")
+    _inside(root, library, "the library")
+    for w in files:
+        _inside(root, w.file, f"weight '{w.name}' of rank {w.rank}")
     if not (root / library).is_file():
         raise BundleError(f"the bundle's library {root / library} is missing",
                           hint="export the bundle again")
     return Manifest(root, num_ranks, library, dict(data.get("target") or {}), meshes,
                     functions, entries, weights, tuple(files),
                     tuple(str(c) for c in data.get("collectives", [])), data, derivations)
+
+
+def _inside(root: Path, relative: str, what: str) -> None:
+    """Refuse a manifest path that is absolute or leaves the bundle (``../../bin/ls``)."""
+    path = Path(relative)
+    if path.is_absolute() or not (root / path).resolve().is_relative_to(root.resolve()):
+        raise BundleError(f"{what} is '{relative}', outside the bundle at {root}",
+                          hint="a bundle names its files relative to its own directory; "
+                          "export the bundle again")
+
+
+#: ELF ``e_machine`` values of the architectures bundles are built for.
+_ELF_MACHINES = {62: "x86_64", 243: "riscv64", 183: "aarch64"}
+
+
+def check_library(manifest: Manifest) -> None:
+    """Check, before any rank starts, that the library is intact and runs on this host.
+
+    Raises
+    ------
+    BundleError
+        If the library is not a shared library, differs from its sha256 in the
+        manifest, or was built for another architecture than this host's.
+    """
+    import platform
+
+    path = manifest.library_path
+    with open(path, "rb") as f:
+        header = f.read(20)
+    if len(header) < 20 or header[:4] != b"\x7fELF":
+        raise BundleError(f"the bundle's library {path} is not a shared library (no ELF header)",
+                          hint="the file is corrupt or truncated; export the bundle again")
+    order = "little" if header[5] == 1 else "big"
+    built_for = _ELF_MACHINES.get(int.from_bytes(header[18:20], order), "another architecture")
+    host = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(),
+                                                       platform.machine().lower())
+    if built_for != host:
+        raise BundleError(
+            f"the bundle's library was built for {built_for}, and this host is {host}",
+            hint=f"run the bundle on a {built_for} machine, or build it for this one "
+            f"(tvm_distx.compile(..., target=\"x86\") for x86_64)",
+            cli_hint=f"run the bundle on a {built_for} machine, or build it for this one "
+            "with tvm-distx compile ... --target x86")
+    expected = manifest.raw.get("library_sha256")
+    if expected is not None and sha256_file(path) != expected:
+        raise BundleError(f"the bundle's library {path} does not match its sha256 in the "
+                          "manifest", hint="the file was changed or corrupted; export the bundle "
+                          "again")
 
 
 def check_weights(manifest: Manifest, ranks: Sequence[int] | None = None) -> None:

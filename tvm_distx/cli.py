@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -55,18 +56,25 @@ def _read_rules(path: Path | None) -> list:
 
     if path is None:
         return []
+    import yaml
+
+    _input_file(path, "--rules file")
+    hint = ('give --rules a JSON or YAML list such as [{"param": "A", "result": "S[1]", '
+            '"function": "mlp"}]')
     try:
         text = Path(path).read_text()
         if Path(path).suffix in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
-    except (OSError, ValueError) as err:  # JSON and YAML errors are ValueErrors
-        raise ArgumentError(f"cannot read rules from {path}: {err}",
-                            hint='give a JSON or YAML list such as [{"param": "A", '
-                            '"result": "S[1]", "function": "mlp"}]') from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ArgumentError(f"cannot read rules from {path}: YAML {problem}{where}",
+                            hint=hint) from None
+    except (OSError, ValueError) as err:  # JSON errors are ValueErrors
+        raise ArgumentError(f"cannot read rules from {path}: {err}", hint=hint) from None
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise ArgumentError(f"rules in {path} must be a list of objects",
                             hint='for example [{"callee": "mlp", "args": {"0": "R"}}]')
@@ -96,6 +104,16 @@ def _position(key):
     return key
 
 
+def _input_file(path: Path, what: str) -> None:
+    """Refuse, before any work, an input that is missing or is a directory."""
+    if Path(path).is_dir():
+        raise ArgumentError(f"{what} {path} is a directory, not a file",
+                            hint=f"give the {what} itself, for example {Path(path) / 'model.py'}"
+                            if what == "module file" else f"give the {what} itself")
+    if not Path(path).is_file():
+        raise ArgumentError(f"{what} {path} does not exist")
+
+
 def _writable_file(path: Path | None, option: str) -> None:
     """Refuse, before any work, an output file whose directory does not exist."""
     if path is not None and not Path(path).parent.is_dir():
@@ -104,25 +122,72 @@ def _writable_file(path: Path | None, option: str) -> None:
 
 
 def _output_directory(path: Path, option: str) -> None:
-    """Refuse, before any work, an output directory that is an existing file."""
-    if Path(path).exists() and not Path(path).is_dir():
+    """Refuse, before any work, an output directory that cannot be written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
         raise ArgumentError(f"{option} {path} is not a directory (it is an existing file)",
                             hint=f"give {option} a new or existing directory")
+    # the results must not be lost after the work is done: write a probe now, into the
+    # directory or its nearest existing ancestor (nothing is created before the run)
+    probe = next(p for p in [path, *path.absolute().parents] if p.exists())
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        raise ArgumentError(f"cannot write {option} {path}: {err.strerror}",
+                            hint=f"give {option} a directory you can write") from None
 
 
 def _load(args: argparse.Namespace):
     from .passes import AnnotateSharding
     from .script import load_module
 
-    if not Path(args.module).is_file():
-        raise ArgumentError(f"module file {args.module} does not exist")
-    mod = load_module(args.module)
+    _input_file(args.module, "module file")
+    mod = _with_mesh(load_module(args.module), getattr(args, "mesh", None))
+    preset = _preset(args)
+    if preset is not None:
+        return preset.apply(mod)
     if getattr(args, "split_fused", False):
         from .passes import SplitFusedProjections
 
         mod = SplitFusedProjections()(mod)
     rules = _read_rules(getattr(args, "rules", None))
     return AnnotateSharding(rules)(mod) if rules else mod
+
+
+def _preset(args: argparse.Namespace):
+    """The preset --preset names (None without one); --rules and --preset exclude each other."""
+    name = getattr(args, "preset", None)
+    if name is None:
+        return None
+    if getattr(args, "rules", None) is not None:
+        raise ArgumentError("--rules and --preset both say how to shard",
+                            hint="give one of them: --rules FILE, or --preset tensor-parallel")
+    from .presets import tensor_parallel
+
+    return tensor_parallel()
+
+
+def _with_mesh(mod, text: str | None):
+    """``mod`` with the mesh of --mesh (``2``, ``2x2``) when it has none."""
+    if text is None:
+        return mod
+    try:
+        shape = tuple(int(n) for n in text.lower().split("x"))
+        if not shape or any(n <= 0 for n in shape):
+            raise ValueError(text)
+    except ValueError:
+        raise ArgumentError(f"--mesh {text!r} is not a mesh shape",
+                            hint="give --mesh a device count or a shape: --mesh 2, --mesh 2x2") \
+            from None
+    if mod.global_infos and mod.global_infos.get("mesh"):
+        raise ArgumentError(f"--mesh {text}: the module already has its meshes",
+                            hint="drop --mesh, or remove the module's I.module_global_infos")
+    from .presets import with_meshes
+
+    return with_meshes(mod, [shape])
 
 
 def _write_module(mod, output: Path | None) -> None:
@@ -157,9 +222,9 @@ def _progress(description: str):
 # ---------------------------------------------------------------------- subcommands
 def _annotate(args: argparse.Namespace) -> int:
     _writable_file(args.output, "-o")
-    if args.rules is None:
-        raise ArgumentError("annotate needs --rules", hint="tvm-distx annotate model.py "
-                            "--rules rules.json")
+    if args.rules is None and args.preset is None:
+        raise ArgumentError("annotate needs --rules or --preset", hint="tvm-distx annotate "
+                            "model.py --rules rules.json, or --preset tensor-parallel")
     _write_module(_load(args), args.output)
     return EXIT_OK
 
@@ -190,9 +255,23 @@ def _plan(args: argparse.Namespace) -> int:
     from .comm_report import comm_report
     from .views import comm_table
 
+    preset = _preset(args)
+    if preset is not None:  # the plan per layer, against the ideal
+        mod = _with_mesh(_load_plain(args), args.mesh)
+        with _progress("planning, propagating and lowering"):
+            summary = preset.layers(mod)
+        sys.stdout.write(str(summary) + "\n")
+        return EXIT_OK
     report = comm_report(_propagated(args)["local_view"])
     Console().print(comm_table(report))
     return EXIT_OK
+
+
+def _load_plain(args: argparse.Namespace):
+    from .script import load_module
+
+    _input_file(args.module, "module file")
+    return load_module(args.module)
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -270,8 +349,7 @@ def _run(args: argparse.Namespace) -> int:
     _output_directory(args.output, "-o")  # before any rank starts, not after the run
     inputs = []
     for path in args.inputs:
-        if not Path(path).is_file():
-            raise ArgumentError(f"input file {path} does not exist")
+        _input_file(path, "input file")
         try:
             inputs.append(np.load(path, allow_pickle=False))
         except ValueError as err:
@@ -316,6 +394,11 @@ def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = Fa
     parser.add_argument("module", type=Path, help="a TVMScript file")
     parser.add_argument("--rules", type=Path, required=rules_required,
                         help="sharding rules: a JSON or YAML list of ShardingRule fields")
+    parser.add_argument("--preset", choices=["tensor-parallel"], default=None,
+                        help="instead of --rules: the tensor-parallel plan found from the "
+                        "graph's structure (presets.tensor_parallel())")
+    parser.add_argument("--mesh", default=None, metavar="N or AxB",
+                        help="the device mesh to add when the module has none (2, 2x2)")
     parser.add_argument("--split-fused", action="store_true",
                         help="first give each segment of a fused projection (q|k|v, gate|up) "
                         "its own weight, <weight>_seg<j>, for the rules to place; --weights "
@@ -372,8 +455,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=_positive(int), required=True, help="the number of ranks")
     p.add_argument("--backend", default="mpi", choices=["mpi", "disco"])
     p.add_argument("--function", default="main")
-    p.add_argument("-i", "--inputs", nargs="*", default=[], metavar="NPY",
-                   help="global inputs, in parameter order")
+    p.add_argument("-i", "--inputs", nargs="+", action="extend", default=[], metavar="NPY",
+                   help="global inputs, in parameter order (-i a.npy b.npy, or -i a.npy -i b.npy)")
     p.add_argument("-o", "--output", default="out", help="directory for the results")
     p.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds before a stuck run is stopped")
@@ -403,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     except DistxError as err:
         if args.verbose:
             logger.exception("tvm-distx failed")
-        sys.stderr.write(f"tvm-distx: error: {err}\n")
+        sys.stderr.write(f"tvm-distx: error: {err.for_cli()}\n")
         return EXIT_FAILED if isinstance(err, LaunchError) else EXIT_USAGE
 
 

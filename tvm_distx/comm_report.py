@@ -12,13 +12,15 @@ row, or a ``reduce_scatter`` row where its only use splits it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tvm
 
-from . import _ir
 from .errors import ArgumentError
 from .layout import MeshTable, TensorSharding
+
+if TYPE_CHECKING:  # TVM is loaded by the functions that use it (the CLI starts fast)
+    import tvm
 
 __all__ = ["CommRow", "CommReport", "comm_report"]
 
@@ -110,6 +112,7 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
         If ``mod`` still has ``R.dist.annotate_sharding`` calls: it has not been
         propagated, and its communication is not decided yet.
     """
+    from tvm_distx import _ir
     from tvm_distx.legalize.legalize_redistribute import ALLOW_SEND_RECV
     from tvm_distx.legalize.partial_sums import (ALLREDUCE_OP, fold_targets, partial_sum,
                                                  plan_completion, true_sharding)
@@ -164,6 +167,8 @@ def _planned_shape(ty) -> tuple[tuple[int, ...], tuple[str, ...], int]:
     are linear in it, so dividing them by ``unit`` (that count to the power of
     the number of symbolic extents) gives the bytes per unit of the extents.
     """
+    from tvm_distx import _ir
+
     shape = _ir.static_shape(ty)
     if shape is None or all(d is not None for d in shape):
         return shape, (), 1
@@ -176,6 +181,8 @@ def _planned_shape(ty) -> tuple[tuple[int, ...], tuple[str, ...], int]:
 
 def _check_propagated(function: str, func) -> None:
     """Refuse a function that still has annotations (its communication is not decided)."""
+    from tvm_distx import _ir
+
     for block in func.body.blocks:
         for binding in block.bindings:
             if _ir.is_call_to(binding.value, "relax.dist.annotate_sharding"):

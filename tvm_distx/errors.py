@@ -67,6 +67,16 @@ class DistxError(Exception):
     """
 
     rule: str = "tvm-distx"
+    #: The hint in command-line terms (flags, not Python), when it differs.
+    cli_hint: str | None = None
+
+    def for_cli(self) -> str:
+        """The message as the command line shows it: its hint in flags, where there is one."""
+        text = str(self)
+        hint = getattr(self, "hint", None)
+        if self.cli_hint and hint and text.endswith(f"\nhint: {hint}"):
+            return text[: -len(hint)] + self.cli_hint
+        return text
 
 
 class ShardingError(DistxError):
@@ -101,7 +111,9 @@ class ShardingError(DistxError):
         var: str | None = None,
         placement: str | None = None,
         hint: str | None = None,
+        cli_hint: str | None = None,
     ) -> None:
+        self.cli_hint = cli_hint
         if f"[{self.rule}] " == message[: len(self.rule) + 3] and not (function or var or hint):
             # Rebuilt from its own text after crossing TVM's FFI: keep the text as is.
             self._text = message
@@ -229,9 +241,11 @@ class ScriptError(ShardingError):
 class _RuntimeErrorBase(DistxError):
     """An error with a message and a hint, outside the compiler (bundles, runs)."""
 
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
+    def __init__(self, message: str, *, hint: str | None = None,
+                 cli_hint: str | None = None) -> None:
         self.message = message
         self.hint = hint
+        self.cli_hint = cli_hint
         text = f"[{self.rule}] {message}"
         if hint:
             text += f"\nhint: {hint}"

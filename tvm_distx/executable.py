@@ -236,6 +236,7 @@ class DistExecutable:
                               "sha256": sha256_file(root / rel)})
         self._write_library(root)
         manifest = self._manifest(files, {function: sorted(weights)})
+        manifest["library_sha256"] = sha256_file(root / manifest["library"])
         (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _write_launcher(root, self.num_ranks, self.target.name, signature,
                         set(weights))

@@ -10,10 +10,12 @@ saying how it is completed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import tvm
+from typing import TYPE_CHECKING
 
 from .layout import TensorSharding
+
+if TYPE_CHECKING:  # TVM is loaded by the functions that use it (the CLI starts fast)
+    import tvm
 
 __all__ = ["ShardingRow", "ShardingReport", "explain"]
 

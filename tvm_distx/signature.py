@@ -160,6 +160,9 @@ class FunctionSignature:
                 f"'{self.name}' takes {len(positional)} positional input(s) "
                 f"({', '.join(p.name for p in positional) or 'none'}), got {len(inputs)}",
                 hint="pass weights by name in params= and the other inputs in order",
+                cli_hint="give one -i file per input, in parameter order ("
+                f"{', '.join(p.name for p in positional) or 'none'}); the weights come from "
+                "the bundle",
             )
         given = dict(zip((p.name for p in positional), inputs))
         given.update(params)
@@ -285,6 +288,7 @@ def _checked(spec: TensorSpec, value, function: str) -> np.ndarray:
             f"input '{spec.name}' of '{function}' has dtype {array.dtype}, "
             f"expected {spec.dtype}",
             hint=f"convert it with .astype('{spec.dtype}')",
+            cli_hint=f"save it as {spec.dtype}: np.save(path, array.astype('{spec.dtype}'))",
         )
     return np.ascontiguousarray(array)
 

@@ -56,7 +56,7 @@ from .errors import RuleError
 from .rules import Preset, ShardingRule, pattern_entries, rules_for
 
 __all__ = ["ParallelBlock", "TensorParallel", "TensorParallelPlan", "WeightRole",
-           "attention_heads", "tensor_parallel"]
+           "attention_heads", "linear_outputs", "tensor_parallel"]
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +299,12 @@ def attention_heads(mod: tvm.IRModule,
     return out
 
 
+def linear_outputs(mod: tvm.IRModule, function: str = "main") -> dict[str, str]:
+    """Every linear's weight -> the name of its matmul's result (names survive lowering)."""
+    graph = _Graph(mod[function])
+    return {linear.weight: linear.matmul.name for linear in graph.linears.values()}
+
+
 def _common_prefix(names) -> str:
     prefix = os.path.commonprefix(list(names))
     return prefix.rstrip("_")
@@ -488,6 +494,25 @@ class TensorParallel:
         lines += [f"  extra: {r.collective} of {r.value} ({r.src} -> {r.dst}, "
                   f"{r.bytes_text} bytes)" for r in moves if r not in reduces]
         return "\n".join(lines)
+
+    def layers(self, mod: tvm.IRModule, function: str = "main"):
+        """The plan per decoder layer: weights split or whole, collectives against the ideal.
+
+        Compiles ``mod`` up to the local view to count what the program really
+        moves. Returns a :class:`tvm_distx.tp_summary.PlanSummary` (pure data;
+        ``str()`` is the table that ``tvm-distx plan --preset tensor-parallel``
+        prints).
+        """
+        from .comm_report import comm_report
+        from .pipeline import run_stages
+        from .tp_summary import summarize_layers
+
+        meshed = self.prepare(mod)
+        plan = self.plan(meshed, function)
+        annotated = self.apply(mod, function)
+        local_view = run_stages(annotated)["local_view"]
+        return summarize_layers(meshed, annotated, local_view, plan, comm_report(local_view),
+                                function)
 
     def rules(self, mod: tvm.IRModule, function: str = "main") -> list[ShardingRule]:
         """Sharding rules: the plan's placements, then the overrides."""

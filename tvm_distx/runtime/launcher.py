@@ -45,7 +45,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from tvm_distx.bundle import Manifest, check_weights, read_manifest
+from tvm_distx.bundle import Manifest, check_library, check_weights, read_manifest
 from tvm_distx.errors import ArgumentError, BundleError, LaunchError
 from tvm_distx.runtime.arrays import assemble_array, shard_array
 from tvm_distx.runtime.rank_env import rank_environment
@@ -136,6 +136,7 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
         raise BundleError(f"the bundle at {manifest.root} needs {manifest.num_ranks} ranks, "
                           f"not {num_ranks}", hint=f"launch it with -n {manifest.num_ranks}")
     signature = manifest.function(function)
+    check_library(manifest)
     check_weights(manifest)
     stored = set(manifest.weights.get(function, ()))
     # a fused weight given whole is cut into the segments the program takes

@@ -7,6 +7,11 @@ nests as they are, so a matmul runs as three naive loops, about 80x slower than
 numpy. :class:`ScheduleCPU` gives each kernel a hand-written
 ``tvm.s_tir.Schedule`` recipe, chosen by the kernel's block structure:
 
+:class:`MatvecRule`
+    A matrix-vector product (a handful of rows, one decoded token) with a
+    weight stored ``(out, in)``: each weight row is read once, contiguously,
+    into a vector accumulator (``rfactor`` over the lanes), the output
+    columns in parallel, no packing.
 :class:`MatmulRule`
     One reduction block ``C[b.., i, j] += A[.., i, k] * B[.., k, j]`` (either
     operand layout, optional batch axes), with injective prologue blocks
@@ -39,7 +44,7 @@ use half the cores. Call :func:`use_cpu_threads` before the first kernel runs.
 
 This module dispatches: :func:`schedule_primfunc` tries :data:`DEFAULT_RULES`
 in order, :class:`ScheduleCPU` and :func:`schedule_module` apply it to a
-module. Each kernel family has its own module (:mod:`.matmul`,
+module. Each kernel family has its own module (:mod:`.matvec`, :mod:`.matmul`,
 :mod:`.injective`, :mod:`.reduction`), and :mod:`.base` holds what they share:
 the target's traits, the blocks of a kernel as rules see them, the
 :class:`Rule` interface and the loop primitives. A new family is a
@@ -61,6 +66,7 @@ from .base import (MIN_PARALLEL_ELEMENTS, SCHEDULE_ERRORS, Block, CPUTraits,  # 
                    Rule, describe_blocks, first_line, use_cpu_threads)
 from .injective import InjectiveRule
 from .matmul import MatmulRule
+from .matvec import MatvecRule
 from .reduction import ReductionRule
 
 __all__ = [
@@ -72,6 +78,7 @@ __all__ = [
     "SCHEDULED_ATTR",
     "InjectiveRule",
     "MatmulRule",
+    "MatvecRule",
     "ReductionRule",
     "Rule",
     "ScheduleCPU",
@@ -94,7 +101,7 @@ _OP_PATTERN_OPAQUE = 8  # OpPatternKind::kOpaque: FuseOps leaves the kernel alon
 
 
 #: The rules, tried in order; the first that matches schedules the kernel.
-DEFAULT_RULES: tuple[Rule, ...] = (MatmulRule(), InjectiveRule(), ReductionRule())
+DEFAULT_RULES: tuple[Rule, ...] = (MatvecRule(), MatmulRule(), InjectiveRule(), ReductionRule())
 
 
 # --------------------------------------------------------------------------- driver
