@@ -79,7 +79,7 @@ def _prompt(length: int, seed: int) -> np.ndarray:
 
 def _generate(case, prompt: np.ndarray, new_tokens: int, bundle: Path | None = None,
               backend: str = "mpi"):
-    """Greedy tokens by one one-shot MPI run per step, and the prefill's logits.
+    """Greedy tokens by one one-shot run per step, and the prefill's logits.
 
     Each step is ``exe.run`` (which writes a bundle and launches the ranks). With
     ``bundle`` (a bundle of ``decode`` written once, weights included), each decode
@@ -128,9 +128,10 @@ def _cache_specs(exe, cache):
 
 
 # ------------------------------------------------------------------------- tokens
-def test_llama_gqa_generates_transformers_tokens_on_2_mpi_ranks(llama2):
+def test_llama_gqa_generates_transformers_tokens_on_2_mpi_ranks(llama2, tmp_path):
     prompt = _prompt(6, seed=1)
-    tokens, prefill_logits = _generate(llama2, prompt, NEW_TOKENS)
+    tokens, prefill_logits = _generate(llama2, prompt, NEW_TOKENS,
+                                       bundle=_bundle(llama2, tmp_path))
     assert tokens == _transformers_tokens(llama2["model"], prompt, NEW_TOKENS)
     with torch.no_grad():
         want = llama2["model"](torch.from_numpy(prompt), use_cache=False).logits.numpy()
@@ -151,10 +152,13 @@ def test_gpt2_generates_transformers_tokens_on_4_mpi_ranks(gpt2_4, tmp_path):
     assert tokens == _transformers_tokens(gpt2_4["model"], prompt, NEW_TOKENS)
 
 
-def test_mixtral_with_a_static_prompt_length_generates_transformers_tokens():
-    # the experts' dispatch cannot move a symbolic extent yet: prefill takes 6 tokens
-    case = _compiled(build("mixtral"), 2, prompt_length=6)
-    assert case["mod"]["prefill"].params[0].ty.shape[1] == 6
+@pytest.mark.parametrize("family, prompt_length", [("qwen2", None), ("mistral", None),
+                                                   ("mixtral", 6)])
+def test_other_families_generate_transformers_tokens_on_emulated_ranks(family, prompt_length):
+    # Mixtral's experts' dispatch cannot move a symbolic extent yet: its prefill takes 6 tokens
+    case = _compiled(build(family), 2, prompt_length=prompt_length)
+    if prompt_length is not None:
+        assert case["mod"]["prefill"].params[0].ty.shape[1] == prompt_length
     prompt = _prompt(6, seed=4)
     tokens, _ = _generate(case, prompt, 8, backend="emulate")
     assert tokens == _transformers_tokens(case["model"], prompt, 8)
