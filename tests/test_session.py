@@ -16,6 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tvm.script import ir as I
+from tvm.script import relax as R
+
 import tvm_distx as td
 from tvm_distx import ShardingRule
 from tvm_distx.passes import AnnotateSharding
@@ -130,3 +133,39 @@ def test_sessions_run_on_mpi_only(tensor_parallel):
         exe.session(backend="emulate")
     with pytest.raises(td.ArgumentError, match="needs 2 ranks, not 4"):
         exe.session(4)
+
+
+@I.ir_module
+class Accumulate:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor((8, 16), "float32"), acc: R.Tensor((8, 16), "float32")):
+        with R.dataflow():
+            xs = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[1]")
+            accs = R.dist.annotate_sharding(acc, device_mesh="mesh[0]", placement="S[1]")
+            new = R.add(accs, xs)
+            total = R.sum(new)
+            out = (total, new)
+            R.output(out)
+        return out
+
+
+def test_state_stays_on_the_ranks_between_calls():
+    """An accumulator kept on the ranks (split by columns): each call adds to it in place of
+    the last, and only the scalar result comes back."""
+    exe = td.compile(Accumulate)
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((8, 16), dtype="float32") for _ in range(3)]
+    with exe.session() as session:
+        for step in range(3):
+            (total,) = session.run(xs[step], state={"acc": "acc"}, keep={1: "acc"})
+            np.testing.assert_allclose(total, np.sum(xs[: step + 1]), rtol=1e-5, atol=1e-4)
+        with pytest.raises(td.ArgumentError, match="keep= keeps every result"):
+            session.run(xs[0], state={"acc": "acc"}, keep={0: "t", 1: "acc"})
+        with pytest.raises(td.ArgumentError, match="no parameter named accumulator"):
+            session.run(xs[0], state={"accumulator": "acc"})
+        # the state survived the refused calls
+        (total,) = session.run(np.zeros((8, 16), "float32"), state={"acc": "acc"},
+                               keep={1: "acc"})
+        np.testing.assert_allclose(total, np.sum(xs), rtol=1e-5, atol=1e-4)

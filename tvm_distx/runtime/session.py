@@ -148,7 +148,8 @@ class MPISession:
 
     # -- calls
     def run(self, *inputs, params: Mapping | None = None, function: str = "main",
-            timeout: float | None = None):
+            timeout: float | None = None, state: Mapping[str, str] | None = None,
+            keep: Mapping[int, str] | None = None):
         """Run ``function`` on the session's ranks; returns its global results.
 
         Parameters
@@ -162,6 +163,20 @@ class MPISession:
             A public function of the bundle.
         timeout : float, optional
             Seconds this call may take (the session's timeout by default).
+        state : mapping of str to str, optional
+            Parameters taken from values the ranks keep between calls:
+            parameter name -> resident name. A name not kept yet starts as
+            zeros. These parameters are not among ``inputs``.
+        keep : mapping of int to str, optional
+            Results kept on the ranks instead of returned: result index ->
+            resident name (a later call's ``state``). Each rank keeps its own
+            shard; nothing moves.
+
+        Returns
+        -------
+        numpy.ndarray or tuple of numpy.ndarray
+            The results not kept, in order (a tuple for a tuple-returning
+            function).
 
         Raises
         ------
@@ -174,9 +189,14 @@ class MPISession:
         if self._closed:
             raise ArgumentError("the session is closed",
                                 hint="open a new one: with exe.session(...) as session: ...")
-        _, free, values, sizes = bind_inputs(self.manifest, function, inputs, params)
-        call = ("run", function, {spec.name: value for spec, value in zip(free.params, values)},
-                sizes)
+        state, keep = dict(state or {}), {int(k): str(v) for k, v in (keep or {}).items()}
+        signature = self.manifest.function(function)
+        _check_state(signature, state, keep)
+        placeholders = {name: _placeholder(signature, name) for name in state}
+        _, free, values, sizes = bind_inputs(self.manifest, function, inputs,
+                                             {**(params or {}), **placeholders})
+        call = ("run", function, {spec.name: value for spec, value in zip(free.params, values)
+                                  if spec.name not in state}, sizes, state, keep)
         try:
             send_message(self._conn, call)
             reply = self._receive(time.monotonic() + (timeout or self.timeout),
@@ -274,6 +294,37 @@ class MPISession:
         return LaunchError(f"the session's ranks stopped {doing} (mpiexec exit code "
                            f"{self._proc.returncode})", hint="the session is closed; its log "
                            "ended with:\n" + "\n".join(log.strip().splitlines()[-8:]))
+
+
+def _check_state(signature, state: dict, keep: dict) -> None:
+    """Refuse state that names no parameter, or keeps a result that does not exist."""
+    names = {p.name for p in signature.params}
+    unknown = sorted(set(state) - names)
+    if unknown:
+        raise ArgumentError(f"'{signature.name}' has no parameter named "
+                            f"{', '.join(unknown)} (in state=)",
+                            hint=f"its parameters are {', '.join(sorted(names))}")
+    count = len(signature.results)
+    bad = sorted(i for i in keep if not 0 <= i < count)
+    if bad:
+        raise ArgumentError(f"'{signature.name}' has {count} result(s); keep= names {bad}",
+                            hint=f"keep result indices from 0 to {count - 1}")
+    if keep and count == len(keep):
+        raise ArgumentError(f"keep= keeps every result of '{signature.name}' on the ranks",
+                            hint="return at least one result (the logits, say)")
+
+
+def _placeholder(signature, name: str):
+    """A zero-size stand-in that satisfies the input check of a parameter given by state.
+
+    The check only reads shapes and dtypes; a broadcast view of one zero has the
+    parameter's shape without its memory, and is never sent.
+    """
+    import numpy as np
+
+    spec = next(p for p in signature.params if p.name == name)
+    shape = tuple(1 if d is None else int(d) for d in spec.shape)
+    return np.broadcast_to(np.zeros((), spec.dtype), shape)
 
 
 def _alive(pid: int) -> bool:

@@ -8,10 +8,14 @@
 2. reports its process id; rank 0 connects to the driver's socket and says
    ``ready`` with every rank's id;
 3. serves calls until ``close``: rank 0 receives a call (function, the global
-   values of the run-time inputs, the symbolic sizes) and broadcasts it; every
-   rank runs its entry on its shards, with its stored weights loaded from the
-   bundle the first time a function needs them and kept; rank 0 gathers the
-   result blocks and sends the global results back.
+   values of the run-time inputs, the symbolic sizes, the *state*) and
+   broadcasts it; every rank runs its entry on its shards, with its stored
+   weights loaded from the bundle the first time a function needs them and
+   kept; rank 0 gathers the result blocks and sends the global results back.
+   State is values that stay on the ranks: a call may take a parameter from a
+   named resident value (zeros of the rank's shard the first time) and keep a
+   result under a name instead of returning it (a key-value cache, say), so
+   that no byte of it moves.
 
 A rank that fails writes its traceback to ``DIR/rank<r>.error`` and aborts the
 job (``MPI.COMM_WORLD.Abort``): the session is over, and the driver names the
@@ -99,6 +103,7 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(manifest.library_path)), tvm.cpu())
     files = {w.name: manifest.root / w.file for w in manifest.files_of(rank)}
     loaded: dict[str, object] = {}  # stored weights of this rank, loaded once
+    resident: dict[str, object] = {}  # values kept on this rank between calls, by name
 
     conn = None
     ranks = comm.gather((rank, os.getpid(), socket.gethostname()), root=0)
@@ -111,7 +116,7 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
         call = comm.bcast(call if call is not None else ("close",), root=0)
         if call[0] == "close":
             break
-        _, function, values, sizes = call
+        _, function, values, sizes, state, keep = call
         signature = manifest.function(function)
         if signature.symbolic:
             signature = signature.specialize(sizes)
@@ -123,7 +128,13 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
             for spec in signature.params:
                 if not spec.held_by(rank):
                     continue
-                if spec.name in stored:
+                if spec.name in state:  # a value kept on the ranks by an earlier call
+                    name = state[spec.name]
+                    if name not in resident:  # first use: zeros of this rank's shard
+                        resident[name] = tvm.runtime.tensor(
+                            np.zeros(spec.sharding.local_shape(spec.shape), spec.dtype))
+                    args.append(resident[name])
+                elif spec.name in stored:
                     if spec.name not in loaded:
                         loaded[spec.name] = tvm.runtime.tensor(
                             np.load(files[spec.name], mmap_mode="r", allow_pickle=False))
@@ -135,12 +146,18 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
             results = list(out) if signature.tuple_result else [out]
             held = [spec for spec in signature.results if spec.held_by(rank)]
             for index, spec in enumerate(signature.results):
-                if spec.held_by(rank) and first_holder(spec.sharding, spec.shape, rank):
+                if not spec.held_by(rank):
+                    continue
+                if index in keep:  # stays on this rank, as it is: nothing moves
+                    resident[keep[index]] = results[held.index(spec)]
+                elif first_holder(spec.sharding, spec.shape, rank):
                     blocks[index] = results[held.index(spec)].numpy()
         gathered = comm.gather((rank, blocks, len(loaded)), root=0)
         if rank == 0:
             outputs = []
             for index, spec in enumerate(signature.results):
+                if index in keep:
+                    continue
                 shards = {r: b[index] for r, b, _ in gathered if index in b}
                 outputs.append(assemble_array(shards, spec.sharding, spec.shape))
             result = tuple(outputs) if signature.tuple_result else outputs[0]
