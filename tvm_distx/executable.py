@@ -151,6 +151,60 @@ class DistExecutable:
                 outs = run_disco(library, entries, per_rank, timeout=timeout)
         return assemble_results(signature, outs)
 
+    def session(self, num_ranks: int | None = None, *, backend: str = "mpi",
+                params: Mapping | None = None, function: str = "main", timeout: float = 300.0,
+                **options):
+        """Launch the ranks once and keep them for many calls (a context manager).
+
+        The weights in ``params`` are written once into a private bundle, and
+        each rank loads its shards once; every :meth:`~tvm_distx.runtime.session.MPISession.run`
+        after that costs milliseconds, not a launch::
+
+            with exe.session(params=weights) as session:
+                for x in batches:
+                    y = session.run(x)
+
+        Parameters
+        ----------
+        num_ranks : int, optional
+            Must equal the program's rank count when given.
+        backend : {"mpi"}
+            Sessions run on MPI ranks.
+        params : mapping of str to array, optional
+            Global weights of ``function`` by name, stored for the session.
+        function : str
+            The function whose parameters ``params`` names.
+        timeout : float
+            Seconds for the ranks to start, and for each call by default.
+        **options
+            ``hosts``, ``mpiexec``, ``env`` (as for :meth:`run`).
+
+        Returns
+        -------
+        tvm_distx.runtime.session.MPISession
+        """
+        from .runtime.session import MPISession
+
+        if backend != "mpi":
+            raise ArgumentError(f"a session runs on MPI ranks, not {backend!r}",
+                                hint='use backend="mpi" (or exe.run(..., backend=...) per call)')
+        if not self.target.runnable_here:
+            raise ArgumentError(f"a program built for {self.target.name} cannot run on this host",
+                                hint="export it with .export(dir) and open the session on the "
+                                "target machines")
+        if num_ranks is not None and num_ranks != self.num_ranks:
+            raise ArgumentError(f"the program needs {self.num_ranks} ranks, not {num_ranks}",
+                                hint=f"exe.session({self.num_ranks})")
+        bundle = Path(tempfile.mkdtemp(prefix="tvm-distx-session-bundle-"))
+        try:
+            self.export(bundle, params=params, function=function)
+            session = MPISession(bundle, timeout=timeout, **options)
+        except BaseException:
+            shutil.rmtree(bundle, ignore_errors=True)
+            raise
+        session._owned.append(bundle)
+        return session
+
     def _run_mpi(self, inputs, params, function, timeout, options):
         from .runtime.launcher import launch
 

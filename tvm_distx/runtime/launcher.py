@@ -50,7 +50,7 @@ from tvm_distx.errors import ArgumentError, BundleError, LaunchError
 from tvm_distx.runtime.arrays import assemble_array, shard_array
 from tvm_distx.runtime.rank_env import rank_environment
 
-__all__ = ["launch", "mpiexec_path"]
+__all__ = ["bind_inputs", "launch", "mpiexec_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +135,35 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
     if num_ranks is not None and num_ranks != manifest.num_ranks:
         raise BundleError(f"the bundle at {manifest.root} needs {manifest.num_ranks} ranks, "
                           f"not {num_ranks}", hint=f"launch it with -n {manifest.num_ranks}")
-    signature = manifest.function(function)
     check_library(manifest)
     check_weights(manifest)
+    signature, free, values, sizes = bind_inputs(manifest, function, inputs, params)
+    if backend == "disco":
+        return _run_disco(manifest, signature, free.params, values, timeout)
+    if backend != "mpi":
+        raise ArgumentError(f"unknown backend {backend!r}", hint="use mpi or disco")
+    job = Path(tempfile.mkdtemp(prefix="tvm-distx-job-"))
+    try:
+        _write_inputs(job, manifest, free.params, values)
+        (job / SIZES_FILE).write_text(json.dumps(sizes))
+        _run_mpiexec(manifest, job, function, timeout, hosts, mpiexec, env)
+        return _read_results(job, manifest, signature)
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+
+
+def bind_inputs(manifest: Manifest, function: str, inputs: Sequence, params: Mapping | None):
+    """Check a call's run-time inputs against a bundle's function, before any rank runs.
+
+    Returns
+    -------
+    tuple
+        ``(signature, free, values, sizes)``: the function's signature and the
+        one of the parameters passed at run time (not stored weights), both
+        specialized to the call's symbolic sizes; the global values of the free
+        parameters, in order; and those sizes.
+    """
+    signature = manifest.function(function)
     stored = set(manifest.weights.get(function, ()))
     # a fused weight given whole is cut into the segments the program takes
     derivations = manifest.derivations.get(signature.name)
@@ -154,18 +180,7 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
     sizes = free.sizes(values)  # symbolic extents: checked here, before any rank starts
     signature = signature.specialize(sizes) if signature.symbolic else signature
     free = free.specialize(sizes) if free.symbolic else free
-    if backend == "disco":
-        return _run_disco(manifest, signature, free.params, values, timeout)
-    if backend != "mpi":
-        raise ArgumentError(f"unknown backend {backend!r}", hint="use mpi or disco")
-    job = Path(tempfile.mkdtemp(prefix="tvm-distx-job-"))
-    try:
-        _write_inputs(job, manifest, free.params, values)
-        (job / SIZES_FILE).write_text(json.dumps(sizes))
-        _run_mpiexec(manifest, job, function, timeout, hosts, mpiexec, env)
-        return _read_results(job, manifest, signature)
-    finally:
-        shutil.rmtree(job, ignore_errors=True)
+    return signature, free, values, sizes
 
 
 def _run_disco(manifest: Manifest, signature, specs, values, timeout: float):
