@@ -2,7 +2,8 @@
 
 Greedy generation by repeated one-shot runs (prefill once, then decode step by
 step, the returned caches fed back in) must give transformers' own
-``generate(do_sample=False)`` tokens, token for token, on MPI ranks; the caches
+``generate(do_sample=False)`` tokens, token for token, on MPI ranks, and so must
+a session that keeps the caches on the ranks between calls; the caches
 must be split by heads like the attention that writes them, and decode must
 move nothing but one all-reduce per attention block and per MLP.
 """
@@ -104,6 +105,29 @@ def _generate(case, prompt: np.ndarray, new_tokens: int, bundle: Path | None = N
     return tokens, prefill_logits
 
 
+def _generate_in_session(case, prompt: np.ndarray, new_tokens: int) -> list[int]:
+    """Greedy tokens on ranks launched once, the caches kept on them between calls.
+
+    Result ``i + 1`` of both functions is the new value of cache parameter ``i``
+    (:class:`tvm_distx.kv_export.KVCacheLayout`): each rank keeps its shard of
+    it, and the next call takes it from there; only the logits come back.
+    """
+    exe, weights, cache = case["exe"], case["weights"], case["cache"]
+    state = {name: name for name in cache.names}  # absent before the prompt: zeros
+    keep = {index + 1: name for index, name in enumerate(cache.names)}
+    length = prompt.shape[1]
+    with exe.session(params=weights, function="decode") as session:
+        # the session's bundle holds decode's weights; prefill takes the same, given once
+        (logits,) = session.run(prompt, np.arange(length), params=weights, function="prefill",
+                                state=state, keep=keep)
+        tokens = [int(logits[0, -1].argmax())]
+        for step in range(new_tokens - 1):
+            (logits,) = session.run(np.array([[tokens[-1]]]), np.array([length + step]),
+                                    function="decode", state=state, keep=keep)
+            tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
 def _bundle(case, directory: Path) -> Path:
     """The program written once, with the decode's weights (prefill takes the same)."""
     return case["exe"].export(directory / "bundle", params=case["weights"], function="decode")
@@ -146,10 +170,12 @@ def test_gpt2_generates_transformers_tokens_on_2_mpi_ranks(gpt2_2, tmp_path):
     assert tokens == want
 
 
-def test_gpt2_generates_transformers_tokens_on_4_mpi_ranks(gpt2_4, tmp_path):
+@pytest.mark.parametrize("case", ["llama2", "gpt2_2", "gpt2_4"])
+def test_a_session_keeps_the_cache_on_the_ranks_and_generates_the_same_tokens(case, request):
+    case = request.getfixturevalue(case)
     prompt = _prompt(7, seed=3)
-    tokens, _ = _generate(gpt2_4, prompt, NEW_TOKENS, bundle=_bundle(gpt2_4, tmp_path))
-    assert tokens == _transformers_tokens(gpt2_4["model"], prompt, NEW_TOKENS)
+    tokens = _generate_in_session(case, prompt, 24)
+    assert tokens == _transformers_tokens(case["model"], prompt, 24)
 
 
 @pytest.mark.parametrize("family, prompt_length", [("qwen2", None), ("mistral", None),
