@@ -172,8 +172,8 @@ class DistExecutable:
             Sessions run on MPI ranks.
         params : mapping of str to array, optional
             Global weights of ``function`` by name, stored for the session.
-        function : str
-            The function whose parameters ``params`` names.
+        function : str or sequence of str
+            The function(s) whose parameters ``params`` names (see :meth:`export`).
         timeout : float
             Seconds for the ranks to start, and for each call by default.
         **options
@@ -236,8 +236,10 @@ class DistExecutable:
         params : mapping of str to array, optional
             Global weights by parameter name of ``function`` (a fused weight
             whole, as for :meth:`run`). Each rank's file holds only its shard.
-        function : str
-            The function whose parameters ``params`` names.
+        function : str or sequence of str
+            The function(s) whose parameters ``params`` names. A weight several
+            functions take (the prefill and the decode of a model) is stored
+            once per rank for all of them.
 
         Returns
         -------
@@ -254,46 +256,73 @@ class DistExecutable:
         if root.exists() and not root.is_dir():
             raise ArgumentError(f"cannot export to {root}: it is an existing file",
                                 hint="give a new or existing directory")
-        signature = self._signature(function)
-        weights = self._derived(function, params)
-        if weights:  # checks names, shapes and dtypes, before anything is written
-            free = [p for p in signature.params if p.name not in weights]
-            signature.bind([np.zeros(_example_shape(p, self.meshes.as_dict()), p.dtype)
-                            for p in free],
-                           weights)
+        functions = [function] if isinstance(function, str) else list(function)
+        signatures = [self._signature(f) for f in functions]
+        weights = {}
+        for name, signature in zip(functions, signatures):
+            own = self._derived(name, {k: v for k, v in (params or {}).items()
+                                       if k in {p.name for p in signature.params}
+                                       or k in self._sources(name)})
+            if own:  # checks names, shapes and dtypes, before anything is written
+                free = [p for p in signature.params if p.name not in own]
+                signature.bind([np.zeros(_example_shape(p, self.meshes.as_dict()), p.dtype)
+                                for p in free], own)
+            weights[name] = own
+        unused = sorted(set(params or {}) - {k for f in functions for k in
+                                               {p.name for p in self._signature(f).params}
+                                               | self._sources(f)})
+        if unused:
+            raise ArgumentError(f"'{' and '.join(functions)}' has no parameter named "
+                                f"{', '.join(unused)}", hint="its parameters are "
+                                f"{', '.join(p.name for p in signatures[0].params)}")
         created = not root.exists()
         try:
-            return self._export(root, signature, weights, function)
+            return self._export(root, signatures, weights, functions)
         except BaseException:
             if created:  # no partial bundle left behind
                 shutil.rmtree(root, ignore_errors=True)
             raise
 
-    def _export(self, root: Path, signature: FunctionSignature, weights: dict,
-                function: str) -> Path:
+    def _sources(self, function: str) -> set[str]:
+        """The user's fused weights the function's parameters are cut from."""
+        derivations = self.derivations.get(function)
+        return {d.source for d in derivations.params} if derivations else set()
+
+    def _export(self, root: Path, signatures: list[FunctionSignature], weights: dict,
+                functions: list[str]) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         if (root / "weights").exists():
             shutil.rmtree(root / "weights")
-        files = []
-        for spec in signature.params:
-            if spec.name not in weights:
-                continue
-            value = _as_array(weights[spec.name])
-            for rank in range(self.num_ranks):
-                if not spec.held_by(rank):
+        files, written = [], {}
+        for function, signature in zip(functions, signatures):
+            for spec in signature.params:
+                if spec.name not in weights[function]:
                     continue
-                rel = Path("weights") / f"rank{rank}" / f"{spec.name}.npy"
-                (root / rel).parent.mkdir(parents=True, exist_ok=True)
-                np.save(root / rel, _shard(spec, value, rank))
-                files.append({"rank": rank, "name": spec.name, "file": str(rel),
-                              "shape": list(spec.local_shape), "dtype": spec.dtype,
-                              "sha256": sha256_file(root / rel)})
+                if spec.name in written:  # a weight several functions take: one file per rank
+                    if written[spec.name] != (spec.sharding, spec.shape):
+                        raise ArgumentError(
+                            f"weight '{spec.name}' is placed differently in "
+                            f"{', '.join(functions)}, so one bundle cannot hold it for both",
+                            hint="give it the same placement in every function, or export "
+                            "one bundle per function")
+                    continue
+                written[spec.name] = (spec.sharding, spec.shape)
+                value = _as_array(weights[function][spec.name])
+                for rank in range(self.num_ranks):
+                    if not spec.held_by(rank):
+                        continue
+                    rel = Path("weights") / f"rank{rank}" / f"{spec.name}.npy"
+                    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                    np.save(root / rel, _shard(spec, value, rank))
+                    files.append({"rank": rank, "name": spec.name, "file": str(rel),
+                                  "shape": list(spec.local_shape), "dtype": spec.dtype,
+                                  "sha256": sha256_file(root / rel)})
         self._write_library(root)
-        manifest = self._manifest(files, {function: sorted(weights)})
+        manifest = self._manifest(files, {f: sorted(weights[f]) for f in functions})
         manifest["library_sha256"] = sha256_file(root / manifest["library"])
         (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        _write_launcher(root, self.num_ranks, self.target.name, signature,
-                        set(weights))
+        _write_launcher(root, self.num_ranks, self.target.name, signatures[0],
+                        set(weights[functions[0]]))
         logger.info("bundle written to %s (%d weight files)", root, len(files))
         return root
 
