@@ -116,9 +116,8 @@ def _generate_in_session(case, prompt: np.ndarray, new_tokens: int) -> list[int]
     state = {name: name for name in cache.names}  # absent before the prompt: zeros
     keep = {index + 1: name for index, name in enumerate(cache.names)}
     length = prompt.shape[1]
-    with exe.session(params=weights, function="decode") as session:
-        # the session's bundle holds decode's weights; prefill takes the same, given once
-        (logits,) = session.run(prompt, np.arange(length), params=weights, function="prefill",
+    with exe.session(params=weights, function=("prefill", "decode")) as session:
+        (logits,) = session.run(prompt, np.arange(length), function="prefill",
                                 state=state, keep=keep)
         tokens = [int(logits[0, -1].argmax())]
         for step in range(new_tokens - 1):
