@@ -374,7 +374,8 @@ class _FunctionLowerer(FunctionRewriter):
                 function=self.name,
                 var=var.name,
             )
-        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.call_tir":
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.call_tir" and \
+                _on_dtensors(var, call):
             raise UnsupportedProgramError(
                 "call_tir on DTensors reached lowering",
                 function=self.name,
@@ -420,3 +421,12 @@ def _send_recv_spec(value) -> ccl.SendRecvSpec | None:
         return None
     spec = ccl.SendRecvSpec.decode(value.args[1].fields[1].values)
     return spec if spec.src.mesh != spec.dst.mesh else None
+
+
+def _on_dtensors(var: relax.Var, call: relax.Call) -> bool:
+    """Whether a call's result or a tensor argument is a DTensor (a plain one runs as it is)."""
+    from tvm.relax.distributed import DTensorType
+
+    args = call.args[1].fields if len(call.args) > 1 and isinstance(call.args[1], relax.Tuple) \
+        else call.args
+    return isinstance(var.ty, DTensorType) or any(isinstance(a.ty, DTensorType) for a in args)

@@ -33,6 +33,7 @@ def test_readme_python_blocks_run(capsys, tmp_path):
     assert error < 1e-4  # the imported transformer equals PyTorch
     error = float(out.split("mpi max |error|:")[1].split()[0])
     assert error < 1e-5  # and so does the run on two MPI ranks
+    assert "kv decode tokens equal transformers: True" in out  # greedy tokens with the cache
     assert (tmp_path / "bundle" / "manifest.json").is_file()  # the exported bundle
     for b in (2, 6, 10):  # one compile of a symbolic batch, run at three sizes
         error = float(out.split(f"b={b} max |error| vs numpy:")[1].split()[0])

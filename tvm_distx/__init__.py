@@ -54,6 +54,7 @@ _LAZY = {
     "compile": ".pipeline",
     "DistExecutable": ".executable",
     "from_torch": ".frontend",  # imports torch
+    "export_decoder": ".kv_export",  # imports torch and transformers
 }
 
 
@@ -90,6 +91,7 @@ __all__ = [
     "compile",
     "DistExecutable",
     "from_torch",
+    "export_decoder",
     "comm_report",
     "DistxError",
     "BundleError",

@@ -209,7 +209,7 @@ class DistExecutable:
         from .runtime.launcher import launch
 
         with tempfile.TemporaryDirectory(prefix="tvm-distx-bundle-") as tmp:
-            self.export(tmp)
+            self.export(tmp, function=function)
             return launch(tmp, list(inputs), params=params, function=function, timeout=timeout,
                           **options)
 

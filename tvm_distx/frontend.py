@@ -6,6 +6,10 @@ names a parameter ``p_`` followed by its dotted PyTorch name with dots turned
 into underscores: ``layers.0.mlp.fc1.weight`` becomes
 ``p_layers_0_mlp_fc1_weight``.
 
+For token generation, :func:`export_decoder` (in :mod:`tvm_distx.kv_export`)
+imports a causal LM as ``prefill`` and ``decode`` functions with the key-value
+cache as explicit inputs and outputs.
+
 A Hugging Face causal language model (a transformers ``PreTrainedModel``)
 imports as it is, with no wrapper: its forward is traced from ``input_ids``
 with ``use_cache=False``, so the program returns the logits alone (no key-value
@@ -28,7 +32,7 @@ import tvm
 
 from .errors import ArgumentError, UnsupportedProgramError
 
-__all__ = ["from_torch", "is_hf_causal_lm", "relax_name"]
+__all__ = ["export_decoder", "from_torch", "is_hf_causal_lm", "relax_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -181,3 +185,7 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
     weights = {name: value.numpy() for name, value in zip(names, detached.get("main", []))}
     logger.info("imported %s: %d inputs, %d weights", type(module).__name__, count, len(weights))
     return mod, weights
+
+
+# prefill and decode with the key-value cache as explicit state (imports transformers lazily)
+from .kv_export import export_decoder  # noqa: E402

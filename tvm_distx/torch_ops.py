@@ -395,3 +395,54 @@ CONVERTERS: dict[str, Callable] = {
 from .torch_moe import CONVERTERS as _MOE_CONVERTERS  # noqa: E402
 
 CONVERTERS.update(_MOE_CONVERTERS)
+
+
+# ------------------------------------------------------------------ key-value cache writes
+# (helper "kvexport") A static key-value cache is written with ``index_copy`` at the
+# positions of the new tokens (:mod:`tvm_distx.kv_export`).
+def _index_copy(node, importer) -> relax.Var:
+    """``index_copy(x, dim, index, source)``: ``x`` with ``source[i]`` written at ``index[i]``.
+
+    Emitted as a one-hot selection along ``dim``: ``hit[i, j] = (index[i] == j)``,
+    the written rows are ``hit^T @ source`` and the rows no index names keep
+    ``x``. Every other axis (batch, heads, head features) is carried through
+    elementwise operators and a batched matmul, so a cache split by heads is
+    written where it lies, with no communication; a scatter kernel with
+    data-dependent indices would hide that from the sharding solver. Each
+    written element is one product with ``1.0`` plus products with ``0.0``:
+    exact for finite values. (TVM's own translation emits an ``index_put``
+    with too few index tensors, which Relax rejects.)
+    """
+    from .errors import UnsupportedProgramError
+
+    bb, env = importer.block_builder, importer.env
+    x, dim = env[node.args[0]], int(node.args[1])
+    index, source = env[node.args[2]], env[node.args[3]]
+    ndim = _ndim_of(x)
+    axis = dim % ndim if ndim else 0
+    if ndim < 2 or _ndim_of(index) != 1:
+        raise UnsupportedProgramError(
+            f"index_copy into a {ndim}-D tensor with a {_ndim_of(index)}-D index",
+            hint="index_copy along one axis of a tensor of 2 or more dimensions, "
+            "with a 1-D index (a key-value cache write)")
+    order = [a for a in range(ndim) if a != axis]
+    order.insert(ndim - 2, axis)  # the indexed axis next to last: the matmul's rows
+    moved = order != list(range(ndim))
+    if moved:
+        x = bb.emit(relax.op.permute_dims(x, order))
+        source = bb.emit(relax.op.permute_dims(source, order))
+    length = x.ty.shape[ndim - 2]
+    slots = bb.emit(relax.op.arange(0, length, 1, _dtype_of(index)))
+    hit = bb.emit(relax.op.equal(relax.op.expand_dims(index, 1),
+                                 relax.op.expand_dims(slots, 0)))          # (n, length)
+    weights = bb.emit(relax.op.astype(relax.op.permute_dims(hit, [1, 0]), _dtype_of(x)))
+    written = bb.emit(relax.op.matmul(weights, source))                    # (..., length, d)
+    mask = bb.emit(relax.op.expand_dims(
+        relax.op.max(relax.op.astype(hit, "int32"), axis=[0]), 1))         # (length, 1)
+    out = bb.emit(relax.op.where(relax.op.astype(mask, "bool"), written, x))
+    if moved:
+        out = bb.emit(relax.op.permute_dims(out, [order.index(a) for a in range(ndim)]))
+    return out
+
+
+CONVERTERS["index_copy.default"] = _index_copy

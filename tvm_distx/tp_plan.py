@@ -259,21 +259,26 @@ class _Graph:
         return found
 
     def heads_of(self, linear: _Linear) -> tuple[int, int] | None:
-        """``(heads, head_dim)`` if the linear's result is reshaped to them, else None."""
-        src = _ir.static_shape(linear.result.ty)
+        """``(heads, head_dim)`` if the linear's result is reshaped to them, else None.
 
+        The heads reshape is the first one, through layout operators, that cuts
+        the last axis of what it reshapes in two, ``(..., width) -> (...,
+        heads, head_dim)``. A reshape that keeps the last axis (unflattening
+        ``(tokens, width)`` to ``(batch, seq, width)``, whose leading extents
+        may be 1 when one token is decoded) is passed.
+        """
         def is_heads_reshape(user, value):
-            dst = _ir.static_shape(user.ty)
-            return _ir.is_call_to(value, "relax.reshape") and src is not None and \
-                dst is not None and len(dst) == len(src) + 1
+            if not _ir.is_call_to(value, "relax.reshape"):
+                return False
+            src, dst = _ir.static_shape(value.args[0].ty), _ir.static_shape(user.ty)
+            return src is not None and dst is not None and len(dst) == len(src) + 1 and \
+                None not in (src[-1], dst[-2], dst[-1]) and dst[-1] != src[-1] and \
+                dst[-2] * dst[-1] == src[-1]
 
         found = self.forward_to(linear.result, is_heads_reshape)
         if found is None:
             return None
         dst = _ir.static_shape(found.ty)
-        if not src or not dst or len(dst) != len(src) + 1 or src[-1] is None or \
-                dst[-2] is None or dst[-1] is None or dst[-2] * dst[-1] != src[-1]:
-            return None
         return dst[-2], dst[-1]
 
 

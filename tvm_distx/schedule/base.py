@@ -292,6 +292,8 @@ def vectorize_innermost(sch: Schedule, block: s_tir.schedule.SBlockRV, lanes: in
 def schedule_flat(sch: Schedule, block: Block, cpu: CPUTraits) -> None:
     """Fuse a spatial block's loops; vectorize the inner part, parallelize the rest."""
     loops = sch.get_loops(block.rv)
+    if not loops:  # a 0-d result (one element): nothing to fuse or split
+        return
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     total = loop_extent(sch, fused) or 0
     vectorized = vectorize_innermost(sch, block.rv, cpu.lanes(block.output.dtype))
