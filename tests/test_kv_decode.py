@@ -151,22 +151,15 @@ def _cache_specs(exe, cache):
 
 
 # ------------------------------------------------------------------------- tokens
-def test_llama_gqa_generates_transformers_tokens_on_2_mpi_ranks(llama2, tmp_path):
+def test_one_shot_runs_give_transformers_logits_and_tokens(llama2, tmp_path):
+    """Without a session: each step is one launch (prefill through exe.run, decode steps
+    through a bundle written once). Three steps; the sessions below generate the rest."""
     prompt = _prompt(6, seed=1)
-    tokens, prefill_logits = _generate(llama2, prompt, NEW_TOKENS,
-                                       bundle=_bundle(llama2, tmp_path))
-    assert tokens == _transformers_tokens(llama2["model"], prompt, NEW_TOKENS)
+    tokens, prefill_logits = _generate(llama2, prompt, 3, bundle=_bundle(llama2, tmp_path))
+    assert tokens == _transformers_tokens(llama2["model"], prompt, 3)
     with torch.no_grad():
         want = llama2["model"](torch.from_numpy(prompt), use_cache=False).logits.numpy()
     np.testing.assert_allclose(prefill_logits, want, atol=1e-4, rtol=0)
-
-
-def test_gpt2_generates_transformers_tokens_on_2_mpi_ranks(gpt2_2, tmp_path):
-    prompt = _prompt(5, seed=2)
-    tokens, _ = _generate(gpt2_2, prompt, NEW_TOKENS, bundle=_bundle(gpt2_2, tmp_path))
-    want = _transformers_tokens(gpt2_2["model"], prompt, NEW_TOKENS)
-    assert len(set(want)) > 3  # the weights make the tokens vary
-    assert tokens == want
 
 
 @pytest.mark.parametrize("case", ["llama2", "gpt2_2", "gpt2_4"])

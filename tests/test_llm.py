@@ -1,0 +1,76 @@
+"""CausalLM: greedy generation on persistent MPI ranks equals transformers' generate.
+
+One session per model: the prefill runs once per prompt and each new token is one
+decode call; the caches stay on the ranks. Tokens must equal
+``model.generate(do_sample=False)`` token for token, for one prompt, for two
+prompts of different lengths, and through ``stream``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import tvm_distx as td  # noqa: E402
+from tvm_distx.llm import CausalLM  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "models"))
+from hf_tiny import VOCAB, build  # noqa: E402
+
+NEW_TOKENS = 12
+
+
+def _reference(model, prompt: np.ndarray, new_tokens: int) -> np.ndarray:
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(prompt[None, :]), max_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0].numpy()
+
+
+def _prompt(length: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, length, dtype=np.int64)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = build("llama")
+    with CausalLM.from_hf(model, num_ranks=2, max_length=32) as lm:
+        yield model, lm
+
+
+def test_generate_equals_transformers_token_for_token(llama):
+    model, lm = llama
+    prompt = _prompt(5, seed=1)
+    out = lm.generate(prompt[None, :], max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(out[0], _reference(model, prompt, NEW_TOKENS))
+    assert out.shape == (1, 5 + NEW_TOKENS)
+    assert lm.stats.new_tokens == NEW_TOKENS - 1 and lm.stats.decode_tokens_per_second > 0
+    assert lm.stats.bytes_per_token > 0  # the all-reduces of the split blocks
+
+
+def test_prompts_of_different_lengths_and_the_stream(llama):
+    model, lm = llama
+    pids = [p.pid for p in lm.session.ranks]
+    calls = lm.session.calls
+    prompts = [_prompt(3, seed=2), _prompt(7, seed=3)]
+    rows = lm.generate(prompts, max_new_tokens=6)
+    for prompt, row in zip(prompts, rows):
+        np.testing.assert_array_equal(row, _reference(model, prompt, 6))
+    streamed = list(lm.stream(prompts[1], max_new_tokens=6))
+    np.testing.assert_array_equal(streamed, rows[1][7:])
+    # the same ranks served every call: one prefill and five decodes per prompt
+    assert [p.pid for p in lm.session.ranks] == pids
+    assert lm.session.calls == calls + 3 * 6
+
+
+def test_a_prompt_too_long_for_the_cache_is_refused_before_any_call(llama):
+    _, lm = llama
+    with pytest.raises(td.ArgumentError, match="need 36 cache positions; the model was "
+                                               "exported for 32"):
+        lm.generate(_prompt(30, seed=4), max_new_tokens=7)
