@@ -74,3 +74,23 @@ def test_a_prompt_too_long_for_the_cache_is_refused_before_any_call(llama):
     with pytest.raises(td.ArgumentError, match="need 36 cache positions; the model was "
                                                "exported for 32"):
         lm.generate(_prompt(30, seed=4), max_new_tokens=7)
+
+
+def test_a_generation_bundle_serves_the_same_tokens_from_the_command_line(llama, tmp_path):
+    import subprocess
+
+    model, lm = llama
+    bundle = lm.export(tmp_path / "llama")
+    prompt = _prompt(4, seed=5)
+    done = subprocess.run([sys.executable, "-m", "tvm_distx", "generate", str(bundle),
+                           "--ids", *map(str, prompt), "--max-new-tokens", "6",
+                           "-o", str(tmp_path / "out.npy")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    want = _reference(model, prompt, 6)
+    assert done.stdout.split() == [str(t) for t in want]
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), want[None, :])
+    bad = subprocess.run([sys.executable, "-m", "tvm_distx", "generate", str(tmp_path),
+                          "--ids", "1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "is not a generation bundle" in bad.stderr
+    assert "Traceback" not in bad.stderr and "CausalLM.from_hf(model).export" in bad.stderr

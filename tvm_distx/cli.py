@@ -368,6 +368,47 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from .llm import CausalLM
+
+    _writable_file(args.output, "-o")
+    if args.ids:
+        prompt = np.asarray(args.ids, np.int64)
+    elif args.input is not None:
+        _input_file(args.input, "--input file")
+        try:
+            prompt = np.load(args.input, allow_pickle=False).astype(np.int64).reshape(-1)
+        except ValueError as err:
+            raise ArgumentError(f"--input file {args.input} is not a .npy array ({err})") \
+                from None
+    else:
+        raise ArgumentError("generate needs a prompt", hint="give token ids: --ids 1 15 22, "
+                            "or --input prompt.npy")
+    console = Console(stderr=True)
+    with _progress(f"starting the ranks of {args.bundle}"):
+        lm = CausalLM.from_bundle(args.bundle, timeout=args.timeout)
+    with lm, Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[rate]}"), console=console, transient=True,
+                      disable=not console.is_terminal) as progress:
+        task = progress.add_task("tokens", total=args.max_new_tokens, rate="")
+        tokens = []
+        for token in lm.stream(prompt, args.max_new_tokens, eos_token_id=(
+                lm.eos_token_id if args.stop_at_eos else None)):
+            tokens.append(token)
+            progress.update(task, advance=1,
+                            rate=f"{lm.stats.decode_tokens_per_second:.1f} tokens/s")
+    out = np.concatenate([prompt, np.asarray(tokens, np.int64)])
+    if args.output is not None:
+        np.save(args.output, out[None, :])
+    sys.stdout.write(" ".join(str(t) for t in out) + "\n")
+    logger.info("generated %d tokens: prefill %.3f s, decode %.1f tokens/s", len(tokens),
+                lm.stats.prefill_seconds, lm.stats.decode_tokens_per_second)
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------- parser
 class _Parser(argparse.ArgumentParser):
     """argparse that raises :class:`ArgumentError` on bad usage instead of exiting."""
@@ -464,6 +505,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated hosts for mpiexec -hosts (the bundle must be at the "
                    "same path on each)")
     p.set_defaults(handler=_run)
+
+    p = sub.add_parser("generate", help="greedy tokens from a generation bundle "
+                       "(CausalLM.export), on its ranks")
+    p.add_argument("bundle", type=Path, help="a directory written by CausalLM.export")
+    p.add_argument("--ids", type=int, nargs="+", help="the prompt's token ids")
+    p.add_argument("--input", type=Path, help="the prompt's token ids as a .npy array")
+    p.add_argument("--max-new-tokens", type=_positive(int), default=32)
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="stop at the model's end token (kept in the output)")
+    p.add_argument("-o", "--output", type=Path,
+                   help="also save the prompt and the new tokens as a (1, n) .npy")
+    p.add_argument("--timeout", type=_positive(float), default=300.0,
+                   help="seconds for the ranks to start and for each step")
+    p.set_defaults(handler=_generate)
     return parser
 
 

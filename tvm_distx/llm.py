@@ -24,6 +24,7 @@ The object holds a session: use it as a context manager, or :meth:`close` it.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,10 @@ import numpy as np
 
 from .errors import ArgumentError
 
-__all__ = ["CausalLM", "GenerationStats"]
+__all__ = ["CausalLM", "GenerationStats", "GENERATION_FILE"]
+
+#: The file of a generation bundle that holds the cache's layout.
+GENERATION_FILE = "generation.json"
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +77,12 @@ class CausalLM:
     Build it with :meth:`from_hf`; it holds the session until :meth:`close`.
     """
 
-    def __init__(self, program, exe, session, *, eos_token_id=None,
+    def __init__(self, cache, session, *, exe=None, weights=None, eos_token_id=None,
                  bytes_per_token: int = 0) -> None:
-        self.program = program
+        #: the key-value cache's layout (:class:`tvm_distx.kv_export.KVCacheLayout`)
+        self.cache = cache
         self.exe = exe
+        self.weights = weights
         self.session = session
         self.eos_token_id = eos_token_id
         self.stats = GenerationStats(bytes_per_token=bytes_per_token)
@@ -128,7 +134,56 @@ class CausalLM:
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         logger.info("CausalLM: %s on %d ranks, up to %d tokens, %d bytes per rank per token",
                     type(model).__name__, num_ranks, max_length, per_token)
-        return cls(program, exe, session, eos_token_id=eos, bytes_per_token=per_token)
+        return cls(program.cache, session, exe=exe, weights=program.weights,
+                   eos_token_id=eos, bytes_per_token=per_token)
+
+    # ------------------------------------------------------------------ bundles
+    def export(self, directory):
+        """Write a bundle that ``tvm-distx generate`` (or :meth:`from_bundle`) serves.
+
+        The bundle holds ``prefill`` and ``decode``, each rank's weight shards
+        once, and ``generation.json``: the cache's layout and the model's end
+        token. Returns the bundle's path.
+        """
+        from pathlib import Path
+
+        if self.exe is None:
+            raise ArgumentError("this CausalLM was opened from a bundle; it has nothing to "
+                                "export", hint="copy the bundle directory instead")
+        root = self.exe.export(directory, params=self.weights, function=("prefill", "decode"))
+        (Path(root) / GENERATION_FILE).write_text(json.dumps({
+            "cache": {"names": list(self.cache.names),
+                      "shapes": [list(s) for s in self.cache.shapes],
+                      "dtype": self.cache.dtype, "max_length": self.cache.max_length},
+            "eos_token_id": self.eos_token_id, "bytes_per_token": self.stats.bytes_per_token,
+        }, indent=1) + "\n")
+        return Path(root)
+
+    @classmethod
+    def from_bundle(cls, directory, *, timeout: float = 300.0, **options) -> "CausalLM":
+        """Serve a bundle written by :meth:`export` on its ranks (a session)."""
+        from pathlib import Path
+
+        from .errors import BundleError
+        from .kv_export import KVCacheLayout
+        from .runtime.session import MPISession
+
+        path = Path(directory) / GENERATION_FILE
+        try:
+            data = json.loads(path.read_text())
+            layout = data["cache"]
+            cache = KVCacheLayout(tuple(layout["names"]),
+                                  tuple(tuple(int(d) for d in s) for s in layout["shapes"]),
+                                  str(layout["dtype"]), int(layout["max_length"]))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise BundleError(f"{directory} is not a generation bundle ({path.name}: "
+                              f"{type(err).__name__}: {err})",
+                              hint="write one with CausalLM.from_hf(model).export(directory)",
+                              cli_hint="write one in Python: CausalLM.from_hf(model)"
+                              ".export(directory)") from None
+        session = MPISession(directory, timeout=timeout, **options)
+        return cls(cache, session, eos_token_id=data.get("eos_token_id"),
+                   bytes_per_token=int(data.get("bytes_per_token") or 0))
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids, max_new_tokens: int = 32, *,
@@ -173,7 +228,7 @@ class CausalLM:
             raise ArgumentError("stream() takes one prompt",
                                 hint="call it once per prompt, or use generate()")
         prompt = prompts[0]
-        length, limit = len(prompt), self.program.cache.max_length
+        length, limit = len(prompt), self.cache.max_length
         if max_new_tokens < 1 or length < 1:
             raise ArgumentError(f"stream(max_new_tokens={max_new_tokens}) of a {length}-token "
                                 "prompt: nothing to do", hint="give a prompt and max_new_tokens >= 1")
@@ -204,7 +259,7 @@ class CausalLM:
 
     def _step(self, function: str, ids: np.ndarray, positions: np.ndarray) -> int:
         """One call: the caches stay on the ranks; the last position's greedy token."""
-        names = self.program.cache.names
+        names = self.cache.names
         (logits,) = self.session.run(
             ids, positions, function=function, state={n: n for n in names},
             keep={index + 1: name for index, name in enumerate(names)})
