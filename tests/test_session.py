@@ -169,3 +169,9 @@ def test_state_stays_on_the_ranks_between_calls():
         (total,) = session.run(np.zeros((8, 16), "float32"), state={"acc": "acc"},
                                keep={1: "acc"})
         np.testing.assert_allclose(total, np.sum(xs), rtol=1e-5, atol=1e-4)
+
+
+def test_rank_0_must_run_on_this_host(tensor_parallel):
+    exe, weights = tensor_parallel
+    with pytest.raises(td.ArgumentError, match="rank 0 would run on elsewhere.example"):
+        exe.session(params=weights, hosts=["elsewhere.example", "localhost"])

@@ -80,8 +80,8 @@ class MPISession:
     timeout : float
         Seconds the ranks may take to start, and each call by default.
     hosts : sequence of str, optional
-        Hosts for ``mpiexec -hosts`` (the driver's socket is on this host; the
-        ranks on other hosts reach rank 0 over MPI only).
+        Hosts for ``mpiexec -hosts``, this host first: rank 0 talks to this
+        process over a local socket; the ranks on other hosts reach it over MPI.
     mpiexec : str, optional
         The ``mpiexec`` executable (default: the ``mpich`` wheel's).
     env : mapping, optional
@@ -101,6 +101,11 @@ class MPISession:
         if not timeout > 0:
             raise ArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}",
                                 hint="for example timeout=300")
+        if hosts and hosts[0] not in _this_host():
+            raise ArgumentError(
+                f"rank 0 would run on {hosts[0]}, but it talks to this process over a "
+                f"local socket, so it must run here ({socket.gethostname()})",
+                hint=f"list this host first: hosts=['{socket.gethostname()}', ...]")
         self.manifest = read_manifest(bundle)
         if num_ranks is not None and num_ranks != self.manifest.num_ranks:
             raise ArgumentError(f"the bundle at {self.manifest.root} needs "
@@ -325,6 +330,12 @@ def _placeholder(signature, name: str):
     spec = next(p for p in signature.params if p.name == name)
     shape = tuple(1 if d is None else int(d) for d in spec.shape)
     return np.broadcast_to(np.zeros((), spec.dtype), shape)
+
+
+def _this_host() -> set[str]:
+    """The names this host answers to."""
+    names = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
+    return names | {name.split(".")[0] for name in names}
 
 
 def _alive(pid: int) -> bool:
