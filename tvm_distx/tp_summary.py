@@ -182,11 +182,12 @@ def summarize_layers(mod: tvm.IRModule, annotated: tvm.IRModule, local_view: tvm
         [gv.name_hint for gv in local_view.functions] else {}
     rows: list[list] = [[] for _ in range(count)]
     local_starts = _local_starts(starts, order, positions)
+    found = [positions[outputs[w]] for w in head if w in outputs and outputs[w] in positions]
+    head_local = min(found) if head_at is not None and found else None
     for row in report.rows:
         if row.collective == "local_slice" or row.function != function:
             continue
-        at = positions.get(row.value, 0)
-        rows[_bucket(at, local_starts, positions, order, head_at, outputs, head)].append(row)
+        rows[_bucket(positions.get(row.value, 0), local_starts, head_local)].append(row)
     layers = []
     for index in range(count):
         name = ("head" if starts else "model") if index == len(starts) else f"layer {index}"
@@ -288,12 +289,8 @@ def _local_starts(starts, order, positions) -> list[int]:
     return [positions.get(by_position.get(start, ""), -1) for start in starts]
 
 
-def _bucket(at, local_starts, positions, order, head_at, outputs, head) -> int:
-    head_local = None
-    if head_at is not None:
-        names = [outputs[w] for w in head if w in outputs]
-        found = [positions[n] for n in names if n in positions]
-        head_local = min(found) if found else None
+def _bucket(at: int, local_starts: list[int], head_local: int | None) -> int:
+    """The layer (an index into the summary) of a collective at local-view position ``at``."""
     if head_local is not None and at >= head_local:
         return len(local_starts)
     index = sum(0 <= start <= at for start in local_starts) - 1
