@@ -1,4 +1,10 @@
-"""The README's Python examples run as written."""
+"""Every Python example in the README runs as written, on its own, and prints the right thing.
+
+Each ```python block is executed alone, in a fresh namespace and a scratch directory that
+links the checkout's ``tests/`` (the examples read ``tests/data``): a block that leans on a
+name defined by another block fails with a NameError here. Each block is recognised by a
+phrase only it contains, and must have a check below, so a new example cannot go untested.
+"""
 
 from __future__ import annotations
 
@@ -6,40 +12,102 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
 
 
-def test_readme_python_blocks_run(capsys, tmp_path):
-    # The examples run from a checkout (they read tests/...) and write a bundle
-    # into the working directory: run them in a scratch directory that links it.
+def _error(out: str, label: str) -> float:
+    assert label in out, out
+    return float(out.split(label)[1].split()[0])
+
+
+def _annotate(out: str, scratch: Path) -> None:
+    assert "annotate_sharding" in out and "mesh[1]" in out  # both pipeline stages annotated
+
+
+def _tour(out: str, scratch: Path) -> None:
+    assert "function mlp" in out and "S[1]" in out  # explain's table
+    assert _error(out, "mpi max |error|:") < 1e-5  # two MPI ranks equal numpy
+    assert (scratch / "bundle" / "manifest.json").is_file()  # the exported bundle
+
+
+def _propagate(out: str, scratch: Path) -> None:
+    assert "function main" in out and "function mlp" in out
+    assert "(128, 64)" in out  # A's local shape on each rank
+
+
+def _lower(out: str, scratch: Path) -> None:
+    assert _error(out, "max |error|:") < 1e-5  # the emulated two-rank run equals numpy
+
+
+def _session(out: str, scratch: Path) -> None:
+    assert _error(out, "session max |error|:") < 1e-5
+    assert "ranks: 2" in out
+
+
+def _symbolic(out: str, scratch: Path) -> None:
+    for b in (2, 6, 10):  # one compile of a symbolic batch, run at three sizes
+        assert _error(out, f"b={b} max |error| vs numpy:") < 1e-5
+    assert "[symbolic-extent] input 'x' of 'main'" in out  # the indivisible batch
+
+
+def _torch(out: str, scratch: Path) -> None:
+    assert _error(out, "torch max |error|:") < 1e-4  # the imported transformer equals PyTorch
+
+
+def _hf(out: str, scratch: Path) -> None:
+    for length in (1, 7, 32):  # the Hugging Face Llama, tensor parallel, one compile
+        assert _error(out, f"hf seq={length} max |error|:") < 1e-4
+    assert "[attention]" in out and "[mlp]" in out  # the plan's blocks
+
+
+def _kv(out: str, scratch: Path) -> None:
+    assert "kv decode tokens equal transformers: True" in out
+
+
+def _causal_lm(out: str, scratch: Path) -> None:
+    assert "CausalLM equals transformers: True" in out
+    assert "tokens/s" in out
+
+
+#: A phrase only one block contains, and what that block must print.
+CHECKS = {
+    "seed_pipeline.py": _annotate,
+    "mpi max |error|": _tour,
+    "mod = PropagateSharding()(annotated)": _propagate,
+    "LowerDistIR()": _lower,
+    "session max |error|": _session,
+    "data_parallel_symbolic.py": _symbolic,
+    "torch max |error|": _torch,
+    "hf seq=": _hf,
+    "kv decode tokens": _kv,
+    "CausalLM equals transformers": _causal_lm,
+}
+
+
+def _check_for(block: str):
+    found = [phrase for phrase in CHECKS if phrase in block]
+    assert len(found) == 1, f"a README block needs exactly one check, it matches {found}:\n{block}"
+    return CHECKS[found[0]]
+
+
+def test_every_block_has_one_check_and_every_check_a_block():
+    assert len(BLOCKS) == len(CHECKS)
+    assert {_check_for(block) for block in BLOCKS} == set(CHECKS.values())
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[next((p for p in CHECKS if p in b), "unchecked")
+                                               .split("(")[0].strip(" .=|").replace(" ", "-")
+                                               for b in BLOCKS])
+def test_readme_block_runs_alone(block, capsys, tmp_path):
+    check = _check_for(block)
     (tmp_path / "tests").symlink_to(ROOT / "tests")
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 2
-    namespace: dict = {}
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        for block in blocks:
-            exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+        exec(compile(block, "README.md", "exec"), {"__name__": "__readme__"})  # noqa: S102
     finally:
         os.chdir(cwd)
-    out = capsys.readouterr().out
-    assert "annotate_sharding" in out  # the annotated module
-    assert "function main" in out and "function mlp_1" in out  # the sharding table
-    error = float(out.split("max |error|:")[1].split()[0])
-    assert error < 1e-5  # the emulated two-rank run equals numpy
-    error = float(out.split("torch max |error|:")[1].split()[0])
-    assert error < 1e-4  # the imported transformer equals PyTorch
-    error = float(out.split("mpi max |error|:")[1].split()[0])
-    assert error < 1e-5  # and so does the run on two MPI ranks
-    assert "kv decode tokens equal transformers: True" in out  # greedy tokens with the cache
-    assert (tmp_path / "bundle" / "manifest.json").is_file()  # the exported bundle
-    for b in (2, 6, 10):  # one compile of a symbolic batch, run at three sizes
-        error = float(out.split(f"b={b} max |error| vs numpy:")[1].split()[0])
-        assert error < 1e-5
-    assert "[symbolic-extent] input 'x' of 'main'" in out  # the indivisible batch
-    for length in (1, 7, 32):  # the Hugging Face Llama, tensor parallel, one compile
-        error = float(out.split(f"hf seq={length} max |error|:")[1].split()[0])
-        assert error < 1e-4
-    assert "[attention]" in out and "[mlp]" in out  # the plan's blocks
+    check(capsys.readouterr().out, tmp_path)
