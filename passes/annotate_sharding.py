@@ -140,6 +140,7 @@ class _Planner:
                     function=function,
                     var=var,
                     hint="pass meshes='mesh[0]' (or a list to cycle over) to the rule",
+                    cli_hint='give the rule "meshes": "mesh[0]" (or a list to cycle over)',
                 )
             ref = next(iter(self.meshes))
         mesh, tvm_mesh = resolve_mesh(
@@ -231,6 +232,7 @@ class _Planner:
                 var=var,
                 placement=str(sharding.placement),
                 hint="annotate the tensors inside it instead, or drop it from args=",
+                cli_hint='annotate the tensors inside it instead, or drop it from "args"',
             )
         if not isinstance(value, relax.Var):
             raise UnsupportedValueError(
@@ -282,6 +284,7 @@ class _Planner:
                 var=var,
                 placement=str(sharding.placement),
                 hint="make the rules agree, or restrict one of them with function=",
+                cli_hint='make the rules agree, or restrict one of them with "function"',
             )
         slots[key] = sharding
 

@@ -13,6 +13,36 @@ package. The compiler's entry points (``distribute``, ``compile``,
 
 import importlib
 import importlib.util
+import os
+import signal
+import sys
+
+
+def _quiet_ctrl_c_while_the_command_line_starts() -> None:
+    """Make Ctrl-C during the ``tvm-distx`` command's own start-up one line and exit 130.
+
+    The command line catches Ctrl-C once :func:`tvm_distx.cli.main` runs, but the
+    imports before it (this package, numpy) take a noticeable moment, during which
+    Python would print a ``KeyboardInterrupt`` traceback. Only the command (the
+    ``tvm-distx`` script or ``python -m tvm_distx``) gets this handler, and
+    ``main`` puts Python's own back as its first step; nothing is running yet
+    that would need cleaning up.
+    """
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    as_module = "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["tvm_distx"]
+    if not (as_module or os.path.basename(sys.argv[0] if sys.argv else "") == "tvm-distx"):
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return  # someone else chose how to handle it
+
+    def interrupted(signum, frame):  # noqa: ARG001
+        os.write(2, b"interrupted\n")
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, interrupted)
+
+
+_quiet_ctrl_c_while_the_command_line_starts()
 
 from .errors import (
     ArgumentError,

@@ -34,8 +34,10 @@ import argparse
 import contextlib
 import json
 import logging
+import signal
 import sys
 import tempfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -305,6 +307,41 @@ def _explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_weights_complete(mod, function: str, weights: dict, path: Path) -> None:
+    """Refuse a ``--weights`` archive that leaves out some of the function's weights.
+
+    The weights are the parameters after the run-time inputs: the first
+    ``num_input`` parameters when the function says so (modules imported from
+    PyTorch do), otherwise every parameter from the first one the archive names.
+    A fused weight cut by ``--split-fused`` counts as given when its source is.
+    """
+    from .passes import derivations_of
+
+    if function not in [gv.name_hint for gv in mod.functions]:
+        return  # the compile itself names the missing function
+    func = mod[function]
+    names = [p.name for p in func.params]
+    derived = derivations_of(mod).get(function)
+    given = set(weights)
+    if derived:
+        given |= {p.name for p in derived.params if p.source in weights}
+    attrs = func.attrs
+    if attrs is not None and "num_input" in attrs:
+        expected = names[int(attrs["num_input"]):]
+    else:
+        first = next((i for i, n in enumerate(names) if n in given), len(names))
+        expected = names[first:]
+    missing = [n for n in expected if n not in given]
+    if missing:
+        inputs = [n for n in names if n not in expected]
+        raise ArgumentError(
+            f"{path} has no weight {', '.join(repr(n) for n in missing)} for '{function}', "
+            f"whose weights are {', '.join(expected)}"
+            + (f" (its run-time inputs: {', '.join(inputs)})" if inputs else ""),
+            hint=f"add {' and '.join(missing)} to {path.name} (numpy.savez), or leave "
+            "--weights out and pass every parameter with -i at run time")
+
+
 def _compile(args: argparse.Namespace, check: bool = False) -> int:
     from . import compile as compile_module
 
@@ -322,6 +359,8 @@ def _compile(args: argparse.Namespace, check: bool = False) -> int:
             raise ArgumentError(f"cannot read weights from {args.weights}: {err}",
                                 hint="give an .npz of global weights keyed by parameter "
                                 "name (numpy.savez)") from None
+    if weights:
+        _check_weights_complete(mod, args.function, weights, args.weights)
     options = {"vlen": args.vlen} if args.vlen else {}
     with _progress(f"compiling for {args.target}"):
         exe = compile_module(mod, target=args.target, **options)
@@ -347,16 +386,30 @@ def _run(args: argparse.Namespace) -> int:
     from .runtime.launcher import launch
 
     _output_directory(args.output, "-o")  # before any rank starts, not after the run
-    inputs = []
-    for path in args.inputs:
-        _input_file(path, "input file")
+    inputs, named = [], {}
+    for item in args.inputs:
+        # "-i x.npy" is the next input in parameter order; "-i A=A.npy" names its parameter
+        name, sep, path = str(item).partition("=")
+        if not sep or Path(item).is_file() or not name.isidentifier():
+            name, path = None, Path(item)
+        _input_file(Path(path), "input file")
         try:
-            inputs.append(np.load(path, allow_pickle=False))
+            value = np.load(path, allow_pickle=False)
         except ValueError as err:
             raise ArgumentError(f"input file {path} is not a .npy array ({err})") from None
+        if name is None:
+            if named:
+                raise ArgumentError(f"input {item} comes after named inputs",
+                                    hint="give the inputs in order first, then NAME=PATH ones")
+            inputs.append(value)
+        elif name in named:
+            raise ArgumentError(f"input '{name}' is given twice", hint="give each input once")
+        else:
+            named[name] = value
     hosts = [h for h in args.hosts.split(",") if h] if args.hosts else None
     with _progress(f"running {args.n} ranks ({args.backend})"):
-        results = launch(args.bundle, inputs, num_ranks=args.n, function=args.function,
+        results = launch(args.bundle, inputs, params=named, num_ranks=args.n,
+                         function=args.function,
                          timeout=args.timeout, backend=args.backend,
                          **({"hosts": hosts} if hosts else {}))
     results = results if isinstance(results, tuple) else (results,)
@@ -497,7 +550,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="mpi", choices=["mpi", "disco"])
     p.add_argument("--function", default="main")
     p.add_argument("-i", "--inputs", nargs="+", action="extend", default=[], metavar="NPY",
-                   help="global inputs, in parameter order (-i a.npy b.npy, or -i a.npy -i b.npy)")
+                   help="global inputs, in parameter order (-i a.npy b.npy, or -i a.npy -i b.npy); "
+                   "NAME=PATH gives a parameter by name (-i x=x.npy)")
     p.add_argument("-o", "--output", default="out", help="directory for the results")
     p.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds before a stuck run is stopped")
@@ -524,13 +578,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
-    parser = _parser()
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
+        # from here on Ctrl-C raises KeyboardInterrupt, caught below after cleaning up
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        parser = _parser()
         args = parser.parse_args(argv)
     except ArgumentError as err:  # bad usage: argparse's conventional exit, our message
         parser.print_usage(sys.stderr)
         sys.stderr.write(f"tvm-distx: error: {err}\n")
         raise SystemExit(EXIT_USAGE) from None
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return EXIT_INTERRUPTED
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

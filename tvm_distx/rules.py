@@ -88,8 +88,9 @@ class ShardingRule:
         if len(matchers) != 1:
             seen = ", ".join(f"{k}={v!r}" for k, v in matchers.items()) or "none"
             raise RuleError(
-                f"a sharding rule needs exactly one matcher (callee=, op= or param=), got {seen}",
+                f"a sharding rule needs exactly one matcher (callee, op or param), got {seen}",
                 hint="write one rule per matcher, e.g. ShardingRule(callee='mlp', args={0: 'R'})",
+                cli_hint='write one rule per matcher, e.g. {"callee": "mlp", "args": {"0": "R"}}',
             )
         kind, target = next(iter(matchers.items()))
         if not isinstance(target, str) or not target:
@@ -101,17 +102,21 @@ class ShardingRule:
             raise RuleError(
                 f"args must map argument positions to placements, got {self.args!r}",
                 hint="write args={0: 'S[0]'}",
+                cli_hint='write "args": {"0": "S[0]"}',
             )
         if kind == "param" and self.args:
             raise RuleError(
-                f"param rule for {target!r} has args=; a parameter has no arguments",
+                f"param rule for {target!r} has args; a parameter has no arguments",
                 hint=f"give the parameter's sharding as result=, e.g. "
                 f"ShardingRule(param={target!r}, result='S[0]')",
+                cli_hint=f'give the parameter\'s sharding as "result", e.g. '
+                f'{{"param": "{target}", "result": "S[0]"}}',
             )
         if not self.args and self.result is None:
             raise RuleError(
                 f"the rule for {kind}={target!r} gives no sharding",
                 hint="add args={index: placement} and/or result=placement",
+                cli_hint='add "args": {"<index>": "<placement>"} and/or "result": "<placement>"',
             )
         args: dict[int, Placement] = {}
         for index, placement in self.args.items():
@@ -120,6 +125,7 @@ class ShardingRule:
                     f"argument positions must be non-negative ints, got {index!r} in the rule "
                     f"for {kind}={target!r}",
                     hint="args={0: 'R'} annotates the first argument",
+                    cli_hint='"args": {"0": "R"} annotates the first argument',
                 )
             args[index] = self._placement(placement, f"args[{index}]", kind, target)
         object.__setattr__(self, "args", dict(sorted(args.items())))
@@ -139,6 +145,7 @@ class ShardingRule:
                     f"meshes= in the rule for {kind}={target!r} must be a mesh reference or a "
                     f"list of them, got {meshes!r}",
                     hint='write meshes="mesh[0]" or meshes=["mesh[0]", "mesh[1]"]',
+                    cli_hint='write "meshes": "mesh[0]" or "meshes": ["mesh[0]", "mesh[1]"]',
                 )
             try:
                 refs = tuple(MeshRef.parse(m) for m in meshes)

@@ -161,8 +161,8 @@ class FunctionSignature:
                 f"({', '.join(p.name for p in positional) or 'none'}), got {len(inputs)}",
                 hint="pass weights by name in params= and the other inputs in order",
                 cli_hint="give one -i file per input, in parameter order ("
-                f"{', '.join(p.name for p in positional) or 'none'}); the weights come from "
-                "the bundle",
+                f"{', '.join(p.name for p in positional) or 'none'}), or -i NAME=PATH; the "
+                "weights come from the bundle",
             )
         given = dict(zip((p.name for p in positional), inputs))
         given.update(params)
