@@ -94,3 +94,28 @@ def test_a_generation_bundle_serves_the_same_tokens_from_the_command_line(llama,
                           "--ids", "1"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "is not a generation bundle" in bad.stderr
     assert "Traceback" not in bad.stderr and "CausalLM.from_hf(model).export" in bad.stderr
+
+
+def test_a_rank_killed_mid_generation_ends_it_naming_the_rank(llama):
+    """The caches live on the ranks: losing one ends the generation at once, with its name."""
+    import os
+    import signal
+    import time
+
+    model, lm = llama
+    session = lm.exe.session(2, params=lm.weights, function=("prefill", "decode"))
+    doomed = CausalLM(lm.cache, session, exe=lm.exe, weights=lm.weights)
+    stream = doomed.stream(_prompt(5, 11), max_new_tokens=10)
+    next(stream), next(stream)  # the prefill and one decode step ran
+    pids = [p.pid for p in session.ranks]
+    os.kill(pids[1], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(td.LaunchError, match="rank 1"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 30
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)  # no orphan left
+

@@ -41,7 +41,7 @@ from . import _ir, ccl
 from .bundle import FORMAT, MANIFEST, VERSION, sha256_file
 from .errors import ArgumentError
 from .layout import MeshTable
-from .layout.derived import Derivations
+from .layout.derived import Derivations, host_array
 from .mesh import DeviceMesh
 from .signature import FunctionSignature
 from .runtime.arrays import assemble_results
@@ -307,7 +307,7 @@ class DistExecutable:
                             "one bundle per function")
                     continue
                 written[spec.name] = (spec.sharding, spec.shape)
-                value = _as_array(weights[function][spec.name])
+                value = host_array(weights[function][spec.name])
                 for rank in range(self.num_ranks):
                     if not spec.held_by(rank):
                         continue
@@ -404,12 +404,6 @@ def _write_launcher(root: Path, num_ranks: int, target: str, signature: Function
     (root / "README.md").write_text("\n".join(lines) + "\n")
 
 
-def _as_array(value) -> np.ndarray:
-    if hasattr(value, "detach") and hasattr(value, "numpy"):
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
-
-
 def _example_shape(spec, meshes: dict[str, DeviceMesh]) -> tuple[int, ...]:
     """A shape that fits ``spec``: a symbolic dimension gets a size every mesh divides."""
     size = math.lcm(*(m.size for m in meshes.values())) if meshes else 1
@@ -419,7 +413,7 @@ def _example_shape(spec, meshes: dict[str, DeviceMesh]) -> tuple[int, ...]:
 def _shard(spec, value, rank: int) -> np.ndarray:
     from .runtime.arrays import shard_array
 
-    return shard_array(_as_array(value), spec.sharding, rank)
+    return shard_array(host_array(value), spec.sharding, rank)
 
 
 def _coordinates(meshes: dict[str, DeviceMesh], rank: int) -> dict[str, list[int]]:

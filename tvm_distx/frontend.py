@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import tvm
@@ -106,9 +106,16 @@ def _writes_into_views(exported) -> bool:
     return False
 
 
+class WeightSpec(NamedTuple):
+    """A weight's shape and dtype, where its values were not copied (``with_weights=False``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
 def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
-               unwrap_single_result: bool = True,
-               decompose: bool = False) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
+               unwrap_single_result: bool = True, decompose: bool = False,
+               with_weights: bool = True) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
     """Import a PyTorch module as a Relax module whose weights are named parameters of ``main``.
 
     Parameters
@@ -128,6 +135,11 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
         4-D attention matmul into a reshape that merges batch and heads and a
         3-D batch matmul, across which a split of the heads cannot be kept
         (the heads would be all-gathered); the 4-D matmul keeps them split.
+    with_weights : bool
+        Copy the weights out of the module. ``False`` gives each weight's
+        :class:`WeightSpec` instead and reads no weight: for a module whose
+        weights are placeholders (built without initialisation, to be read
+        from a checkpoint later).
 
     Returns
     -------
@@ -182,7 +194,12 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
     main = mod["main"]
     count = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else 0
     names = [p.name for p in main.params[count:]]
-    weights = {name: value.numpy() for name, value in zip(names, detached.get("main", []))}
+    values = detached.get("main", [])
+    if with_weights:
+        weights = {name: value.numpy() for name, value in zip(names, values)}
+    else:  # shapes and dtypes only: the placeholders' memory is never touched
+        weights = {name: WeightSpec(tuple(int(d) for d in value.shape), str(value.dtype))
+                   for name, value in zip(names, values)}
     logger.info("imported %s: %d inputs, %d weights", type(module).__name__, count, len(weights))
     return mod, weights
 

@@ -209,7 +209,8 @@ def _cache_geometry(model, batch: int) -> list[tuple[tuple[int, ...], tuple[int,
 
 # ---------------------------------------------------------------------------- the export
 def export_decoder(model, max_length: int, *, batch_size: int = 1,
-                   prompt_length: int | None = None) -> DecoderProgram:
+                   prompt_length: int | None = None,
+                   with_weights: bool = True) -> DecoderProgram:
     """Import ``model`` as ``prefill`` and ``decode`` with its key-value cache as explicit state.
 
     Parameters
@@ -225,6 +226,10 @@ def export_decoder(model, max_length: int, *, batch_size: int = 1,
         symbolic extent ``seq``. An int from 2 to ``max_length``: ``prefill``
         takes prompts of exactly that length (for programs whose sharding
         cannot move a symbolic extent yet, such as the experts' dispatch).
+    with_weights : bool
+        ``False`` reads no weight: ``weights`` then holds each one's
+        :class:`tvm_distx.frontend.WeightSpec` (see
+        :meth:`tvm_distx.llm.CausalLM.from_pretrained`).
 
     Returns
     -------
@@ -276,7 +281,7 @@ def export_decoder(model, max_length: int, *, batch_size: int = 1,
         positions = torch.arange(length, dtype=torch.long)
         functions[name] = _import(step, (ids, positions, *caches),
                                   (*dims, tuple(None for _ in caches)), name,
-                                  ["input_ids", "cache_position", *names])
+                                  ["input_ids", "cache_position", *names], with_weights)
     mod, weights = _merge(functions)
     logger.info("exported %s for generation: %d layers, cache %s x %s (%d bytes), %d weights",
                 type(model).__name__, layers, shapes[0], len(shapes), cache.nbytes(),
@@ -285,7 +290,8 @@ def export_decoder(model, max_length: int, *, batch_size: int = 1,
 
 
 def _import(step, example: tuple, dynamic_shapes: tuple, function: str,
-            input_names: list[str]) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
+            input_names: list[str], with_weights: bool = True
+            ) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
     """One function of the decoder, its inputs renamed ``input_names``."""
     import torch
 
@@ -293,7 +299,7 @@ def _import(step, example: tuple, dynamic_shapes: tuple, function: str,
 
     with torch.no_grad():
         mod, weights = from_torch(step, example, dynamic_shapes=dynamic_shapes,
-                                  unwrap_single_result=False)
+                                  unwrap_single_result=False, with_weights=with_weights)
     main = mod["main"]
     count = int(main.attrs["num_input"])
     if count != len(input_names):

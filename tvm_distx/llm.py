@@ -20,6 +20,9 @@ followed by the new tokens, as transformers returns it. ``stream`` yields the
 tokens as they come; :attr:`CausalLM.stats` has the timings.
 
 The object holds a session: use it as a context manager, or :meth:`close` it.
+:meth:`CausalLM.from_pretrained` serves a ``save_pretrained`` checkpoint directory
+the same way, reading each rank's blocks of the weights from its safetensors files
+without loading the whole model anywhere.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -114,14 +118,105 @@ class CausalLM:
         **options
             ``hosts``, ``mpiexec``, ``env`` for the session.
         """
-        from . import compile as compile_module
-        from . import comm_report, export_decoder, presets
-        from .pipeline import run_stages
+        from . import export_decoder
 
         if num_ranks < 1:
             raise ArgumentError(f"CausalLM.from_hf(num_ranks={num_ranks}): need at least one "
                                 "rank", hint="CausalLM.from_hf(model, num_ranks=2)")
         program = export_decoder(model, max_length=max_length, prompt_length=prompt_length)
+        return cls._serve(model, program, program.weights, num_ranks, backend=backend,
+                          plan=plan, timeout=timeout, **options)
+
+    @classmethod
+    def from_pretrained(cls, directory, num_ranks: int = 2, *, backend: str = "mpi",
+                        plan=None, max_length: int = 256, prompt_length: int | None = None,
+                        timeout: float = 300.0, **options) -> "CausalLM":
+        """Serve a Hugging Face checkpoint directory, each rank's weights read from it lazily.
+
+        The model is built from ``config.json`` without initialising its
+        weights (their memory is never touched), traced, sharded and compiled
+        as in :meth:`from_hf`. Its weights are then cut from the checkpoint's
+        safetensors files shard by shard (:mod:`tvm_distx.runtime.checkpoint`):
+        each block a rank holds is read on its own from the memory-mapped file,
+        so no process ever holds the whole model.
+
+        Parameters
+        ----------
+        directory : path
+            Written by ``save_pretrained``: ``config.json`` and one or more
+            ``*.safetensors`` files. Weights are served in float32.
+        num_ranks, backend, plan, max_length, prompt_length, timeout, **options
+            As for :meth:`from_hf`.
+
+        Raises
+        ------
+        ArgumentError
+            If the directory is not a checkpoint, or lacks a weight the model
+            needs, or holds one of another shape.
+        """
+        import torch
+        import transformers
+        from transformers.initialization import no_init_weights
+
+        from . import export_decoder
+        from .frontend import relax_name
+        from .runtime.checkpoint import open_checkpoint
+
+        root = Path(directory)
+        if not (root / "config.json").is_file():
+            raise ArgumentError(f"{root} is not a Hugging Face checkpoint (no config.json)",
+                                hint="give the directory model.save_pretrained(...) wrote")
+        if num_ranks < 1:
+            raise ArgumentError(f"CausalLM.from_pretrained(num_ranks={num_ranks}): need at "
+                                "least one rank",
+                                hint="CausalLM.from_pretrained(directory, num_ranks=2)")
+        tensors = open_checkpoint(root, dtype="float32")
+        config = transformers.AutoConfig.from_pretrained(root)
+        with no_init_weights():  # placeholders: allocated, never written or read
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32).eval()
+        model.tie_weights()  # skipped with the initialisation; ties are part of the graph
+        program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
+                                 with_weights=False)
+        # each program weight is a model tensor, known in the checkpoint under one of the
+        # names it has in the model (tied weights have several)
+        aliases: dict[int, list[str]] = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            aliases.setdefault(id(tensor), []).append(name)
+        by_relax = {relax_name("model." + name): names for names in aliases.values()
+                    for name in names}
+        weights = {}
+        for name, spec in program.weights.items():
+            names = by_relax.get(name, [])
+            found = next((n for n in names if n in tensors), None)
+            if found is None:
+                raise ArgumentError(
+                    f"the checkpoint in {root} has no tensor {' or '.join(names) or name}, "
+                    f"which {type(model).__name__} needs",
+                    hint="save the whole model with save_pretrained, in one directory")
+            if tensors[found].shape != tuple(spec.shape):
+                raise ArgumentError(
+                    f"tensor {found} of the checkpoint has shape {list(tensors[found].shape)}, "
+                    f"but config.json gives {type(model).__name__} {list(spec.shape)}",
+                    hint="use the config.json saved with these weights")
+            weights[name] = tensors[found].astype(spec.dtype)
+        del model  # the placeholders: only the traced program is kept
+        lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
+                        timeout=timeout, **options)
+        lm.eos_token_id = getattr(transformers.GenerationConfig.from_pretrained(root)
+                                  if (root / "generation_config.json").is_file() else config,
+                                  "eos_token_id", None)
+        return lm
+
+    @classmethod
+    def _serve(cls, model, program, weights, num_ranks: int, *, backend: str, plan,
+               timeout: float, **options) -> "CausalLM":
+        """Shard and compile ``program``, and launch its session with ``weights``."""
+        from . import comm_report, presets
+        from . import compile as compile_module
+        from .pipeline import run_stages
+
+        max_length = program.cache.max_length
         preset = plan if plan is not None else presets.tensor_parallel()
         annotated = presets.with_meshes(program.mod, [(num_ranks,)])
         for function in ("prefill", "decode"):
@@ -129,12 +224,12 @@ class CausalLM:
         exe = compile_module(annotated)
         rows = comm_report(run_stages(annotated)["local_view"]).rows
         per_token = sum(r.bytes_per_rank for r in rows if r.function == "decode")
-        session = exe.session(num_ranks, backend=backend, params=program.weights,
+        session = exe.session(num_ranks, backend=backend, params=weights,
                               function=("prefill", "decode"), timeout=timeout, **options)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         logger.info("CausalLM: %s on %d ranks, up to %d tokens, %d bytes per rank per token",
                     type(model).__name__, num_ranks, max_length, per_token)
-        return cls(program.cache, session, exe=exe, weights=program.weights,
+        return cls(program.cache, session, exe=exe, weights=weights,
                    eos_token_id=eos, bytes_per_token=per_token)
 
     # ------------------------------------------------------------------ bundles
@@ -145,8 +240,6 @@ class CausalLM:
         once, and ``generation.json``: the cache's layout and the model's end
         token. Returns the bundle's path.
         """
-        from pathlib import Path
-
         if self.exe is None:
             raise ArgumentError("this CausalLM was opened from a bundle; it has nothing to "
                                 "export", hint="copy the bundle directory instead")
@@ -162,8 +255,6 @@ class CausalLM:
     @classmethod
     def from_bundle(cls, directory, *, timeout: float = 300.0, **options) -> "CausalLM":
         """Serve a bundle written by :meth:`export` on its ranks (a session)."""
-        from pathlib import Path
-
         from .errors import BundleError
         from .kv_export import KVCacheLayout
         from .runtime.session import MPISession

@@ -21,6 +21,7 @@ import numpy as np
 
 from .errors import ArgumentError, SymbolicExtentError, UnsupportedProgramError
 from .layout import MeshTable, Placement, TensorSharding
+from .layout.derived import host_array
 from .mesh import DeviceMesh
 
 __all__ = ["TensorSpec", "FunctionSignature"]
@@ -275,9 +276,7 @@ def _spec(name: str, ty, function: str) -> TensorSpec:
 
 
 def _checked(spec: TensorSpec, value, function: str) -> np.ndarray:
-    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
-        value = value.detach().cpu().numpy()
-    array = np.asarray(value)
+    array = host_array(value)  # a tensor read on demand stays unread: only its shape is checked
     if not _fits(tuple(array.shape), spec.shape):
         raise ArgumentError(
             f"input '{spec.name}' of '{function}' has shape {tuple(array.shape)}, "
@@ -290,6 +289,8 @@ def _checked(spec: TensorSpec, value, function: str) -> np.ndarray:
             hint=f"convert it with .astype('{spec.dtype}')",
             cli_hint=f"save it as {spec.dtype}: np.save(path, array.astype('{spec.dtype}'))",
         )
+    if getattr(type(array), "__distx_deferred__", False):
+        return array
     return np.ascontiguousarray(array)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ArgumentError
 
-__all__ = ["DerivedParam", "Derivations"]
+__all__ = ["DerivedParam", "Derivations", "host_array"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,9 @@ class DerivedParam:
                 f"{list(self.source_shape)}>}}")
         index = [slice(None)] * value.ndim
         index[self.axis] = slice(self.start, self.stop)
-        return np.ascontiguousarray(value[tuple(index)])
+        part = value[tuple(index)]
+        return part if getattr(type(part), "__distx_deferred__", False) \
+            else np.ascontiguousarray(part)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (see :meth:`from_json`)."""
@@ -186,7 +188,7 @@ class Derivations:
                     f"weight '{source}' is given both whole and as its segment(s) "
                     f"{', '.join(both)}",
                     hint=f"pass only params['{source}'] (the program cuts it itself)")
-            value = _as_array(out.pop(source))
+            value = host_array(out.pop(source))
             for p in parts:
                 out[p.name] = p.take(value)
         return out
@@ -201,7 +203,18 @@ class Derivations:
         return cls(tuple(DerivedParam.from_json(d) for d in data or ()))
 
 
-def _as_array(value) -> np.ndarray:
+def host_array(value) -> Any:
+    """A weight or input as numpy, or as it is when it is read on demand.
+
+    torch tensors become numpy arrays (no copy when they can share memory);
+    a value marked ``__distx_deferred__`` (a
+    :class:`tvm_distx.runtime.checkpoint.LazyTensor`: it has ``shape``, ``dtype``
+    and basic slicing, and is read only by ``np.asarray``) is returned
+    untouched, so that cutting it into shards reads one shard at a time;
+    anything else goes through ``np.asarray``.
+    """
+    if getattr(type(value), "__distx_deferred__", False):
+        return value
     if hasattr(value, "detach") and hasattr(value, "numpy"):
         value = value.detach().cpu().numpy()
     return np.asarray(value)
