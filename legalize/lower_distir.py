@@ -8,7 +8,9 @@ worker 0 with a broadcast or scatter. This pass:
 * rewrites every function, parameters and calls included, from ``R.DTensor``
   types to each rank's local tensor types (each rank receives its own shard of
   every input, so nothing is scattered from worker 0);
-* turns ``call_tir_local_view`` into ``call_tir`` on local types;
+* turns ``call_tir_local_view`` into ``call_tir`` on local types, and TVM's
+  distributed KV-cache builtins back into the plain ones, a view asking for
+  its local shape (each rank's cache holds its shard);
 * turns the all-reduce that ``LowerGlobalViewToLocalView`` inserts after a
   sharded reduction, which TVM runs over *all* workers with a result typed
   replicated, into ``tvm_distx.ccl.allreduce`` over the sub-groups of exactly
@@ -385,6 +387,13 @@ class _FunctionLowerer(FunctionRewriter):
         # call_dps_packed (the planned collectives, for example) carries its result
         # type in ty_args: make it rank-local too.
         ty_args = [local_type(t) for t in call.ty_args]
+        builtin = _ir.kv_builtin(call)
+        if builtin is not None:
+            # each rank's cache holds its shard: the plain builtin, asked for the
+            # local shape of the view (as TVM's LowerDistIR does)
+            if builtin[0] == "view" and isinstance(var.ty, DTensorType):
+                args[1] = relax.ShapeExpr(list(local_type(var.ty).shape.values))
+            return _ir.kv_renamed(call, False, args, ty_args)
         return relax.Call(call.op, args, call.attrs, ty_args, call.span)
 
     def _allreduce(self, var: relax.Var, call: relax.Call, value):

@@ -361,6 +361,8 @@ class _FunctionEmitter(FunctionRewriter):
             self._annotation(b, value, dataflow)
         elif isinstance(value, relax.Call) and self.owner.callee_of(value) is not None:
             self._call(b, value, dataflow)
+        elif _ir.kv_builtin(value) is not None:
+            self._kv_cache(b, value, dataflow)
         elif isinstance(value, relax.Call) and self.analysis.tensor_slots(b.var):
             self._operator(b, value, dataflow)
         else:
@@ -478,6 +480,31 @@ class _FunctionEmitter(FunctionRewriter):
                                                                             "relax.dist.")):
             self.owner.unlegalized.append((self.name, b.var.name, call.op.name))
         self._finish(b, new, dataflow)
+
+    def _kv_cache(self, b, call: relax.Call, dataflow: bool) -> None:
+        """A KV-cache builtin under its distributed name, as TVM's pass writes it.
+
+        The appended tensor is moved to what the cache holds (whole rows, see
+        :meth:`FunctionAnalysis.kv_cache_sharding`); a view is typed as a DTensor
+        of the global shape it is asked for.
+        """
+        role, _ = _ir.kv_builtin(call)
+        args = [self.use(a) for a in call.args]
+        ty_args = list(call.ty_args)
+        if role == "append":
+            held = self.analysis.kv_cache_sharding(b.var)
+            if held is None:
+                self._plain(b, call, dataflow)
+                return
+            args[1] = self._moved(call.args[1], held)
+        else:
+            sharding = self._sharding(b.var)
+            if sharding is None:
+                self._plain(b, call, dataflow)
+                return
+            ty_args = [self.owner.dtensor_type(ty_args[0], sharding)]
+        new = self.bb.normalize(_ir.kv_renamed(call, True, args, ty_args))
+        self.bind(b.var, new, dataflow)
 
     def _constant(self, const, needed: TensorSharding, var: relax.Var):
         """A constant operand: a replicated DTensor constant, sliced where a use splits it.

@@ -71,7 +71,7 @@ from tvm import relax
 
 from tvm_distx import _ir
 from tvm_distx.errors import CallGraphError, UnsupportedProgramError
-from tvm_distx.layout import MeshTable, Placement, TensorSharding, replicated
+from tvm_distx.layout import MeshTable, Placement, Replicate, TensorSharding, replicated
 from tvm_distx.mesh import DeviceMesh
 
 from .decisions import (
@@ -306,6 +306,8 @@ class FunctionAnalysis:
                 self._annotation(b, value)
             elif self._is_function_call(value):
                 self._call(b, value)
+            elif _ir.kv_builtin(value) is not None:
+                self._kv_cache(b, value)
             else:
                 self._operator(b, value)
 
@@ -417,6 +419,54 @@ class FunctionAnalysis:
                     existing.sharding, existing.strength, existing.reason + partial_note(partial),
                     partial)
 
+    def kv_appended(self, cache: relax.Expr) -> relax.Var | None:
+        """The tensor appended to the KV cache object ``cache`` in this function, if any."""
+        if not isinstance(cache, relax.Var) or cache not in self.defs:
+            return None
+        value = self.bindings[self.defs[cache]].value
+        builtin = _ir.kv_builtin(value)
+        if builtin is None or builtin[0] != "append" or not isinstance(value.args[1], relax.Var):
+            return None
+        return value.args[1]
+
+    def kv_cache_sharding(self, cache: relax.Expr) -> TensorSharding | None:
+        """What each rank's cache ``cache`` holds: the appended tensor's sharding, whole rows.
+
+        The cache grows along dimension 0 (the sequence): a rank's shard of it
+        must be a block of whole rows, so a split of dimension 0 is gathered
+        before the append.
+        """
+        appended = self.kv_appended(cache)
+        decision = self.get(appended) if appended is not None else None
+        if decision is None:
+            return None
+        return kv_rows_whole(decision.sharding)
+
+    def _kv_cache(self, b: _Binding, call: relax.Call) -> None:
+        """TVM's KV-cache builtins: a view holds what was appended to its cache.
+
+        An append's result is the cache object (no tensor): its users (the views)
+        are looked at again once the appended tensor is decided. A view gets the
+        sharding of the tensor appended to its cache; a view decided first (by a
+        use) decides the appended tensor. A cache that no append in the function
+        reaches (a parameter) is whatever the view's uses want, as in TVM.
+        """
+        role = _ir.kv_builtin(call)[0]
+        if role == "append":
+            for user in self.users.get(b.var, ()):
+                self._push(user)
+            return
+        appended = self.kv_appended(call.args[0])
+        if appended is None:
+            return
+        mine, theirs = self.get(b.var), self.get(appended)
+        if mine is None and theirs is not None:
+            self._set(b.var, 0, Decision(kv_rows_whole(theirs.sharding), theirs.strength,
+                                         f"view of the cache '{appended.name}' is appended to"))
+        elif theirs is None and mine is not None:
+            self._set(appended, 0, Decision(mine.sharding, Strength.PROPAGATED,
+                                            f"appended to the cache viewed as '{b.var.name}'"))
+
     def _call(self, b: _Binding, call: relax.Call) -> None:
         callee = call.op.name_hint
         args = list(call.args)
@@ -434,6 +484,12 @@ class FunctionAnalysis:
             if result is not None and self.get(b.var, slot) is None:
                 self._set(b.var, slot, Decision(result.sharding, Strength.PROPAGATED,
                                                 f"result of '{callee}'"))
+
+
+def kv_rows_whole(sharding: TensorSharding) -> TensorSharding:
+    """``sharding`` with dimension 0 (a KV cache's growing axis) replicated."""
+    entries = [Replicate() if e.is_shard(0) else e for e in sharding.placement.entries]
+    return TensorSharding(sharding.mesh, Placement(tuple(entries)))
 
 
 def call_site(var: relax.Var, function: str) -> str:
