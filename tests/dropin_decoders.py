@@ -30,13 +30,14 @@ HIDDEN, HEADS, HEAD_DIM, MAX_POS = 16, 4, 4, 32
 WEIGHTS = ("g", "wq", "wk", "wv", "wo")
 
 
-def _seq(n):
+def symbolic(n):
+    """``n`` itself, or a new symbolic extent named ``n`` when it is a string."""
     return tirx.Var(n, "int64") if isinstance(n, str) else n
 
 
 def kv_decoder(n) -> tvm.IRModule:
     """The layer in Relax operators, keys and values through a KV cache per layer."""
-    n = _seq(n)
+    n = symbolic(n)
 
     @I.ir_module
     class KVDecoder:
@@ -77,7 +78,7 @@ def kv_decoder(n) -> tvm.IRModule:
 
 def plain_decoder(n) -> tvm.IRModule:
     """:func:`kv_decoder` without the cache: the keys and values are used directly."""
-    n = _seq(n)
+    n = symbolic(n)
 
     @I.ir_module
     class PlainDecoder:
@@ -147,7 +148,7 @@ def tir_decoder(n, cache: bool = True) -> tvm.IRModule:
     ``cache`` the two KV caches, the weights (projections as (out, in)), then
     ``cos`` and ``sin`` (``MAX_POS`` x 4 tables).
     """
-    n = _seq(n)
+    n = symbolic(n)
     rms_norm, rotary = _kernels(n)
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((n, 16), "float32"))
@@ -208,9 +209,16 @@ def _mesh():
 
 # --------------------------------------------------------------------------- numpy
 def random_inputs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random inputs by parameter name (no caches) for a sequence of ``n`` tokens."""
+    """Random inputs by parameter name (no caches) for a sequence of ``n`` tokens.
+
+    ``mask`` is causal (a position sees itself and those before it) and
+    ``scale`` is 2 everywhere.
+    """
     rng = np.random.default_rng(seed)
+    causal = np.tril(np.ones((n, n), dtype=bool))
     out = {"x": rng.standard_normal((n, HIDDEN), dtype=np.float32),
+           "mask": np.where(causal, 1e9, -1e9).astype(np.float32)[None],
+           "scale": np.full((HEADS, n, n), 2.0, dtype=np.float32),
            "g": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)}
     for w in WEIGHTS[1:]:
         out[w] = (0.3 * rng.standard_normal((HIDDEN, HIDDEN))).astype(np.float32)
@@ -219,21 +227,31 @@ def random_inputs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def reference(inputs: dict[str, np.ndarray], rotary: bool) -> np.ndarray:
-    """The layer in numpy (``rotary``: as :func:`tir_decoder` computes it)."""
+def reference(inputs: dict[str, np.ndarray], tir: bool) -> np.ndarray:
+    """The layer in numpy (``tir``: as :func:`tir_decoder` computes it, else :func:`plain_decoder`).
+
+    The projections of :func:`tir_decoder` are given as (out, in).
+    """
     x, g = inputs["x"], inputs["g"]
     n = x.shape[0]
     h = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * g
-    q, k, v = ((h @ inputs[w]).reshape(n, HEADS, HEAD_DIM) for w in ("wq", "wk", "wv"))
-    if rotary:
+    q, k, v = ((h @ (inputs[w].T if tir else inputs[w])).reshape(n, HEADS, HEAD_DIM)
+               for w in ("wq", "wk", "wv"))
+    if tir:
         cos, sin = inputs["cos"][:n, None, :], inputs["sin"][:n, None, :]
 
         def rope(t):
             return cos * t + sin * np.concatenate([-t[..., 2:], t[..., :2]], axis=-1)
 
         q, k = rope(q), rope(k)
-    scores = np.einsum("ihd,jhd->hij", q, k) * 0.5
+    scores = np.einsum("ihd,jhd->hij", q, k)
+    scores = np.minimum(scores / inputs["scale"], inputs["mask"]) if tir else scores * 0.5
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     mixed = np.einsum("hij,jhd->ihd", probs, v).reshape(n, HIDDEN)
     return x + mixed @ inputs["wo"]
+
+
+def arguments(mod: tvm.IRModule, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """``inputs`` in the order of ``main``'s parameters."""
+    return [inputs[p.name] for p in mod["main"].params]

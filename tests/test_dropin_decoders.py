@@ -1,0 +1,96 @@
+"""Decoder layers as TVM's distributed passes handle them: ours give TVM's result, and run.
+
+TVM's ``PropagateSharding`` is the oracle for the plans. The layers
+(``tests/dropin_decoders.py``) are written with Relax operators and TVM's
+KV-cache builtins, and with ``call_tir`` to hand-written TIR kernels, each with
+a static and a symbolic sequence length. Our pass must give exactly TVM's
+module (the builtins renamed to ``vm.builtin.distributed.*``, the cache views
+typed as DTensors split by heads), well formed, and our ``LowerDistIR`` must
+give each rank the plain builtins asking for its local view. Our runtime takes
+tensors only (no cache objects), so the numbers on 2 MPI ranks are checked on
+the same layers without the cache, against numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax.distributed import DTensorType
+from tvm.relax.distributed.transform import PropagateSharding as TVMPropagateSharding
+
+import dropin_decoders as dec
+import tvm_distx as td
+from tvm_distx import _ir
+from tvm_distx.layout import TensorSharding
+from tvm_distx.passes import PropagateSharding
+from tvm_distx.pipeline import run_stages
+
+LENGTHS = [8, "n"]
+
+
+def _calls(func, predicate):
+    found = []
+    relax.analysis.post_order_visit(func, lambda e: found.append(e) if predicate(e) else None)
+    return found
+
+
+def _kv_calls(mod):
+    return _calls(mod["main"], lambda e: _ir.kv_builtin(e) is not None)
+
+
+def _check_propagated_like_tvm(mod):
+    ours = PropagateSharding(warn_unlegalized=False)(mod)
+    relax.analysis.well_formed(ours)
+    tvm.ir.assert_structural_equal(ours, TVMPropagateSharding()(mod))
+    calls = _kv_calls(ours)
+    assert sorted(str(c.op.global_symbol) for c in calls) == [
+        "vm.builtin.distributed.attention_kv_cache_append"] * 2 + [
+        "vm.builtin.distributed.attention_kv_cache_view"] * 2
+    for view in (c for c in calls if _ir.kv_builtin(c)[0] == "view"):
+        assert isinstance(view.ty, DTensorType)
+        assert str(TensorSharding.from_type(view.ty).placement) == "S[1]"  # split by heads
+    return ours
+
+
+@pytest.mark.parametrize("n", LENGTHS, ids=["static", "dynamic"])
+def test_kv_decoder_in_relax_ops_is_propagated_as_tvm_does(n):
+    _check_propagated_like_tvm(dec.kv_decoder(n))
+
+
+@pytest.mark.parametrize("n", LENGTHS, ids=["static", "dynamic"])
+def test_kv_decoder_with_call_tir_is_propagated_as_tvm_does(n):
+    ours = _check_propagated_like_tvm(dec.tir_decoder(n))
+    dist_calls = _calls(ours["main"], lambda e: _ir.is_call_to(e, "relax.call_tir"))
+    assert len(dist_calls) > 10
+    for call in dist_calls:  # R.dist.call_tir: DTensors in, DTensors out
+        assert all(isinstance(a.ty, DTensorType) for a in call.args[1].fields
+                   if not isinstance(a.ty, tvm.ir.PrimType))
+        assert isinstance(call.ty_args[0], DTensorType)
+
+
+@pytest.mark.parametrize("n", LENGTHS, ids=["static", "dynamic"])
+@pytest.mark.parametrize("form", ["relax", "tir"])
+def test_kv_decoder_lowers_to_the_plain_builtins_on_local_views(form, n):
+    n = dec.symbolic(n)
+    mod = dec.kv_decoder(n) if form == "relax" else dec.tir_decoder(n)
+    lowered = run_stages(mod)["lower_distir"]
+    relax.analysis.well_formed(lowered)
+    calls = _kv_calls(lowered)
+    assert {str(c.op.global_symbol) for c in calls} == {
+        "vm.builtin.attention_kv_cache_append", "vm.builtin.attention_kv_cache_view"}
+    for view in (c for c in calls if _ir.kv_builtin(c)[0] == "view"):
+        seq, heads, dim = view.args[1].values
+        assert (int(heads), int(dim)) == (2, 4)  # 2 of the 4 heads on each rank
+        assert seq.same_as(n) if isinstance(n, tvm.ir.Var) else int(seq) == n
+        assert isinstance(view.ty, relax.TensorType)
+
+
+@pytest.mark.parametrize("form", ["relax", "tir"])
+def test_decoder_without_cache_equals_numpy_on_two_mpi_ranks(form):
+    mod = dec.plain_decoder("n") if form == "relax" else dec.tir_decoder(8, cache=False)
+    inputs = dec.random_inputs(8, seed=3)
+    got = td.compile(mod).run(*dec.arguments(mod, inputs), backend="mpi")
+    np.testing.assert_allclose(got, dec.reference(inputs, tir=form == "tir"),
+                               rtol=1e-4, atol=1e-4)
