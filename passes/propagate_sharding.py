@@ -498,11 +498,17 @@ class _FunctionEmitter(FunctionRewriter):
                 return
             args[1] = self._moved(call.args[1], held)
         else:
-            sharding = self._sharding(b.var)
-            if sharding is None:
+            want = self._sharding(b.var)
+            # the view is what the cache holds; a use that wants it otherwise moves it
+            held = self.analysis.kv_cache_sharding(call.args[0]) or want
+            if held is None:
                 self._plain(b, call, dataflow)
                 return
-            ty_args = [self.owner.dtensor_type(ty_args[0], sharding)]
+            ty_args = [self.owner.dtensor_type(ty_args[0], held)]
+            if want is not None and want != held:
+                raw = self.bb.emit(_ir.kv_renamed(call, True, args, ty_args))
+                self.bind(b.var, self.owner.redistribute(raw, want), dataflow)
+                return
         new = self.bb.normalize(_ir.kv_renamed(call, True, args, ty_args))
         self.bind(b.var, new, dataflow)
 

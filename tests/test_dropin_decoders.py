@@ -19,6 +19,8 @@ import tvm
 from tvm import relax
 from tvm.relax.distributed import DTensorType
 from tvm.relax.distributed.transform import PropagateSharding as TVMPropagateSharding
+from tvm.script import ir as I
+from tvm.script import relax as R
 
 import dropin_decoders as dec
 import tvm_distx as td
@@ -28,6 +30,24 @@ from tvm_distx.passes import PropagateSharding
 from tvm_distx.pipeline import run_stages
 
 LENGTHS = [8, "n"]
+
+
+@I.ir_module
+class SequenceSplit:
+    I.module_attrs({"device_num": 2})
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function(pure=False)
+    def main(x: R.Tensor((8, 4, 4), "float32"), cache: R.Object):
+        keys = R.nn.relu(x)
+        held: R.Object = R.call_packed("vm.builtin.attention_kv_cache_append", cache, keys,
+                                       ty_args=(R.Object(),))
+        seen: R.Tensor((8, 4, 4), "float32") = R.call_packed(
+            "vm.builtin.attention_kv_cache_view", held, R.shape([8, 4, 4]),
+            ty_args=(R.Tensor((8, 4, 4), "float32"),))
+        rows = R.dist.annotate_sharding(seen, "mesh[0]", "S[0]")
+        out = R.nn.relu(rows)
+        return out
 
 
 def _calls(func, predicate):
@@ -94,3 +114,15 @@ def test_decoder_without_cache_equals_numpy_on_two_mpi_ranks(form):
     got = td.compile(mod).run(*dec.arguments(mod, inputs), backend="mpi")
     np.testing.assert_allclose(got, dec.reference(inputs, tir=form == "tir"),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_a_cache_holds_whole_rows_when_a_use_splits_the_sequence():
+    # each rank's cache grows by rows (dimension 0): a split there is gathered before
+    # the append, and the view, which holds whole rows, is sliced for the use
+    scores = PropagateSharding(warn_unlegalized=False)(SequenceSplit)
+    relax.analysis.well_formed(scores)
+    calls = {_ir.kv_builtin(c)[0]: c for c in _kv_calls(scores)}
+    assert str(TensorSharding.from_type(calls["append"].args[1].ty).placement) == "R"
+    assert str(TensorSharding.from_type(calls["view"].ty).placement) == "R"
+    out = scores["main"].body.body
+    assert str(TensorSharding.from_type(out.ty).placement) == "S[0]"
