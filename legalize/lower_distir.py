@@ -396,6 +396,9 @@ class _FunctionLowerer(FunctionRewriter):
             # local shape of the view (as TVM's LowerDistIR does)
             if builtin[0] == "view" and isinstance(var.ty, DTensorType):
                 args[1] = relax.ShapeExpr(list(local_type(var.ty).shape.values))
+            if builtin[0] == "create" and isinstance(call.args[0].ty, DTensorType):
+                reserved = TensorSharding.from_type(call.args[0].ty)
+                args[1] = relax.ShapeExpr(list(reserved.local_shape(call.args[1].values)))
             return _ir.kv_renamed(call, False, args, ty_args)
         return relax.Call(call.op, args, call.attrs, ty_args, call.span)
 

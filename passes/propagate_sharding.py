@@ -484,19 +484,20 @@ class _FunctionEmitter(FunctionRewriter):
     def _kv_cache(self, b, call: relax.Call, dataflow: bool) -> None:
         """A KV-cache builtin under its distributed name, as TVM's pass writes it.
 
-        The appended tensor is moved to what the cache holds (whole rows, see
-        :meth:`FunctionAnalysis.kv_cache_sharding`); a view is typed as a DTensor
-        of the global shape it is asked for.
+        The appended tensor (or a created cache's initial data) is moved to what
+        the cache holds (whole rows, see :meth:`FunctionAnalysis.kv_cache_sharding`);
+        a view is typed as a DTensor of the global shape it is asked for.
         """
         role, _ = _ir.kv_builtin(call)
         args = [self.use(a) for a in call.args]
         ty_args = list(call.ty_args)
-        if role == "append":
+        if role != "view":
             held = self.analysis.kv_cache_sharding(b.var)
             if held is None:
                 self._plain(b, call, dataflow)
                 return
-            args[1] = self._moved(call.args[1], held)
+            written = 1 if role == "append" else 0
+            args[written] = self._moved(call.args[written], held)
         else:
             want = self._sharding(b.var)
             # the view is what the cache holds; a use that wants it otherwise moves it

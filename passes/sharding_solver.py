@@ -419,53 +419,72 @@ class FunctionAnalysis:
                     existing.sharding, existing.strength, existing.reason + partial_note(partial),
                     partial)
 
-    def kv_appended(self, cache: relax.Expr) -> relax.Var | None:
-        """The tensor appended to the KV cache object ``cache`` in this function, if any."""
-        if not isinstance(cache, relax.Var) or cache not in self.defs:
-            return None
-        value = self.bindings[self.defs[cache]].value
-        builtin = _ir.kv_builtin(value)
-        if builtin is None or builtin[0] != "append" or not isinstance(value.args[1], relax.Var):
-            return None
-        return value.args[1]
+    def kv_sources(self, cache: relax.Expr) -> list[relax.Var]:
+        """The tensors written into the KV cache object ``cache`` in this function, latest first.
+
+        Each append adds its value to the cache it is given; a cache created by
+        ``vm.builtin.attention_kv_cache_create`` starts with its initial data. A
+        cache from a parameter has no sources.
+        """
+        sources: list[relax.Var] = []
+        while isinstance(cache, relax.Var) and cache in self.defs:
+            value = self.bindings[self.defs[cache]].value
+            builtin = _ir.kv_builtin(value)
+            if builtin is None or builtin[0] == "view":
+                break
+            written = value.args[1] if builtin[0] == "append" else value.args[0]
+            if isinstance(written, relax.Var):
+                sources.append(written)
+            if builtin[0] == "create":
+                break
+            cache = value.args[0]
+        return sources
 
     def kv_cache_sharding(self, cache: relax.Expr) -> TensorSharding | None:
-        """What each rank's cache ``cache`` holds: the appended tensor's sharding, whole rows.
+        """What each rank's part of the cache ``cache`` holds: its sources' sharding, whole rows.
 
         The cache grows along dimension 0 (the sequence): a rank's shard of it
         must be a block of whole rows, so a split of dimension 0 is gathered
-        before the append.
+        before the append. Every source is moved to this sharding.
         """
-        appended = self.kv_appended(cache)
-        decision = self.get(appended) if appended is not None else None
-        if decision is None:
-            return None
-        return kv_rows_whole(decision.sharding)
+        for source in self.kv_sources(cache):
+            decision = self.get(source)
+            if decision is not None:
+                return kv_rows_whole(decision.sharding)
+        return None
 
     def _kv_cache(self, b: _Binding, call: relax.Call) -> None:
-        """TVM's KV-cache builtins: a view holds what was appended to its cache.
+        """TVM's KV-cache builtins: a view holds what was written into its cache.
 
-        An append's result is the cache object (no tensor): its users (the views)
-        are looked at again once the appended tensor is decided. A view gets the
-        sharding of the tensor appended to its cache; a view decided first (by a
-        use) decides the appended tensor. A cache that no append in the function
-        reaches (a parameter) is whatever the view's uses want, as in TVM.
+        A create or an append gives a cache object (no tensor): the tensors
+        written into one cache all get the sharding of the first one decided,
+        and the users of the object (views, later appends) are looked at again.
+        A view gets that sharding; a view decided first (by a use) decides the
+        latest tensor written. A cache that nothing in the function writes (a
+        parameter) is whatever the view's uses want, as in TVM.
         """
         role = _ir.kv_builtin(call)[0]
-        if role == "append":
+        if role != "view":
+            held = self.kv_cache_sharding(b.var)
+            if held is not None:
+                for source in self.kv_sources(b.var):
+                    if self.get(source) is None:
+                        self._set(source, 0, Decision(held, Strength.PROPAGATED,
+                                                      f"written into the cache '{b.var.name}'"))
             for user in self.users.get(b.var, ()):
                 self._push(user)
             return
-        appended = self.kv_appended(call.args[0])
-        if appended is None:
+        sources = self.kv_sources(call.args[0])
+        if not sources:
             return
-        mine, theirs = self.get(b.var), self.get(appended)
-        if mine is None and theirs is not None:
-            self._set(b.var, 0, Decision(kv_rows_whole(theirs.sharding), theirs.strength,
-                                         f"view of the cache '{appended.name}' is appended to"))
-        elif theirs is None and mine is not None:
-            self._set(appended, 0, Decision(mine.sharding, Strength.PROPAGATED,
-                                            f"appended to the cache viewed as '{b.var.name}'"))
+        held, mine = self.kv_cache_sharding(call.args[0]), self.get(b.var)
+        if mine is None and held is not None:
+            written = next(s for s in sources if self.get(s) is not None)
+            self._set(b.var, 0, Decision(held, self.get(written).strength,
+                                         f"view of the cache '{written.name}' is written into"))
+        elif held is None and mine is not None:
+            self._set(sources[0], 0, Decision(mine.sharding, Strength.PROPAGATED,
+                                              f"written into the cache viewed as '{b.var.name}'"))
 
     def _call(self, b: _Binding, call: relax.Call) -> None:
         callee = call.op.name_hint

@@ -76,6 +76,61 @@ def kv_decoder(n) -> tvm.IRModule:
     return KVDecoder
 
 
+def prefix_decoder(n, past: int) -> tvm.IRModule:
+    """:func:`kv_decoder` whose caches start from given keys and values (a runnable form).
+
+    The caches are created in the function (``vm.builtin.attention_kv_cache_create``)
+    from ``past_k`` and ``past_v`` (``past`` positions each), so the function takes
+    tensors only; the new keys and values are appended and the queries attend
+    to all ``past + n`` positions.
+    """
+    n = symbolic(n)
+    total = past + n
+
+    @I.ir_module
+    class PrefixDecoder:
+        I.module_attrs({"device_num": 2})
+        I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+        @R.function(pure=False)
+        def main(x: R.Tensor((n, 16), "float32"), past_k: R.Tensor((past, 4, 4), "float32"),
+                 past_v: R.Tensor((past, 4, 4), "float32"), g: R.Tensor((16,), "float32"),
+                 wq: R.Tensor((16, 16), "float32"), wk: R.Tensor((16, 16), "float32"),
+                 wv: R.Tensor((16, 16), "float32"), wo: R.Tensor((16, 16), "float32")
+                 ) -> R.Tensor((n, 16), "float32"):
+            ms = R.mean(R.multiply(x, x), axis=[-1], keepdims=True)
+            h = R.multiply(R.multiply(x, R.rsqrt(R.add(ms, R.const(1e-5, "float32")))), g)
+            q = R.reshape(R.matmul(h, R.dist.annotate_sharding(wq, "mesh[0]", "S[1]")),
+                          R.shape([n, 4, 4]))
+            k = R.reshape(R.matmul(h, R.dist.annotate_sharding(wk, "mesh[0]", "S[1]")),
+                          R.shape([n, 4, 4]))
+            v = R.reshape(R.matmul(h, R.dist.annotate_sharding(wv, "mesh[0]", "S[1]")),
+                          R.shape([n, 4, 4]))
+            k_empty: R.Object = R.call_packed("vm.builtin.attention_kv_cache_create", past_k,
+                                              R.shape([total, 4, 4]), R.prim_value(-1),
+                                              ty_args=(R.Object(),))
+            v_empty: R.Object = R.call_packed("vm.builtin.attention_kv_cache_create", past_v,
+                                              R.shape([total, 4, 4]), R.prim_value(-1),
+                                              ty_args=(R.Object(),))
+            k_cache: R.Object = R.call_packed("vm.builtin.attention_kv_cache_append", k_empty,
+                                              k, ty_args=(R.Object(),))
+            v_cache: R.Object = R.call_packed("vm.builtin.attention_kv_cache_append", v_empty,
+                                              v, ty_args=(R.Object(),))
+            keys: R.Tensor((total, 4, 4), "float32") = R.call_packed(
+                "vm.builtin.attention_kv_cache_view", k_cache, R.shape([total, 4, 4]),
+                ty_args=(R.Tensor((total, 4, 4), "float32"),))
+            values: R.Tensor((total, 4, 4), "float32") = R.call_packed(
+                "vm.builtin.attention_kv_cache_view", v_cache, R.shape([total, 4, 4]),
+                ty_args=(R.Tensor((total, 4, 4), "float32"),))
+            scores = R.matmul(R.permute_dims(q, [1, 0, 2]), R.permute_dims(keys, [1, 2, 0]))
+            probs = R.nn.softmax(R.multiply(scores, R.const(0.5, "float32")), axis=-1)
+            mixed = R.permute_dims(R.matmul(probs, R.permute_dims(values, [1, 0, 2])), [1, 0, 2])
+            out = R.add(x, R.matmul(R.reshape(mixed, R.shape([n, 16])), wo))
+            return out
+
+    return PrefixDecoder
+
+
 def plain_decoder(n) -> tvm.IRModule:
     """:func:`kv_decoder` without the cache: the keys and values are used directly."""
     n = symbolic(n)
@@ -208,11 +263,12 @@ def _mesh():
 
 
 # --------------------------------------------------------------------------- numpy
-def random_inputs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+def random_inputs(n: int, seed: int = 0, past: int = 0) -> dict[str, np.ndarray]:
     """Random inputs by parameter name (no caches) for a sequence of ``n`` tokens.
 
     ``mask`` is causal (a position sees itself and those before it) and
-    ``scale`` is 2 everywhere.
+    ``scale`` is 2 everywhere. With ``past``, ``past_k`` and ``past_v`` hold
+    that many earlier positions (for :func:`prefix_decoder`).
     """
     rng = np.random.default_rng(seed)
     causal = np.tril(np.ones((n, n), dtype=bool))
@@ -224,6 +280,9 @@ def random_inputs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
         out[w] = (0.3 * rng.standard_normal((HIDDEN, HIDDEN))).astype(np.float32)
     angles = np.arange(MAX_POS)[:, None] * np.array([1.0, 0.1, 1.0, 0.1])[None, :]
     out["cos"], out["sin"] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    if past:
+        out["past_k"], out["past_v"] = (rng.standard_normal((past, HEADS, HEAD_DIM),
+                                                            dtype=np.float32) for _ in range(2))
     return out
 
 
@@ -237,6 +296,9 @@ def reference(inputs: dict[str, np.ndarray], tir: bool) -> np.ndarray:
     h = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * g
     q, k, v = ((h @ (inputs[w].T if tir else inputs[w])).reshape(n, HEADS, HEAD_DIM)
                for w in ("wq", "wk", "wv"))
+    if "past_k" in inputs:  # prefix_decoder: the cache holds the past, then the new
+        k = np.concatenate([inputs["past_k"], k])
+        v = np.concatenate([inputs["past_v"], v])
     if tir:
         cos, sin = inputs["cos"][:n, None, :], inputs["sin"][:n, None, :]
 
@@ -244,7 +306,7 @@ def reference(inputs: dict[str, np.ndarray], tir: bool) -> np.ndarray:
             return cos * t + sin * np.concatenate([-t[..., 2:], t[..., :2]], axis=-1)
 
         q, k = rope(q), rope(k)
-    scores = np.einsum("ihd,jhd->hij", q, k)
+    scores = np.einsum("ihd,jhd->hij", q, k)  # queries: the new positions only
     scores = np.minimum(scores / inputs["scale"], inputs["mask"]) if tir else scores * 0.5
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)

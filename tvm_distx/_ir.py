@@ -118,8 +118,11 @@ def tvm_error_reason(err: Exception) -> str:
 #: TVM's attention KV-cache builtins, by role: the plain name (global view before
 #: propagation, and each rank's program after lowering) and the distributed name
 #: that TVM's ``PropagateSharding`` gives a call on sharded values. The cache
-#: object holds what was appended to it; each rank's cache holds its own shard.
+#: object holds what was written into it; each rank's cache holds its own shard.
+#: ``create`` (initial data, reserved shape, fill count) has no distributed name
+#: in TVM; it keeps its name, and lowering gives it the local reserved shape.
 KV_BUILTINS = {
+    "create": ("vm.builtin.attention_kv_cache_create", "vm.builtin.attention_kv_cache_create"),
     "append": ("vm.builtin.attention_kv_cache_append",
                "vm.builtin.distributed.attention_kv_cache_append"),
     "view": ("vm.builtin.attention_kv_cache_view",
@@ -130,7 +133,8 @@ KV_BUILTINS = {
 def kv_builtin(expr) -> tuple[str, bool] | None:
     """``(role, distributed)`` for a call of a KV-cache builtin (plain or distributed), else None.
 
-    ``role`` is ``"append"`` (arguments: cache, value) or ``"view"`` (arguments:
+    ``role`` is ``"create"`` (arguments: initial data, reserved shape, fill
+    count), ``"append"`` (arguments: cache, value) or ``"view"`` (arguments:
     cache, shape; the result type is the call's ``ty_args``).
     """
     if not (isinstance(expr, relax.Call) and isinstance(expr.op, relax.ExternFunc)):
