@@ -28,7 +28,8 @@ import tvm_distx as td
 from tvm_distx import _ir
 from tvm_distx.layout import TensorSharding
 from tvm_distx.passes import PropagateSharding
-from tvm_distx.pipeline import run_stages
+from tvm_distx.legalize import LowerGlobalViewToLocalView
+from tvm_distx.pipeline import legalize_ops, run_stages
 
 LENGTHS = [8, "n"]
 
@@ -134,3 +135,18 @@ def test_a_cache_holds_whole_rows_when_a_use_splits_the_sequence():
     assert str(TensorSharding.from_type(calls["view"].ty).placement) == "R"
     out = scores["main"].body.body
     assert str(TensorSharding.from_type(out.ty).placement) == "S[0]"
+
+
+@pytest.mark.parametrize("form", ["relax", "tir"])
+def test_our_plan_moves_and_holds_no_more_than_tvms(form):
+    mod = dec.kv_decoder(8) if form == "relax" else dec.tir_decoder(8)
+    ours = run_stages(mod)["local_view"]
+    theirs = LowerGlobalViewToLocalView()(TVMPropagateSharding()(legalize_ops(mod)))
+    assert td.comm_report(ours).total_bytes_per_rank <= td.comm_report(theirs).total_bytes_per_rank
+
+    def held(m):  # bytes of the parameters each rank holds
+        return sum(int(np.prod(TensorSharding.from_type(p.ty).local_shape(
+            [int(d) for d in p.ty.tensor_ty.shape.values]))) * 4
+            for p in m["main"].params if isinstance(p.ty, DTensorType))
+
+    assert held(ours) <= held(theirs)
