@@ -467,10 +467,13 @@ class FunctionAnalysis:
         if role != "view":
             held = self.kv_cache_sharding(b.var)
             if held is not None:
-                for source in self.kv_sources(b.var):
+                sources = self.kv_sources(b.var)
+                first = next(s for s in sources if self.get(s) is not None)
+                for source in sources:
                     if self.get(source) is None:
-                        self._set(source, 0, Decision(held, Strength.PROPAGATED,
-                                                      f"written into the cache '{b.var.name}'"))
+                        self._set(source, 0, Decision(
+                            held, Strength.PROPAGATED,
+                            f"written into the KV cache that '{first.name}' is written into"))
             for user in self.users.get(b.var, ()):
                 self._push(user)
             return
