@@ -9,8 +9,9 @@ intermediate module is well formed:
     program feeds the ranks from worker 0 with ``R.ccl`` broadcasts and
     scatters, which only TVM's disco runtime runs; it is checked structurally.
 (b) TVM's PropagateSharding, then ours: numbers on 2 MPI ranks vs numpy.
-(c) ours PropagateSharding, TVM's LowerGlobalViewToLocalView, then ours:
-    numbers on 2 MPI ranks vs numpy.
+(c) ours PropagateSharding, TVM's LowerGlobalViewToLocalView, then ours, on
+    the decoder with KV caches and a dynamic length: numbers on 2 MPI ranks
+    vs numpy.
 (d) TVM's LegalizeRedistribute emits ``redistribute_replica_to_shard`` for a
     local slice; our LowerDistIR accepts it: numbers on 2 MPI ranks.
 """
@@ -81,11 +82,15 @@ def test_b_tvm_propagate_then_ours_equals_numpy_on_two_mpi_ranks(mixed):
 
 
 def test_c_ours_propagate_then_tvm_local_view_equals_numpy_on_two_mpi_ranks(mixed):
-    mod = dec.plain_decoder(8)
+    # the decoder with KV caches (created from past keys and values) and a dynamic length
+    mod = dec.prefix_decoder("n", past=4)
     _well_formed_through(pipeline.legalize_ops(mod), [
         PropagateSharding(require_legalized=True), tvm_dist.LowerGlobalViewToLocalView(),
         legalize.LegalizeRedistribute(), legalize.LowerDistIR()])
-    _run_decoder(mixed(mod, local_view=tvm_dist.LowerGlobalViewToLocalView()), mod, tir=False)
+    inputs = dec.random_inputs(6, seed=12, past=4)
+    got = mixed(mod, local_view=tvm_dist.LowerGlobalViewToLocalView()).run(
+        *dec.arguments(mod, inputs), backend="mpi")
+    np.testing.assert_allclose(got, dec.reference(inputs, tir=False), rtol=1e-4, atol=1e-4)
 
 
 @I.ir_module
