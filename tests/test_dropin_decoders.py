@@ -8,8 +8,8 @@ module (the builtins renamed to ``vm.builtin.distributed.*``, the cache views
 typed as DTensors split by heads), well formed, and our ``LowerDistIR`` must
 give each rank the plain builtins asking for its local view. Our runtime takes
 tensors, not cache objects: the numbers on 2 MPI ranks are checked on the layer
-whose caches are created in the function from past keys and values (dynamic
-length), and on the ``call_tir`` layer without the cache, against numpy.
+whose caches are created in the function from past keys and values (static
+and dynamic length), and on the ``call_tir`` layer without the cache, against numpy.
 """
 
 from __future__ import annotations
@@ -109,11 +109,12 @@ def test_kv_decoder_lowers_to_the_plain_builtins_on_local_views(form, n):
         assert isinstance(view.ty, relax.TensorType)
 
 
-def test_kv_decoder_with_a_dynamic_length_equals_numpy_on_two_mpi_ranks():
+@pytest.mark.parametrize("n", [5, "n"], ids=["static", "dynamic"])
+def test_kv_decoder_equals_numpy_on_two_mpi_ranks(n):
     # the caches are created in the function from the past keys and values (our
     # runtime passes tensors, not cache objects); each rank's cache holds its heads
-    mod = dec.prefix_decoder("n", past=4)
-    inputs = dec.random_inputs(6, seed=3, past=4)
+    mod = dec.prefix_decoder(n, past=4)
+    inputs = dec.random_inputs(5 if n == 5 else 6, seed=3, past=4)
     got = td.compile(mod).run(*dec.arguments(mod, inputs), backend="mpi")
     np.testing.assert_allclose(got, dec.reference(inputs, tir=False), rtol=1e-4, atol=1e-4)
 
