@@ -8,7 +8,11 @@ worker 0 with a broadcast or scatter. This pass:
 * rewrites every function, parameters and calls included, from ``R.DTensor``
   types to each rank's local tensor types (each rank receives its own shard of
   every input, so nothing is scattered from worker 0);
-* turns ``call_tir_local_view`` into ``call_tir`` on local types;
+* turns TVM's ``redistribute_replica_to_shard`` (from TVM's
+  ``LegalizeRedistribute``) into ``tvm_distx.ccl.local_slice``;
+* turns ``call_tir_local_view`` into ``call_tir`` on local types, and TVM's
+  distributed KV-cache builtins back into the plain ones, a view asking for
+  its local shape (each rank's cache holds its shard);
 * turns the all-reduce that ``LowerGlobalViewToLocalView`` inserts after a
   sharded reduction, which TVM runs over *all* workers with a result typed
   replicated, into ``tvm_distx.ccl.allreduce`` over the sub-groups of exactly
@@ -365,9 +369,10 @@ class _FunctionLowerer(FunctionRewriter):
                               [local_type(var.ty)], call.span)
         if _ir.is_call_to(call, "relax.ccl.allreduce"):
             return self._allreduce(var, call, args[0])
-        if _ir.is_call_to(call, "relax.dist.redistribute") or _ir.is_call_to(
-            call, "relax.dist.redistribute_replica_to_shard"
-        ):
+        if _ir.is_call_to(call, "relax.dist.redistribute_replica_to_shard") and \
+                isinstance(var.ty, DTensorType):
+            return self._replica_to_shard(var, call, args[0])
+        if _ir.is_call_to(call, "relax.dist.redistribute"):
             raise UnsupportedProgramError(
                 "a redistribute reached lowering; legalize it first "
                 "(tvm_distx.legalize.LegalizeRedistribute)",
@@ -385,7 +390,30 @@ class _FunctionLowerer(FunctionRewriter):
         # call_dps_packed (the planned collectives, for example) carries its result
         # type in ty_args: make it rank-local too.
         ty_args = [local_type(t) for t in call.ty_args]
+        builtin = _ir.kv_builtin(call)
+        if builtin is not None:
+            # each rank's cache holds its shard: the plain builtin, asked for the
+            # local shape of the view (as TVM's LowerDistIR does)
+            if builtin[0] == "view" and isinstance(var.ty, DTensorType):
+                args[1] = relax.ShapeExpr(list(local_type(var.ty).shape.values))
+            if builtin[0] == "create" and isinstance(call.args[0].ty, DTensorType):
+                reserved = TensorSharding.from_type(call.args[0].ty)
+                args[1] = relax.ShapeExpr(list(reserved.local_shape(call.args[1].values)))
+            return _ir.kv_renamed(call, False, args, ty_args)
         return relax.Call(call.op, args, call.attrs, ty_args, call.span)
+
+    def _replica_to_shard(self, var: relax.Var, call: relax.Call, value):
+        """TVM's local slice (what TVM's ``LegalizeRedistribute`` emits): our local slice.
+
+        Each rank keeps its block of its own copy along ``axis``, over the mesh
+        axes that split that dimension in the result's placement.
+        """
+        sharding = TensorSharding.from_type(var.ty)
+        axis = int(call.attrs.axis)
+        mesh_axes = sharding.placement.mesh_axes_sharding(axis)
+        group = CollectiveGroup.along(sharding.mesh, mesh_axes)
+        packed_args = relax.Tuple([value, relax.ShapeExpr(group.encode()), relax.ShapeExpr([axis])])
+        return relax.call_dps_packed(ccl.LOCAL_SLICE, packed_args, out_ty=local_type(var.ty))
 
     def _allreduce(self, var: relax.Var, call: relax.Call, value):
         # TVM's local view types the all-reduce's result as replicated on every

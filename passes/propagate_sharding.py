@@ -361,6 +361,8 @@ class _FunctionEmitter(FunctionRewriter):
             self._annotation(b, value, dataflow)
         elif isinstance(value, relax.Call) and self.owner.callee_of(value) is not None:
             self._call(b, value, dataflow)
+        elif _ir.kv_builtin(value) is not None:
+            self._kv_cache(b, value, dataflow)
         elif isinstance(value, relax.Call) and self.analysis.tensor_slots(b.var):
             self._operator(b, value, dataflow)
         else:
@@ -478,6 +480,38 @@ class _FunctionEmitter(FunctionRewriter):
                                                                             "relax.dist.")):
             self.owner.unlegalized.append((self.name, b.var.name, call.op.name))
         self._finish(b, new, dataflow)
+
+    def _kv_cache(self, b, call: relax.Call, dataflow: bool) -> None:
+        """A KV-cache builtin under its distributed name, as TVM's pass writes it.
+
+        The appended tensor (or a created cache's initial data) is moved to what
+        the cache holds (whole rows, see :meth:`FunctionAnalysis.kv_cache_sharding`);
+        a view is typed as a DTensor of the global shape it is asked for.
+        """
+        role, _ = _ir.kv_builtin(call)
+        args = [self.use(a) for a in call.args]
+        ty_args = list(call.ty_args)
+        if role != "view":
+            held = self.analysis.kv_cache_sharding(b.var)
+            if held is None:
+                self._plain(b, call, dataflow)
+                return
+            written = 1 if role == "append" else 0
+            args[written] = self._moved(call.args[written], held)
+        else:
+            want = self._sharding(b.var)
+            # the view is what the cache holds; a use that wants it otherwise moves it
+            held = self.analysis.kv_cache_sharding(call.args[0]) or want
+            if held is None:
+                self._plain(b, call, dataflow)
+                return
+            ty_args = [self.owner.dtensor_type(ty_args[0], held)]
+            if want is not None and want != held:
+                raw = self.bb.emit(_ir.kv_renamed(call, True, args, ty_args))
+                self.bind(b.var, self.owner.redistribute(raw, want), dataflow)
+                return
+        new = self.bb.normalize(_ir.kv_renamed(call, True, args, ty_args))
+        self.bind(b.var, new, dataflow)
 
     def _constant(self, const, needed: TensorSharding, var: relax.Var):
         """A constant operand: a replicated DTensor constant, sliced where a use splits it.

@@ -361,26 +361,32 @@ def _split(call: relax.Call, mod: tvm.IRModule) -> OpSignature | None:
 def _reshape(call: relax.Call, mod: tvm.IRModule) -> OpSignature | None:
     """``reshape``: match groups of consecutive dims whose extents multiply equally.
 
-    Static shapes only (a symbolic reshape is described only when input and
-    output shapes are identical). Within a group only the major-most non-1
-    input dim and the major-most non-1 output dim share a label, and only when
-    their extents have a common factor (otherwise no shard count can divide
-    both); every other dim gets a fresh unshardable label. The solver must
-    still check that a shard count divides both extents.
+    Within a group only the major-most non-1 input dim and the major-most non-1
+    output dim share a label, and only when their extents have a common factor
+    (otherwise no shard count can divide both); every other dim gets a fresh
+    unshardable label. The solver must still check that a shard count divides
+    both extents. With symbolic extents, the leading and trailing dims that are
+    the same on both sides keep their labels and the static dims between them
+    are grouped as above (``(n, 16) -> (n, 4, 4)`` keeps the split of the 16 on
+    the first 4, as TVM does); any other symbolic reshape is not described.
     """
     x = call.args[0]
     src, dst = _dims(x), _dims(call.ty)
     if src is None or dst is None:
         return None
     namer = _Namer()
-    symbolic = any(static_int(a) is None for a in src)
-    if symbolic and len(src) == len(dst) and all(_same_extent(a, b) for a, b in zip(src, dst)):
-        labels = namer.many(len(src))
-        return namer.signature([x], [labels], [labels])
+    if any(static_int(a) is None for a in src) or any(static_int(b) is None for b in dst):
+        return _symbolic_reshape(x, list(src), list(dst), namer)
     s = [static_int(d) for d in src]
     t = [static_int(d) for d in dst]
-    if None in s or None in t or 0 in s or 0 in t or math.prod(s) != math.prod(t):
+    if 0 in s or 0 in t or math.prod(s) != math.prod(t):
         return None
+    in_labels, out_labels = _grouped_labels(s, t, namer)
+    return namer.signature([x], [in_labels], [out_labels])
+
+
+def _grouped_labels(s: Sequence[int], t: Sequence[int], namer) -> tuple[list[str], list[str]]:
+    """Labels of a static reshape from ``s`` to ``t`` (see :func:`_reshape`)."""
     in_labels: list[str] = [""] * len(s)
     out_labels: list[str] = [""] * len(t)
     for group_in, group_out in _reshape_groups(s, t):
@@ -396,6 +402,26 @@ def _reshape(call: relax.Call, mod: tvm.IRModule) -> OpSignature | None:
         for j in group_out:
             if not out_labels[j]:
                 out_labels[j] = namer.fresh(unshardable=True)
+    return in_labels, out_labels
+
+
+def _symbolic_reshape(x, src: list, dst: list, namer) -> OpSignature | None:
+    """A reshape with symbolic extents: same dims at both ends, static ones between."""
+    head = 0
+    while head < min(len(src), len(dst)) and _same_extent(src[head], dst[head]):
+        head += 1
+    tail = 0
+    while (tail < min(len(src), len(dst)) - head
+           and _same_extent(src[len(src) - 1 - tail], dst[len(dst) - 1 - tail])):
+        tail += 1
+    s = [static_int(d) for d in src[head:len(src) - tail]]
+    t = [static_int(d) for d in dst[head:len(dst) - tail]]
+    if None in s or None in t or 0 in s or 0 in t or math.prod(s) != math.prod(t):
+        return None
+    ends = namer.many(head + tail)
+    middle_in, middle_out = _grouped_labels(s, t, namer) if s or t else ([], [])
+    in_labels = list(ends[:head]) + middle_in + list(ends[head:])
+    out_labels = list(ends[:head]) + middle_out + list(ends[head:])
     return namer.signature([x], [in_labels], [out_labels])
 
 

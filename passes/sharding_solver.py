@@ -71,7 +71,7 @@ from tvm import relax
 
 from tvm_distx import _ir
 from tvm_distx.errors import CallGraphError, UnsupportedProgramError
-from tvm_distx.layout import MeshTable, Placement, TensorSharding, replicated
+from tvm_distx.layout import MeshTable, Placement, Replicate, TensorSharding, replicated
 from tvm_distx.mesh import DeviceMesh
 
 from .decisions import (
@@ -306,6 +306,8 @@ class FunctionAnalysis:
                 self._annotation(b, value)
             elif self._is_function_call(value):
                 self._call(b, value)
+            elif _ir.kv_builtin(value) is not None:
+                self._kv_cache(b, value)
             else:
                 self._operator(b, value)
 
@@ -417,6 +419,76 @@ class FunctionAnalysis:
                     existing.sharding, existing.strength, existing.reason + partial_note(partial),
                     partial)
 
+    def kv_sources(self, cache: relax.Expr) -> list[relax.Var]:
+        """The tensors written into the KV cache object ``cache`` in this function, latest first.
+
+        Each append adds its value to the cache it is given; a cache created by
+        ``vm.builtin.attention_kv_cache_create`` starts with its initial data. A
+        cache from a parameter has no sources.
+        """
+        sources: list[relax.Var] = []
+        while isinstance(cache, relax.Var) and cache in self.defs:
+            value = self.bindings[self.defs[cache]].value
+            builtin = _ir.kv_builtin(value)
+            if builtin is None or builtin[0] == "view":
+                break
+            written = value.args[1] if builtin[0] == "append" else value.args[0]
+            if isinstance(written, relax.Var):
+                sources.append(written)
+            if builtin[0] == "create":
+                break
+            cache = value.args[0]
+        return sources
+
+    def kv_cache_sharding(self, cache: relax.Expr) -> TensorSharding | None:
+        """What each rank's part of the cache ``cache`` holds: its sources' sharding, whole rows.
+
+        The cache grows along dimension 0 (the sequence): a rank's shard of it
+        must be a block of whole rows, so a split of dimension 0 is gathered
+        before the append. Every source is moved to this sharding.
+        """
+        for source in self.kv_sources(cache):
+            decision = self.get(source)
+            if decision is not None:
+                return kv_rows_whole(decision.sharding)
+        return None
+
+    def _kv_cache(self, b: _Binding, call: relax.Call) -> None:
+        """TVM's KV-cache builtins: a view holds what was written into its cache.
+
+        A create or an append gives a cache object (no tensor): the tensors
+        written into one cache all get the sharding of the first one decided,
+        and the users of the object (views, later appends) are looked at again.
+        A view gets that sharding; a view decided first (by a use) decides the
+        latest tensor written. A cache that nothing in the function writes (a
+        parameter) is whatever the view's uses want, as in TVM.
+        """
+        role = _ir.kv_builtin(call)[0]
+        if role != "view":
+            held = self.kv_cache_sharding(b.var)
+            if held is not None:
+                sources = self.kv_sources(b.var)
+                first = next(s for s in sources if self.get(s) is not None)
+                for source in sources:
+                    if self.get(source) is None:
+                        self._set(source, 0, Decision(
+                            held, Strength.PROPAGATED,
+                            f"written into the KV cache that '{first.name}' is written into"))
+            for user in self.users.get(b.var, ()):
+                self._push(user)
+            return
+        sources = self.kv_sources(call.args[0])
+        if not sources:
+            return
+        held, mine = self.kv_cache_sharding(call.args[0]), self.get(b.var)
+        if mine is None and held is not None:
+            written = next(s for s in sources if self.get(s) is not None)
+            self._set(b.var, 0, Decision(held, self.get(written).strength,
+                                         f"view of the cache '{written.name}' is written into"))
+        elif held is None and mine is not None:
+            self._set(sources[0], 0, Decision(mine.sharding, Strength.PROPAGATED,
+                                              f"written into the cache viewed as '{b.var.name}'"))
+
     def _call(self, b: _Binding, call: relax.Call) -> None:
         callee = call.op.name_hint
         args = list(call.args)
@@ -434,6 +506,12 @@ class FunctionAnalysis:
             if result is not None and self.get(b.var, slot) is None:
                 self._set(b.var, slot, Decision(result.sharding, Strength.PROPAGATED,
                                                 f"result of '{callee}'"))
+
+
+def kv_rows_whole(sharding: TensorSharding) -> TensorSharding:
+    """``sharding`` with dimension 0 (a KV cache's growing axis) replicated."""
+    entries = [Replicate() if e.is_shard(0) else e for e in sharding.placement.entries]
+    return TensorSharding(sharding.mesh, Placement(tuple(entries)))
 
 
 def call_site(var: relax.Var, function: str) -> str:

@@ -53,7 +53,8 @@ def _call_tir(call: relax.Call, mod: tvm.IRModule) -> OpSignature | None:
     if not isinstance(func, tirx.PrimFunc):
         return None
     outputs = output_types(call.ty_args[0]) if len(call.ty_args) else None
-    operands = list(args.fields)
+    # scalar arguments (an int for a PrimFunc's scalar parameter) are not buffers
+    operands = [a for a in args.fields if not isinstance(a.ty, tvm.ir.PrimType)]
     if outputs is None or not all(is_tensor(o) for o in operands):
         return None
     template = prim_func_signature(func, len(operands))

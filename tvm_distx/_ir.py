@@ -112,3 +112,43 @@ def tvm_error_reason(err: Exception) -> str:
         out.append(line[start:begin] + (name.group(1) if name else "an operator"))
         start = end + 1
     return "".join(out) + line[start:]
+
+
+# --------------------------------------------------------------------------- KV-cache builtins
+#: TVM's attention KV-cache builtins, by role: the plain name (global view before
+#: propagation, and each rank's program after lowering) and the distributed name
+#: that TVM's ``PropagateSharding`` gives a call on sharded values. The cache
+#: object holds what was written into it; each rank's cache holds its own shard.
+#: ``create`` (initial data, reserved shape, fill count) has no distributed name
+#: in TVM; it keeps its name, and lowering gives it the local reserved shape.
+KV_BUILTINS = {
+    "create": ("vm.builtin.attention_kv_cache_create", "vm.builtin.attention_kv_cache_create"),
+    "append": ("vm.builtin.attention_kv_cache_append",
+               "vm.builtin.distributed.attention_kv_cache_append"),
+    "view": ("vm.builtin.attention_kv_cache_view",
+             "vm.builtin.distributed.attention_kv_cache_view"),
+}
+
+
+def kv_builtin(expr) -> tuple[str, bool] | None:
+    """``(role, distributed)`` for a call of a KV-cache builtin (plain or distributed), else None.
+
+    ``role`` is ``"create"`` (arguments: initial data, reserved shape, fill
+    count), ``"append"`` (arguments: cache, value) or ``"view"`` (arguments:
+    cache, shape; the result type is the call's ``ty_args``).
+    """
+    if not (isinstance(expr, relax.Call) and isinstance(expr.op, relax.ExternFunc)):
+        return None
+    symbol = str(expr.op.global_symbol)
+    for role, names in KV_BUILTINS.items():
+        if symbol in names:
+            return role, symbol == names[1]
+    return None
+
+
+def kv_renamed(call: relax.Call, distributed: bool, args=None, ty_args=None) -> relax.Call:
+    """The same KV-cache builtin call under its plain or distributed name."""
+    role, _ = kv_builtin(call)
+    name = KV_BUILTINS[role][1 if distributed else 0]
+    return relax.Call(relax.ExternFunc(name), list(call.args if args is None else args),
+                      call.attrs, list(call.ty_args if ty_args is None else ty_args), call.span)
