@@ -42,6 +42,10 @@ def _lower(out: str, scratch: Path) -> None:
     assert _error(out, "max |error|:") < 1e-5  # the emulated two-rank run equals numpy
 
 
+def _mixed(out: str, scratch: Path) -> None:
+    assert "mixed pipeline well formed: True" in out
+
+
 def _session(out: str, scratch: Path) -> None:
     assert _error(out, "session max |error|:") < 1e-5
     assert "ranks: 2" in out
@@ -79,6 +83,7 @@ CHECKS = {
     "mod = PropagateSharding()(annotated)": _propagate,
     "LowerDistIR()": _lower,
     "session max |error|": _session,
+    "mixed pipeline well formed": _mixed,
     "data_parallel_symbolic.py": _symbolic,
     "torch max |error|": _torch,
     "hf seq=": _hf,
