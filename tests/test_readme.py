@@ -81,7 +81,7 @@ CHECKS = {
     "seed_pipeline.py": _annotate,
     "mpi max |error|": _tour,
     "mod = PropagateSharding()(annotated)": _propagate,
-    "LowerDistIR()": _lower,
+    "emulate(exe, shards": _lower,
     "session max |error|": _session,
     "mixed pipeline well formed": _mixed,
     "data_parallel_symbolic.py": _symbolic,
