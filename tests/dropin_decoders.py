@@ -10,8 +10,8 @@ projection, a residual), in three forms:
   ``DistExecutable.run``, which takes tensors only);
 * :func:`tir_decoder`: the layer written with ``call_tir`` to TIR functions: the
   norm and the rotary embedding hand-written (extents written as plain ints,
-  int32 in TIR, as hand-written kernels often are), the rest from
-  ``LegalizeOps``.
+  int32 in TIR, as hand-written kernels often are; the rotary embedding takes
+  the first position as a scalar argument), the rest from ``LegalizeOps``.
 
 Each takes the sequence length: an int, or a name for a symbolic one. Sizes:
 hidden 16, 4 heads of 4, a 2-device mesh.
@@ -183,13 +183,13 @@ def _kernels(n):
 
     @T.prim_func(private=True, s_tir=True)
     def rotary(var_x: T.handle, cos: T.Buffer((32, 4), "float32"),
-               sin: T.Buffer((32, 4), "float32"), var_y: T.handle):
+               sin: T.Buffer((32, 4), "float32"), start: T.int64, var_y: T.handle):
         x = T.match_buffer(var_x, (n, 4, 4), "float32")
         y = T.match_buffer(var_y, (n, 4, 4), "float32")
         for i, h, d in T.grid(n, 4, 4):
             with T.sblock("rotate"):
                 vi, vh, vd = T.axis.remap("SSS", [i, h, d])
-                y[vi, vh, vd] = cos[vi, vd] * x[vi, vh, vd] + sin[vi, vd] * T.Select(
+                y[vi, vh, vd] = cos[start + vi, vd] * x[vi, vh, vd] + sin[start + vi, vd] * T.Select(
                     vd < 2, x[vi, vh, vd + 2] * T.float32(-1), x[vi, vh, vd - 2])
 
     return rms_norm, rotary
@@ -228,8 +228,10 @@ def tir_decoder(n, cache: bool = True) -> tvm.IRModule:
                 relax.distributed.Placement.from_text("S[1]")))
             return bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(h, w)), (n, 4, 4)))
 
-        q = bb.emit(relax.call_tir(rope_gv, [project("wq"), cos, sin], heads))
-        k = bb.emit(relax.call_tir(rope_gv, [project("wk"), cos, sin], heads))
+        # the first position's index is a scalar argument of the kernel (0 here)
+        start = tirx.IntImm("int64", 0)
+        q = bb.emit(relax.call_tir(rope_gv, [project("wq"), cos, sin, start], heads))
+        k = bb.emit(relax.call_tir(rope_gv, [project("wk"), cos, sin, start], heads))
         v = project("wv")
         if cache:
             seen = []
