@@ -12,7 +12,7 @@ rules of :mod:`.relax_op_rules` and :mod:`.tir_access`, registered on import
 here; :mod:`.sharding_solver` decides the shardings from them.
 """
 
-from . import relax_op_rules, tir_access  # noqa: F401 - register the built-in signature rules
+from . import dist_type_rules, relax_op_rules, tir_access  # noqa: F401 - register the built-in rules
 from .annotate_sharding import AnnotateSharding
 from .propagate_sharding import PropagateSharding, propagate
 from .split_fused import SplitFusedProjections, derivations_of
