@@ -25,7 +25,10 @@ for every weight, Megatron's placement:
   ranks (grouped-query attention) stay replicated: each rank slices the heads
   its query heads need, locally, so the rank count is not limited to the key
   and value head count. If the query heads do not divide, the whole block
-  stays replicated.
+  stays replicated. A projection of an attention block that is not cut into
+  heads (the rotary key of multi-head latent attention, one per token and
+  shared by every head) stays whole too: it is small, and a split would be
+  gathered back at once.
 * The **LM head**, the linear whose result is the function's output, is column
   parallel (its vocabulary split); the logits are gathered at the end.
 * **Embeddings** stay replicated. A vocabulary-parallel embedding would hold
@@ -45,6 +48,7 @@ region; ``str(plan)`` is the per-block summary.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -56,7 +60,7 @@ from .errors import RuleError
 from .rules import Preset, ShardingRule, pattern_entries, rules_for
 
 __all__ = ["ParallelBlock", "TensorParallel", "TensorParallelPlan", "WeightRole",
-           "attention_heads", "linear_outputs", "tensor_parallel"]
+           "attention_heads", "linear_outputs", "tensor_parallel", "tied_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -263,17 +267,21 @@ class _Graph:
 
         The heads reshape is the first one, through layout operators, that cuts
         the last axis of what it reshapes in two, ``(..., width) -> (...,
-        heads, head_dim)``. A reshape that keeps the last axis (unflattening
-        ``(tokens, width)`` to ``(batch, seq, width)``, whose leading extents
-        may be 1 when one token is decoded) is passed.
+        heads, head_dim)``, the leading axes holding the same elements in any
+        arrangement (multi-head latent attention reshapes ``(batch, 1, seq,
+        width)`` to ``(batch, seq, heads, head_dim)``). A reshape that keeps
+        the last axis (unflattening ``(tokens, width)`` to ``(batch, seq,
+        width)``, whose leading extents may be 1 when one token is decoded) is
+        passed.
         """
         def is_heads_reshape(user, value):
             if not _ir.is_call_to(value, "relax.reshape"):
                 return False
             src, dst = _ir.static_shape(value.args[0].ty), _ir.static_shape(user.ty)
-            return src is not None and dst is not None and len(dst) == len(src) + 1 and \
-                None not in (src[-1], dst[-2], dst[-1]) and dst[-1] != src[-1] and \
-                dst[-2] * dst[-1] == src[-1]
+            if src is None or dst is None or len(dst) < 2 or None in (*src, *dst):
+                return False
+            return dst[-1] != src[-1] and dst[-2] * dst[-1] == src[-1] and \
+                math.prod(dst[:-2]) == math.prod(src[:-1])
 
         found = self.forward_to(linear.result, is_heads_reshape)
         if found is None:
@@ -297,6 +305,17 @@ def attention_heads(mod: tvm.IRModule,
         if heads is not None:
             out[linear.weight] = (heads[0], linear.bias)
     return out
+
+
+def tied_weights(mod: tvm.IRModule, function: str = "main") -> set[str]:
+    """The linears' weights that something else reads too (an LM head tied to the embedding).
+
+    :func:`tensor_parallel` keeps such a weight whole, and :func:`tvm_distx.presets.from_hf`
+    asks it which splits of transformers' plan to drop.
+    """
+    graph = _Graph(mod[function])
+    return {linear.weight for linear in graph.linears.values()
+            if not graph.only_used_by(linear.weight, linear)}
 
 
 def linear_outputs(mod: tvm.IRModule, function: str = "main") -> dict[str, str]:
@@ -389,6 +408,11 @@ def _plan_block(graph: _Graph, row: _Linear, columns: list[_Linear], ranks: int,
         if head is not None and head[0] % ranks != 0:
             kept.append((c, f"{head[0]} heads do not divide by {ranks} ranks: each rank "
                             "slices the heads it needs"))
+        elif head is None and attention:
+            # multi-head latent attention's rotary key (one per token, shared by every
+            # head): a split would be gathered back before every head uses it
+            kept.append((c, "not cut into heads: shared by every head, each rank computes "
+                            "it whole"))
         elif head is None and width % ranks != 0:
             kept.append((c, f"{width} output features do not divide by {ranks} ranks"))
         else:
