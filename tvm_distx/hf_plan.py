@@ -15,17 +15,27 @@ style                                   our placement
 ``rowwise``, ``rowwise_rep``,           weight ``S[1]`` (input features split), bias
 ``rowwise_split_input``                 replicated; one all-reduce
 ``packed_colwise``                      each segment of the fused weight ``S[0]`` on its
-                                        own (:class:`tvm_distx.passes.SplitFusedProjections`)
+                                        own (:class:`tvm_distx.passes.SplitFusedProjections`);
+                                        a colwise style on a fused weight does the same
 ``embedding_colwise``                   the table ``S[1]`` (hidden split)
 expert styles (``moe_tp_experts``,      the experts by :func:`tvm_distx.moe.moe_parallel`
 ``grouped_gemm``, ...)                  (the cheaper of tensor and expert parallelism)
 ``replicate``, ``local_params``, ...    replicated (these only hook a module's forward)
 ======================================  ==============================================
 
-A projection whose output is reshaped into fewer heads than ranks (the key and
-value projections of grouped-query attention on many ranks) stays whole, as in
-:func:`tvm_distx.presets.tensor_parallel`: transformers' plan would give a rank
-part of a head.
+Fused projections are cut per segment first, as
+:func:`tvm_distx.presets.tensor_parallel` cuts them, and any style on a fused
+weight applies to each segment: Phi-3's ``qkv_proj`` and ``gate_up_proj``,
+``colwise_gather_output`` in its plan, become column-parallel q, k, v, gate and
+up weights (transformers gathers their outputs and splits the row projection's
+input again; here nothing moves until the row projection's all-reduce).
+
+Two splits of transformers' plan are dropped, as
+:func:`tvm_distx.presets.tensor_parallel` never makes them, with a warning: a
+projection whose output is reshaped into fewer heads than ranks (the key and
+value projections of grouped-query attention on many ranks), which would give
+a rank part of a head; and an LM head tied to the token embedding (Gemma), whose
+split would make every lookup gather the table.
 
 Styles we cannot honour (``embedding_rowwise``, ``sequence_parallel``,
 ``packed_rowwise``, ``mla_kv_a_proj``) raise a :class:`~tvm_distx.RuleError`

@@ -368,6 +368,9 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
         block = _plan_block(graph, row, columns, ranks, roles)
         if block is not None:
             blocks.append(block)
+    feeders = {f.matmul for block in blocks if block.kind != "replicated"
+               for c in linears if c.weight in block.column
+               for f in graph.linears_behind(c.source)}
     for linear in linears:
         if linear.weight in roles:
             continue
@@ -387,6 +390,11 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
             roles[linear.weight] = WeightRole(
                 linear.weight, "replicated", None,
                 f"the output projection's {vocab} outputs do not divide by {ranks} ranks")
+            continue
+        if linear.matmul in feeders:
+            roles[linear.weight] = WeightRole(
+                linear.weight, "replicated", None, "feeds a split block's column projections "
+                "(a low-rank projection, normalised whole): every rank needs all its output")
             continue
         roles[linear.weight] = WeightRole(linear.weight, "replicated", None,
                                           "not in a column -> row block")
@@ -507,7 +515,7 @@ class TensorParallel:
         from .comm_report import comm_report
         from .pipeline import run_stages
 
-        meshed = self.prepare(mod)
+        meshed = self.prepare(mod, function)
         plan = self.plan(meshed, function)
         report = comm_report(run_stages(self.apply(mod, function))["local_view"])
         moves = [r for r in report.rows if r.collective != "local_slice"]
@@ -531,7 +539,7 @@ class TensorParallel:
         from .pipeline import run_stages
         from .tp_summary import summarize_layers
 
-        meshed = self.prepare(mod)
+        meshed = self.prepare(mod, function)
         plan = self.plan(meshed, function)
         annotated = self.apply(mod, function)
         local_view = run_stages(annotated)["local_view"]
@@ -546,9 +554,15 @@ class TensorParallel:
         chosen.update(Preset(self.overrides).placements(names))
         return rules_for(chosen, function)
 
-    def prepare(self, mod: tvm.IRModule) -> tvm.IRModule:
-        """``mod`` with fused projections cut per segment (when ``split_fused``)."""
-        if not self.split_fused:
+    def prepare(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+        """``mod`` as :meth:`apply` plans it: fused projections cut per segment.
+
+        Not cut when ``split_fused`` is off, nor in a model with experts (whose
+        fused expert weights the MoE plan cuts only when it splits them).
+        """
+        from . import moe
+
+        if not self.split_fused or (self.experts and moe.expert_weights(mod, function)):
             return mod
         from .passes import SplitFusedProjections
 
@@ -570,7 +584,7 @@ class TensorParallel:
             plan = moe.moe_parallel(mod, base, model_axis=self.model_axis,
                                     mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
-        mod = self.prepare(mod)
+        mod = self.prepare(mod, function)
         return AnnotateSharding(self.rules(mod, function))(mod)
 
 
