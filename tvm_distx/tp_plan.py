@@ -246,6 +246,22 @@ class _Graph:
                 return None
             seen = user
 
+    def reaches(self, var, op_name: str, depth: int = 6) -> bool:
+        """Whether a call to ``op_name`` uses ``var`` within ``depth`` bindings downstream."""
+        frontier, seen = [var], set()
+        for _ in range(depth):
+            following = []
+            for node in frontier:
+                for user in self.users.get(node, []):
+                    if user in seen:
+                        continue
+                    seen.add(user)
+                    if _ir.is_call_to(self.value[user], op_name):
+                        return True
+                    following.append(user)
+            frontier = following
+        return False
+
     def linears_behind(self, expr) -> list[_Linear]:
         """The linears reached walking back from ``expr`` without crossing a linear."""
         found, stack, seen = [], [expr], set()
@@ -278,10 +294,13 @@ class _Graph:
             if not _ir.is_call_to(value, "relax.reshape"):
                 return False
             src, dst = _ir.static_shape(value.args[0].ty), _ir.static_shape(user.ty)
-            if src is None or dst is None or len(dst) < 2 or None in (*src, *dst):
+            if src is None or dst is None or len(dst) < 2 or None in (src[-1], *dst[-2:]):
                 return False
-            return dst[-1] != src[-1] and dst[-2] * dst[-1] == src[-1] and \
-                math.prod(dst[:-2]) == math.prod(src[:-1])
+            if dst[-1] == src[-1] or dst[-2] * dst[-1] != src[-1]:
+                return False
+            if None in (*src[:-1], *dst[:-2]):  # a symbolic token count: one axis more
+                return len(dst) == len(src) + 1
+            return math.prod(dst[:-2]) == math.prod(src[:-1])
 
         found = self.forward_to(linear.result, is_heads_reshape)
         if found is None:
@@ -390,6 +409,17 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
             roles[linear.weight] = WeightRole(
                 linear.weight, "replicated", None,
                 f"the output projection's {vocab} outputs do not divide by {ranks} ranks")
+            continue
+        width = _ir.static_shape(graph.params[linear.weight].ty)[linear.out_axis]
+        if graph.reaches(linear.result, "relax.topk"):
+            roles[linear.weight] = WeightRole(
+                linear.weight, "replicated", None, "a router: its scores pick each token's "
+                "experts, on every rank")
+            continue
+        if width == 1:
+            roles[linear.weight] = WeightRole(
+                linear.weight, "replicated", None, "one output feature (a per-token gate): "
+                "nothing to split")
             continue
         if linear.matmul in feeders:
             roles[linear.weight] = WeightRole(
