@@ -15,17 +15,27 @@ style                                   our placement
 ``rowwise``, ``rowwise_rep``,           weight ``S[1]`` (input features split), bias
 ``rowwise_split_input``                 replicated; one all-reduce
 ``packed_colwise``                      each segment of the fused weight ``S[0]`` on its
-                                        own (:class:`tvm_distx.passes.SplitFusedProjections`)
+                                        own (:class:`tvm_distx.passes.SplitFusedProjections`);
+                                        a colwise style on a fused weight does the same
 ``embedding_colwise``                   the table ``S[1]`` (hidden split)
 expert styles (``moe_tp_experts``,      the experts by :func:`tvm_distx.moe.moe_parallel`
 ``grouped_gemm``, ...)                  (the cheaper of tensor and expert parallelism)
 ``replicate``, ``local_params``, ...    replicated (these only hook a module's forward)
 ======================================  ==============================================
 
-A projection whose output is reshaped into fewer heads than ranks (the key and
-value projections of grouped-query attention on many ranks) stays whole, as in
-:func:`tvm_distx.presets.tensor_parallel`: transformers' plan would give a rank
-part of a head.
+Fused projections are cut per segment first, as
+:func:`tvm_distx.presets.tensor_parallel` cuts them, and any style on a fused
+weight applies to each segment: Phi-3's ``qkv_proj`` and ``gate_up_proj``,
+``colwise_gather_output`` in its plan, become column-parallel q, k, v, gate and
+up weights (transformers gathers their outputs and splits the row projection's
+input again; here nothing moves until the row projection's all-reduce).
+
+Two splits of transformers' plan are dropped, as
+:func:`tvm_distx.presets.tensor_parallel` never makes them, with a warning: a
+projection whose output is reshaped into fewer heads than ranks (the key and
+value projections of grouped-query attention on many ranks), which would give
+a rank part of a head; and an LM head tied to the token embedding (Gemma), whose
+split would make every lookup gather the table.
 
 Styles we cannot honour (``embedding_rowwise``, ``sequence_parallel``,
 ``packed_rowwise``, ``mla_kv_a_proj``) raise a :class:`~tvm_distx.RuleError`
@@ -139,15 +149,39 @@ class HFPlan:
                 for name in params:
                     if not fnmatch.fnmatchcase(name, glob):
                         continue
-                    if style == "packed_colwise":  # its segments, once cut (dense only)
-                        for seg in segments.get(name, ()):
-                            out[seg] = self._placement(axes)
-                        continue
                     if len(params[name].ty.shape) != (2 if glob.endswith("weight") else 1):
                         continue  # a 3-D expert weight: planned with the experts
                     if axes is not None:
                         out[name] = self._placement(axes)
-        return self._whole_heads(mod, function, out)
+                # a fused projection cut per segment (packed_colwise, or a colwise style
+                # on a weight whose result the graph cuts apart, Phi-3's qkv_proj): each
+                # segment gets the style's placement, so a rank boundary never falls
+                # inside a segment (dense weights only)
+                for source, segs in segments.items():
+                    if axes is None or not fnmatch.fnmatchcase(source, glob):
+                        continue
+                    for seg in segs:
+                        if len(params[seg].ty.shape) == (2 if glob.endswith("weight") else 1):
+                            out[seg] = self._placement(axes)
+        return self._untied(mod, function, self._whole_heads(mod, function, out))
+
+    def _untied(self, mod: tvm.IRModule, function: str,
+                out: dict[str, str]) -> dict[str, str]:
+        """``out`` without the split of an output projection tied to the token embedding.
+
+        transformers' plan splits the LM head (``colwise_gather_output``) even
+        when it shares its weight with the embedding (Gemma, OPT): the lookup
+        would then gather the table on every run. As
+        :func:`tvm_distx.presets.tensor_parallel` does, a tied head stays whole.
+        """
+        from .tp_plan import tied_weights
+
+        for weight in tied_weights(mod, function):
+            if weight in out:
+                logger.warning("%s: '%s' is also the token embedding: kept whole (a split "
+                               "would gather it on every run)", self.source, weight)
+                out.pop(weight)
+        return out
 
     def _whole_heads(self, mod: tvm.IRModule, function: str,
                      out: dict[str, str]) -> dict[str, str]:
@@ -179,6 +213,7 @@ class HFPlan:
         if style == "packed_colwise":  # (out, in) segments: output features split
             yield relax_name(path), 0
             yield relax_name(path + ".weight"), 0
+            yield relax_name(path + ".bias"), 0
             return
         weight_axis, bias_axis = _LINEAR_STYLES[style]
         yield relax_name(path), weight_axis  # the path names a parameter itself
@@ -214,8 +249,9 @@ class HFPlan:
             plan = moe.moe_parallel(mod, self, model_axis=self.model_axis,
                                     mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
-        if any(style == "packed_colwise" for _, style in self.entries):
-            mod = SplitFusedProjections()(mod)
+        # fused projections are cut as tensor_parallel() cuts them; a segment no style
+        # names stays whole, as its fused weight would
+        mod = SplitFusedProjections()(mod)
         return AnnotateSharding(self.rules(mod, function))(mod)
 
 

@@ -25,7 +25,10 @@ for every weight, Megatron's placement:
   ranks (grouped-query attention) stay replicated: each rank slices the heads
   its query heads need, locally, so the rank count is not limited to the key
   and value head count. If the query heads do not divide, the whole block
-  stays replicated.
+  stays replicated. A projection of an attention block that is not cut into
+  heads (the rotary key of multi-head latent attention, one per token and
+  shared by every head) stays whole too: it is small, and a split would be
+  gathered back at once.
 * The **LM head**, the linear whose result is the function's output, is column
   parallel (its vocabulary split); the logits are gathered at the end.
 * **Embeddings** stay replicated. A vocabulary-parallel embedding would hold
@@ -45,6 +48,7 @@ region; ``str(plan)`` is the per-block summary.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -56,7 +60,7 @@ from .errors import RuleError
 from .rules import Preset, ShardingRule, pattern_entries, rules_for
 
 __all__ = ["ParallelBlock", "TensorParallel", "TensorParallelPlan", "WeightRole",
-           "attention_heads", "linear_outputs", "tensor_parallel"]
+           "attention_heads", "linear_outputs", "tensor_parallel", "tied_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +246,22 @@ class _Graph:
                 return None
             seen = user
 
+    def reaches(self, var, op_name: str, depth: int = 6) -> bool:
+        """Whether a call to ``op_name`` uses ``var`` within ``depth`` bindings downstream."""
+        frontier, seen = [var], set()
+        for _ in range(depth):
+            following = []
+            for node in frontier:
+                for user in self.users.get(node, []):
+                    if user in seen:
+                        continue
+                    seen.add(user)
+                    if _ir.is_call_to(self.value[user], op_name):
+                        return True
+                    following.append(user)
+            frontier = following
+        return False
+
     def linears_behind(self, expr) -> list[_Linear]:
         """The linears reached walking back from ``expr`` without crossing a linear."""
         found, stack, seen = [], [expr], set()
@@ -263,17 +283,24 @@ class _Graph:
 
         The heads reshape is the first one, through layout operators, that cuts
         the last axis of what it reshapes in two, ``(..., width) -> (...,
-        heads, head_dim)``. A reshape that keeps the last axis (unflattening
-        ``(tokens, width)`` to ``(batch, seq, width)``, whose leading extents
-        may be 1 when one token is decoded) is passed.
+        heads, head_dim)``, the leading axes holding the same elements in any
+        arrangement (multi-head latent attention reshapes ``(batch, 1, seq,
+        width)`` to ``(batch, seq, heads, head_dim)``). A reshape that keeps
+        the last axis (unflattening ``(tokens, width)`` to ``(batch, seq,
+        width)``, whose leading extents may be 1 when one token is decoded) is
+        passed.
         """
         def is_heads_reshape(user, value):
             if not _ir.is_call_to(value, "relax.reshape"):
                 return False
             src, dst = _ir.static_shape(value.args[0].ty), _ir.static_shape(user.ty)
-            return src is not None and dst is not None and len(dst) == len(src) + 1 and \
-                None not in (src[-1], dst[-2], dst[-1]) and dst[-1] != src[-1] and \
-                dst[-2] * dst[-1] == src[-1]
+            if src is None or dst is None or len(dst) < 2 or None in (src[-1], *dst[-2:]):
+                return False
+            if dst[-1] == src[-1] or dst[-2] * dst[-1] != src[-1]:
+                return False
+            if None in (*src[:-1], *dst[:-2]):  # a symbolic token count: one axis more
+                return len(dst) == len(src) + 1
+            return math.prod(dst[:-2]) == math.prod(src[:-1])
 
         found = self.forward_to(linear.result, is_heads_reshape)
         if found is None:
@@ -297,6 +324,17 @@ def attention_heads(mod: tvm.IRModule,
         if heads is not None:
             out[linear.weight] = (heads[0], linear.bias)
     return out
+
+
+def tied_weights(mod: tvm.IRModule, function: str = "main") -> set[str]:
+    """The linears' weights that something else reads too (an LM head tied to the embedding).
+
+    :func:`tensor_parallel` keeps such a weight whole, and :func:`tvm_distx.presets.from_hf`
+    asks it which splits of transformers' plan to drop.
+    """
+    graph = _Graph(mod[function])
+    return {linear.weight for linear in graph.linears.values()
+            if not graph.only_used_by(linear.weight, linear)}
 
 
 def linear_outputs(mod: tvm.IRModule, function: str = "main") -> dict[str, str]:
@@ -349,6 +387,9 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
         block = _plan_block(graph, row, columns, ranks, roles)
         if block is not None:
             blocks.append(block)
+    feeders = {f.matmul for block in blocks if block.kind != "replicated"
+               for c in linears if c.weight in block.column
+               for f in graph.linears_behind(c.source)}
     for linear in linears:
         if linear.weight in roles:
             continue
@@ -368,6 +409,22 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
             roles[linear.weight] = WeightRole(
                 linear.weight, "replicated", None,
                 f"the output projection's {vocab} outputs do not divide by {ranks} ranks")
+            continue
+        width = _ir.static_shape(graph.params[linear.weight].ty)[linear.out_axis]
+        if graph.reaches(linear.result, "relax.topk"):
+            roles[linear.weight] = WeightRole(
+                linear.weight, "replicated", None, "a router: its scores pick each token's "
+                "experts, on every rank")
+            continue
+        if width == 1:
+            roles[linear.weight] = WeightRole(
+                linear.weight, "replicated", None, "one output feature (a per-token gate): "
+                "nothing to split")
+            continue
+        if linear.matmul in feeders:
+            roles[linear.weight] = WeightRole(
+                linear.weight, "replicated", None, "feeds a split block's column projections "
+                "(a low-rank projection, normalised whole): every rank needs all its output")
             continue
         roles[linear.weight] = WeightRole(linear.weight, "replicated", None,
                                           "not in a column -> row block")
@@ -389,6 +446,11 @@ def _plan_block(graph: _Graph, row: _Linear, columns: list[_Linear], ranks: int,
         if head is not None and head[0] % ranks != 0:
             kept.append((c, f"{head[0]} heads do not divide by {ranks} ranks: each rank "
                             "slices the heads it needs"))
+        elif head is None and attention:
+            # multi-head latent attention's rotary key (one per token, shared by every
+            # head): a split would be gathered back before every head uses it
+            kept.append((c, "not cut into heads: shared by every head, each rank computes "
+                            "it whole"))
         elif head is None and width % ranks != 0:
             kept.append((c, f"{width} output features do not divide by {ranks} ranks"))
         else:
@@ -483,7 +545,7 @@ class TensorParallel:
         from .comm_report import comm_report
         from .pipeline import run_stages
 
-        meshed = self.prepare(mod)
+        meshed = self.prepare(mod, function)
         plan = self.plan(meshed, function)
         report = comm_report(run_stages(self.apply(mod, function))["local_view"])
         moves = [r for r in report.rows if r.collective != "local_slice"]
@@ -507,7 +569,7 @@ class TensorParallel:
         from .pipeline import run_stages
         from .tp_summary import summarize_layers
 
-        meshed = self.prepare(mod)
+        meshed = self.prepare(mod, function)
         plan = self.plan(meshed, function)
         annotated = self.apply(mod, function)
         local_view = run_stages(annotated)["local_view"]
@@ -522,9 +584,15 @@ class TensorParallel:
         chosen.update(Preset(self.overrides).placements(names))
         return rules_for(chosen, function)
 
-    def prepare(self, mod: tvm.IRModule) -> tvm.IRModule:
-        """``mod`` with fused projections cut per segment (when ``split_fused``)."""
-        if not self.split_fused:
+    def prepare(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+        """``mod`` as :meth:`apply` plans it: fused projections cut per segment.
+
+        Not cut when ``split_fused`` is off, nor in a model with experts (whose
+        fused expert weights the MoE plan cuts only when it splits them).
+        """
+        from . import moe
+
+        if not self.split_fused or (self.experts and moe.expert_weights(mod, function)):
             return mod
         from .passes import SplitFusedProjections
 
@@ -546,7 +614,7 @@ class TensorParallel:
             plan = moe.moe_parallel(mod, base, model_axis=self.model_axis,
                                     mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
-        mod = self.prepare(mod)
+        mod = self.prepare(mod, function)
         return AnnotateSharding(self.rules(mod, function))(mod)
 
 

@@ -16,7 +16,10 @@ VOCAB = 128
 def build(family: str, layers: int = 2):
     """A tiny random ``family`` model.
 
-    ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``mixtral`` or ``qwen2_moe``.
+    ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``mixtral``, ``qwen2_moe``, ``phi3``
+    (fused q|k|v and gate|up), ``gemma`` (tied head), ``qwen3`` (q/k norms), ``opt``
+    (tied head, learned positions) or ``deepseek_v3`` (multi-head latent attention and
+    routed experts beside a shared one, from the first layer on).
     """
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
@@ -35,6 +38,32 @@ def build(family: str, layers: int = 2):
                                              shared_expert_intermediate_size=80, num_experts=4,
                                              num_experts_per_tok=2)
         return transformers.Qwen2MoeForCausalLM(config).eval()
+    if family == "phi3":
+        config = transformers.Phi3Config(**common, pad_token_id=0, bos_token_id=0,
+                                         eos_token_id=0)
+        return transformers.Phi3ForCausalLM(config).eval()
+    if family == "gemma":  # Gemma ties its LM head to the token embedding
+        config = transformers.GemmaConfig(**{**common, "tie_word_embeddings": True},
+                                          head_dim=16, pad_token_id=0, bos_token_id=0,
+                                          eos_token_id=0)
+        return transformers.GemmaForCausalLM(config).eval()
+    if family == "opt":  # ties its LM head too
+        config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=160,
+                                        num_hidden_layers=layers, num_attention_heads=4,
+                                        max_position_embeddings=64, word_embed_proj_dim=64,
+                                        pad_token_id=0, bos_token_id=0, eos_token_id=0)
+        return transformers.OPTForCausalLM(config).eval()
+    if family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=32,
+            n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+            n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=0, pad_token_id=0,
+            bos_token_id=0, eos_token_id=0)
+        return transformers.DeepseekV3ForCausalLM(config).eval()
+    if family == "qwen3":  # its head_dim is not hidden / heads by default
+        config = transformers.Qwen3Config(**common, head_dim=16)
+        return transformers.Qwen3ForCausalLM(config).eval()
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}

@@ -272,8 +272,13 @@ def vectorize_innermost(sch: Schedule, block: s_tir.schedule.SBlockRV, lanes: in
     """Vectorize the innermost loop of ``block``, at most four registers wide.
 
     A loop that no width of four or more elements divides is left alone: its
-    predicated tail would not vectorize. Returns whether a loop was vectorized.
+    predicated tail would not vectorize. A block that writes booleans is left
+    alone too: TVM stores a vector of them as ``int8`` lanes into a ``bool``
+    buffer, which does not build (OPT's causal mask). Returns whether a loop
+    was vectorized.
     """
+    if any(str(region.source.dtype) == "bool" for region in sch.get(block).writes):
+        return False
     loop = sch.get_loops(block)[-1]
     extent = loop_extent(sch, loop)
     if extent is None or extent < 4:
