@@ -170,19 +170,6 @@ def test_a_session_keeps_the_cache_on_the_ranks_and_generates_the_same_tokens(ca
     assert tokens == _transformers_tokens(case["model"], prompt, 24)
 
 
-@pytest.mark.parametrize("family, prompt_length", [("qwen2", None), ("mistral", None),
-                                                   ("mixtral", 6)])
-def test_other_families_generate_transformers_tokens_on_emulated_ranks(family, prompt_length):
-    # Mixtral's experts' dispatch cannot move a symbolic extent yet: its prefill takes 6 tokens
-    case = _compiled(build(family), 2, prompt_length=prompt_length)
-    if prompt_length is not None:
-        assert case["mod"]["prefill"].params[0].ty.shape[1] == prompt_length
-    prompt = _prompt(6, seed=4)
-    tokens, _ = _generate(case, prompt, 8, backend="emulate")
-    assert tokens == _transformers_tokens(case["model"], prompt, 8)
-    assert _collectives(case["annotated"], "decode") == ["all_reduce"] * 4
-
-
 # ------------------------------------------------------------------ the sharded cache
 @pytest.mark.parametrize("case, ranks", [("llama2", 2), ("gpt2_4", 4)])
 def test_the_cache_is_split_by_heads_one_pth_per_rank(case, ranks, request):
