@@ -55,6 +55,9 @@ _LAZY = {
     "DistExecutable": ".executable",
     "from_torch": ".frontend",  # imports torch
     "export_decoder": ".kv_export",  # imports torch and transformers
+    "auto_shard": ".autoshard",  # imports scipy
+    "profile": ".autoshard",
+    "CostProfile": ".autoshard",
 }
 
 
@@ -92,6 +95,9 @@ __all__ = [
     "DistExecutable",
     "from_torch",
     "export_decoder",
+    "auto_shard",
+    "profile",
+    "CostProfile",
     "comm_report",
     "DistxError",
     "BundleError",
