@@ -32,6 +32,7 @@ from .errors import (
     QemuError,
     RuleError,
     ScriptError,
+    MemoryBudgetError,
     ShardDimError,
     ShardingConflictError,
     ShardingError,
@@ -121,5 +122,6 @@ __all__ = [
     "UnsupportedProgramError",
     "CompilerStageError",
     "ScriptError",
+    "MemoryBudgetError",
     "QemuError",
 ]
