@@ -289,6 +289,25 @@ def test_the_ilp_alone_on_a_two_layer_mlp():
     assert sol.weight_bytes == weights // 2
 
 
+def test_the_cli_writes_the_rules_it_chose(tmp_path, capsys):
+    import yaml
+
+    from tvm_distx.cli import main
+
+    mod, weight_bytes = _relax_transformer(2)
+    (tmp_path / "model.py").write_text(mod.script())
+    out = tmp_path / "rules.yaml"
+    assert main(["autoshard", str(tmp_path / "model.py"), "--mesh", "2", "--memory",
+                 f"{0.55 * weight_bytes / 2**20:.3f}MiB", "-o", str(out)]) == 0
+    assert "predicted:" in capsys.readouterr().err
+    rules = {r["param"]: r["result"] for r in yaml.safe_load(out.read_text())}
+    assert rules["p_layers_1_mlp_fc1_weight"] == "S[0]"
+    assert rules["p_layers_1_mlp_fc2_weight"] == "S[1]"
+    assert main(["autoshard", str(tmp_path / "model.py"), "--mesh", "2", "--memory",
+                 "1KiB"]) == 2
+    assert "raise --memory" in capsys.readouterr().err
+
+
 def test_a_profile_round_trips_through_json(tmp_path):
     profile = CostProfile(3e10, 2e9, 5e-6, name="measured")
     profile.save(tmp_path / "p.json")
@@ -296,3 +315,5 @@ def test_a_profile_round_trips_through_json(tmp_path):
     (tmp_path / "bad.json").write_text('{"flops": 1}')
     with pytest.raises(td.ArgumentError, match="not a cost profile"):
         CostProfile.load(tmp_path / "bad.json")
+    measured = td.profile(1, backend="local")  # the arithmetic rate of this process
+    assert measured.flops_per_s > 1e6 and measured.name == "measured local"

@@ -80,7 +80,7 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
             continue
         ids[param] = len(nodes)
         variables.append(param)
-        nodes.append(Node(param.name, info[0], info[1],
+        nodes.append(Node(str(param.name), info[0], info[1],
                           "input" if position < num_input else "param"))
     body = func.body
     if not isinstance(body, relax.SeqExpr):
@@ -108,7 +108,7 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
                 if not isinstance(value, relax.Call):
                     continue
                 info = ((), "float32")  # a tuple of results: its operands arrive whole
-            node = _op_node(value, var.name, info, ids, mod, op_signature)
+            node = _op_node(value, str(var.name), info, ids, mod, op_signature)
             ids[var] = len(nodes)
             variables.append(var)
             nodes.append(node)

@@ -311,7 +311,8 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
         raise MemoryBudgetError(
             f"auto_shard: no plan fits {memory_per_rank} bytes per rank on a {mesh} mesh "
             f"({res.message})",
-            hint="raise memory_per_rank, use a larger mesh, or relax the rules")
+            hint="raise memory_per_rank, use a larger mesh, or relax the rules",
+            cli_hint="raise --memory, use a larger --mesh, or relax --rules")
     values = res.x
     choice = [0] * len(graph.nodes)
     for index in range(len(graph.nodes)):
