@@ -37,7 +37,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import MemoryBudgetError, RuleError
+from ..errors import MemoryBudgetError, RuleError, UnsupportedProgramError
 from .costs import DEFAULT_PROFILE, CostProfile, step_messages
 from .graph import ShardGraph
 
@@ -195,6 +195,8 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
     ------
     RuleError
         When a fixed placement is not a strategy of its node.
+    UnsupportedProgramError
+        When the time limit passes before any plan is found.
     MemoryBudgetError
         When no plan fits (the memory budget is too small).
     """
@@ -307,6 +309,10 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
     for col, v in list(compute_terms.items()) + list(comm_terms.items()):
         b.cost[col] += scale * v
     res = b.solve(time_limit)
+    if res.x is None and res.status == 1:
+        raise UnsupportedProgramError(
+            f"auto_shard: no plan found within the time limit of {time_limit} s on a {mesh} "
+            "mesh", hint="raise time_limit", cli_hint="raise --time-limit")
     if res.x is None:
         raise MemoryBudgetError(
             f"auto_shard: no plan fits {memory_per_rank} bytes per rank on a {mesh} mesh "
