@@ -280,6 +280,7 @@ def test_rules_are_hard_constraints(transformer):
     keep = ShardingRule(param="p_layers_0_mlp_fc1_weight", result="R")
     _, report = auto_shard(mod, (2,), rules=[keep], runner_ups=0, pin=False)
     assert report.placements["p_layers_0_mlp_fc1_weight"] == "R"
+    assert report.graph.layers == 0  # a rule for one layer: the layers are solved apart
     with pytest.raises(RuleError, match="parameter rules only"):
         auto_shard(mod, (2,), rules=[ShardingRule(op="relax.matmul", result="R")])
     with pytest.raises(RuleError, match="cannot be"):

@@ -178,6 +178,12 @@ def _fixed_from_rules(graph: ShardGraph, rules, mod: tvm.IRModule, function: str
         for name, index in by_name.items():
             if graph.nodes[index].kind == "param":
                 fixed.setdefault(index, fill * len(graph.mesh_shape))
+    per_class: dict[int, set[str]] = {}
+    for index in by_name.values():
+        per_class.setdefault(graph.classes[index], set()).add(fixed.get(index, ""))
+    if any(len(texts) > 1 for texts in per_class.values()):
+        logger.info("the rules place the layers differently: each layer is solved on its own")
+        graph.separate_layers()
     return fixed
 
 

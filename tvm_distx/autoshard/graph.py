@@ -243,6 +243,11 @@ class ShardGraph:
         return node.nbytes // parts
 
     # ------------------------------------------------------------ repeated layers
+    def separate_layers(self) -> None:
+        """Give every node its own choice again (when rules treat layers differently)."""
+        self.classes = list(range(len(self.nodes)))
+        self.layers = 0
+
     def _layer_of_nodes(self) -> list[int | None]:
         layer: list[int | None] = []
         for node in self.nodes:
