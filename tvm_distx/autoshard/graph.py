@@ -24,11 +24,17 @@ and before the first (the embedding) are classes of their own.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
 import re
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..layout import TensorSharding
+from ..mesh import DeviceMesh
 
 __all__ = ["Node", "Strategy", "ShardGraph", "placement_text", "LAYER_PATTERN"]
 
@@ -80,11 +86,12 @@ class Node:
 
     @property
     def itemsize(self) -> int:
-        """Bytes of one element."""
-        digits = re.findall(r"\d+", self.dtype)
-        if self.dtype == "bool" or not digits:
+        """Bytes of one element (``bfloat16`` 2, ``float8_*`` 1)."""
+        if self.dtype == "bfloat16":
+            return 2
+        if self.dtype.startswith("float8"):
             return 1
-        return max(1, int(digits[-1]) // 8)
+        return int(np.dtype(self.dtype).itemsize)
 
     @property
     def nbytes(self) -> int:
@@ -234,13 +241,13 @@ class ShardGraph:
         return float(math.prod(extents.values())) * (2.0 if reduces else 1.0)
 
     def local_bytes(self, index: int, strategy: Strategy) -> int:
-        """Bytes one device holds of a node's result under ``strategy``."""
+        """Bytes one device holds of a node's result under ``strategy``.
+
+        The local shape is :class:`tvm_distx.layout.TensorSharding`'s.
+        """
         node = self.nodes[index]
-        parts = 1
-        for axis, entry in enumerate(_entries(strategy.out)):
-            if entry.startswith("S"):
-                parts *= self.mesh_shape[axis]
-        return node.nbytes // parts
+        local = _local_shape(node.shape, strategy.out, tuple(self.mesh_shape))
+        return math.prod(local) * node.itemsize
 
     # ------------------------------------------------------------ repeated layers
     def separate_layers(self) -> None:
@@ -300,6 +307,8 @@ class ShardGraph:
         return classes
 
 
-def _entries(text: str) -> list[str]:
-    """A placement's text split into its entries (``"S[0]R"`` -> ``["S[0]", "R"]``)."""
-    return re.findall(r"S\[\d+\]|R|P", text)
+@functools.lru_cache(maxsize=65536)
+def _local_shape(shape: tuple[int, ...], placement: str,
+                 mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    mesh = DeviceMesh(mesh_shape, range(0, math.prod(mesh_shape)))
+    return TensorSharding(mesh, placement).local_shape(shape)
