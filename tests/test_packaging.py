@@ -24,6 +24,7 @@ def test_regular_install_maps_passes_and_legalize(tmp_path):
     # the runtime subpackage and the RVV harness source ship too
     assert (installed / "runtime" / "worker.py").is_file()
     assert (installed / "schedule" / "matmul.py").is_file()
+    assert (installed / "autoshard" / "ilp.py").is_file()
     assert (installed / "rvv_harness.c").is_file()
     assert not (target / "passes").exists(), "passes/ must not install as a top-level package"
     probe = (

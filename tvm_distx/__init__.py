@@ -62,6 +62,7 @@ from .errors import (
     QemuError,
     RuleError,
     ScriptError,
+    MemoryBudgetError,
     ShardDimError,
     ShardingConflictError,
     ShardingError,
@@ -85,6 +86,9 @@ _LAZY = {
     "DistExecutable": ".executable",
     "from_torch": ".frontend",  # imports torch
     "export_decoder": ".kv_export",  # imports torch and transformers
+    "auto_shard": ".autoshard",  # imports scipy
+    "profile": ".autoshard",
+    "CostProfile": ".autoshard",
 }
 
 
@@ -122,6 +126,9 @@ __all__ = [
     "DistExecutable",
     "from_torch",
     "export_decoder",
+    "auto_shard",
+    "profile",
+    "CostProfile",
     "comm_report",
     "DistxError",
     "BundleError",
@@ -145,5 +152,6 @@ __all__ = [
     "UnsupportedProgramError",
     "CompilerStageError",
     "ScriptError",
+    "MemoryBudgetError",
     "QemuError",
 ]

@@ -39,6 +39,7 @@ __all__ = [
     "CallGraphError",
     "UnsupportedProgramError",
     "ScriptError",
+    "MemoryBudgetError",
     "QemuError",
     "CollectiveGroupError",
     "PeerFailedError",
@@ -230,6 +231,12 @@ class CompilerStageError(UnsupportedProgramError):
     """
 
     rule = "compiler-stage"
+
+
+class MemoryBudgetError(ShardingError):
+    """No sharding plan keeps every rank's weights and activations under its memory budget."""
+
+    rule = "memory-budget"
 
 
 class ScriptError(ShardingError):

@@ -1,0 +1,336 @@
+"""``auto_shard``: every placement chosen by cost under a memory budget, and why.
+
+:func:`auto_shard` reads ``main`` (:mod:`~tvm_distx.autoshard.extract`), solves
+the integer program (:mod:`~tvm_distx.autoshard.ilp`) and annotates the
+parameters and inputs with the placements it chose, as a preset would: the
+rest of the program follows by propagation. The :class:`AutoShardReport` lists
+every chosen placement with its cost terms and memory, the predicted time and
+bytes, and the runner-up plans.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import tvm
+
+from ..errors import RuleError
+from ..rules import ShardingRule, rules_for
+from .costs import DEFAULT_PROFILE, CostProfile
+from .graph import ShardGraph
+from .ilp import Solution, solve
+
+__all__ = ["AutoShardReport", "auto_shard", "plan_cost"]
+
+logger = logging.getLogger(__name__)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+@dataclass
+class AutoShardReport:
+    """What :func:`auto_shard` chose and why.
+
+    Attributes
+    ----------
+    graph : ShardGraph
+        The problem (nodes, strategies, repeated-layer classes).
+    solution : Solution
+        The chosen plan's strategies and predicted costs.
+    placements : dict of str to str
+        The placement of every input and parameter of ``main``.
+    runner_ups : list of (Solution, dict)
+        The next best plans, each with the placements in which it differs.
+    objective, memory_per_rank, profile
+        What was asked.
+    """
+
+    graph: ShardGraph
+    solution: Solution
+    placements: dict[str, str]
+    objective: str
+    memory_per_rank: int | None
+    profile: CostProfile
+    runner_ups: list = field(default_factory=list)
+
+    @property
+    def predicted_seconds(self) -> float:
+        """Predicted seconds per call: compute plus communication."""
+        return self.solution.compute_s + self.solution.comm_s
+
+    @property
+    def weight_bytes_per_rank(self) -> int:
+        """Parameter bytes one rank holds."""
+        return self.solution.weight_bytes
+
+    @property
+    def replicated_weight_bytes(self) -> int:
+        """Parameter bytes of the whole model."""
+        return sum(n.nbytes for n in self.graph.nodes if n.kind == "param")
+
+    def collectives(self) -> Counter:
+        """How many of each collective the plan runs per call (local slices left out)."""
+        count: Counter = Counter()
+        for _, _, _, _, _, steps in self.solution.moves:
+            for kind, _ in steps:
+                if kind != "local_slice":
+                    count[kind] += 1
+        return count
+
+    def rules(self, function: str = "main") -> list[ShardingRule]:
+        """The chosen placements as editable rules (one per input and parameter)."""
+        return rules_for({name: (p, None) for name, p in self.placements.items()}, function)
+
+    def rules_data(self, function: str = "main") -> list[dict]:
+        """The rules as the CLI's ``--rules`` files spell them (JSON or YAML)."""
+        return [{"param": name, "result": placement, "function": function}
+                for name, placement in self.placements.items()]
+
+    def reasons(self) -> list[tuple[str, str, str]]:
+        """``(value, placement, reason)`` for every input and parameter.
+
+        The reason gives the bytes the rank holds, the strategies of the
+        value's users (their arithmetic per rank) and what moves it.
+        """
+        g, sol = self.graph, self.solution
+        users: dict[int, list[int]] = {}
+        for index, node in enumerate(g.nodes):
+            for operand in node.operands:
+                users.setdefault(operand, []).append(index)
+        moved: dict[int, list[str]] = {}
+        for value, src, dst, nbytes, seconds, steps in sol.moves:
+            kinds = "+".join(k for k, _ in steps)
+            moved.setdefault(value, []).append(f"{kinds} {src}->{dst} ({nbytes} B, "
+                                               f"{seconds * 1e6:.1f} us)")
+        rows = []
+        for index, node in enumerate(g.nodes):
+            if node.kind not in ("input", "param"):
+                continue
+            st = g.strategies[index][sol.choice[index]]
+            held = g.local_bytes(index, st)
+            parts = [f"holds {held} of {node.nbytes} B"]
+            for u in users.get(index, [])[:2]:
+                target = u
+                while g.nodes[target].view and users.get(target):  # through transposes
+                    target = users[target][0]
+                ust = g.strategies[target][sol.choice[target]]
+                seconds = self.profile.compute_time(g.flops(target) / ust.parts)
+                parts.append(f"{g.nodes[target].op.removeprefix('relax.')} "
+                             f"{g.nodes[target].name} runs {ust.out} on 1/{ust.parts} "
+                             f"({seconds * 1e6:.1f} us)")
+            parts += moved.get(index, [])
+            rows.append((node.name, st.out, "; ".join(parts)))
+        return rows
+
+    def __str__(self) -> str:
+        sol = self.solution
+        lines = [
+            f"auto_shard on a {self.graph.mesh_shape} mesh, objective {self.objective}, "
+            f"profile {self.profile.name}"
+            + (f", {self.graph.layers} identical layers solved once" if self.graph.layers else ""),
+            f"  predicted: {self.predicted_seconds * 1e3:.3f} ms per call "
+            f"(compute {sol.compute_s * 1e3:.3f} ms, communication {sol.comm_s * 1e3:.3f} ms), "
+            f"{sol.comm_bytes} B received per rank",
+            f"  memory per rank: weights {_mib(sol.weight_bytes)} of "
+            f"{_mib(self.replicated_weight_bytes)}, peak {_mib(sol.peak_bytes)}"
+            + (f" (budget {_mib(self.memory_per_rank)})" if self.memory_per_rank else ""),
+            f"  collectives: " + (", ".join(f"{n} {k}" for k, n in
+                                             sorted(self.collectives().items())) or "none"),
+            f"  solver: {sol.status}, gap {sol.gap:.2g}, {sol.seconds:.2f} s, "
+            f"{sol.variables} variables",
+            "  value  placement  reason",
+        ]
+        lines += [f"  {name}  {placement}  {reason}" for name, placement, reason in self.reasons()]
+        for rank, (other, diff) in enumerate(self.runner_ups, start=2):
+            shown = ", ".join(f"{k} {v}" for k, v in list(diff.items())[:6])
+            more = f" (+{len(diff) - 6} more)" if len(diff) > 6 else ""
+            lines.append(f"  plan #{rank}: {(other.compute_s + other.comm_s) * 1e3:.3f} ms, "
+                         f"weights {_mib(other.weight_bytes)}; differs: {shown}{more}")
+        return "\n".join(lines)
+
+
+def _fixed_from_rules(graph: ShardGraph, rules, mod: tvm.IRModule, function: str,
+                      fill: str | None = None) -> dict[int, str]:
+    """Node id -> placement for the parameter rules (and ``fill`` for every other parameter)."""
+    if hasattr(rules, "rules"):  # a preset
+        rules = rules.rules(mod, function)
+    by_name = {node.name: i for i, node in enumerate(graph.nodes)
+               if node.kind in ("input", "param")}
+    fixed: dict[int, str] = {}
+    for rule in rules:
+        if not isinstance(rule, ShardingRule) or rule.kind != "param":
+            raise RuleError(f"auto_shard takes parameter rules only, got {rule!r}",
+                            hint="write ShardingRule(param='name', result='S[0]') for each "
+                            "placement auto_shard must keep")
+        if rule.function not in (None, function):
+            continue
+        if rule.param not in by_name:
+            raise RuleError(f"auto_shard: no input or parameter {rule.param!r} in {function!r}",
+                            var=rule.param, function=function,
+                            hint="the names: " + ", ".join(list(by_name)[:8]) + ", ...")
+        fixed[by_name[rule.param]] = str(rule.result)
+    if fill is not None:
+        for name, index in by_name.items():
+            if graph.nodes[index].kind == "param":
+                fixed.setdefault(index, fill * len(graph.mesh_shape))
+    per_class: dict[int, set[str]] = {}
+    for index in by_name.values():
+        per_class.setdefault(graph.classes[index], set()).add(fixed.get(index, ""))
+    if any(len(texts) > 1 for texts in per_class.values()):
+        logger.info("the rules place the layers differently: each layer is solved on its own")
+        graph.separate_layers()
+    return fixed
+
+
+def _with_mesh(mod: tvm.IRModule, mesh_shape: tuple[int, ...]) -> tvm.IRModule:
+    from ..presets import with_meshes
+
+    meshes = mod.global_infos.get("mesh") if mod.global_infos else None
+    if meshes:
+        if len(meshes) != 1 or tuple(int(s) for s in meshes[0].shape) != tuple(mesh_shape):
+            raise RuleError(f"auto_shard: the module's meshes differ from mesh_shape "
+                            f"{tuple(mesh_shape)}",
+                            hint="pass a module without meshes, or its one mesh's shape")
+        return mod
+    return with_meshes(mod, [tuple(mesh_shape)])
+
+
+def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
+               memory_per_rank: int | None = None, objective: str = "latency",
+               rules: Sequence[ShardingRule] = (), profile: CostProfile | None = None,
+               time_limit: float = 30.0, runner_ups: int = 2, pin: bool = True,
+               function: str = "main") -> tuple[tvm.IRModule, AutoShardReport]:
+    """Choose every placement of ``mod`` by cost, under a memory budget.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        A module as :func:`tvm_distx.from_torch` gives it (before ``LegalizeOps``),
+        with static shapes.
+    mesh_shape : sequence of int
+        The device mesh, e.g. ``(2,)`` or ``(2, 2)``.
+    memory_per_rank : int, optional
+        Bytes per rank for weights and live activations.
+    objective : {"latency", "throughput"}
+        ``"latency"``: the time of one call, each message paying its start-up;
+        ``"throughput"``: arithmetic and bytes only (start-ups overlap other
+        batches).
+    rules : sequence of ShardingRule or a preset
+        Parameter rules the plan must keep (hard constraints).
+    profile : CostProfile, optional
+        The machine; :data:`~tvm_distx.autoshard.costs.DEFAULT_PROFILE` when omitted.
+    time_limit : float
+        Seconds the solver may take per plan; past it the best plan found is
+        used and the report gives the optimality gap.
+    runner_ups : int
+        How many next-best plans (differing in some parameter or input) to report.
+    pin : bool
+        Also annotate the values inside the function with the placements the
+        solver chose (on the legalized module), so that the program runs the
+        plan that was costed. With False only the inputs and parameters are
+        annotated, as a preset does, and propagation chooses the rest.
+    function : str
+        The function to plan.
+
+    Returns
+    -------
+    (tvm.IRModule, AutoShardReport)
+        The module with its mesh and the chosen placements annotated (legalized
+        when ``pin``), and the report.
+
+    Raises
+    ------
+    MemoryBudgetError
+        When no plan fits ``memory_per_rank``.
+    RuleError
+        For a rule that is not a parameter rule, or a placement a tensor cannot take.
+
+    Examples
+    --------
+    >>> annotated, report = auto_shard(mod, (2,), memory_per_rank=64 << 20)
+    >>> print(report)
+    """
+    from ..passes import AnnotateSharding
+    from .extract import extract
+
+    profile = profile or DEFAULT_PROFILE
+    mesh_shape = tuple(int(n) for n in mesh_shape)
+    from ..pipeline import legalize_ops
+
+    meshed = _with_mesh(mod, mesh_shape)
+    legal = legalize_ops(meshed)
+    graph = extract(legal, mesh_shape, function, legalized=True)
+    fixed = _fixed_from_rules(graph, rules, meshed, function)
+    options = dict(profile=profile, objective=objective, memory_per_rank=memory_per_rank,
+                   fixed=fixed, time_limit=time_limit)
+    best = solve(graph, **options)
+    report_nodes = [i for i, n in enumerate(graph.nodes) if n.kind in ("input", "param")]
+    placements = {graph.nodes[i].name: graph.strategies[i][best.choice[i]].out
+                  for i in report_nodes}
+    # runner-ups differ in an input or a weight of some size, not in a bias alone
+    total = sum(graph.nodes[i].nbytes for i in report_nodes)
+    key_nodes = [i for i in report_nodes
+                 if graph.nodes[i].kind == "input" or graph.nodes[i].nbytes * 100 >= total]
+    seen = [{i: best.choice[i] for i in key_nodes}, {i: best.raw_choice[i] for i in key_nodes}]
+    others: list = []
+    for _ in range(5 * runner_ups):  # a plan may come back equal to one seen once tidied
+        if len(others) == runner_ups:
+            break
+        try:
+            other = solve(graph, **options, exclude=list(seen))
+        except Exception as err:  # noqa: BLE001 - no further plan is not an error
+            logger.info("no runner-up plan: %s", err)
+            break
+        mine = {i: other.choice[i] for i in key_nodes}
+        if mine in seen:
+            seen.append({i: other.raw_choice[i] for i in key_nodes})
+            continue
+        seen.append(mine)
+        diff = {graph.nodes[i].name: graph.strategies[i][other.choice[i]].out
+                for i in report_nodes if other.choice[i] != best.choice[i]}
+        others.append((other, diff))
+    report = AutoShardReport(graph, best, placements, objective, memory_per_rank, profile,
+                             others)
+    logger.info("%s", report)
+    if not pin:
+        return AnnotateSharding(report.rules(function))(meshed), report
+    from .pin import pin_values
+
+    pins = {}
+    for index, node in enumerate(graph.nodes):
+        placement = graph.strategies[index][best.choice[index]].out
+        if node.kind == "op" and node.labels is not None and "P" not in placement:
+            pins[graph.variables[index]] = placement
+    return AnnotateSharding(report.rules(function))(pin_values(legal, pins, function)), report
+
+
+def plan_cost(mod: tvm.IRModule, mesh_shape: Sequence[int], rules, *,
+              objective: str = "latency", profile: CostProfile | None = None,
+              memory_per_rank: int | None = None, function: str = "main",
+              time_limit: float = 30.0) -> Solution:
+    """The predicted cost of a hand-written plan (a preset or parameter rules).
+
+    Every parameter the rules leave out is replicated, as propagation leaves
+    it; the values in between take their cheapest strategies. Compare with
+    :attr:`AutoShardReport.solution` to see what :func:`auto_shard` gains.
+
+    Raises
+    ------
+    MemoryBudgetError
+        When the plan does not fit ``memory_per_rank``.
+    """
+    from .extract import extract
+
+    mesh_shape = tuple(int(n) for n in mesh_shape)
+    meshed = _with_mesh(mod, mesh_shape)
+    if hasattr(rules, "rules"):  # a preset: its rules for this module
+        rules = rules.rules(meshed, function)
+    graph = extract(meshed, mesh_shape, function)
+    fixed = _fixed_from_rules(graph, rules, meshed, function, fill="R")
+    return solve(graph, profile=profile or DEFAULT_PROFILE, objective=objective, fixed=fixed,
+                 memory_per_rank=memory_per_rank, time_limit=time_limit)
