@@ -61,6 +61,11 @@ def _torch(out: str, scratch: Path) -> None:
     assert _error(out, "torch max |error|:") < 1e-4  # the imported transformer equals PyTorch
 
 
+def _auto_shard(out: str, scratch: Path) -> None:
+    assert "solver: optimal" in out  # the integer program was solved exactly
+    assert _error(out, "auto_shard max |error|:") < 1e-4  # and its plan runs equal to torch
+
+
 def _hf(out: str, scratch: Path) -> None:
     for length in (1, 7, 32):  # the Hugging Face Llama, tensor parallel, one compile
         assert _error(out, f"hf seq={length} max |error|:") < 1e-4
@@ -87,6 +92,7 @@ CHECKS = {
     "data_parallel_symbolic.py": _symbolic,
     "torch max |error|": _torch,
     "hf seq=": _hf,
+    "auto_shard max |error|": _auto_shard,
     "kv decode tokens": _kv,
     "CausalLM equals transformers": _causal_lm,
 }

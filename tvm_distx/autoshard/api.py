@@ -139,7 +139,7 @@ class AutoShardReport:
             f"  memory per rank: weights {_mib(sol.weight_bytes)} of "
             f"{_mib(self.replicated_weight_bytes)}, peak {_mib(sol.peak_bytes)}"
             + (f" (budget {_mib(self.memory_per_rank)})" if self.memory_per_rank else ""),
-            f"  collectives: " + (", ".join(f"{n} {k}" for k, n in
+            "  collectives: " + (", ".join(f"{n} {k}" for k, n in
                                              sorted(self.collectives().items())) or "none"),
             f"  solver: {sol.status}, gap {sol.gap:.2g}, {sol.seconds:.2f} s, "
             f"{sol.variables} variables",

@@ -37,7 +37,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import MemoryBudgetError, RuleError, UnsupportedProgramError
+from ..errors import ArgumentError, MemoryBudgetError, RuleError, UnsupportedProgramError
 from .costs import DEFAULT_PROFILE, CostProfile, step_messages
 from .graph import ShardGraph
 
@@ -130,8 +130,14 @@ class _Builder:
         self.hi.append(hi)
 
     def solve(self, time_limit: float):
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
+        try:
+            from scipy.optimize import Bounds, LinearConstraint, milp
+            from scipy.sparse import coo_matrix
+        except ImportError:
+            raise ArgumentError(
+                "automatic sharding solves an integer program with scipy, which is not "
+                "installed", hint='pip install "tvm-distx[auto]" (or the hf or test extra)'
+            ) from None
 
         data, rows, cols = [], [], []
         for r, coeffs in enumerate(self.rows):
