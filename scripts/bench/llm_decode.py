@@ -78,9 +78,6 @@ MODEL = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 4096,
 #: ``(K, N)`` of the matrix-vector products: ``(1, K) @ W.T`` with ``W`` stored ``(N, K)``.
 MATVEC_SHAPES = [(1024, 4096), (4096, 1024), (4096, 8192), (1024, 32000)]
 
-#: Bytes of weight copies each kernel cycles through (beyond the 32 MiB L3 here).
-COLD_BYTES = 256 << 20
-
 
 def contenders(ranks: list[int], torch_threads: list[int]) -> list[tuple[str, str, str, int]]:
     """``(key, label, kind, ranks or threads)`` of every contender of this run."""
@@ -188,16 +185,24 @@ def ours_job(data: str, out: str, ranks: int, new_tokens: int) -> None:
     ids = np.load(Path(data) / "ids.npy")
     with CausalLM.from_bundle(Path(data) / f"bundle_{ranks}",
                               env={"TVM_NUM_THREADS": "1"}) as lm:
+        # the ranks load their weights at the first call: before it, their runtime alone
+        runtime = [peak_rss(r.pid) for r in lm.session.ranks]
         lm.generate(ids, max_new_tokens=4)  # warm-up: every rank loads its weights
         tokens = lm.generate(ids, max_new_tokens=new_tokens)[0].tolist()
         stats = lm.stats
         rss = [peak_rss(r.pid) for r in lm.session.ranks]
     Path(out).write_text(json.dumps({"tokens": tokens, "prefill": stats.prefill_seconds,
-                                     "steps": list(stats.per_step), "rss": rss,
+                                     "steps": list(stats.per_step), "rss": rss, "runtime": runtime,
                                      "comm": stats.bytes_per_token}))
 
 
 def stream_job(out: str, start: float, mib: int) -> None:
+    """:func:`stream` at the wall-clock time ``start`` (so that two jobs overlap)."""
+    time.sleep(max(0.0, start - time.time()))
+    Path(out).write_text(json.dumps(stream(mib)))
+
+
+def stream(mib: int) -> dict[str, float]:
     """STREAM-like copy and triad on float64 arrays of ``mib`` MiB, best of 5, bytes/s.
 
     Copy moves 2 arrays, triad 3 (STREAM's counting: the write-allocate read is
@@ -218,7 +223,6 @@ def stream_job(out: str, start: float, mib: int) -> None:
             np.multiply(c[lo:hi], 3.0, out=tmp[:hi - lo])
             np.add(b[lo:hi], tmp[:hi - lo], out=a[lo:hi])
 
-    time.sleep(max(0.0, start - time.time()))
     result = {}
     for name, kernel, arrays in (("copy", copy, 2), ("triad", triad, 3)):
         best = math.inf
@@ -227,7 +231,7 @@ def stream_job(out: str, start: float, mib: int) -> None:
             kernel()
             best = min(best, time.perf_counter() - began)
         result[name] = arrays * n * 8 / best
-    Path(out).write_text(json.dumps(result))
+    return result
 
 
 def matvec_kernel(k: int, n: int):
@@ -254,8 +258,11 @@ def matvec_kernel(k: int, n: int):
     return built["main"], str(rule)
 
 
-def kernels_job(out: str, shapes: list[tuple[int, int]], rounds: int) -> None:
-    """Our matrix-vector kernels against ``torch.nn.functional.linear``, 1 thread each."""
+def kernels_job(out: str, shapes: list[tuple[int, int]], rounds: int, mib: int) -> None:
+    """Our matrix-vector kernels against ``torch.nn.functional.linear``, 1 thread each.
+
+    Every round also measures :func:`stream`'s bandwidth, the kernels' yardstick.
+    """
     import torch
     import tvm
 
@@ -265,7 +272,8 @@ def kernels_job(out: str, shapes: list[tuple[int, int]], rounds: int) -> None:
     for k, n in shapes:
         func, rule = matvec_kernel(k, n)
         nbytes = 4 * k * n
-        copies = max(1, math.ceil(COLD_BYTES / nbytes))
+        cold = mib << 20  # the weight copies cycled through: past the caches
+        copies = max(1, math.ceil(cold / nbytes))
         x = rng.standard_normal((1, k), dtype="float32")
         weights = [rng.standard_normal((n, k), dtype="float32") for _ in range(copies)]
         ours = [(tvm.runtime.tensor(x), tvm.runtime.tensor(w), tvm.runtime.tensor(
@@ -274,7 +282,7 @@ def kernels_job(out: str, shapes: list[tuple[int, int]], rounds: int) -> None:
         func(*ours[0])
         np.testing.assert_allclose(ours[0][2].numpy(), x @ weights[0].T, rtol=1e-3,
                                    atol=1e-3 * math.sqrt(k))
-        reps = max(1, (4 * COLD_BYTES) // (nbytes * copies))
+        reps = max(1, (4 * cold) // (nbytes * copies))
 
         def timed(call, args) -> float:
             for a in args:
@@ -285,12 +293,13 @@ def kernels_job(out: str, shapes: list[tuple[int, int]], rounds: int) -> None:
                     call(a)
             return (time.perf_counter() - began) / (reps * len(args))
 
-        t_ours, t_torch = [], []
+        t_ours, t_torch, bw = [], [], []
         for _ in range(rounds):
             t_torch.append(timed(lambda w: torch.nn.functional.linear(tx, w), theirs))
             t_ours.append(timed(lambda a: func(*a), ours))
+            bw.append(max(stream(mib).values()))
         rows.append({"k": k, "n": n, "rule": rule, "bytes": nbytes, "ours": t_ours,
-                     "torch": t_torch})
+                     "torch": t_torch, "bandwidth": bw})
     Path(out).write_text(json.dumps(rows))
 
 
@@ -354,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         stream_job(opts.out, opts.stream_job, opts.mib)
         return 0
     if opts.kernels_job:
-        kernels_job(opts.out, shapes, opts.rounds)
+        kernels_job(opts.out, shapes, opts.rounds, opts.mib)
         return 0
 
     config = dict(MODEL)
@@ -391,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         if not opts.no_kernels:
             out = folder / "kernels.json"
             command = [sys.executable, SCRIPT, "--kernels-job", "--out", str(out),
-                       "--rounds", str(max(3, 2 * opts.rounds)), "--kernels",
+                       "--rounds", str(max(3, 2 * opts.rounds)), "--mib", str(opts.mib),
+                       "--kernels",
                        *[f"{k}x{n}" for k, n in shapes]]
             kernel_rows = run_job("kernels", command, child_env(
                 OMP_NUM_THREADS="1", TVM_NUM_THREADS="1"), out, opts.timeout)
@@ -414,10 +424,14 @@ def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_ro
         fractions[key] = [lo / t for lo, t in zip(bound, step[key])]
         same = all(run["tokens"] == reference for run in runs[key])
         rss = max(max(run["rss"]) for run in runs[key])
+        # what the weights and the caches add to a rank's runtime (ours: before the first call)
+        added = max(max(p - b for p, b in zip(run["rss"], run["runtime"])) for run in runs[key]
+                    ) if kind == "ours" else None
         table_rows.append((
             label, f"{median(run['prefill'] for run in runs[key]) * 1e3:.0f}",
             f"{median(step[key]) * 1e3:.1f}", f"{1 / median(step[key]):.1f}",
             "yes" if same else "**no**", f"{fmt_bytes(rss)} x {procs}",
+            "-" if added is None else fmt_bytes(added),
             f"{fmt_bytes(nbytes)}", f"{median(bound) * 1e3:.1f}",
             f"{median(fractions[key]):.2f} ({spread(fractions[key])})"))
     print(f"Llama decode, {parameters(config) / 1e6:.0f}M parameters "
@@ -427,6 +441,7 @@ def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_ro
           f"{os.cpu_count()} cores, {opts.rounds} rounds ({elapsed:.0f} s)\n")
     print(table(["contender", "prefill ms", "decode ms/token (median)", "tokens/s",
                  "tokens = transformers 1 thread", "peak RSS per process",
+                 "of which weights and cache (peak - rank before loading)",
                  "weights read per token per process", "roofline ms/token",
                  "fraction of roofline (min-max)"], table_rows))
     print(f"\nBandwidth (STREAM-like numpy copy/triad, best of 5, 1 thread per process): "
@@ -451,13 +466,15 @@ def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_ro
         for row in kernel_rows:
             ours, theirs = median(row["ours"]), median(row["torch"])
             ratios = [t / o for o, t in zip(row["ours"], row["torch"])]
+            share = [row["bytes"] / o / b for o, b in zip(row["ours"], row["bandwidth"])]
             lines.append((f"1x{row['k']} @ {row['k']}x{row['n']}", row["rule"],
                           fmt_bytes(row["bytes"]), f"{theirs * 1e6:.0f}", f"{ours * 1e6:.0f}",
                           f"{row['bytes'] / theirs / 1e9:.1f}", f"{row['bytes'] / ours / 1e9:.1f}",
-                          f"{row['bytes'] / ours / median(bw[1]):.2f}",
+                          f"{median(share):.2f}",
                           f"{median(ratios):.2f} ({spread(ratios)})"))
         print("\nMatrix-vector products, weight stored (N, K), float32, 1 thread, weights from "
-              "memory (copies cycled past the caches):\n")
+              "memory (copies cycled past the caches); the bandwidth is measured in the same "
+              "process, once per round:\n")
         print(table(["x @ W.T", "our rule", "weight", "torch linear us", "ours us",
                      "torch GB/s", "ours GB/s", "ours / bandwidth", "speed-up vs torch "
                      "(min-max)"], lines))
