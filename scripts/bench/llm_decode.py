@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         config["num_hidden_layers"] = opts.layers
     rows = contenders(opts.ranks, opts.threads)
     started = time.perf_counter()
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="tvm-distx-bench-") as tmp:
         folder = Path(tmp)
         read = build(folder, config, opts.prompt, opts.new_tokens, opts.ranks)
@@ -406,12 +407,13 @@ def main(argv: list[str] | None = None) -> int:
             kernel_rows = run_job("kernels", command, child_env(
                 OMP_NUM_THREADS="1", TVM_NUM_THREADS="1"), out, opts.timeout)
     elapsed = time.perf_counter() - started
-    report(opts, config, rows, runs, bw, read, kernel_rows, elapsed)
+    load.append(os.getloadavg()[0])
+    report(opts, config, rows, runs, bw, read, kernel_rows, elapsed, load)
     return 0
 
 
 def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_rows,
-           elapsed: float) -> None:
+           elapsed: float, load: list[float]) -> None:
     """Print the tables (and write the JSON) of a finished run."""
     reference = runs[rows[0][0]][0]["tokens"]
     step = {key: [median(run["steps"]) for run in runs[key]] for key in runs}
@@ -438,7 +440,8 @@ def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_ro
           f"({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, FFN "
           f"{config['intermediate_size']}, vocabulary {config['vocab_size']}), float32, prompt "
           f"{opts.prompt} tokens + {opts.new_tokens} greedy tokens, batch 1, "
-          f"{os.cpu_count()} cores, {opts.rounds} rounds ({elapsed:.0f} s)\n")
+          f"{os.cpu_count()} cores (load average {load[0]:.1f} before, {load[1]:.1f} after), "
+          f"{opts.rounds} rounds ({elapsed:.0f} s)\n")
     print(table(["contender", "prefill ms", "decode ms/token (median)", "tokens/s",
                  "tokens = transformers 1 thread", "peak RSS per process",
                  "of which weights and cache (peak - rank before loading)",
