@@ -8,6 +8,7 @@ that ``run_all.py`` writes ``results.md`` and the plot.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,4 +35,8 @@ def test_every_benchmark_runs_at_its_smallest_size_and_writes_the_results(tmp_pa
         assert contender in results
     for contender in ("ours, 2 ranks over MPI", "DTensor, 2 ranks over gloo", "numpy"):
         assert contender in results
+    # token generation: our tokens equal transformers', our matrix-vector kernel is chosen
+    assert "## 6. Llama token generation" in results
+    assert re.search(r"\| ours, 2 ranks over MPI \(1 thread each\) \|[^\n]* \| yes \|", results)
+    assert "| 1x64 @ 64x256 | matvec |" in results
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

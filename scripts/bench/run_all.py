@@ -13,6 +13,9 @@ one after the other, each in its own process:
    DTensor on gloo and numpy;
 5. ``llm_prefill.py``: the prefill of a 101M-parameter random Llama on 1, 2
    and 4 ranks against torch eager and transformers' own tensor parallelism.
+6. ``llm_decode.py``: token generation of a 443M-parameter random Llama with
+   ``CausalLM`` on 1 and 2 ranks against transformers' ``generate``, with the
+   memory-bandwidth roofline and matrix-vector kernels against torch.
 
 ``results.md`` holds each benchmark's tables under the command that made them,
 with the date, the commit and the machine; ``results.png`` plots them (six
@@ -60,6 +63,10 @@ BENCHES = [
      [], ["--layers", "2", "--rounds", "1", "--samples", "2"],
      ["--hidden", "64", "--layers", "1", "--tokens", "8", "--ranks", "1", "2", "--rounds", "1",
       "--samples", "1", "--calls", "1"]),
+    ("llm_decode", "Llama token generation",
+     [], ["--small", "--rounds", "1", "--kernels", "1024x4096"],
+     ["--hidden", "64", "--layers", "1", "--prompt", "4", "--new-tokens", "4", "--ranks", "2",
+      "--threads", "1", "--rounds", "1", "--mib", "16", "--kernels", "64x256"]),
 ]
 
 

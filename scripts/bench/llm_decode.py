@@ -1,0 +1,493 @@
+"""Token generation of a random-weight Llama: ours on 1 and 2 ranks against transformers.
+
+The model is a ``LlamaForCausalLM`` built from a config in code (no download):
+hidden 1024, FFN 4096, 24 layers, 16 query heads and 8 KV heads (grouped-query
+attention), vocabulary 32000, untied LM head: 443M parameters, 1.77 GB in
+float32. ``--small`` runs a 4-layer version of it, for trying the script out.
+A random prompt is followed by ``--new-tokens`` greedy tokens (batch 1).
+
+Contenders, each in its own processes (imports, compilation and loading are
+not timed; a short generation warms each one up first):
+
+* **transformers** ``generate(do_sample=False, use_cache=True)`` in torch
+  eager, one process with 1 thread and with 2 (``torch.set_num_threads``).
+  Its times come from a logits processor that notes the clock at every token:
+  the prefill is the time to the first token, each decode step the time
+  between two tokens.
+* **ours, p ranks** (p = 1, 2): :class:`tvm_distx.llm.CausalLM` serving a
+  generation bundle (:meth:`~tvm_distx.llm.CausalLM.export` of
+  ``CausalLM.from_hf(model, num_ranks=p)``, ``presets.tensor_parallel()``) on
+  ``mpiexec -n p`` ranks that stay up, one TVM thread per rank. Times are
+  :attr:`~tvm_distx.llm.CausalLM.stats`: each decode step is one call of the
+  session as the caller sees it, socket round trip and argmax included.
+
+Every contender's tokens are compared with those of transformers on 1 thread.
+The peak resident memory of every process that holds weights (``VmHWM`` of
+``/proc/<pid>/status``: the transformers process; each of our ranks) is read
+after the run.
+
+**Roofline.** Decoding one token reads every weight a rank holds once (all but
+the token embedding, of which it reads one row), so memory bandwidth bounds
+it: the lower bound of a step is the weight bytes per rank divided by the
+bandwidth one process gets. That bandwidth is measured in the same run by a
+STREAM-like numpy copy and triad on 256 MiB arrays, one thread, once alone
+(for the 1-thread contenders) and once in two processes at the same time (per
+process, for 2 ranks; twice that for torch on 2 threads); the better of copy
+and triad is taken, which makes the bound, and our fraction of it,
+conservative. The cache read per step (under 1% of the weights here) is left
+out of the bound.
+
+**Matrix-vector kernels.** ``1 x K @ (N x K)^T`` products as decode runs them,
+our :class:`tvm_distx.schedule.MatvecRule` kernel (chosen by default) against
+``torch.nn.functional.linear``, both on 1 thread. Each side cycles through
+enough copies of the weight to exceed 256 MiB, so the weight comes from memory
+as in decode, not from the caches.
+
+Rounds launch every contender once, in an order that rotates; tables show
+medians over rounds and ratios as medians of per-round ratios (min-max).
+
+Usage::
+
+    python scripts/bench/llm_decode.py                  # 443M parameters, 2 rounds
+    python scripts/bench/llm_decode.py --small --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import child_env, fmt_bytes, median, run_job, spread, table  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+SCRIPT = str(Path(__file__).resolve())
+
+#: The model (``--small`` keeps 4 layers; ``--hidden`` and ``--layers`` change it).
+MODEL = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 4096,
+         "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 8}
+
+#: ``(K, N)`` of the matrix-vector products: ``(1, K) @ W.T`` with ``W`` stored ``(N, K)``.
+MATVEC_SHAPES = [(1024, 4096), (4096, 1024), (4096, 8192), (1024, 32000)]
+
+
+def contenders(ranks: list[int], torch_threads: list[int]) -> list[tuple[str, str, str, int]]:
+    """``(key, label, kind, ranks or threads)`` of every contender of this run."""
+    rows = [(f"hf{t}", f"transformers generate, torch eager, {t} thread{'s' if t > 1 else ''}",
+             "hf", t) for t in torch_threads]
+    rows += [(f"ours{p}", f"ours, {p} rank{'s' if p > 1 else ''} over MPI (1 thread each)",
+              "ours", p) for p in ranks]
+    return rows
+
+
+def parameters(config: dict) -> int:
+    """The parameter count of the Llama of ``config`` (untied LM head, no biases)."""
+    hidden, ffn, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = hidden * config["num_key_value_heads"] // config["num_attention_heads"]
+    layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
+    return config["num_hidden_layers"] * layer + 2 * vocab * hidden + hidden
+
+
+def build(folder: Path, config: dict, prompt: int, new_tokens: int, ranks: list[int]) -> dict:
+    """Save the model and the prompt in ``folder`` and a generation bundle per rank count.
+
+    Returns the weight bytes a decode step reads, per rank, by contender key.
+    """
+    import torch
+    import transformers
+
+    from tvm_distx.bundle import read_manifest
+    from tvm_distx.llm import CausalLM
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **config, max_position_embeddings=max(512, prompt + new_tokens),
+        tie_word_embeddings=False)).eval()
+    model.save_pretrained(folder / "model")
+    ids = np.random.default_rng(0).integers(0, config["vocab_size"], (1, prompt))
+    np.save(folder / "ids.npy", ids)
+    read = {}
+    whole = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if "embed_tokens" not in n)
+    for p in ranks:
+        started = time.perf_counter()
+        with CausalLM.from_hf(model, num_ranks=p, max_length=prompt + new_tokens) as lm:
+            root = lm.export(folder / f"bundle_{p}")
+        manifest = read_manifest(root)
+        decode = set(manifest.weights.get("decode", ()))
+        read[f"ours{p}"] = max(
+            sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in manifest.files_of(r)
+                if w.name in decode and "embed_tokens" not in w.name)
+            for r in range(p))
+        print(f"  compiled and exported for {p} rank(s) in {time.perf_counter() - started:.0f} s",
+              file=sys.stderr, flush=True)
+    read["whole"] = whole
+    return read
+
+
+# ---------------------------------------------------------------------- inside the jobs
+def peak_rss(pid: int | str = "self") -> int:
+    """Peak resident bytes (``VmHWM``) of a process of this host."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def hf_job(data: str, out: str, threads: int, new_tokens: int) -> None:
+    """transformers ``generate`` in this process, torch on ``threads`` threads."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        Path(data) / "model", dtype=torch.float32).eval()
+    ids = torch.from_numpy(np.load(Path(data) / "ids.npy"))
+
+    class Clock(transformers.LogitsProcessor):
+        """Notes the time at every token (after its forward)."""
+
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.stamps.append(time.perf_counter())
+            return scores
+
+    def generate(count: int, clock: Clock):
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=count, do_sample=False, use_cache=True,
+                                  eos_token_id=None, pad_token_id=0,
+                                  logits_processor=transformers.LogitsProcessorList([clock]))
+
+    generate(4, Clock())  # warm-up
+    clock = Clock()
+    started = time.perf_counter()
+    tokens = generate(new_tokens, clock)[0].tolist()
+    Path(out).write_text(json.dumps({
+        "tokens": tokens, "prefill": clock.stamps[0] - started,
+        "steps": list(np.diff(clock.stamps)), "rss": [peak_rss()]}))
+
+
+def ours_job(data: str, out: str, ranks: int, new_tokens: int) -> None:
+    """A session on our generation bundle, one TVM thread per rank."""
+    from tvm_distx.llm import CausalLM
+
+    ids = np.load(Path(data) / "ids.npy")
+    with CausalLM.from_bundle(Path(data) / f"bundle_{ranks}",
+                              env={"TVM_NUM_THREADS": "1"}) as lm:
+        # the ranks load their weights at the first call: before it, their runtime alone
+        runtime = [peak_rss(r.pid) for r in lm.session.ranks]
+        lm.generate(ids, max_new_tokens=4)  # warm-up: every rank loads its weights
+        tokens = lm.generate(ids, max_new_tokens=new_tokens)[0].tolist()
+        stats = lm.stats
+        rss = [peak_rss(r.pid) for r in lm.session.ranks]
+    Path(out).write_text(json.dumps({"tokens": tokens, "prefill": stats.prefill_seconds,
+                                     "steps": list(stats.per_step), "rss": rss, "runtime": runtime,
+                                     "comm": stats.bytes_per_token}))
+
+
+def stream_job(out: str, start: float, mib: int) -> None:
+    """:func:`stream` at the wall-clock time ``start`` (so that two jobs overlap)."""
+    time.sleep(max(0.0, start - time.time()))
+    Path(out).write_text(json.dumps(stream(mib)))
+
+
+def stream(mib: int) -> dict[str, float]:
+    """STREAM-like copy and triad on float64 arrays of ``mib`` MiB, best of 5, bytes/s.
+
+    Copy moves 2 arrays, triad 3 (STREAM's counting: the write-allocate read is
+    not counted). The triad runs in chunks that stay in L2 so numpy needs no
+    array-sized temporary.
+    """
+    n = (mib << 20) // 8
+    a, b, c = np.zeros(n), np.ones(n), np.full(n, 2.0)
+    chunk = 1 << 15
+    tmp = np.empty(chunk)
+
+    def copy():
+        np.copyto(a, b)
+
+    def triad():
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            np.multiply(c[lo:hi], 3.0, out=tmp[:hi - lo])
+            np.add(b[lo:hi], tmp[:hi - lo], out=a[lo:hi])
+
+    result = {}
+    for name, kernel, arrays in (("copy", copy, 2), ("triad", triad, 3)):
+        best = math.inf
+        for _ in range(5):
+            began = time.perf_counter()
+            kernel()
+            best = min(best, time.perf_counter() - began)
+        result[name] = arrays * n * 8 / best
+    return result
+
+
+def matvec_kernel(k: int, n: int):
+    """Our compiled ``(1, k) @ W.T`` for ``W`` stored ``(n, k)``, scheduled by default rules."""
+    import tvm
+    from tvm import relax
+
+    from tvm_distx.pipeline import legalize_ops
+    from tvm_distx.schedule import RULE_ATTR, schedule_module, x86_target
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, k), "float32"))
+    w = relax.Var("w", relax.TensorType((n, k), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
+        bb.emit_func_output(out)
+    target = x86_target()  # as our ranks are compiled; TVM_NUM_THREADS=1 runs it on one
+    mod = schedule_module(legalize_ops(bb.get()), target)
+    (kernel,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    rule = kernel.attrs.get(RULE_ATTR, None) if kernel.attrs is not None else None
+    built = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}),
+                        target=target).mod
+    return built["main"], str(rule)
+
+
+def kernels_job(out: str, shapes: list[tuple[int, int]], rounds: int, mib: int) -> None:
+    """Our matrix-vector kernels against ``torch.nn.functional.linear``, 1 thread each.
+
+    Every round also measures :func:`stream`'s bandwidth, the kernels' yardstick.
+    """
+    import torch
+    import tvm
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    rows = []
+    for k, n in shapes:
+        func, rule = matvec_kernel(k, n)
+        nbytes = 4 * k * n
+        cold = mib << 20  # the weight copies cycled through: past the caches
+        copies = max(1, math.ceil(cold / nbytes))
+        x = rng.standard_normal((1, k), dtype="float32")
+        weights = [rng.standard_normal((n, k), dtype="float32") for _ in range(copies)]
+        ours = [(tvm.runtime.tensor(x), tvm.runtime.tensor(w), tvm.runtime.tensor(
+            np.zeros((1, n), "float32"))) for w in weights]
+        tx, theirs = torch.from_numpy(x), [torch.from_numpy(w) for w in weights]
+        func(*ours[0])
+        np.testing.assert_allclose(ours[0][2].numpy(), x @ weights[0].T, rtol=1e-3,
+                                   atol=1e-3 * math.sqrt(k))
+        reps = max(1, (4 * cold) // (nbytes * copies))
+
+        def timed(call, args) -> float:
+            for a in args:
+                call(a)
+            began = time.perf_counter()
+            for _ in range(reps):
+                for a in args:
+                    call(a)
+            return (time.perf_counter() - began) / (reps * len(args))
+
+        t_ours, t_torch, bw = [], [], []
+        for _ in range(rounds):
+            t_torch.append(timed(lambda w: torch.nn.functional.linear(tx, w), theirs))
+            t_ours.append(timed(lambda a: func(*a), ours))
+            bw.append(max(stream(mib).values()))
+        rows.append({"k": k, "n": n, "rule": rule, "bytes": nbytes, "ours": t_ours,
+                     "torch": t_torch, "bandwidth": bw})
+    Path(out).write_text(json.dumps(rows))
+
+
+# ---------------------------------------------------------------------- the controller
+def launch(kind: str, arg, folder: Path, new_tokens: int, timeout: float) -> dict:
+    """Run one contender's job; returns what it wrote."""
+    out = folder / f"{kind}{arg}.json"
+    out.unlink(missing_ok=True)
+    threads = str(arg) if kind == "hf" else "1"
+    command = [sys.executable, SCRIPT, f"--{kind}-job", str(arg), "--data", str(folder),
+               "--out", str(out), "--new-tokens", str(new_tokens)]
+    env = child_env(OMP_NUM_THREADS=threads, TVM_NUM_THREADS="1")
+    return run_job(f"{kind}{arg}", command, env, out, timeout)
+
+
+def bandwidth(folder: Path, processes: int, mib: int) -> float:
+    """Bytes/s one process gets when ``processes`` run the stream job at once (median)."""
+    start = time.time() + 1.5  # every process allocated and waiting
+    outs = [folder / f"stream{processes}_{i}.json" for i in range(processes)]
+    env = child_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    jobs = [subprocess.Popen([sys.executable, SCRIPT, "--stream-job", str(start), "--out",
+                              str(o), "--mib", str(mib)], env=env) for o in outs]
+    if any(j.wait(timeout=300) for j in jobs):
+        raise SystemExit("the bandwidth job failed")
+    return median(max(v.values()) for v in (json.loads(o.read_text()) for o in outs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="4 layers: a quick run")
+    parser.add_argument("--rounds", type=int, default=2, help="launches of every contender")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2], help="our rank counts")
+    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2],
+                        help="torch threads of the transformers contenders")
+    parser.add_argument("--hidden", type=int, help="hidden size (heads of 64)")
+    parser.add_argument("--layers", type=int, help="decoder layers")
+    parser.add_argument("--kernels", nargs="*", default=None, metavar="KxN",
+                        help="matrix-vector shapes (default: decode's, see MATVEC_SHAPES)")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
+    parser.add_argument("--mib", type=int, default=256, help="MiB per array of the stream job")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    parser.add_argument("--json", help="also write the per-round figures to this JSON file")
+    parser.add_argument("--hf-job", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--ours-job", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--stream-job", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--kernels-job", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    shapes = ([tuple(int(v) for v in s.lower().split("x")) for s in opts.kernels]
+              if opts.kernels else MATVEC_SHAPES)
+    if opts.hf_job:
+        hf_job(opts.data, opts.out, opts.hf_job, opts.new_tokens)
+        return 0
+    if opts.ours_job:
+        ours_job(opts.data, opts.out, opts.ours_job, opts.new_tokens)
+        return 0
+    if opts.stream_job:
+        stream_job(opts.out, opts.stream_job, opts.mib)
+        return 0
+    if opts.kernels_job:
+        kernels_job(opts.out, shapes, opts.rounds, opts.mib)
+        return 0
+
+    config = dict(MODEL)
+    if opts.small:
+        config["num_hidden_layers"] = 4
+    if opts.hidden:
+        heads = max(4, opts.hidden // 64)
+        config.update(hidden_size=opts.hidden, num_attention_heads=heads,
+                      num_key_value_heads=max(2, heads // 2),
+                      intermediate_size=4 * opts.hidden,
+                      vocab_size=max(64, opts.hidden * 32))
+    if opts.layers:
+        config["num_hidden_layers"] = opts.layers
+    rows = contenders(opts.ranks, opts.threads)
+    started = time.perf_counter()
+    load = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory(prefix="tvm-distx-bench-") as tmp:
+        folder = Path(tmp)
+        read = build(folder, config, opts.prompt, opts.new_tokens, opts.ranks)
+        runs: dict[str, list[dict]] = {key: [] for key, *_ in rows}
+        bw: dict[int, list[float]] = {1: [], 2: []}
+        kernel_rows = None
+        for r in range(opts.rounds):
+            order = rows[r % len(rows):] + rows[:r % len(rows)]
+            for key, _, kind, arg in order:
+                got = launch(kind, arg, folder, opts.new_tokens, opts.timeout)
+                runs[key].append(got)
+                print(f"  round {r + 1}: {key} prefill {got['prefill'] * 1e3:.0f} ms, "
+                      f"decode {median(got['steps']) * 1e3:.1f} ms/token", file=sys.stderr,
+                      flush=True)
+            for processes in (1, 2):
+                bw[processes].append(bandwidth(folder, processes, opts.mib))
+            print(f"  round {r + 1}: bandwidth {bw[1][-1] / 1e9:.1f} GB/s alone, "
+                  f"{bw[2][-1] / 1e9:.1f} GB/s per process with two", file=sys.stderr, flush=True)
+        if not opts.no_kernels:
+            out = folder / "kernels.json"
+            command = [sys.executable, SCRIPT, "--kernels-job", "--out", str(out),
+                       "--rounds", str(max(3, 2 * opts.rounds)), "--mib", str(opts.mib),
+                       "--kernels",
+                       *[f"{k}x{n}" for k, n in shapes]]
+            kernel_rows = run_job("kernels", command, child_env(
+                OMP_NUM_THREADS="1", TVM_NUM_THREADS="1"), out, opts.timeout)
+    elapsed = time.perf_counter() - started
+    load.append(os.getloadavg()[0])
+    report(opts, config, rows, runs, bw, read, kernel_rows, elapsed, load)
+    return 0
+
+
+def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_rows,
+           elapsed: float, load: list[float]) -> None:
+    """Print the tables (and write the JSON) of a finished run."""
+    reference = runs[rows[0][0]][0]["tokens"]
+    step = {key: [median(run["steps"]) for run in runs[key]] for key in runs}
+    table_rows, fractions = [], {}
+    for key, label, kind, arg in rows:
+        procs = arg if kind == "ours" else 1
+        per_proc = bw[2] if arg == 2 else bw[1]  # two ranks or two threads share the memory
+        nbytes = read[key] if kind == "ours" else read["whole"]
+        bound = [nbytes / (b * (arg if kind == "hf" else 1)) for b in per_proc]
+        fractions[key] = [lo / t for lo, t in zip(bound, step[key])]
+        same = all(run["tokens"] == reference for run in runs[key])
+        rss = max(max(run["rss"]) for run in runs[key])
+        # what the weights and the caches add to a rank's runtime (ours: before the first call)
+        added = max(max(p - b for p, b in zip(run["rss"], run["runtime"])) for run in runs[key]
+                    ) if kind == "ours" else None
+        table_rows.append((
+            label, f"{median(run['prefill'] for run in runs[key]) * 1e3:.0f}",
+            f"{median(step[key]) * 1e3:.1f}", f"{1 / median(step[key]):.1f}",
+            "yes" if same else "**no**", f"{fmt_bytes(rss)} x {procs}",
+            "-" if added is None else fmt_bytes(added),
+            f"{fmt_bytes(nbytes)}", f"{median(bound) * 1e3:.1f}",
+            f"{median(fractions[key]):.2f} ({spread(fractions[key])})"))
+    print(f"Llama decode, {parameters(config) / 1e6:.0f}M parameters "
+          f"({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, FFN "
+          f"{config['intermediate_size']}, vocabulary {config['vocab_size']}), float32, prompt "
+          f"{opts.prompt} tokens + {opts.new_tokens} greedy tokens, batch 1, "
+          f"{os.cpu_count()} cores (load average {load[0]:.1f} before, {load[1]:.1f} after), "
+          f"{opts.rounds} rounds ({elapsed:.0f} s)\n")
+    print(table(["contender", "prefill ms", "decode ms/token (median)", "tokens/s",
+                 "tokens = transformers 1 thread", "peak RSS per process",
+                 "of which weights and cache (peak - rank before loading)",
+                 "weights read per token per process", "roofline ms/token",
+                 "fraction of roofline (min-max)"], table_rows))
+    print(f"\nBandwidth (STREAM-like numpy copy/triad, best of 5, 1 thread per process): "
+          f"{median(bw[1]) / 1e9:.1f} GB/s for one process alone, "
+          f"{median(bw[2]) / 1e9:.1f} GB/s per process with two at once.")
+    comparisons = []
+
+    def ratio(label: str, slow: str, fast: str) -> None:
+        if slow in step and fast in step:
+            values = [a / b for a, b in zip(step[slow], step[fast])]
+            comparisons.append((label, f"{median(values):.2f} ({spread(values)})"))
+
+    ratio("decode: ours 2 ranks vs ours 1 rank (1-rank time / 2-rank time)", "ours1", "ours2")
+    ratio("decode: ours 1 rank vs transformers 1 thread (theirs / ours)", "hf1", "ours1")
+    ratio("decode: ours 2 ranks vs transformers 2 threads (theirs / ours)", "hf2", "ours2")
+    ratio("decode: ours 2 ranks vs transformers 1 thread (theirs / ours)", "hf1", "ours2")
+    if comparisons:
+        print()
+        print(table(["comparison", "ratio (min-max)"], comparisons))
+    if kernel_rows:
+        lines = []
+        for row in kernel_rows:
+            ours, theirs = median(row["ours"]), median(row["torch"])
+            ratios = [t / o for o, t in zip(row["ours"], row["torch"])]
+            share = [row["bytes"] / o / b for o, b in zip(row["ours"], row["bandwidth"])]
+            lines.append((f"1x{row['k']} @ {row['k']}x{row['n']}", row["rule"],
+                          fmt_bytes(row["bytes"]), f"{theirs * 1e6:.0f}", f"{ours * 1e6:.0f}",
+                          f"{row['bytes'] / theirs / 1e9:.1f}", f"{row['bytes'] / ours / 1e9:.1f}",
+                          f"{median(share):.2f}",
+                          f"{median(ratios):.2f} ({spread(ratios)})"))
+        print("\nMatrix-vector products, weight stored (N, K), float32, 1 thread, weights from "
+              "memory (copies cycled past the caches); the bandwidth is measured in the same "
+              "process, once per round:\n")
+        print(table(["x @ W.T", "our rule", "weight", "torch linear us", "ours us",
+                     "torch GB/s", "ours GB/s", "ours / bandwidth", "speed-up vs torch "
+                     "(min-max)"], lines))
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({
+            "labels": {key: label for key, label, *_ in rows}, "steps": step,
+            "prefill": {k: [run["prefill"] for run in v] for k, v in runs.items()},
+            "fractions": fractions, "bandwidth": bw, "read": read, "kernels": kernel_rows,
+            "parameters": parameters(config)}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
