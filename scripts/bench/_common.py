@@ -148,3 +148,11 @@ def bundle_rank_call(bundle: str, inputs: dict, comm, *, with_signature: bool = 
     if with_signature:  # to assemble results split across the ranks
         return vm[entry], args, signature
     return vm[entry], args
+
+
+def llama_parameters(config: dict) -> int:
+    """The parameter count of the Llama of ``config`` (untied LM head, no biases)."""
+    hidden, ffn, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = hidden * config["num_key_value_heads"] // config["num_attention_heads"]
+    layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
+    return config["num_hidden_layers"] * layer + 2 * vocab * hidden + hidden

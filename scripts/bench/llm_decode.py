@@ -65,7 +65,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import child_env, fmt_bytes, median, run_job, spread, table  # noqa: E402
+from _common import (child_env, fmt_bytes, llama_parameters, median, run_job,  # noqa: E402
+                     spread, table)
 
 import numpy as np  # noqa: E402
 
@@ -86,14 +87,6 @@ def contenders(ranks: list[int], torch_threads: list[int]) -> list[tuple[str, st
     rows += [(f"ours{p}", f"ours, {p} rank{'s' if p > 1 else ''} over MPI (1 thread each)",
               "ours", p) for p in ranks]
     return rows
-
-
-def parameters(config: dict) -> int:
-    """The parameter count of the Llama of ``config`` (untied LM head, no biases)."""
-    hidden, ffn, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    kv = hidden * config["num_key_value_heads"] // config["num_attention_heads"]
-    layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
-    return config["num_hidden_layers"] * layer + 2 * vocab * hidden + hidden
 
 
 def build(folder: Path, config: dict, prompt: int, new_tokens: int, ranks: list[int]) -> dict:
@@ -436,7 +429,7 @@ def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_ro
             "-" if added is None else fmt_bytes(added),
             f"{fmt_bytes(nbytes)}", f"{median(bound) * 1e3:.1f}",
             f"{median(fractions[key]):.2f} ({spread(fractions[key])})"))
-    print(f"Llama decode, {parameters(config) / 1e6:.0f}M parameters "
+    print(f"Llama decode, {llama_parameters(config) / 1e6:.0f}M parameters "
           f"({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, FFN "
           f"{config['intermediate_size']}, vocabulary {config['vocab_size']}), float32, prompt "
           f"{opts.prompt} tokens + {opts.new_tokens} greedy tokens, batch 1, "
@@ -486,7 +479,7 @@ def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_ro
             "labels": {key: label for key, label, *_ in rows}, "steps": step,
             "prefill": {k: [run["prefill"] for run in v] for k, v in runs.items()},
             "fractions": fractions, "bandwidth": bw, "read": read, "kernels": kernel_rows,
-            "parameters": parameters(config)}))
+            "parameters": llama_parameters(config)}))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (bundle_rank_call, child_env, end_rank_job, free_port, median,  # noqa: E402
+from _common import (bundle_rank_call, child_env, end_rank_job, free_port,  # noqa: E402
+                     llama_parameters, median,
                      run_job, spread, table, time_samples)
 
 from tvm_distx.runtime.launcher import mpiexec_path  # noqa: E402
@@ -73,14 +74,6 @@ def contenders(ranks: list[int], with_hf_tp: bool) -> list[tuple[str, str, str, 
         rows.append(("hftp2", "transformers tp_plan, 2 ranks over gloo (1 thread each)",
                      "hftp", 2, 1))
     return rows
-
-
-def parameters(config: dict) -> int:
-    """The parameter count of the Llama of ``config`` (untied LM head, no biases)."""
-    hidden, ffn, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    kv = hidden * config["num_key_value_heads"] // config["num_attention_heads"]
-    layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
-    return config["num_hidden_layers"] * layer + 2 * vocab * hidden + hidden
 
 
 def build(folder: Path, config: dict, tokens: int, ranks: list[int]) -> None:
@@ -282,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         table_rows.append((label, f"{median(times[key]) * 1e3:.1f}",
                            f"{opts.tokens / median(times[key]):.0f}",
                            f"{median(speedups):.2f} ({spread(speedups)})", f"{errors[key]:.1e}"))
-    print(f"Llama prefill, {parameters(config) / 1e6:.0f}M parameters "
+    print(f"Llama prefill, {llama_parameters(config) / 1e6:.0f}M parameters "
           f"({config['num_hidden_layers']} layers, hidden {config['hidden_size']}), "
           f"{opts.tokens} tokens, float32, {os.cpu_count()} cores, {opts.rounds} rounds x "
           f"{opts.samples} samples x {opts.calls} forwards "
@@ -310,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.json:
         Path(opts.json).write_text(json.dumps({
             "labels": {key: label for key, label, *_ in rows}, "times": times, "errors": errors,
-            "tokens": opts.tokens, "parameters": parameters(config)}))
+            "tokens": opts.tokens, "parameters": llama_parameters(config)}))
     return 0
 
 
