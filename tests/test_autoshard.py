@@ -66,15 +66,20 @@ def _one_reduction_per_block(collectives: Counter, blocks: int) -> bool:
 
 
 # --------------------------------------------------------------------------- models
-@pytest.fixture(scope="module")
-def transformer():
+def _imported_transformer(batch: int):
+    """The 2-layer test transformer imported for ``batch``: module, weights, input, torch's output."""
     torch.manual_seed(0)
     net = Transformer(layers=2).eval()
-    x = torch.randn(1, 16, 256)
+    x = torch.randn(batch, 16, 256)
     with torch.no_grad():
         want = net(x).numpy()
     mod, weights = td.from_torch(net, (x,))
     return mod, weights, x.numpy(), want
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    return _imported_transformer(1)
 
 
 @pytest.fixture(scope="module")
@@ -170,13 +175,7 @@ def test_the_report_gives_reasons_and_runner_ups(transformer_plan):
 # --------------------------------------------------------------------------- 2x2 mesh
 @pytest.fixture(scope="module")
 def batch8():
-    torch.manual_seed(0)
-    net = Transformer(layers=2).eval()
-    x = torch.randn(8, 16, 256)
-    with torch.no_grad():
-        want = net(x).numpy()
-    mod, weights = td.from_torch(net, (x,))
-    return mod, weights, x.numpy(), want
+    return _imported_transformer(8)
 
 
 def test_throughput_on_2x2_data_parallel_when_memory_allows(batch8):
