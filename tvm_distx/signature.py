@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import ArgumentError, SymbolicExtentError, UnsupportedProgramError
 from .layout import MeshTable, Placement, TensorSharding
-from .layout.derived import host_array
+from .layout.derived import host_array, is_deferred
 from .mesh import DeviceMesh
 
 __all__ = ["TensorSpec", "FunctionSignature"]
@@ -289,7 +289,7 @@ def _checked(spec: TensorSpec, value, function: str) -> np.ndarray:
             hint=f"convert it with .astype('{spec.dtype}')",
             cli_hint=f"save it as {spec.dtype}: np.save(path, array.astype('{spec.dtype}'))",
         )
-    if getattr(type(array), "__distx_deferred__", False):
+    if is_deferred(array):
         return array
     return np.ascontiguousarray(array)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ArgumentError
 
-__all__ = ["DerivedParam", "Derivations", "host_array"]
+__all__ = ["DerivedParam", "Derivations", "host_array", "is_deferred"]
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,7 @@ class DerivedParam:
         index = [slice(None)] * value.ndim
         index[self.axis] = slice(self.start, self.stop)
         part = value[tuple(index)]
-        return part if getattr(type(part), "__distx_deferred__", False) \
-            else np.ascontiguousarray(part)
+        return part if is_deferred(part) else np.ascontiguousarray(part)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (see :meth:`from_json`)."""
@@ -203,6 +202,11 @@ class Derivations:
         return cls(tuple(DerivedParam.from_json(d) for d in data or ()))
 
 
+def is_deferred(value) -> bool:
+    """Whether ``value`` is read only on demand (its type sets ``__distx_deferred__``)."""
+    return bool(getattr(type(value), "__distx_deferred__", False))
+
+
 def host_array(value) -> Any:
     """A weight or input as numpy, or as it is when it is read on demand.
 
@@ -213,7 +217,7 @@ def host_array(value) -> Any:
     untouched, so that cutting it into shards reads one shard at a time;
     anything else goes through ``np.asarray``.
     """
-    if getattr(type(value), "__distx_deferred__", False):
+    if is_deferred(value):
         return value
     if hasattr(value, "detach") and hasattr(value, "numpy"):
         value = value.detach().cpu().numpy()

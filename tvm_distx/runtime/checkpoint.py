@@ -19,13 +19,13 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
 from tvm_distx.errors import ArgumentError
 
-__all__ = ["LazyTensor", "open_checkpoint", "is_lazy"]
+__all__ = ["LazyTensor", "open_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class LazyTensor:
         The dtype in the file, as safetensors names it (``"F32"``, ``"BF16"``...).
     """
 
-    #: read only when converted with ``np.asarray`` (see ``tvm_distx.layout.derived.host_array``)
+    #: read only when converted with ``np.asarray`` (see ``tvm_distx.layout.derived.is_deferred``)
     __distx_deferred__: ClassVar[bool] = True
 
     path: Path
@@ -120,11 +120,6 @@ class LazyTensor:
     def __repr__(self) -> str:
         return (f"LazyTensor({self.path.name}:{self.key}, shape={list(self.shape)}, "
                 f"dtype={self.dtype})")
-
-
-def is_lazy(value: Any) -> bool:
-    """Whether ``value`` is a :class:`LazyTensor` (read only when converted)."""
-    return isinstance(value, LazyTensor)
 
 
 _NUMPY_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "float32",
