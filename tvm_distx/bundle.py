@@ -129,6 +129,18 @@ class Manifest:
         """The weight files of one rank."""
         return [w for w in self.weight_files if w.rank == rank]
 
+    def read_weight(self, rank: int, name: str) -> np.ndarray:
+        """Rank ``rank``'s stored shard of weight ``name``, memory-mapped (read on first touch).
+
+        The one place a rank's stored weights are read, whatever the backend;
+        :func:`check_weights` checks the files first.
+        """
+        for w in self.weight_files:
+            if w.rank == rank and w.name == name:
+                return np.load(self.root / w.file, mmap_mode="r", allow_pickle=False)
+        raise BundleError(f"the bundle at {self.root} stores no weight '{name}' for rank {rank}",
+                          hint="export the bundle again")
+
 
 def sha256_file(path: Path) -> str:
     """The hex sha256 of a file's bytes."""

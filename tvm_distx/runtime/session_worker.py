@@ -101,7 +101,6 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
     check_weights(manifest, [rank])
     mpi_ccl.install(comm)  # before the VM exists: it resolves functions once
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(manifest.library_path)), tvm.cpu())
-    files = {w.name: manifest.root / w.file for w in manifest.files_of(rank)}
     loaded: dict[str, object] = {}  # stored weights of this rank, loaded once
     resident: dict[str, object] = {}  # values kept on this rank between calls, by name
 
@@ -137,7 +136,7 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
                 elif spec.name in stored:
                     if spec.name not in loaded:
                         loaded[spec.name] = tvm.runtime.tensor(
-                            np.load(files[spec.name], mmap_mode="r", allow_pickle=False))
+                            manifest.read_weight(rank, spec.name))
                     args.append(loaded[spec.name])
                 else:
                     args.append(tvm.runtime.tensor(

@@ -144,13 +144,15 @@ def _run(bundle: Path, folder: Path, function: str, comm, rank: int) -> None:
     _status(folder, "loaded")
     if entry is not None:
         weights = set(manifest.weights.get(function, ()))
-        files = {w.name: manifest.root / w.file for w in manifest.files_of(rank)}
         args = []
         for spec in signature.params:
             if not spec.held_by(rank):
                 continue
-            path = files[spec.name] if spec.name in weights else folder / "in" / f"{spec.name}.npy"
-            args.append(tvm.runtime.tensor(np.load(path, allow_pickle=False)))
+            if spec.name in weights:
+                value = manifest.read_weight(rank, spec.name)
+            else:
+                value = np.load(folder / "in" / f"{spec.name}.npy", allow_pickle=False)
+            args.append(tvm.runtime.tensor(value))
         vm = relax.VirtualMachine(tvm.runtime.load_module(str(manifest.library_path)), tvm.cpu())
         _status(folder, f"running {entry}")
         out = vm[entry](*args)
