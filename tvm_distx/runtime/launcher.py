@@ -167,7 +167,9 @@ def bind_inputs(manifest: Manifest, function: str, inputs: Sequence, params: Map
     stored = set(manifest.weights.get(function, ()))
     # a fused weight given whole is cut into the segments the program takes
     derivations = manifest.derivations.get(signature.name)
-    runtime_params = derivations.bind(params) if derivations else dict(params or {})
+    runtime_params = derivations.bind(params, stored) if derivations else dict(params or {})
+    for name in stored & {m.name for m in (derivations.made if derivations else ())}:
+        runtime_params.pop(name, None)  # made from the layout: the bundle holds the same values
     overlap = stored & set(runtime_params)
     if overlap:
         raise ArgumentError(f"{', '.join(sorted(overlap))} are weights stored in the bundle",
