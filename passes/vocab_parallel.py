@@ -176,7 +176,9 @@ class _Rewriter(PyExprMutator):
                          str(table.ty.dtype))
         gv = self.builder_.add_func(kernel, "vocab_parallel_lookup")
         out_ty = relax.TensorType([*ids_shape, hidden], table.ty.dtype)
-        return relax.call_tir(gv, [table3, ids, offsets], out_ty)
+        # named after the table, so that explain's row of the partial sum says whose lookup
+        return self.builder_.emit(relax.call_tir(gv, [table3, ids, offsets], out_ty),
+                                  name_hint=f"{table.name}_lookup")
 
 
 @module_pass(name="tvm_distx.VocabParallelEmbedding")

@@ -6,9 +6,11 @@ emulated ones, see :data:`EVERY_BACKEND`); ``presets.from_hf(model)`` must give 
 same annotated module on 2 and 4 ranks where transformers ships a plan (GPT-2
 and OPT ship none, and ``from_hf`` says so; on 4 ranks both keep the 2 key/value
 heads whole, where transformers' own plan would split them, and both keep an LM
-head tied to the embedding whole). Each compile is also checked for its
-collectives: one all-reduce per attention block and one per MLP or MoE layer,
-nothing else. The maximum errors are recorded as test properties
+head tied to the embedding whole). Untied token embeddings are vocabulary
+parallel in both (transformers' implicit ``embed_tokens: embedding_rowwise``).
+Each compile is also checked for its collectives: one all-reduce per attention
+block and one per MLP or MoE layer, one for the embedding's lookup, nothing
+else. The maximum errors are recorded as test properties
 (``--junitxml``) for the README's table.
 """
 
@@ -42,10 +44,15 @@ FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "mixtral", "qwen2_moe", "phi3",
 EVERY_BACKEND = ("llama", "qwen2", "mistral", "gpt2", "mixtral", "qwen2_moe")
 #: Families whose config ships no ``base_model_tp_plan``.
 NO_HF_PLAN = ("gpt2", "opt")
+#: Families whose LM head is tied to the token embedding: the table stays whole with the
+#: head. Every other family's token embedding is vocabulary parallel (128 rows >= 2 x 8
+#: tokens): 1/p of the table per rank, and one all-reduce more, of the lookup.
+TIED = ("gpt2", "gemma", "opt")
 
 
 #: Weights every rank holds whole by design, per family (globs over parameter names),
-#: beside vectors (norms, row-parallel biases) and embeddings, which every family has.
+#: beside vectors (norms, row-parallel biases), position tables and the tables of tied
+#: LM heads (:data:`TIED`).
 _WHOLE = {
     # tied LM heads: the table is also the token embedding
     "gpt2": ("*lm_head_weight", "*wte_weight", "*wpe_weight"),
@@ -69,7 +76,8 @@ for _name in ("qwen2", "mistral", "mixtral", "qwen2_moe", "gemma", "qwen3"):
 def _replicated_by_design(name: str, value: np.ndarray, family: str, ranks: int) -> bool:
     """Whether every rank holds ``name`` whole by design (see :data:`_WHOLE`)."""
     globs = _WHOLE.get(family, ()) + (_WHOLE_ON_4.get(family, ()) if ranks == 4 else ())
-    return value.ndim == 1 or "embed" in name or any(fnmatch(name, g) for g in globs)
+    return value.ndim == 1 or "embed" in name and (family in TIED or "position" in name) \
+        or any(fnmatch(name, g) for g in globs)
 
 
 def _check_weight_bytes(family, exe, weights, ranks):
@@ -117,7 +125,9 @@ def test_tensor_parallel_and_the_hf_plan_run_equal_to_transformers(family, ranks
                                         "*self_attn_o_proj_weight": "S[1]"})
         tvm.ir.assert_structural_equal(hf_plan.apply(meshed), annotated)
     rows = td.comm_report(run_stages(annotated)["local_view"]).rows
-    assert [r.collective for r in rows if r.collective != "local_slice"] == ["all_reduce"] * 2
+    lookup = 0 if name in TIED else 1  # a vocabulary-parallel embedding's one all-reduce
+    assert [r.collective for r in rows if r.collective != "local_slice"] == \
+        ["all_reduce"] * (2 + lookup)
     with caplog.at_level(logging.WARNING, logger="tvm_distx"):
         exe = td.compile(annotated)
     # every kernel builds with our schedules (OPT's boolean causal mask once did not)

@@ -31,9 +31,25 @@ for every weight, Megatron's placement:
   gathered back at once.
 * The **LM head**, the linear whose result is the function's output, is column
   parallel (its vocabulary split); the logits are gathered at the end.
-* **Embeddings** stay replicated. A vocabulary-parallel embedding would hold
-  ``1/p`` of the table, but its lookup needs a masked gather and an all-reduce
-  of every token's hidden state; that is not built yet.
+* A token **embedding** (``take(table, ids, axis=0)`` of a ``(V, H)`` table
+  whose ids come from the function's inputs) is **vocabulary parallel** where
+  that saves memory: each rank holds ``V/p`` rows, looks up the ids in its
+  range and zeroes the others, and one all-reduce of the ``(tokens, H)``
+  hidden states completes the sum (:class:`tvm_distx.passes.VocabParallelEmbedding`).
+  The criterion (:func:`embedding_roles`), all three must hold:
+
+  1. nothing but lookups reads the table. An LM head tied to it keeps it whole
+     (it is replicated, see above), and a split lookup would save nothing;
+  2. ``V`` divides by ``p``;
+  3. ``V >= 2 * T`` for a lookup of ``T`` tokens: each rank saves
+     ``V * H * b * (p - 1) / p`` bytes of table for good, at least the
+     ``2 * T * H * b * (p - 1) / p`` bytes a ring all-reduce of the hidden
+     states moves per rank per run. A symbolic token count (a prompt of any
+     length) passes: vocabularies are tens of thousands of rows, prompts that
+     long are not what this serves.
+
+  Otherwise the table is replicated, and the plan says which rule kept it.
+  Position tables (looked up with an ``arange``) stay replicated.
 * **Fused projections** (q|k|v, gate|up) are first cut into one parameter per
   segment (:class:`tvm_distx.passes.SplitFusedProjections`), so each segment is
   column parallel on its own. **Experts** (3-D weights) follow
@@ -60,7 +76,8 @@ from .errors import RuleError
 from .rules import Preset, ShardingRule, pattern_entries, rules_for
 
 __all__ = ["ParallelBlock", "TensorParallel", "TensorParallelPlan", "WeightRole",
-           "attention_heads", "linear_outputs", "tensor_parallel", "tied_weights"]
+           "attention_heads", "embedding_roles", "linear_outputs", "tensor_parallel",
+           "tied_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +97,8 @@ class WeightRole:
     param : str
         The parameter of ``main``.
     role : str
-        ``"column"``, ``"row"``, ``"lm_head"`` or ``"replicated"``.
+        ``"column"``, ``"row"``, ``"lm_head"``, ``"vocab"`` (a vocabulary-parallel
+        embedding table, or its offsets) or ``"replicated"``.
     axis : int or None
         The weight axis split on the model mesh axis (None when replicated).
     reason : str
@@ -143,13 +161,16 @@ class TensorParallelPlan:
         return out
 
     def __str__(self) -> str:
+        vocab = sum(r.role == "vocab" and not r.bias for r in self.roles)
         lines = [f"tensor-parallel plan for {self.ranks} ranks: {len(self.blocks)} blocks, "
-                 f"ideal one all-reduce each"]
+                 f"ideal one all-reduce each"
+                 + (f", and one for each of {vocab} vocabulary-parallel embedding(s)"
+                    if vocab else "")]
         for b in self.blocks:
             lines.append(f"  {b.name or '(block)'} [{b.kind}]: column {', '.join(b.column)}; "
                          f"row {b.row}")
         for r in self.roles:
-            if r.role in ("lm_head", "replicated") and not r.bias:
+            if r.role in ("lm_head", "replicated", "vocab") and not r.bias:
                 lines.append(f"  {r.param}: {r.role} ({r.reason})")
         return "\n".join(lines)
 
@@ -337,6 +358,90 @@ def tied_weights(mod: tvm.IRModule, function: str = "main") -> set[str]:
             if not graph.only_used_by(linear.weight, linear)}
 
 
+def embedding_roles(mod: tvm.IRModule, ranks: int,
+                    function: str = "main") -> dict[str, WeightRole]:
+    """The role of every embedding table of ``function`` (and of its offsets, once split).
+
+    A table looked up by ``take(table, ids, axis=0)`` is ``"vocab"`` (split on
+    its rows, axis 0) when the three rules of the module documentation hold,
+    ``"replicated"`` otherwise, with the rule that kept it whole as the reason.
+    A lookup already rewritten by :class:`tvm_distx.passes.VocabParallelEmbedding`
+    gives the table and its offsets parameter ``"vocab"``.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        As imported, or after :meth:`TensorParallel.prepare`.
+    ranks : int
+        The size of the model mesh axis.
+    function : str
+        The function whose tables are planned.
+    """
+    from .passes.vocab_parallel import embedding_lookups, vocab_lookups
+
+    graph = _Graph(mod[function])
+    func = mod[function]
+    count = int(func.attrs["num_input"]) if func.attrs is not None and \
+        "num_input" in func.attrs else None
+    inputs = {p for i, p in enumerate(func.params) if count is not None and i < count}
+    roles: dict[str, WeightRole] = {}
+    for table, offsets in vocab_lookups(mod, function).items():
+        roles[table] = WeightRole(table, "vocab", 0, _vocab_reason(
+            _ir.static_shape(graph.params[table].ty)[0], None))
+        roles[offsets] = WeightRole(offsets, "vocab", 0, "each rank's vocabulary offset "
+                                    "(its shard is its first row)", bias=True)
+    for table, takes in embedding_lookups(func).items():
+        vocab, hidden = _ir.static_shape(graph.params[table].ty)
+
+        def whole(reason: str, table=table) -> None:
+            roles[table] = WeightRole(table, "replicated", None, reason)
+
+        if not any(_reaches_back(graph, call.args[1], inputs) for call in takes):
+            whole("a position table (its indices are not token ids): small, kept whole")
+            continue
+        if len(graph.users.get(graph.params[table], [])) != len(takes):
+            whole("the embedding table is also read by another use (a tied LM head, which "
+                  "keeps it whole): a vocabulary split would save nothing")
+            continue
+        if vocab % ranks:
+            whole(f"the embedding's {vocab} rows do not divide by {ranks} ranks")
+            continue
+        shapes = [_ir.static_shape(call.args[1].ty) for call in takes]
+        tokens = max((math.prod(s) for s in shapes if s is not None and None not in s),
+                     default=None)
+        if tokens is not None and vocab < 2 * tokens:
+            whole(f"a vocabulary split would save {vocab} rows of {hidden} per rank, less "
+                  f"than the all-reduce of {tokens} tokens' hidden states it adds to every "
+                  f"run (vocabulary < 2 x tokens)")
+            continue
+        roles[table] = WeightRole(table, "vocab", 0, _vocab_reason(vocab, tokens))
+    return roles
+
+
+def _vocab_reason(vocab: int, tokens: int | None) -> str:
+    told = f" >= 2 x {tokens} tokens" if tokens else ""
+    return (f"the token embedding, not tied: its {vocab} rows split{told} (each rank saves "
+            "more table than the lookup's all-reduce moves); masked lookup, one all-reduce")
+
+
+def _reaches_back(graph: _Graph, expr, inputs: set) -> bool:
+    """Whether ``expr`` is computed from one of ``inputs`` (any non-weight when unknown)."""
+    stack, seen = [expr], set()
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, relax.Var) or node in seen:
+            continue
+        seen.add(node)
+        if node.name in graph.params and graph.params[node.name].same_as(node):
+            if node in inputs or not inputs and len(_ir.static_shape(node.ty) or ()) != 2:
+                return True
+            continue
+        value = graph.value.get(node)
+        if value is not None:
+            stack.extend(_ir.operand_vars(value))
+    return False
+
+
 def linear_outputs(mod: tvm.IRModule, function: str = "main") -> dict[str, str]:
     """Every linear's weight -> the name of its matmul's result (names survive lowering)."""
     graph = _Graph(mod[function])
@@ -428,6 +533,8 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
             continue
         roles[linear.weight] = WeightRole(linear.weight, "replicated", None,
                                           "not in a column -> row block")
+    for name, role in embedding_roles(mod, ranks, function).items():
+        roles.setdefault(name, role)  # a tied table keeps its LM head's role
     return TensorParallelPlan(ranks, tuple(roles.values()), tuple(blocks))
 
 
@@ -506,6 +613,7 @@ class TensorParallel:
     overrides: tuple[tuple[str, str, str | None], ...] = ()
     split_fused: bool = True
     experts: bool = True
+    vocab: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.model_axis < self.mesh_ndim:
@@ -551,8 +659,10 @@ class TensorParallel:
         moves = [r for r in report.rows if r.collective != "local_slice"]
         reduces = [r for r in moves if r.collective in ("all_reduce", "reduce_scatter")]
         split = [b for b in plan.blocks if b.kind != "replicated"]
+        vocab = [r for r in plan.roles if r.role == "vocab" and not r.bias]
         lines = [str(plan), f"collectives: {len(reduces)} all-reduce for {len(split)} split "
-                 f"blocks (ideal: one each), {report.total_text} bytes received per rank"]
+                 f"blocks and {len(vocab)} vocabulary-parallel embedding(s) (ideal: one "
+                 f"each), {report.total_text} bytes received per rank"]
         lines += [f"  extra: {r.collective} of {r.value} ({r.src} -> {r.dst}, "
                   f"{r.bytes_text} bytes)" for r in moves if r not in reduces]
         return "\n".join(lines)
@@ -591,12 +701,27 @@ class TensorParallel:
         fused expert weights the MoE plan cuts only when it splits them).
         """
         from . import moe
-
-        if not self.split_fused or (self.experts and moe.expert_weights(mod, function)):
-            return mod
         from .passes import SplitFusedProjections
 
-        return SplitFusedProjections()(mod)
+        if self.split_fused and not (self.experts and moe.expert_weights(mod, function)):
+            mod = SplitFusedProjections()(mod)
+        return self.vocab_parallel(mod, function)
+
+    def vocab_parallel(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+        """``mod`` with the lookups of the tables the plan splits on their vocabulary rewritten.
+
+        See :func:`embedding_roles` for which; a module without a mesh, or
+        with ``vocab=False``, is returned as it is.
+        """
+        from .passes import VocabParallelEmbedding
+
+        meshes = mod.global_infos.get("mesh") if mod.global_infos else None
+        if not self.vocab or not meshes:
+            return mod
+        ranks = self.ranks(mod)
+        split = {name: ranks for name, role in embedding_roles(mod, ranks, function).items()
+                 if role.role == "vocab" and not role.bias}
+        return VocabParallelEmbedding(split, function)(mod)
 
     def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` with fused projections cut, annotated with :meth:`rules`.
@@ -609,8 +734,10 @@ class TensorParallel:
 
         if self.experts and moe.expert_weights(mod, function):
             # the experts' fused weights are cut, when needed, by the MoE tensor plan
+            # (the embedding lookups are rewritten first; the base plan finds them so)
+            mod = self.vocab_parallel(mod, function)
             base = TensorParallel(self.model_axis, self.mesh_ndim, self.overrides,
-                                  split_fused=False, experts=False)
+                                  split_fused=False, experts=False, vocab=False)
             plan = moe.moe_parallel(mod, base, model_axis=self.model_axis,
                                     mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
