@@ -155,17 +155,34 @@ class _Rewriter(PyExprMutator):
         super().__init__(mod)
         self.tables = tables
 
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:  # noqa: D102
+        call = binding.value
+        if isinstance(binding.var, relax.DataflowVar) and self._chosen(call):
+            # the lookup's result is named after its table (explain's row of the partial
+            # sum says whose lookup it is); later uses read it directly, with no alias
+            # between it and its consumers (an alias would keep a reduce-scatter apart)
+            table = call.args[0]
+            result = self.builder_.emit(self._lookup(call), name_hint=f"{table.name}_lookup")
+            self.set_var_remap(binding.var, result)
+            return
+        super().visit_var_binding_(binding)
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # noqa: D102
         call = super().visit_call_(call)
+        return self._lookup(call) if self._chosen(call) else call
+
+    def _chosen(self, call) -> bool:
         if not _ir.is_call_to(call, "relax.take"):
-            return call
+            return False
         table = call.args[0]
-        if not isinstance(table, relax.Var) or table.name not in self.tables or \
-                call.attrs.axis is None or int(call.attrs.axis) != 0:
-            return call
+        return isinstance(table, relax.Var) and table.name in self.tables and \
+            call.attrs.axis is not None and int(call.attrs.axis) == 0
+
+    def _lookup(self, call: relax.Call) -> relax.Expr:
+        table = call.args[0]
         blocks, offsets = self.tables[table.name]
         vocab, hidden = _ir.static_shape(table.ty)
-        ids = call.args[1]
+        ids = self.visit_expr(call.args[1])
         if str(ids.ty.dtype) != str(offsets.ty.dtype):
             ids = self.builder_.emit(relax.op.astype(ids, offsets.ty.dtype))
         rows = vocab // blocks
@@ -176,9 +193,7 @@ class _Rewriter(PyExprMutator):
                          str(table.ty.dtype))
         gv = self.builder_.add_func(kernel, "vocab_parallel_lookup")
         out_ty = relax.TensorType([*ids_shape, hidden], table.ty.dtype)
-        # named after the table, so that explain's row of the partial sum says whose lookup
-        return self.builder_.emit(relax.call_tir(gv, [table3, ids, offsets], out_ty),
-                                  name_hint=f"{table.name}_lookup")
+        return relax.call_tir(gv, [table3, ids, offsets], out_ty)
 
 
 @module_pass(name="tvm_distx.VocabParallelEmbedding")
