@@ -30,7 +30,7 @@ from tvm_distx.passes import AnnotateSharding, VocabParallelEmbedding, derivatio
 from tvm_distx.passes.vocab_parallel import KERNEL_ATTR, vocab_lookups
 from tvm_distx.pipeline import run_stages
 from tvm_distx.rules import ShardingRule
-from tvm_distx.tp_plan import embedding_roles
+from tvm_distx.vocab_plan import embedding_roles
 
 
 def _lookup_module(vocab: int = 16, tokens: int = 4, tied: bool = False,

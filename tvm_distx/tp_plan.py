@@ -33,23 +33,11 @@ for every weight, Megatron's placement:
   parallel (its vocabulary split); the logits are gathered at the end.
 * A token **embedding** (``take(table, ids, axis=0)`` of a ``(V, H)`` table
   whose ids come from the function's inputs) is **vocabulary parallel** where
-  that saves memory: each rank holds ``V/p`` rows, looks up the ids in its
-  range and zeroes the others, and one all-reduce of the ``(tokens, H)``
-  hidden states completes the sum (:class:`tvm_distx.passes.VocabParallelEmbedding`).
-  The criterion (:func:`embedding_roles`), all three must hold:
-
-  1. nothing but lookups reads the table. An LM head tied to it keeps it whole
-     (it is replicated, see above), and a split lookup would save nothing;
-  2. ``V`` divides by ``p``;
-  3. ``V >= 2 * T`` for a lookup of ``T`` tokens: each rank saves
-     ``V * H * b * (p - 1) / p`` bytes of table for good, at least the
-     ``2 * T * H * b * (p - 1) / p`` bytes a ring all-reduce of the hidden
-     states moves per rank per run. A symbolic token count (a prompt of any
-     length) passes: vocabularies are tens of thousands of rows, prompts that
-     long are not what this serves.
-
-  Otherwise the table is replicated, and the plan says which rule kept it.
-  Position tables (looked up with an ``arange``) stay replicated.
+  that saves memory: each rank holds ``V/p`` rows, and one all-reduce of the
+  ``(tokens, H)`` hidden states completes each lookup. Otherwise (a table tied
+  to a whole LM head, a vocabulary that does not divide, or one smaller than
+  twice the tokens looked up) it stays replicated; the criterion is
+  :func:`tvm_distx.vocab_plan.embedding_roles`.
 * **Fused projections** (q|k|v, gate|up) are first cut into one parameter per
   segment (:class:`tvm_distx.passes.SplitFusedProjections`), so each segment is
   column parallel on its own. **Experts** (3-D weights) follow
@@ -76,8 +64,7 @@ from .errors import RuleError
 from .rules import Preset, ShardingRule, pattern_entries, rules_for
 
 __all__ = ["ParallelBlock", "TensorParallel", "TensorParallelPlan", "WeightRole",
-           "attention_heads", "embedding_roles", "linear_outputs", "tensor_parallel",
-           "tied_weights"]
+           "attention_heads", "linear_outputs", "tensor_parallel", "tied_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -358,90 +345,6 @@ def tied_weights(mod: tvm.IRModule, function: str = "main") -> set[str]:
             if not graph.only_used_by(linear.weight, linear)}
 
 
-def embedding_roles(mod: tvm.IRModule, ranks: int,
-                    function: str = "main") -> dict[str, WeightRole]:
-    """The role of every embedding table of ``function`` (and of its offsets, once split).
-
-    A table looked up by ``take(table, ids, axis=0)`` is ``"vocab"`` (split on
-    its rows, axis 0) when the three rules of the module documentation hold,
-    ``"replicated"`` otherwise, with the rule that kept it whole as the reason.
-    A lookup already rewritten by :class:`tvm_distx.passes.VocabParallelEmbedding`
-    gives the table and its offsets parameter ``"vocab"``.
-
-    Parameters
-    ----------
-    mod : tvm.IRModule
-        As imported, or after :meth:`TensorParallel.prepare`.
-    ranks : int
-        The size of the model mesh axis.
-    function : str
-        The function whose tables are planned.
-    """
-    from .passes.vocab_parallel import embedding_lookups, vocab_lookups
-
-    graph = _Graph(mod[function])
-    func = mod[function]
-    count = int(func.attrs["num_input"]) if func.attrs is not None and \
-        "num_input" in func.attrs else None
-    inputs = {p for i, p in enumerate(func.params) if count is not None and i < count}
-    roles: dict[str, WeightRole] = {}
-    for table, offsets in vocab_lookups(mod, function).items():
-        roles[table] = WeightRole(table, "vocab", 0, _vocab_reason(
-            _ir.static_shape(graph.params[table].ty)[0], None))
-        roles[offsets] = WeightRole(offsets, "vocab", 0, "each rank's vocabulary offset "
-                                    "(its shard is its first row)", bias=True)
-    for table, takes in embedding_lookups(func).items():
-        vocab, hidden = _ir.static_shape(graph.params[table].ty)
-
-        def whole(reason: str, table=table) -> None:
-            roles[table] = WeightRole(table, "replicated", None, reason)
-
-        if not any(_reaches_back(graph, call.args[1], inputs) for call in takes):
-            whole("a position table (its indices are not token ids): small, kept whole")
-            continue
-        if len(graph.users.get(graph.params[table], [])) != len(takes):
-            whole("the embedding table is also read by another use (a tied LM head, which "
-                  "keeps it whole): a vocabulary split would save nothing")
-            continue
-        if vocab % ranks:
-            whole(f"the embedding's {vocab} rows do not divide by {ranks} ranks")
-            continue
-        shapes = [_ir.static_shape(call.args[1].ty) for call in takes]
-        tokens = max((math.prod(s) for s in shapes if s is not None and None not in s),
-                     default=None)
-        if tokens is not None and vocab < 2 * tokens:
-            whole(f"a vocabulary split would save {vocab} rows of {hidden} per rank, less "
-                  f"than the all-reduce of {tokens} tokens' hidden states it adds to every "
-                  f"run (vocabulary < 2 x tokens)")
-            continue
-        roles[table] = WeightRole(table, "vocab", 0, _vocab_reason(vocab, tokens))
-    return roles
-
-
-def _vocab_reason(vocab: int, tokens: int | None) -> str:
-    told = f" >= 2 x {tokens} tokens" if tokens else ""
-    return (f"the token embedding, not tied: its {vocab} rows split{told} (each rank saves "
-            "more table than the lookup's all-reduce moves); masked lookup, one all-reduce")
-
-
-def _reaches_back(graph: _Graph, expr, inputs: set) -> bool:
-    """Whether ``expr`` is computed from one of ``inputs`` (any non-weight when unknown)."""
-    stack, seen = [expr], set()
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, relax.Var) or node in seen:
-            continue
-        seen.add(node)
-        if node.name in graph.params and graph.params[node.name].same_as(node):
-            if node in inputs or not inputs and len(_ir.static_shape(node.ty) or ()) != 2:
-                return True
-            continue
-        value = graph.value.get(node)
-        if value is not None:
-            stack.extend(_ir.operand_vars(value))
-    return False
-
-
 def linear_outputs(mod: tvm.IRModule, function: str = "main") -> dict[str, str]:
     """Every linear's weight -> the name of its matmul's result (names survive lowering)."""
     graph = _Graph(mod[function])
@@ -533,6 +436,8 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
             continue
         roles[linear.weight] = WeightRole(linear.weight, "replicated", None,
                                           "not in a column -> row block")
+    from .vocab_plan import embedding_roles
+
     for name, role in embedding_roles(mod, ranks, function).items():
         roles.setdefault(name, role)  # a tied table keeps its LM head's role
     return TensorParallelPlan(ranks, tuple(roles.values()), tuple(blocks))
@@ -710,10 +615,12 @@ class TensorParallel:
     def vocab_parallel(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` with the lookups of the tables the plan splits on their vocabulary rewritten.
 
-        See :func:`embedding_roles` for which; a module without a mesh, or
+        See :func:`tvm_distx.vocab_plan.embedding_roles` for which; a module without a
+        mesh, or
         with ``vocab=False``, is returned as it is.
         """
         from .passes import VocabParallelEmbedding
+        from .vocab_plan import embedding_roles
 
         meshes = mod.global_infos.get("mesh") if mod.global_infos else None
         if not self.vocab or not meshes:

@@ -1,0 +1,123 @@
+"""Which embedding tables a tensor-parallel plan splits on their vocabulary, and why.
+
+A token embedding, ``take(table, ids, axis=0)`` of a ``(V, H)`` table, can be
+vocabulary parallel (:class:`tvm_distx.passes.VocabParallelEmbedding`): each of
+``p`` ranks holds ``V/p`` rows, and one all-reduce of the ``(T, H)`` hidden
+states of a lookup of ``T`` tokens completes it. :func:`embedding_roles` splits a
+table where that saves memory. All three rules must hold:
+
+1. **Not tied.** Nothing but lookups reads the table. An LM head tied to it
+   keeps it whole (:mod:`tvm_distx.tp_plan` replicates a tied head), so a
+   split lookup would save nothing.
+2. **Divisible.** ``V`` divides by ``p``.
+3. **Large against the all-reduce.** ``V >= 2 * T``. Each rank saves
+   ``V * H * b * (p - 1) / p`` bytes of table for as long as the program runs;
+   a ring all-reduce of the hidden states moves ``2 * T * H * b * (p - 1) / p``
+   bytes per rank per run. The rule splits when the first is at least the
+   second: one run's traffic is paid back by the memory, whatever ``H``, ``b``
+   and ``p``. A symbolic token count (a prompt of any length) passes:
+   vocabularies are tens of thousands of rows, and a prompt of half that is not
+   what a served model sees per step. Decoding (``T`` = batch) always passes.
+
+A lookup whose ids are not computed from the function's inputs (a position
+table looked up with an ``arange``) stays replicated: it is small and its
+indices are not token ids. The reason of every decision is the
+:class:`~tvm_distx.tp_plan.WeightRole`'s, which ``str(plan)``, the per-layer
+summary and ``tvm-distx plan`` print.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import relax
+
+from . import _ir
+from .tp_plan import WeightRole, _Graph
+
+__all__ = ["embedding_roles"]
+
+
+def embedding_roles(mod: tvm.IRModule, ranks: int,
+                    function: str = "main") -> dict[str, WeightRole]:
+    """The role of every embedding table of ``function`` (and of its offsets, once split).
+
+    A table looked up by ``take(table, ids, axis=0)`` is ``"vocab"`` (split on
+    its rows, axis 0) when the three rules of the module documentation hold,
+    ``"replicated"`` otherwise, with the rule that kept it whole as the reason.
+    A lookup already rewritten by :class:`tvm_distx.passes.VocabParallelEmbedding`
+    gives the table and its offsets parameter ``"vocab"``.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        As imported, or after :meth:`TensorParallel.prepare`.
+    ranks : int
+        The size of the model mesh axis.
+    function : str
+        The function whose tables are planned.
+    """
+    from .passes.vocab_parallel import embedding_lookups, vocab_lookups
+
+    graph = _Graph(mod[function])
+    func = mod[function]
+    count = int(func.attrs["num_input"]) if func.attrs is not None and \
+        "num_input" in func.attrs else None
+    inputs = {p for i, p in enumerate(func.params) if count is not None and i < count}
+    roles: dict[str, WeightRole] = {}
+    for table, offsets in vocab_lookups(mod, function).items():
+        roles[table] = WeightRole(table, "vocab", 0, _vocab_reason(
+            _ir.static_shape(graph.params[table].ty)[0], None))
+        roles[offsets] = WeightRole(offsets, "vocab", 0, "each rank's vocabulary offset "
+                                    "(its shard is its first row)", bias=True)
+    for table, takes in embedding_lookups(func).items():
+        vocab, hidden = _ir.static_shape(graph.params[table].ty)
+
+        def whole(reason: str, table=table) -> None:
+            roles[table] = WeightRole(table, "replicated", None, reason)
+
+        if not any(_reaches_back(graph, call.args[1], inputs) for call in takes):
+            whole("a position table (its indices are not token ids): small, kept whole")
+            continue
+        if len(graph.users.get(graph.params[table], [])) != len(takes):
+            whole("the embedding table is also read by another use (a tied LM head, which "
+                  "keeps it whole): a vocabulary split would save nothing")
+            continue
+        if vocab % ranks:
+            whole(f"the embedding's {vocab} rows do not divide by {ranks} ranks")
+            continue
+        shapes = [_ir.static_shape(call.args[1].ty) for call in takes]
+        tokens = max((math.prod(s) for s in shapes if s is not None and None not in s),
+                     default=None)
+        if tokens is not None and vocab < 2 * tokens:
+            whole(f"a vocabulary split would save {vocab} rows of {hidden} per rank, less "
+                  f"than the all-reduce of {tokens} tokens' hidden states it adds to every "
+                  f"run (vocabulary < 2 x tokens)")
+            continue
+        roles[table] = WeightRole(table, "vocab", 0, _vocab_reason(vocab, tokens))
+    return roles
+
+
+def _vocab_reason(vocab: int, tokens: int | None) -> str:
+    told = f" >= 2 x {tokens} tokens" if tokens else ""
+    return (f"the token embedding, not tied: its {vocab} rows split{told} (each rank saves "
+            "more table than the lookup's all-reduce moves); masked lookup, one all-reduce")
+
+
+def _reaches_back(graph: _Graph, expr, inputs: set) -> bool:
+    """Whether ``expr`` is computed from one of ``inputs`` (any non-weight when unknown)."""
+    stack, seen = [expr], set()
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, relax.Var) or node in seen:
+            continue
+        seen.add(node)
+        if node.name in graph.params and graph.params[node.name].same_as(node):
+            if node in inputs or not inputs and len(_ir.static_shape(node.ty) or ()) != 2:
+                return True
+            continue
+        value = graph.value.get(node)
+        if value is not None:
+            stack.extend(_ir.operand_vars(value))
+    return False
