@@ -155,17 +155,18 @@ def test_other_llama_families_run_tensor_parallel(family):
                                logits(model, ids), atol=1e-4, rtol=0)
 
 
-def test_gpt2_fused_qkv_is_split_per_segment_and_its_tied_head_kept_whole():
+def test_gpt2_fused_qkv_is_split_per_segment_and_its_tied_head_split_with_its_lookups():
     model = build("gpt2", layers=1)
     mod, weights = _import(model, tokens(8))
     preset = presets.tensor_parallel()
     plan = preset.plan(preset.prepare(presets.with_meshes(mod, [(2,)])))
-    head = plan.role("p_lm_head_weight")
-    assert head.role == "replicated" and "tied" in head.reason
+    head = plan.role("p_lm_head_weight")  # also the token embedding: one table, vocab split
+    assert head.role == "lm_head" and head.axis == 0 and head.lookup and "tied" in head.reason
+    assert plan.role("p_transformer_wpe_weight").role == "replicated"  # positions
     segments = [n for n, p in plan.placements().items() if "c_attn_weight_seg" in n]
     assert len(segments) == 3 and {plan.placements()[n] for n in segments} == {"S[1]"}
     annotated = preset.apply(presets.with_meshes(mod, [(2,)]))
-    assert _collectives(annotated) == ["all_reduce"] * 2
+    assert _collectives(annotated) == ["all_reduce"] * 3  # the lookup's, attention's, MLP's
     ids = tokens(8, seed=8)
     np.testing.assert_allclose(td.compile(annotated).run(ids, params=weights, backend="mpi"),
                                logits(model, ids), atol=1e-4, rtol=0)

@@ -37,14 +37,15 @@ Two splits of transformers' plan are dropped, as
 :func:`tvm_distx.presets.tensor_parallel` never makes them, with a warning: a
 projection whose output is reshaped into fewer heads than ranks (the key and
 value projections of grouped-query attention on many ranks), which would give
-a rank part of a head; and an LM head tied to the token embedding (Gemma), whose
-split would make every lookup gather the table.
+a rank part of a head; and an LM head tied to the token embedding (Gemma)
+where the table cannot be split on the vocabulary for its lookups too, whose
+split would make every lookup gather the table. Where it can, the tied table
+is split once for both, as ``tensor_parallel()`` splits it.
 
 transformers shards the token embedding on its vocabulary
 (``embed_tokens: embedding_rowwise``) in every base model whose plan is not
 empty, without the config naming it; :func:`from_hf` adds that entry too. A
-table tied to the LM head stays whole with its head; a vocabulary that does not
-divide by the ranks stays whole too (a warning says so).
+vocabulary that does not divide by the ranks stays whole (a warning says so).
 
 Styles we cannot honour (``sequence_parallel``, ``packed_rowwise``,
 ``mla_kv_a_proj``) raise a :class:`~tvm_distx.RuleError` naming the style and
@@ -173,7 +174,7 @@ class HFPlan:
                     for seg in segs:
                         if len(params[seg].ty.shape) == (2 if glob.endswith("weight") else 1):
                             out[seg] = self._placement(axes)
-        out = self._untied(mod, function, self._whole_heads(mod, function, out))
+        out = self._untied(mod, function, self._whole_heads(mod, function, out), rowwise)
         return self._vocab_offsets(mod, function, out, rowwise)
 
     def _vocab_offsets(self, mod: tvm.IRModule, function: str, out: dict[str, str],
@@ -221,18 +222,29 @@ class HFPlan:
                  if out.get(t) == self._placement(0)}
         return VocabParallelEmbedding(split, function)(mod)
 
-    def _untied(self, mod: tvm.IRModule, function: str,
-                out: dict[str, str]) -> dict[str, str]:
-        """``out`` without the split of an output projection tied to the token embedding.
+    def _untied(self, mod: tvm.IRModule, function: str, out: dict[str, str],
+                rowwise: set[str]) -> dict[str, str]:
+        """``out`` without the split of an output projection tied to something it cannot serve.
 
         transformers' plan splits the LM head (``colwise_gather_output``) even
-        when it shares its weight with the embedding (Gemma, OPT): the lookup
-        would then gather the table on every run. As
-        :func:`tvm_distx.presets.tensor_parallel` does, a tied head stays whole.
+        when it shares its weight with the embedding (Gemma). Where
+        :func:`tvm_distx.presets.tensor_parallel` splits such a table on the
+        vocabulary for both its lookups and the head
+        (:func:`tvm_distx.vocab_plan.embedding_roles`), the split is kept and
+        the lookups become vocabulary parallel (the weight joins ``rowwise``);
+        otherwise the lookup would gather the table on every run, and the head
+        stays whole.
         """
         from .tp_plan import tied_weights
+        from .vocab_plan import embedding_roles
 
+        ranks = self._ranks(mod)
+        tables = embedding_roles(mod, ranks, function) if ranks else {}
         for weight in tied_weights(mod, function):
+            role = tables.get(weight)
+            if out.get(weight) == self._placement(0) and role is not None and role.lookup:
+                rowwise.add(weight)
+                continue
             if weight in out:
                 logger.warning("%s: '%s' is also the token embedding: kept whole (a split "
                                "would gather it on every run)", self.source, weight)

@@ -91,7 +91,10 @@ class WeightRole:
     reason : str
         Why, in one line.
     bias : bool
-        Whether the parameter is a linear's bias.
+        Whether the parameter is a linear's bias (or a table's offsets).
+    lookup : bool
+        Whether the weight is a vocabulary-parallel embedding table (an LM head
+        tied to one too): its lookups cost one all-reduce each.
     """
 
     param: str
@@ -99,6 +102,7 @@ class WeightRole:
     axis: int | None
     reason: str
     bias: bool = False
+    lookup: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ class TensorParallelPlan:
         return out
 
     def __str__(self) -> str:
-        vocab = sum(r.role == "vocab" and not r.bias for r in self.roles)
+        vocab = sum(r.lookup for r in self.roles)
         lines = [f"tensor-parallel plan for {self.ranks} ranks: {len(self.blocks)} blocks, "
                  f"ideal one all-reduce each"
                  + (f", and one for each of {vocab} vocabulary-parallel embedding(s)"
@@ -237,6 +241,11 @@ class _Graph:
             if name is not None and len(_ir.static_shape(other_operand.ty) or ()) == 1:
                 result, bias = users[0], name
         return _Linear(weight, out_axis, bias, source, result, var)
+
+    def is_output_projection(self, linear: _Linear) -> bool:
+        """Whether the linear's result is the function's output (through layout ops)."""
+        return linear.result in self.outputs or self.forward_to(
+            linear.result, lambda u, _: u in self.outputs) is not None
 
     def forward_to(self, var, stop) -> relax.Var | None:
         """The first user of ``var`` (through layout ops) for which ``stop`` holds."""
@@ -398,12 +407,21 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
     feeders = {f.matmul for block in blocks if block.kind != "replicated"
                for c in linears if c.weight in block.column
                for f in graph.linears_behind(c.source)}
+    from .vocab_plan import embedding_roles
+
+    tables = embedding_roles(mod, ranks, function)
     for linear in linears:
         if linear.weight in roles:
             continue
-        if linear.result in graph.outputs or \
-                graph.forward_to(linear.result, lambda u, _: u in graph.outputs) is not None:
+        if graph.is_output_projection(linear):
             vocab = _ir.static_shape(graph.params[linear.weight].ty)[linear.out_axis]
+            table = tables.get(linear.weight)
+            if table is not None and table.role == "vocab":
+                roles[linear.weight] = WeightRole(
+                    linear.weight, "lm_head", linear.out_axis,
+                    "the output projection, tied to the token embedding: both split on the "
+                    "vocabulary (masked lookups, logits gathered at the end)", lookup=True)
+                continue
             if not graph.only_used_by(linear.weight, linear):
                 roles[linear.weight] = WeightRole(
                     linear.weight, "replicated", None, "the output projection is tied to "
@@ -436,9 +454,7 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
             continue
         roles[linear.weight] = WeightRole(linear.weight, "replicated", None,
                                           "not in a column -> row block")
-    from .vocab_plan import embedding_roles
-
-    for name, role in embedding_roles(mod, ranks, function).items():
+    for name, role in tables.items():
         roles.setdefault(name, role)  # a tied table keeps its LM head's role
     return TensorParallelPlan(ranks, tuple(roles.values()), tuple(blocks))
 
@@ -564,7 +580,7 @@ class TensorParallel:
         moves = [r for r in report.rows if r.collective != "local_slice"]
         reduces = [r for r in moves if r.collective in ("all_reduce", "reduce_scatter")]
         split = [b for b in plan.blocks if b.kind != "replicated"]
-        vocab = [r for r in plan.roles if r.role == "vocab" and not r.bias]
+        vocab = [r for r in plan.roles if r.lookup]
         lines = [str(plan), f"collectives: {len(reduces)} all-reduce for {len(split)} split "
                  f"blocks and {len(vocab)} vocabulary-parallel embedding(s) (ideal: one "
                  f"each), {report.total_text} bytes received per rank"]
@@ -627,7 +643,7 @@ class TensorParallel:
             return mod
         ranks = self.ranks(mod)
         split = {name: ranks for name, role in embedding_roles(mod, ranks, function).items()
-                 if role.role == "vocab" and not role.bias}
+                 if role.lookup}
         return VocabParallelEmbedding(split, function)(mod)
 
     def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:

@@ -163,7 +163,7 @@ def summarize_layers(mod: tvm.IRModule, annotated: tvm.IRModule, local_view: tvm
         if block.kind != "replicated" and block.row in outputs:
             ideal[layer_of(order.get(outputs[block.row], 0))] += 1
     for role in plan.roles:  # a vocabulary-parallel embedding: one all-reduce of its lookup
-        if role.role == "vocab" and not role.bias and role.param in uses:
+        if role.lookup and role.param in uses:
             ideal[layer_of(uses[role.param])] += 1
     for param in annotated[function].params:
         shape = _ir.static_shape(param.ty) or ()

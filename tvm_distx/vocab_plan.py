@@ -6,9 +6,12 @@ vocabulary parallel (:class:`tvm_distx.passes.VocabParallelEmbedding`): each of
 states of a lookup of ``T`` tokens completes it. :func:`embedding_roles` splits a
 table where that saves memory. All three rules must hold:
 
-1. **Not tied.** Nothing but lookups reads the table. An LM head tied to it
-   keeps it whole (:mod:`tvm_distx.tp_plan` replicates a tied head), so a
-   split lookup would save nothing.
+1. **Not tied, or tied to a head split alike.** Nothing but lookups reads the
+   table, or the only other reader is the LM head over the same vocabulary
+   (``x @ table.T``, the function's output): then the head is split on the
+   vocabulary too, each rank holds ``V/p`` rows serving both, and the logits
+   are gathered as for any LM head. A table read by anything else stays whole:
+   that use would gather it every run.
 2. **Divisible.** ``V`` divides by ``p``.
 3. **Large against the all-reduce.** ``V >= 2 * T``. Each rank saves
    ``V * H * b * (p - 1) / p`` bytes of table for as long as the program runs;
@@ -67,8 +70,9 @@ def embedding_roles(mod: tvm.IRModule, ranks: int,
     inputs = {p for i, p in enumerate(func.params) if count is not None and i < count}
     roles: dict[str, WeightRole] = {}
     for table, offsets in vocab_lookups(mod, function).items():
+        tied = any(linear.weight == table for linear in graph.linears.values())
         roles[table] = WeightRole(table, "vocab", 0, _vocab_reason(
-            _ir.static_shape(graph.params[table].ty)[0], None))
+            _ir.static_shape(graph.params[table].ty)[0], None, tied), lookup=True)
         roles[offsets] = WeightRole(offsets, "vocab", 0, "each rank's vocabulary offset "
                                     "(its shard is its first row)", bias=True)
     for table, takes in embedding_lookups(func).items():
@@ -80,9 +84,10 @@ def embedding_roles(mod: tvm.IRModule, ranks: int,
         if not any(_reaches_back(graph, call.args[1], inputs) for call in takes):
             whole("a position table (its indices are not token ids): small, kept whole")
             continue
-        if len(graph.users.get(graph.params[table], [])) != len(takes):
-            whole("the embedding table is also read by another use (a tied LM head, which "
-                  "keeps it whole): a vocabulary split would save nothing")
+        head = _tied_head(graph, table, takes)
+        if head is False:
+            whole("the embedding table is also read by another use than the LM head: a "
+                  "vocabulary split would gather it every run")
             continue
         if vocab % ranks:
             whole(f"the embedding's {vocab} rows do not divide by {ranks} ranks")
@@ -95,14 +100,32 @@ def embedding_roles(mod: tvm.IRModule, ranks: int,
                   f"than the all-reduce of {tokens} tokens' hidden states it adds to every "
                   f"run (vocabulary < 2 x tokens)")
             continue
-        roles[table] = WeightRole(table, "vocab", 0, _vocab_reason(vocab, tokens))
+        roles[table] = WeightRole(table, "vocab", 0, _vocab_reason(vocab, tokens, head),
+                                  lookup=True)
     return roles
 
 
-def _vocab_reason(vocab: int, tokens: int | None) -> str:
+def _tied_head(graph: _Graph, table: str, takes: list) -> bool | None:
+    """None if only ``takes`` read ``table``; True if the LM head over the vocabulary reads
+    it too (``x @ table.T``, the function's output); False for any other use."""
+    others = [u for u in graph.users.get(graph.params[table], [])
+              if not any(graph.value[u].same_as(call) for call in takes)]
+    if not others:
+        return None
+    heads = [linear for linear in graph.linears.values() if linear.weight == table]
+    if len(heads) != 1 or heads[0].out_axis != 0 or not graph.is_output_projection(heads[0]):
+        return False
+    head = heads[0]
+    return all(u is head.matmul or (_ir.is_call_to(graph.value[u], "relax.permute_dims") and
+                                    graph.users.get(u, []) == [head.matmul]) for u in others)
+
+
+def _vocab_reason(vocab: int, tokens: int | None, tied: bool | None = None) -> str:
     told = f" >= 2 x {tokens} tokens" if tokens else ""
-    return (f"the token embedding, not tied: its {vocab} rows split{told} (each rank saves "
-            "more table than the lookup's all-reduce moves); masked lookup, one all-reduce")
+    what = "the token embedding, tied to the LM head split alike" if tied else \
+        "the token embedding"
+    return (f"{what}: its {vocab} rows split{told} (each rank saves more table than the "
+            "lookup's all-reduce moves); masked lookup, one all-reduce")
 
 
 def _reaches_back(graph: _Graph, expr, inputs: set) -> bool:
