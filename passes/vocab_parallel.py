@@ -35,9 +35,13 @@ bundles by the one path weights already take, every per-rank program stays
 identical within its rank set, and nothing in the runtime changes. It costs
 ``p`` integers.
 
+The reshape costs no copy: after lowering it is a kernel that only moves
+indices, which TVM's build (``RewriteDataflowReshape``) turns back into a view
+of each rank's rows.
+
 Which tables are split is the caller's choice (``tables``);
 :func:`tvm_distx.presets.tensor_parallel` and :func:`tvm_distx.presets.from_hf`
-decide it (see :mod:`tvm_distx.tp_plan`). A rewritten lookup is recognised by
+decide it (see :mod:`tvm_distx.vocab_plan`). A rewritten lookup is recognised by
 :func:`vocab_lookups`. The offsets are recorded as a derived parameter in the
 module attribute :data:`tvm_distx.passes.split_fused.ATTR`, so ``run``,
 ``export`` and bundles add them to the user's weights.
