@@ -34,9 +34,10 @@ from tvm_distx.vocab_plan import embedding_roles
 
 
 def _lookup_module(vocab: int = 16, tokens: int = 4, tied: bool = False,
-                   positions: bool = False, residual: bool = False) -> tvm.IRModule:
-    """``main(ids, table) = take(table, ids) * 2`` (plus a tied head or a position lookup);
-    with ``residual``, ``main(ids, x, table) = take(table, ids) + x``."""
+                   positions: bool = False, residual: bool = False,
+                   shared: bool = False) -> tvm.IRModule:
+    """``main(ids, table) = take(table, ids) * 2`` (plus a tied head, a position lookup or
+    another use of the table); with ``residual``, ``main(ids, x, table) = take(table, ids) + x``."""
     bb = relax.BlockBuilder()
     ids = relax.Var("ids", relax.TensorType([tokens], "int32"))
     x = relax.Var("x", relax.TensorType([tokens, 8], "float32"))
@@ -51,6 +52,8 @@ def _lookup_module(vocab: int = 16, tokens: int = 4, tied: bool = False,
             if tied:
                 head = bb.emit(relax.op.permute_dims(table))
                 out = bb.emit(relax.op.matmul(out, head))
+            if shared:
+                out = bb.emit(relax.op.add(out, relax.op.sum(table, axis=[0])))
             out = bb.emit_output(out)
         bb.emit_func_output(out)
     return presets.with_meshes(bb.get(), [(2,)])
@@ -146,7 +149,8 @@ def test_a_consumer_that_wants_the_tokens_split_gets_a_reduce_scatter():
     (dict(), "vocab", "16 rows split >= 2 x 4 tokens"),
     (dict(tokens=12), "replicated", "less than the all-reduce of 12 tokens"),
     (dict(vocab=15), "replicated", "15 rows do not divide by 2 ranks"),
-    (dict(tied=True), "replicated", "tied LM head"),
+    (dict(tied=True), "vocab", "tied to the LM head split alike"),
+    (dict(shared=True), "replicated", "another use than the LM head"),
     (dict(positions=True), "replicated", "a position table"),
 ])
 def test_the_plan_splits_a_table_only_where_that_saves_memory(case, role, reason):
