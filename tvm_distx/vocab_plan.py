@@ -24,7 +24,11 @@ table where that saves memory. All three rules must hold:
 
 A lookup whose ids are not computed from the function's inputs (a position
 table looked up with an ``arange``) stays replicated: it is small and its
-indices are not token ids. The reason of every decision is the
+indices are not token ids. A position table looked up with positions that are
+an input (the steps :mod:`tvm_distx.kv_export` makes take ``cache_position``)
+cannot be told from a token table, and follows the same three rules; where its
+partial sum is added to the token lookup's, one all-reduce completes both
+(:class:`tvm_distx.legalize.merge_allreduce.MergeAllReduces`). The reason of every decision is the
 :class:`~tvm_distx.tp_plan.WeightRole`'s, which ``str(plan)``, the per-layer
 summary and ``tvm-distx plan`` print.
 """
@@ -123,7 +127,7 @@ def _tied_head(graph: _Graph, table: str, takes: list) -> bool | None:
 def _vocab_reason(vocab: int, tokens: int | None, tied: bool | None = None) -> str:
     told = f" >= 2 x {tokens} tokens" if tokens else ""
     what = "the token embedding, tied to the LM head split alike" if tied else \
-        "the token embedding"
+        "an embedding table looked up with ids from the inputs"
     return (f"{what}: its {vocab} rows split{told} (each rank saves more table than the "
             "lookup's all-reduce moves); masked lookup, one all-reduce")
 
