@@ -23,6 +23,7 @@ from tvm.script import relax as R
 
 import tvm_distx as td
 from tvm_distx import presets
+from tvm_distx.bundle import read_manifest
 from tvm_distx._ir import dtensor_sharding
 from tvm_distx.errors import RuleError
 from tvm_distx.layout.derived import BlockOffsets, Derivations
@@ -190,11 +191,12 @@ def test_a_vocabulary_parallel_llama_equals_transformers_with_its_table_at_one_p
     # each rank's bundle holds half the table, and its own offset
     bundle = exe.export(tmp_path / "bundle", params=weights)
     hidden = weights[table].shape[1]
+    manifest = read_manifest(bundle)
     for rank in range(2):
-        held = np.load(bundle / "weights" / f"rank{rank}" / f"{table}.npy")
+        held = np.asarray(manifest.read_weight(rank, table))
         assert held.nbytes * 2 == weights[table].nbytes
         np.testing.assert_array_equal(held, np.asarray(weights[table])[rank * VOCAB // 2:
                                                                     (rank + 1) * VOCAB // 2])
-        offset = np.load(bundle / "weights" / f"rank{rank}" / f"{table}_vocab_offsets.npy")
+        offset = np.asarray(manifest.read_weight(rank, f"{table}_vocab_offsets"))
         assert offset.tolist() == [rank * VOCAB // 2]
     record_property("embedding_bytes_per_rank", VOCAB // 2 * hidden * 4)
