@@ -33,10 +33,14 @@ The manifest (``"format": "tvm-distx-bundle"``, ``"version": 1``) holds:
     and, optionally, ``derived``: the parameters cut from a user's fused
     weight, ``[{"name", "source", "source_shape", "axis", "start", "stop"}]``
     (:class:`tvm_distx.layout.derived.DerivedParam`), so that a weight given
-    at run time may be the user's fused one.
+    at run time may be the user's fused one; and, optionally, ``feed``: how
+    the ranks receive the inputs, ``"shards"`` (each rank its shard, the
+    default) or ``"worker0"`` (rank 0 the global inputs, which the program
+    scatters, as lowered by TVM's ``LowerDistIR``; see
+    :mod:`tvm_distx.signature`).
 ``weight_files``
     ``[{"rank", "name", "file", "shape", "dtype", "sha256"}]``: each rank's
-    shard of each weight.
+    shard of each weight (under the ``"worker0"`` feed, rank 0's whole weight).
 
 :func:`read_manifest` refuses, with a :class:`tvm_distx.BundleError`, a
 missing or unparsable manifest, an unknown format or version, missing fields,
@@ -60,7 +64,7 @@ import numpy as np
 from .errors import BundleError
 from .layout.derived import Derivations
 from .mesh import DeviceMesh
-from .signature import FunctionSignature, TensorSpec
+from .signature import FEEDS, SHARDS, FunctionSignature, TensorSpec
 
 __all__ = ["FORMAT", "VERSION", "Manifest", "WeightFile", "read_manifest", "check_weights",
            "sha256_file", "check_library"]
@@ -261,10 +265,15 @@ def _parse(root: Path, data: dict) -> Manifest:
                         spec.sharding.mesh,
                         [None if isinstance(d, str) else d for d in spec.shape], var=spec.name)
                 specs.setdefault(kind, []).append(spec)
+        feed = f.get("feed", SHARDS)
+        if feed not in FEEDS:
+            raise BundleError(f"function '{name}' has feed {feed!r}; this tvm-distx knows "
+                              f"{', '.join(map(repr, FEEDS))}",
+                              hint="export the bundle again with this version of tvm-distx")
         with _entry(f"function '{name}'"):
             functions[name] = FunctionSignature(name, tuple(specs.get("params", ())),
                                                 tuple(specs.get("results", ())),
-                                                bool(f["tuple_result"]))
+                                                bool(f["tuple_result"]), feed)
             row = tuple(e if e else None for e in f["entries"])
             weights[name] = tuple(str(w) for w in f.get("weights", []))
             derivations[name] = Derivations.from_json(f.get("derived"))
@@ -351,14 +360,15 @@ def check_weights(manifest: Manifest, ranks: Sequence[int] | None = None) -> Non
         mismatch, or a shape or dtype that differs from the manifest's.
     """
     wanted = set(range(manifest.num_ranks) if ranks is None else ranks)
-    expected = {(p.name, r): p.sharding.local_shape(p.shape)
+    expected = {(p.name, r): f.input_shape(p, r)
                 for f in manifest.functions.values() for p in f.params
-                for r in range(manifest.num_ranks) if p.held_by(r) and not p.symbolic}
+                for r in range(manifest.num_ranks) if f.fed(p, r) and not p.symbolic}
     listed = {(w.name, w.rank) for w in manifest.weight_files}
     for function, stored in manifest.weights.items():
-        for p in manifest.functions[function].params:
+        signature = manifest.functions[function]
+        for p in signature.params:
             for r in sorted(wanted):
-                if p.name in stored and p.held_by(r) and (p.name, r) not in listed:
+                if p.name in stored and signature.fed(p, r) and (p.name, r) not in listed:
                     raise BundleError(
                         f"weight '{p.name}' of rank {r} is stored in the bundle, but the "
                         "manifest lists no file for it", hint="export the bundle again")

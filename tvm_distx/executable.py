@@ -43,7 +43,7 @@ from .errors import ArgumentError
 from .layout import MeshTable
 from .layout.derived import Derivations, host_array
 from .mesh import DeviceMesh
-from .signature import FunctionSignature
+from .signature import WORKER0, FunctionSignature
 from .runtime.arrays import assemble_results
 
 __all__ = ["DistExecutable"]
@@ -133,9 +133,15 @@ class DistExecutable:
                                 "target machines")
         if backend == "mpi":
             return self._run_mpi(inputs, params, function, timeout, options)
+        if backend == "emulate" and signature.feed == WORKER0:
+            raise ArgumentError(
+                f"'{function}' was lowered by TVM's LowerDistIR (rank 0 takes the global inputs "
+                "and the program calls TVM's runtime.disco.* functions), which the emulator "
+                "does not provide", hint='run it with backend="mpi" or "disco"')
         values, signature = signature.bind_sizes(list(inputs), params)
-        per_rank = [[_shard(spec, value, rank) for spec, value in zip(signature.params, values)
-                     if spec.held_by(rank)] for rank in range(self.num_ranks)]
+        per_rank = [[signature.rank_input(spec, value, rank)
+                     for spec, value in zip(signature.params, values) if spec.held_by(rank)]
+                    for rank in range(self.num_ranks)]
         entries = self.entries[function]
         if backend == "emulate":
             from .runtime import emulate
@@ -309,13 +315,14 @@ class DistExecutable:
                 written[spec.name] = (spec.sharding, spec.shape)
                 value = host_array(weights[function][spec.name])
                 for rank in range(self.num_ranks):
-                    if not spec.held_by(rank):
+                    if not signature.fed(spec, rank):  # not held, or TVM's feed off rank 0
                         continue
                     rel = Path("weights") / f"rank{rank}" / f"{spec.name}.npy"
                     (root / rel).parent.mkdir(parents=True, exist_ok=True)
-                    np.save(root / rel, _shard(spec, value, rank))
+                    np.save(root / rel, signature.rank_input(spec, value, rank))
                     files.append({"rank": rank, "name": spec.name, "file": str(rel),
-                                  "shape": list(spec.local_shape), "dtype": spec.dtype,
+                                  "shape": list(signature.input_shape(spec, rank)),
+                                  "dtype": spec.dtype,
                                   "sha256": sha256_file(root / rel)})
         self._write_library(root)
         manifest = self._manifest(files, {f: sorted(weights[f]) for f in functions})
@@ -353,6 +360,7 @@ class DistExecutable:
                        "params": [p.to_json(self.meshes) for p in sig.params],
                        "results": [r.to_json(self.meshes) for r in sig.results],
                        "tuple_result": sig.tuple_result,
+                       "feed": sig.feed,
                        "weights": weights.get(name, []),
                        "derived": self.derivations.get(name, Derivations()).to_json()}
                 for name, sig in self.signatures.items()
@@ -408,12 +416,6 @@ def _example_shape(spec, meshes: dict[str, DeviceMesh]) -> tuple[int, ...]:
     """A shape that fits ``spec``: a symbolic dimension gets a size every mesh divides."""
     size = math.lcm(*(m.size for m in meshes.values())) if meshes else 1
     return tuple(size if isinstance(d, str) else d for d in spec.shape)
-
-
-def _shard(spec, value, rank: int) -> np.ndarray:
-    from .runtime.arrays import shard_array
-
-    return shard_array(host_array(value), spec.sharding, rank)
 
 
 def _coordinates(meshes: dict[str, DeviceMesh], rank: int) -> dict[str, list[int]]:
