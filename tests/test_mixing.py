@@ -10,9 +10,10 @@ intermediate module is well formed:
     them at entry (``runtime.disco.*``): our MPI ranks provide those functions,
     and the launcher, the bundle and the session give rank 0 the global
     inputs (the ``"worker0"`` feed). The decoder layer, a two-layer MLP and a
-    local slice (our op inside TVM's lowering): numbers on 2 MPI ranks vs
-    numpy, launched once as a session; the decoder with TVM's local view too,
-    from an exported bundle through the launcher, on MPI and on disco.
+    local slice (which our LegalizeRedistribute writes in TVM's form with
+    ``tvm_forms=True``): numbers on 2 MPI ranks vs numpy, launched once as a
+    session; the decoder with TVM's local view too, from an exported bundle
+    through the launcher, on MPI and on disco.
 (b) TVM's PropagateSharding, then ours: numbers on 2 MPI ranks vs numpy.
 (c) ours PropagateSharding, TVM's LowerGlobalViewToLocalView, then ours, on
     the decoder with KV caches and a dynamic length: numbers on 2 MPI ranks
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tvm
 from tvm import relax
 from tvm.relax.distributed import DTensorType
 from tvm.relax.distributed import transform as tvm_dist
@@ -101,17 +103,38 @@ class OrderAExtras:
         y = R.matmul(R.nn.relu(R.matmul(h, a)), b)
         return y
 
+    @R.function
+    def replica_to_shard(x: R.dist.DTensor((8, 16), "float32", "mesh[0]", "R")
+                         ) -> R.dist.DTensor((8, 16), "float32", "mesh[0]", "S[1]"):
+        y = R.dist.redistribute(x, device_mesh="mesh[0]", placement="S[1]")
+        return y
+
 
 def _order_a_module():
     mod = dec.plain_decoder(8)
-    mod["mlp"] = OrderAExtras["mlp"]
+    for name in ("mlp", "replica_to_shard"):
+        mod[name] = OrderAExtras[name]
     return mod
 
 
 @pytest.fixture(scope="module")
 def order_a():
-    """The decoder and the MLP: ours to LegalizeRedistribute, then TVM's LowerDistIR."""
-    return _compile_with(_order_a_module(), lower_distir=tvm_dist.LowerDistIR())
+    """The decoder, the MLP and a local slice: ours to LegalizeRedistribute, TVM's LowerDistIR.
+
+    Our LegalizeRedistribute writes the local slice in TVM's form (``tvm_forms``).
+    """
+    return _compile_with(_order_a_module(),
+                         legalize_redistribute=legalize.LegalizeRedistribute(tvm_forms=True),
+                         lower_distir=tvm_dist.LowerDistIR())
+
+
+def test_a_local_slice_in_tvm_form_lowers_as_ours():
+    ours = [PropagateSharding(require_legalized=True), legalize.LowerGlobalViewToLocalView()]
+    mod = _well_formed_through(pipeline.legalize_ops(ReplicaToShard), ours)
+    tvm_form = legalize.LegalizeRedistribute(tvm_forms=True)(mod)
+    assert "redistribute_replica_to_shard" in tvm_form["main"].script()
+    tvm.ir.assert_structural_equal(legalize.LowerDistIR()(tvm_form),
+                                   legalize.LowerDistIR()(legalize.LegalizeRedistribute()(mod)))
 
 
 def _order_a_inputs():
@@ -127,7 +150,9 @@ def test_a_tvm_lowered_program_equals_numpy_on_two_mpi_ranks(order_a):
     assert {s.feed for s in order_a.signatures.values()} == {"worker0"}
     text = order_a.module.script()
     assert "R.ccl.scatter_from_worker0" in text and "tvm_distx.ccl" not in text
+    assert "R.dist.redistribute_replica_to_shard" in text  # sliced with runtime.disco.worker_id
     inputs, mlp = _order_a_inputs()
+    x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
     weights = {w: inputs[w] for w in dec.WEIGHTS}
     with pytest.raises(ArgumentError, match="emulator"):
         order_a.run(*mlp, function="mlp", backend="emulate")
@@ -137,6 +162,7 @@ def test_a_tvm_lowered_program_equals_numpy_on_two_mpi_ranks(order_a):
                                    rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(session.run(*mlp, function="mlp"), mlp_twice(*mlp),
                                    rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(session.run(x, function="replica_to_shard"), x)
         with pytest.raises(ArgumentError, match="LowerDistIR"):
             session.run(*mlp[1:], function="mlp", state={"x": "h"})
         assert session.weights_loaded == {0: len(weights), 1: len(weights)}
