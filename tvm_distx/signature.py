@@ -145,7 +145,8 @@ class FunctionSignature:
 
     def __post_init__(self) -> None:
         if self.feed not in FEEDS:
-            raise ValueError(f"unknown feed {self.feed!r} of '{self.name}'; known: {FEEDS}")
+            raise ArgumentError(f"'{self.name}' has an unknown feed {self.feed!r}",
+                                hint=f"use one of {', '.join(FEEDS)}")
 
     def fed(self, spec: TensorSpec, device: int) -> bool:
         """Whether ``device`` is given data for parameter ``spec`` (else a placeholder).
