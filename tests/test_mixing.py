@@ -24,6 +24,8 @@ intermediate module is well formed:
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import tvm
@@ -38,7 +40,7 @@ import tvm_distx as td
 from reference import mlp_twice
 from tvm_distx import legalize, pipeline
 from tvm_distx.bundle import read_manifest
-from tvm_distx.errors import ArgumentError, UnsupportedProgramError
+from tvm_distx.errors import ArgumentError, BundleError, UnsupportedProgramError
 from tvm_distx.passes import PropagateSharding
 from tvm_distx.runtime.launcher import launch
 
@@ -185,6 +187,13 @@ def test_a_with_tvm_local_view_runs_from_a_bundle_on_two_mpi_ranks_and_disco(tmp
     # disco workers: TVM's dispatchers reach the session's CCL, our shared memory
     np.testing.assert_allclose(launch(bundle, [inputs["x"]], backend="disco"), want,
                                rtol=1e-4, atol=1e-4)
+    # the manifest says how the ranks are fed; a feed this version does not know is refused
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["functions"]["main"]["feed"] == "worker0"
+    manifest["functions"]["main"]["feed"] = "broadcast"
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="feed 'broadcast'"):
+        launch(bundle, [inputs["x"]])
 
 
 @I.ir_module
