@@ -8,6 +8,12 @@ wheel), registers :func:`run_rank` and serves the controller's pipe.
 Worker 0 is a thread of the controller process, so the controller imports this
 module as well; there, rank 0 also leaves every rank's result in
 :data:`RESULTS` for the controller to pick up.
+
+The same workers serve a persistent session
+(:class:`tvm_distx.runtime.disco_session.DiscoSession`): :func:`open_rank` runs
+once per worker and keeps its :class:`~tvm_distx.runtime.session_worker.RankState`
+(virtual machine, stored weights loaded once, resident values) in
+:data:`SESSIONS`; :func:`call_rank` then runs each call over the same segment.
 """
 
 from __future__ import annotations
@@ -27,15 +33,24 @@ import tvm_ffi
 
 from tvm_distx.runtime.disco_shm import DONE, Layout, ShmComm, install
 
-__all__ = ["RUN", "RESULTS", "repair_disco", "run_rank", "main"]
+__all__ = ["RUN", "OPEN", "CALL", "RESULTS", "SESSIONS", "repair_disco", "run_rank",
+           "open_rank", "call_rank", "main"]
 
 logger = logging.getLogger(__name__)
 
 #: The global function every worker runs once per run.
 RUN = "tvm_distx.disco.run"
 
+#: The global functions of a persistent session: open it once, then one call per call.
+OPEN = "tvm_distx.disco.session_open"
+CALL = "tvm_distx.disco.session_call"
+
 #: Results of finished runs in the controller process, by job id: one per rank.
 RESULTS: dict[str, list] = {}
+
+#: This process's rank of each open session, by session id
+#: (:class:`~tvm_distx.runtime.session_worker.RankState`).
+SESSIONS: dict[str, object] = {}
 
 
 def repair_disco():
@@ -131,6 +146,103 @@ def _run(job: dict, comm: ShmComm) -> None:
     if rank == 0:
         RESULTS[job["job"]] = [pickle.loads(posted[d]) for d in everyone]
     comm.finish(DONE)
+
+
+@tvm_ffi.register_global_func(OPEN, override=True)
+def open_rank(message: str) -> int:
+    """Join a persistent session: check the bundle, create this rank's virtual machine.
+
+    Parameters
+    ----------
+    message : str
+        JSON: ``session`` (id), ``bundle`` (its directory), and the segment
+        fields of :func:`call_rank`.
+
+    Returns
+    -------
+    int
+        0, or 1 when the segment could not even be mapped (it never raises;
+        see :func:`run_rank`).
+    """
+    return _in_segment(message, _open)
+
+
+@tvm_ffi.register_global_func(CALL, override=True)
+def call_rank(message: str) -> int:
+    """Run one call of a persistent session on this rank; rank 0 gathers the results.
+
+    Parameters
+    ----------
+    message : str
+        JSON: ``session`` and ``job`` (ids), ``fd``, ``layout`` and
+        ``deadline`` (as for :func:`run_rank`), and ``inputs``: per rank,
+        offset and length of its pickled ``(function, shards, sizes, state,
+        keep)`` in the input area.
+
+    Returns
+    -------
+    int
+        0, or 1 when the segment could not even be mapped.
+    """
+    return _in_segment(message, _call)
+
+
+def _in_segment(message: str, work) -> int:
+    """Map the segment, run ``work(job, comm)`` with its collectives installed, report."""
+    try:
+        job = json.loads(message)
+        layout = Layout(**job["layout"])
+        buf = mmap.mmap(job["fd"], layout.size)
+        comm = ShmComm(buf, layout, _worker_id(), job["deadline"])
+    except BaseException:  # noqa: BLE001 - nothing may escape a disco worker
+        logger.exception("a disco worker could not join its session")
+        return 1
+    try:
+        install(comm)  # before a virtual machine exists: it resolves functions once
+        work(job, comm)
+        comm.finish(DONE)
+    except BaseException:  # noqa: BLE001
+        logger.exception("disco rank %d failed", comm.rank)
+        comm.fail(traceback.format_exc())
+    finally:
+        install(None)
+        del comm
+        try:
+            buf.close()
+        except BufferError:  # a traceback still holds a view; the GC unmaps it
+            pass
+    return 0
+
+
+def _open(job: dict, comm: ShmComm) -> None:
+    import tvm
+    from tvm import relax
+
+    from tvm_distx.bundle import check_weights, read_manifest
+    from tvm_distx.runtime.session_worker import RankState
+
+    rank = comm.rank
+    manifest = read_manifest(job["bundle"])
+    check_weights(manifest, [rank])
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(manifest.library_path)), tvm.cpu())
+    SESSIONS[job["session"]] = RankState(manifest, rank, vm)
+    everyone = tuple(range(comm.layout.world))
+    comm.meet("the opening of the session", everyone, None, ())
+
+
+def _call(job: dict, comm: ShmComm) -> None:
+    rank, world = comm.rank, comm.layout.world
+    me = SESSIONS[job["session"]]
+    offset, length = job["inputs"][rank]
+    function, values, sizes, state, keep = pickle.loads(comm.inputs[offset:offset + length])
+    blocks = me.call(function, values, sizes, state, keep, local=True)
+    blob = np.frombuffer(pickle.dumps((blocks, len(me.loaded)),
+                                      protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    everyone = tuple(range(world))
+    posted = comm.meet("the gathering of results", everyone, blob,
+                       everyone if rank == 0 else ())
+    if rank == 0:
+        RESULTS[job["job"]] = {d: pickle.loads(posted[d]) for d in everyone}
 
 
 def _inject_fault(rank: int) -> None:
