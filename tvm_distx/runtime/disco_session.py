@@ -39,6 +39,7 @@ import mmap
 import os
 import pickle
 import socket
+import sys
 import time
 import uuid
 
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 _INPUT_BYTES = 1 << 20  # the input area to start with; grown on demand
 _MAX_SLEEP = 2e-3  # seconds between two looks at the ranks' status, at most
+_ABANDONED: list = []  # sessions whose rank 0 thread never returned (never destroyed)
 
 
 class DiscoSession(Session):
@@ -102,6 +104,7 @@ class DiscoSession(Session):
         self._pool = _Pool(self._fd)
         self._buf: mmap.mmap | None = None
         self._sess = self._open = self._call_rank = None
+        self._dispatched = 0  # calls sent to rank 0 (a thread of this process)
         self._closed = False
         started = time.monotonic()
         try:
@@ -164,6 +167,7 @@ class DiscoSession(Session):
         view = ShmComm(buf, layout, 0, deadline)
         try:
             try:
+                self._dispatched += 1
                 func(json.dumps({**fields, "session": self._id, "job": job, "fd": self._fd,
                                  "layout": vars(layout), "deadline": deadline,
                                  "inputs": [[s, len(b)] for b, s in zip(blobs, starts)]}))
@@ -172,11 +176,9 @@ class DiscoSession(Session):
                 raise LaunchError(f"the disco session failed {doing}: {err}",
                                   hint="the session is closed; open a new one") from err
             self._wait(view, deadline + _GRACE)
-            error = _error(view, timeout)
+            error = self._failure(view, doing, timeout)
             if error is not None:
-                raise LaunchError(f"{error.args[0].splitlines()[0]} ({doing})", rank=error.rank,
-                                  reason=error.reason, details=error.details,
-                                  hint="the session is closed; open a new one")
+                raise error
             return disco_worker.RESULTS.pop(job, {})
         finally:
             if (view.status == RUNNING).any():
@@ -193,6 +195,27 @@ class DiscoSession(Session):
                     view.fail(f"the worker process exited with code {code}", rank)
             time.sleep(delay)
             delay = min(2 * delay, _MAX_SLEEP)
+
+    def _failure(self, view: ShmComm, doing: str, timeout: float) -> LaunchError | None:
+        """The error naming the rank that ended the call, if one did (see ``disco._error``)."""
+        error = _error(view, timeout)
+        if error is None:
+            return None
+        rank, hint = error.rank, "the session is closed; open a new one"
+        code = self._pool.exited().get(rank)
+        if code is not None:
+            return LaunchError(f"rank {rank} died {doing}: its worker process exited with code "
+                               f"{code}", rank=rank, reason="killed" if code < 0 else "exited",
+                               hint=hint)
+        trace = error.details.split("\n", 1)[-1].strip()
+        if error.reason == "timeout":
+            return LaunchError(f"rank {rank} timed out {doing} (after {timeout} s)", rank=rank,
+                               reason="timeout", details=error.details,
+                               hint="the session is closed; raise timeout=, or look for a rank "
+                               "that never reached a collective the others wait in")
+        summary = trace.splitlines()[-1] if trace else "unknown error"
+        return LaunchError(f"rank {rank} failed {doing}: {summary}", rank=rank, reason="raised",
+                           details=error.details, hint=hint)
 
     def _check_workers(self, doing: str) -> None:
         exited = self._pool.exited()
@@ -217,14 +240,21 @@ class DiscoSession(Session):
     # -- life cycle
     def _stop(self, failed: bool) -> None:
         pool = self._pool
-        pool.kill([w for w, p in pool.procs.items() if p.poll() is not None or failed])
+        idle = self._worker0_idle(_GRACE)
+        pool.kill([w for w, p in pool.procs.items() if p.poll() is not None or failed
+                   or not idle])
         if self._sess is not None:
             _shutdown(self._sess, pool)
-            self._open = self._call_rank = None
-            self._sess = None
+            sess, self._sess, self._open, self._call_rank = self._sess, None, None, None
+            if idle or self._worker0_idle(_GRACE):
+                del sess  # joins worker 0's thread: it must not be running Python then
+            else:  # dropping it now would deadlock: the join holds the GIL worker 0 needs
+                logger.warning("disco session: rank 0 is still running a call; its thread "
+                               "is left behind (the worker processes are stopped)")
+                _ABANDONED.append(sess)
         pool.reap(_GRACE)
         pool.close()
-        disco_worker.SESSIONS.pop(self._id, None)
+        disco_worker.forget(self._id)
         if self._buf is not None:
             try:
                 self._buf.close()
@@ -234,3 +264,15 @@ class DiscoSession(Session):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def _worker0_idle(self, timeout: float) -> bool:
+        """Wait until rank 0's thread has returned from every call sent to it."""
+        until = time.monotonic() + timeout
+        while True:
+            thread = disco_worker.THREADS.get(self._id)
+            done = disco_worker.FINISHED.get(self._id, 0) >= self._dispatched
+            if done and (thread is None or thread not in sys._current_frames()):
+                return True
+            if time.monotonic() > until:
+                return False
+            time.sleep(1e-3)

@@ -25,6 +25,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import traceback
 from typing import Sequence
 
@@ -34,7 +35,7 @@ import tvm_ffi
 from tvm_distx.runtime.disco_shm import DONE, Layout, ShmComm, install
 
 __all__ = ["RUN", "OPEN", "CALL", "RESULTS", "SESSIONS", "repair_disco", "run_rank",
-           "open_rank", "call_rank", "main"]
+           "open_rank", "call_rank", "forget", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,11 @@ RESULTS: dict[str, list] = {}
 #: This process's rank of each open session, by session id
 #: (:class:`~tvm_distx.runtime.session_worker.RankState`).
 SESSIONS: dict[str, object] = {}
+#: Per session id: this process's mapping of its segment, the thread that last ran one of
+#: its calls, and how many calls this process has finished.
+MAPPINGS: dict[str, mmap.mmap] = {}
+THREADS: dict[str, int] = {}
+FINISHED: dict[str, int] = {}
 
 
 def repair_disco():
@@ -188,30 +194,59 @@ def call_rank(message: str) -> int:
 
 
 def _in_segment(message: str, work) -> int:
-    """Map the segment, run ``work(job, comm)`` with its collectives installed, report."""
+    """Run ``work(job, comm)`` over the session's segment with its collectives installed.
+
+    The rank's mapping of the segment stays open between calls (a new one only
+    when the segment has grown), and the final status is the last thing written:
+    once every rank has one, the controller may end the session, and worker 0
+    (a thread of the controller) must then have nothing left to do but return.
+    """
     try:
         job = json.loads(message)
+        session = job["session"]
         layout = Layout(**job["layout"])
-        buf = mmap.mmap(job["fd"], layout.size)
+        THREADS[session] = threading.get_ident()
+        buf = _mapping(session, job["fd"], layout.size)
         comm = ShmComm(buf, layout, _worker_id(), job["deadline"])
     except BaseException:  # noqa: BLE001 - nothing may escape a disco worker
         logger.exception("a disco worker could not join its session")
         return 1
+    failure = ""
     try:
         install(comm)  # before a virtual machine exists: it resolves functions once
         work(job, comm)
-        comm.finish(DONE)
     except BaseException:  # noqa: BLE001
-        logger.exception("disco rank %d failed", comm.rank)
-        comm.fail(traceback.format_exc())
-    finally:
-        install(None)
-        del comm
-        try:
-            buf.close()
-        except BufferError:  # a traceback still holds a view; the GC unmaps it
-            pass
+        # text only: a traceback kept by a log handler would keep the segment mapped
+        failure = traceback.format_exc()
+        logger.debug("disco rank %d failed:\n%s", comm.rank, failure)
+    install(None)
+    FINISHED[session] = FINISHED.get(session, 0) + 1
+    if failure:
+        comm.fail(failure)
+    else:
+        comm.finish(DONE)
     return 0
+
+
+def _mapping(session: str, fd: int, size: int) -> mmap.mmap:
+    """This rank's mapping of a session's segment, of ``size`` bytes (remapped when it grew)."""
+    held = MAPPINGS.get(session)
+    if held is None or len(held) != size:
+        held = MAPPINGS[session] = mmap.mmap(fd, size)
+    return held
+
+
+def forget(session: str) -> None:
+    """Drop what this process keeps of a session (its rank state and its mapping)."""
+    SESSIONS.pop(session, None)
+    THREADS.pop(session, None)
+    FINISHED.pop(session, None)
+    held = MAPPINGS.pop(session, None)
+    if held is not None:
+        try:
+            held.close()
+        except BufferError:  # a view is still alive somewhere; the GC unmaps it
+            pass
 
 
 def _open(job: dict, comm: ShmComm) -> None:
