@@ -225,6 +225,25 @@ def test_state_stays_on_the_ranks_and_bad_calls_leave_the_session_usable(backend
         session.run(xs[0], xs[1])
 
 
+@pytest.mark.parametrize("fault, message", [
+    ("raise", r"rank 1 failed running 'main': RuntimeError: injected fault on rank 1"),
+    ("hang", r"rank 1 did not finish running 'main' within 1.0 s")], ids=["raise", "hang"])
+def test_a_rank_that_raises_or_hangs_ends_the_disco_session_naming_it(
+        accumulate, monkeypatch, fault, message):
+    from tvm_distx.runtime import disco_session
+
+    monkeypatch.setattr(disco_session, "_GRACE", 1.0)
+    monkeypatch.setenv("TVM_DISTX_FAULT", f"1:{fault}")  # the workers start with it
+    children, segments = _children(), _segments()
+    session = accumulate.session(backend="disco")
+    started = time.monotonic()
+    with pytest.raises(td.LaunchError, match=message) as info:
+        session.run(np.ones((8, 16), "float32"), np.ones((8, 16), "float32"), timeout=1.0)
+    assert info.value.rank == 1 and time.monotonic() - started < 15
+    assert session.closed and _gone([session.ranks[1].pid]) and _children() == children
+    assert _segments() == segments
+
+
 def test_sessions_refuse_an_unknown_backend_and_options_they_do_not_take(accumulate):
     exe = accumulate
     with pytest.raises(td.ArgumentError, match="unknown session backend 'nccl'"):

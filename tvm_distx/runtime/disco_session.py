@@ -12,8 +12,9 @@ per rank on this host, started by our own process pool with the descriptor of
 one anonymous shared-memory segment (a ``memfd``, no name to leak), worker 0 a
 thread of this process, and the collectives of
 :mod:`tvm_distx.runtime.disco_shm` over the segment. Disco carries only the
-two calls of :mod:`tvm_distx.runtime.disco_worker` (:func:`~tvm_distx.runtime.disco_worker.open_rank`
-once, :func:`~tvm_distx.runtime.disco_worker.call_rank` per call); the inputs
+two calls of :mod:`tvm_distx.runtime.disco_worker`
+(:func:`~tvm_distx.runtime.disco_worker.open_rank` once,
+:func:`~tvm_distx.runtime.disco_worker.call_rank` per call); the inputs
 (already cut into each rank's shards here), the results and every rank's
 status go through the segment. The segment grows when a call's inputs need
 more room. Each rank keeps its virtual machine, its stored weights (read once
@@ -50,8 +51,10 @@ from tvm_distx.errors import LaunchError
 from tvm_distx.runtime import disco_worker
 from tvm_distx.runtime.disco import (_GRACE, _LOCK, _POOL, _SLOT_BYTES, ENTRYPOINT, _error,
                                      _Pool, _segment, _shutdown)
+from tvm_distx.runtime.arrays import shard_array
 from tvm_distx.runtime.disco_shm import RUNNING, Layout, ShmComm
 from tvm_distx.runtime.session_base import Call, RankProcess, Session
+from tvm_distx.runtime.session_worker import assemble_reply
 
 __all__ = ["DiscoSession"]
 
@@ -132,8 +135,6 @@ class DiscoSession(Session):
         signature = manifest.function(call.function)
         if signature.symbolic:
             signature = signature.specialize(call.sizes)
-        from tvm_distx.runtime.arrays import shard_array
-
         blobs = []
         for rank in range(manifest.num_ranks):  # each rank gets only its shards
             shards = {spec.name: shard_array(np.asarray(call.values[spec.name]), spec.sharding,
@@ -145,8 +146,6 @@ class DiscoSession(Session):
         with _LOCK:
             replies = self._dispatch(self._call_rank, {}, blobs, timeout,
                                      f"running '{call.function}'")
-        from tvm_distx.runtime.session_worker import assemble_reply
-
         result = assemble_reply(manifest, call.function, call.sizes, call.keep,
                                 {r: blocks for r, (blocks, _) in replies.items()})
         return result, {r: n for r, (_, n) in replies.items()}
@@ -208,9 +207,12 @@ class DiscoSession(Session):
                                f"{code}", rank=rank, reason="killed" if code < 0 else "exited",
                                hint=hint)
         trace = error.details.split("\n", 1)[-1].strip()
-        if error.reason == "timeout":
-            return LaunchError(f"rank {rank} timed out {doing} (after {timeout} s)", rank=rank,
-                               reason="timeout", details=error.details,
+        late = [r for r, s in enumerate(view.status.tolist()) if s == RUNNING]
+        if error.reason == "timeout" or late:
+            # the rank that never reported, not the one that gave up waiting for it
+            rank = late[0] if late else rank
+            return LaunchError(f"rank {rank} did not finish {doing} within {timeout} s",
+                               rank=rank, reason="timeout", details=error.details,
                                hint="the session is closed; raise timeout=, or look for a rank "
                                "that never reached a collective the others wait in")
         summary = trace.splitlines()[-1] if trace else "unknown error"

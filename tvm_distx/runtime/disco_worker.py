@@ -268,6 +268,7 @@ def _open(job: dict, comm: ShmComm) -> None:
 def _call(job: dict, comm: ShmComm) -> None:
     rank, world = comm.rank, comm.layout.world
     me = SESSIONS[job["session"]]
+    _inject_fault(rank, ("kill", "raise", "hang"))
     offset, length = job["inputs"][rank]
     function, values, sizes, state, keep = pickle.loads(comm.inputs[offset:offset + length])
     blocks = me.call(function, values, sizes, state, keep, local=True)
@@ -280,17 +281,27 @@ def _call(job: dict, comm: ShmComm) -> None:
         RESULTS[job["job"]] = {d: pickle.loads(posted[d]) for d in everyone}
 
 
-def _inject_fault(rank: int) -> None:
-    """The test hook of :mod:`tvm_distx.runtime.worker` (``TVM_DISTX_FAULT="<rank>:kill"``).
+def _inject_fault(rank: int, kinds: tuple[str, ...] = ("kill",)) -> None:
+    """The test hook of :mod:`tvm_distx.runtime.worker` (``TVM_DISTX_FAULT="<rank>:<kind>"``).
 
-    Only ``kill`` applies to disco workers (a raising rank is tested with bad
-    inputs); rank 0 is a thread of the controller and is never killed.
+    A one-shot run takes only ``kill`` (a raising rank is tested with bad
+    inputs); a session call takes ``kill``, ``raise`` and ``hang`` (sleeps past
+    any deadline). Rank 0 is a thread of the controller: it may raise, but is
+    never killed nor hung.
     """
+    import time
+
     from tvm_distx.runtime.worker import FAULT_ENV
 
     where, _, kind = os.environ.get(FAULT_ENV, "").partition(":")
-    if kind == "kill" and rank != 0 and where.strip() == str(rank):
+    if kind not in kinds or where.strip() != str(rank):
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} ({FAULT_ENV})")
+    if rank != 0 and kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if rank != 0 and kind == "hang":
+        time.sleep(3600)
 
 
 def _to_numpy(value):
