@@ -51,7 +51,6 @@ from tvm_distx.errors import LaunchError
 from tvm_distx.runtime import disco_worker
 from tvm_distx.runtime.disco import (_GRACE, _LOCK, _POOL, _SLOT_BYTES, ENTRYPOINT, _error,
                                      _Pool, _segment, _shutdown)
-from tvm_distx.runtime.arrays import shard_array
 from tvm_distx.runtime.disco_shm import RUNNING, Layout, ShmComm
 from tvm_distx.runtime.session_base import Call, RankProcess, Session
 from tvm_distx.runtime.session_worker import assemble_reply
@@ -137,8 +136,7 @@ class DiscoSession(Session):
             signature = signature.specialize(call.sizes)
         blobs = []
         for rank in range(manifest.num_ranks):  # each rank gets only its shards
-            shards = {spec.name: shard_array(np.asarray(call.values[spec.name]), spec.sharding,
-                                             rank)
+            shards = {spec.name: signature.rank_input(spec, call.values[spec.name], rank)
                       for spec in signature.params
                       if spec.name in call.values and spec.held_by(rank)}
             blobs.append(pickle.dumps((call.function, shards, call.sizes, call.state,

@@ -30,11 +30,12 @@ import threading
 import time
 import traceback
 
-from tvm_distx.errors import LaunchError
+from tvm_distx.errors import ArgumentError, LaunchError
 from tvm_distx.runtime.collectives import register
 from tvm_distx.runtime.emulator import EmulatedCollectives, _Exchange
 from tvm_distx.runtime.session_base import Call, RankProcess, Session
 from tvm_distx.runtime.session_worker import RankState, assemble_reply
+from tvm_distx.signature import WORKER0
 
 __all__ = ["EmulatedSession"]
 
@@ -78,6 +79,12 @@ class EmulatedSession(Session):
         from tvm import relax
 
         super().__init__(bundle, num_ranks=num_ranks, timeout=timeout)
+        lowered_by_tvm = [f for f, s in self.manifest.functions.items() if s.feed == WORKER0]
+        if lowered_by_tvm:
+            raise ArgumentError(
+                f"'{lowered_by_tvm[0]}' was lowered by TVM's LowerDistIR (rank 0 takes the global "
+                "inputs and the program calls TVM's runtime.disco.* functions), which emulated "
+                "ranks do not provide", hint='open the session with backend="mpi" or "disco"')
         devices = tuple(range(self.manifest.num_ranks))
         # one collectives object for the session's life: the machines hold its functions,
         # and each call gives it a fresh exchange

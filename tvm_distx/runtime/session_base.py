@@ -33,6 +33,7 @@ import numpy as np
 from tvm_distx.bundle import Manifest, check_library, check_weights, read_manifest
 from tvm_distx.errors import ArgumentError
 from tvm_distx.runtime.launcher import bind_inputs
+from tvm_distx.signature import WORKER0
 
 __all__ = ["Session", "RankProcess", "Call", "open_session", "check_backend",
            "SESSION_BACKENDS"]
@@ -323,6 +324,11 @@ def check_state(signature, state: dict, keep: dict) -> None:
     ArgumentError
         Naming the function and the parameter or result index.
     """
+    if (state or keep) and signature.feed == WORKER0:
+        raise ArgumentError(f"'{signature.name}' was lowered by TVM's LowerDistIR: rank 0 takes "
+                            "its inputs whole, so no shard kept on the ranks can feed it",
+                            hint="call it without state= and keep=, or lower it with "
+                            "tvm_distx.legalize.LowerDistIR")
     names = {p.name for p in signature.params}
     unknown = sorted(set(state) - names)
     if unknown:

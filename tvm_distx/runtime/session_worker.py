@@ -181,7 +181,7 @@ class RankState:
         """
         import tvm
 
-        from tvm_distx.runtime.arrays import first_holder, shard_array
+        from tvm_distx.runtime.arrays import first_holder
 
         manifest, rank = self.manifest, self.rank
         signature = manifest.function(function)
@@ -204,13 +204,15 @@ class RankState:
                 args.append(self.resident[name])
             elif spec.name in stored:
                 if spec.name not in self.loaded:
-                    self.loaded[spec.name] = tvm.runtime.tensor(
-                        np.ascontiguousarray(manifest.read_weight(rank, spec.name)))
+                    self.loaded[spec.name] = tvm.runtime.tensor(np.ascontiguousarray(
+                        manifest.read_weight(rank, spec.name)
+                        if signature.fed(spec, rank)  # else TVM's feed: a placeholder
+                        else signature.rank_input(spec, None, rank)))
                 args.append(self.loaded[spec.name])
             else:
-                value = values[spec.name]
-                if not local:
-                    value = shard_array(value, spec.sharding, rank)
+                value = values.get(spec.name)
+                if not local:  # the global value: what this rank takes of it
+                    value = signature.rank_input(spec, value, rank)
                 args.append(tvm.runtime.tensor(np.ascontiguousarray(value)))
         out = self.vm[entry](*args)
         results = list(out) if signature.tuple_result else [out]
