@@ -45,6 +45,7 @@ from .layout.derived import Derivations, host_array, is_deferred
 from .mesh import DeviceMesh
 from .signature import SHARDS, WORKER0, FunctionSignature
 from .runtime.arrays import assemble_results
+from .runtime.session_base import check_backend, open_session
 
 __all__ = ["DistExecutable"]
 
@@ -163,10 +164,11 @@ class DistExecutable:
         """Launch the ranks once and keep them for many calls (a context manager).
 
         The weights in ``params`` are written once into a private bundle, and
-        each rank loads its shards once; every :meth:`~tvm_distx.runtime.session.MPISession.run`
-        after that costs milliseconds, not a launch::
+        each rank loads its shards once; every
+        :meth:`~tvm_distx.runtime.session_base.Session.run` after that costs
+        milliseconds, not a launch::
 
-            with exe.session(params=weights) as session:
+            with exe.session(params=weights, backend="disco") as session:
                 for x in batches:
                     y = session.run(x)
 
@@ -174,8 +176,13 @@ class DistExecutable:
         ----------
         num_ranks : int, optional
             Must equal the program's rank count when given.
-        backend : {"mpi"}
-            Sessions run on MPI ranks.
+        backend : {"mpi", "disco", "emulate"}
+            How the ranks run (see the module documentation): MPI processes
+            (:class:`~tvm_distx.runtime.session.MPISession`), disco workers on
+            this host (:class:`~tvm_distx.runtime.disco_session.DiscoSession`)
+            or threads of this process
+            (:class:`~tvm_distx.runtime.emulated_session.EmulatedSession`).
+            All three take the same calls and give the same results.
         params : mapping of str to array, optional
             Global weights of ``function`` by name, stored for the session.
         function : str or sequence of str
@@ -183,17 +190,22 @@ class DistExecutable:
         timeout : float
             Seconds for the ranks to start, and for each call by default.
         **options
-            ``hosts``, ``mpiexec``, ``env`` (as for :meth:`run`).
+            For ``"mpi"`` only: ``hosts``, ``mpiexec``, ``env`` (as for :meth:`run`).
 
         Returns
         -------
-        tvm_distx.runtime.session.MPISession
-        """
-        from .runtime.session import MPISession
+        tvm_distx.runtime.session_base.Session
+            The session; its bundle is removed when it closes.
 
-        if backend != "mpi":
-            raise ArgumentError(f"a session runs on MPI ranks, not {backend!r}",
-                                hint='use backend="mpi" (or exe.run(..., backend=...) per call)')
+        Raises
+        ------
+        ArgumentError
+            For an unknown backend, options the backend does not take, a rank
+            count the program does not have, or a target that cannot run here.
+        LaunchError
+            If the ranks do not start.
+        """
+        check_backend(backend, options)
         if not self.target.runnable_here:
             raise ArgumentError(f"a program built for {self.target.name} cannot run on this host",
                                 hint="export it with .export(dir) and open the session on the "
@@ -205,7 +217,7 @@ class DistExecutable:
         try:
             # a checkpoint's weights are read by each rank itself, never by this process
             self.export(bundle, params=params, function=function, link_checkpoint=True)
-            session = MPISession(bundle, timeout=timeout, **options)
+            session = open_session(bundle, backend=backend, timeout=timeout, **options)
         except BaseException:
             shutil.rmtree(bundle, ignore_errors=True)
             raise
