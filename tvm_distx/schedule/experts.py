@@ -65,6 +65,10 @@ EXPERTS_ATTR = "tvm_distx.experts"
 
 _OP_PATTERN_OPAQUE = 8  # FuseOps leaves the kernel alone
 
+#: Vector lanes of the dot products (8 float32: one AVX2 register; LLVM splits or joins
+#: them for other widths).
+_LANES = 8
+
 
 @dataclass(frozen=True)
 class ExpertsKernel:
@@ -199,11 +203,15 @@ def sparse_experts(kernel: ExpertsKernel, *, count: bool = False) -> tirx.PrimFu
     up_shape, down_shape = kernel.up_shape, kernel.down_shape
     zero = tirx.const(0, dtype)
 
+    lanes = _LANES
+    hid_main, inter_main = hid // lanes * lanes, inter // lanes * lanes
+
     @T.macro
     def body(x, c, w_up, w_down, out, evaluations, n):
         for t in T.parallel(n):
             act = T.decl_buffer((two_i,), dtype)
-            acc = T.decl_buffer((1,), dtype)
+            lane = T.decl_buffer((lanes,), dtype, scope="local")
+            total = T.decl_buffer((1,), dtype, scope="local")
             for d in range(hid):
                 out[t, d] = zero
             if count:
@@ -212,7 +220,8 @@ def sparse_experts(kernel: ExpertsKernel, *, count: bool = False) -> tirx.PrimFu
                 if c[t, ex] != zero:
                     if count:
                         evaluations[t] = evaluations[t] + 1
-                    # gate | up: a dot product per row, or an axpy per input feature
+                    # gate | up: an axpy per input feature, or a dot product per row
+                    # (vector lanes over the contiguous features, then their sum)
                     if up_t:
                         for j in range(two_i):
                             act[j] = zero
@@ -221,10 +230,18 @@ def sparse_experts(kernel: ExpertsKernel, *, count: bool = False) -> tirx.PrimFu
                                 act[j] = act[j] + x[t, k] * w_up[ex, k, j]
                     else:
                         for j in range(two_i):
-                            acc[0] = zero
-                            for k in range(hid):
-                                acc[0] = acc[0] + x[t, k] * w_up[ex, j, k]
-                            act[j] = acc[0]
+                            for v in T.vectorized(lanes):
+                                lane[v] = zero
+                            for ko in range(hid_main // lanes):
+                                for v in T.vectorized(lanes):
+                                    lane[v] = lane[v] + x[t, ko * lanes + v] * \
+                                        w_up[ex, j, ko * lanes + v]
+                            total[0] = zero
+                            for v in range(lanes):
+                                total[0] = total[0] + lane[v]
+                            for k in range(hid_main, hid):
+                                total[0] = total[0] + x[t, k] * w_up[ex, j, k]
+                            act[j] = total[0]
                     for j in range(inter):
                         act[j] = act[j] * T.sigmoid(act[j]) * act[j + inter]
                     # down, scaled by the routing weight, added into the token's row
@@ -234,10 +251,18 @@ def sparse_experts(kernel: ExpertsKernel, *, count: bool = False) -> tirx.PrimFu
                                 out[t, d] = out[t, d] + c[t, ex] * act[j] * w_down[ex, j, d]
                     else:
                         for d in range(hid):
-                            acc[0] = zero
-                            for j in range(inter):
-                                acc[0] = acc[0] + act[j] * w_down[ex, d, j]
-                            out[t, d] = out[t, d] + c[t, ex] * acc[0]
+                            for v in T.vectorized(lanes):
+                                lane[v] = zero
+                            for jo in range(inter_main // lanes):
+                                for v in T.vectorized(lanes):
+                                    lane[v] = lane[v] + act[jo * lanes + v] * \
+                                        w_down[ex, d, jo * lanes + v]
+                            total[0] = zero
+                            for v in range(lanes):
+                                total[0] = total[0] + lane[v]
+                            for j in range(inter_main, inter):
+                                total[0] = total[0] + act[j] * w_down[ex, d, j]
+                            out[t, d] = out[t, d] + c[t, ex] * total[0]
 
     if count:
         @T.prim_func(private=True, check_well_formed=False)
