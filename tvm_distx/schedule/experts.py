@@ -177,8 +177,9 @@ def experts_definition(kernel: ExpertsKernel, tokens=None) -> tirx.PrimFunc:
     out = te.compute((n, h), lambda t, d: te.sum(c[t, s] * down[s, t, d], axis=s),
                      name="combine")
     func = te.create_prim_func([x, c, w_up, w_down, out])
-    return func.with_attrs({EXPERTS_ATTR: kernel.attrs(), "op_pattern": _OP_PATTERN_OPAQUE,
-                            "global_symbol": "experts"}).without_attr("global_symbol")
+    # private: the module that calls it names it
+    return func.with_attrs({EXPERTS_ATTR: kernel.attrs(), "op_pattern": _OP_PATTERN_OPAQUE}) \
+        .without_attr("global_symbol")
 
 
 def sparse_experts(kernel: ExpertsKernel, *, count: bool = False) -> tirx.PrimFunc:
