@@ -135,10 +135,13 @@ class CausalLM:
 
         The model is built from ``config.json`` without initialising its
         weights (their memory is never touched), traced, sharded and compiled
-        as in :meth:`from_hf`. Its weights are then cut from the checkpoint's
-        safetensors files shard by shard (:mod:`tvm_distx.runtime.checkpoint`):
-        each block a rank holds is read on its own from the memory-mapped file,
-        so no process ever holds the whole model.
+        as in :meth:`from_hf`. This process then reads no weight: each rank
+        reads the blocks it holds from the checkpoint's memory-mapped
+        safetensors files itself (:mod:`tvm_distx.runtime.checkpoint`; the
+        session's bundle links them, see ``link_checkpoint`` in
+        :meth:`tvm_distx.DistExecutable.export`), so no process ever holds the
+        whole model, and the checkpoint must be at the same path on every host.
+        :meth:`export` copies the blocks into a bundle instead.
 
         Parameters
         ----------

@@ -43,6 +43,7 @@ from tvm_distx.errors import ArgumentError, LaunchError
 from tvm_distx.runtime.launcher import (_BAD_EXIT, _remove_new_segments, _segments, _stop,
                                         bind_inputs, mpiexec_path)
 from tvm_distx.runtime.rank_env import rank_environment
+from tvm_distx.signature import WORKER0
 from tvm_distx.runtime.session_worker import receive_message, send_message
 
 __all__ = ["MPISession", "RankProcess"]
@@ -303,6 +304,11 @@ class MPISession:
 
 def _check_state(signature, state: dict, keep: dict) -> None:
     """Refuse state that names no parameter, or keeps a result that does not exist."""
+    if (state or keep) and signature.feed == WORKER0:
+        raise ArgumentError(f"'{signature.name}' was lowered by TVM's LowerDistIR: rank 0 takes "
+                            "its inputs whole, so no shard kept on the ranks can feed it",
+                            hint="call it without state= and keep=, or lower it with "
+                            "tvm_distx.legalize.LowerDistIR")
     names = {p.name for p in signature.params}
     unknown = sorted(set(state) - names)
     if unknown:

@@ -90,7 +90,7 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
     from tvm_distx.bundle import check_weights, read_manifest
     from tvm_distx.errors import BundleError
     from tvm_distx.runtime import mpi_ccl
-    from tvm_distx.runtime.arrays import assemble_array, first_holder, shard_array
+    from tvm_distx.runtime.arrays import assemble_array, first_holder
     from tvm_distx.runtime.worker import _threads_per_rank
 
     _threads_per_rank(comm)
@@ -136,11 +136,13 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
                 elif spec.name in stored:
                     if spec.name not in loaded:
                         loaded[spec.name] = tvm.runtime.tensor(
-                            manifest.read_weight(rank, spec.name))
+                            manifest.read_weight(rank, spec.name)
+                            if signature.fed(spec, rank)  # else TVM's feed: a placeholder
+                            else signature.rank_input(spec, None, rank))
                     args.append(loaded[spec.name])
                 else:
                     args.append(tvm.runtime.tensor(
-                        np.ascontiguousarray(shard_array(values[spec.name], spec.sharding, rank))))
+                        signature.rank_input(spec, values.get(spec.name), rank)))
             out = vm[entry](*args)
             results = list(out) if signature.tuple_result else [out]
             held = [spec for spec in signature.results if spec.held_by(rank)]
