@@ -159,11 +159,14 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
     signatures = {gv.name_hint: FunctionSignature.from_function(gv.name_hint, func)
                   for gv, func in _ir.relax_functions(propagated)
                   if func.attrs is not None and "global_symbol" in func.attrs}
-    built = unscheduled = lowered
+    from .schedule.experts import SparseExperts
+
+    # the experts kernels run as a sparse dispatch over each rank's own experts
+    built = unscheduled = SparseExperts()(lowered)
     if schedule and resolved.schedulable:
         from .schedule import ScheduleCPU, fuse_kernels
 
-        unscheduled = fuse_kernels(lowered)
+        unscheduled = fuse_kernels(unscheduled)
         built = ScheduleCPU(resolved.target)(unscheduled)
     logger.info("building for %s", resolved.name)
     vm_exec, built = _build(built, unscheduled, resolved.target)
