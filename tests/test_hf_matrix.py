@@ -32,6 +32,7 @@ pytest.importorskip("transformers")
 import tvm_distx as td  # noqa: E402
 from tvm_distx import presets  # noqa: E402
 from tvm_distx.errors import RuleError  # noqa: E402
+from tvm_distx.moe_dispatch import experts_calls  # noqa: E402
 from tvm_distx.pipeline import run_stages  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
@@ -43,6 +44,8 @@ FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "mixtral", "qwen2_moe", "phi3",
 #: ranks and 4 emulated ones (the same rank programs, in threads): the backends are the
 #: same code for every family, and each launch costs seconds on a 2-core test machine.
 EVERY_BACKEND = ("llama", "qwen2", "mistral", "gpt2", "mixtral", "qwen2_moe")
+#: Families with a sparse MLP: planned expert parallel, with the sparse expert dispatch.
+MOE = ("mixtral", "qwen2_moe", "deepseek_v3")
 #: Families whose config ships no ``base_model_tp_plan``.
 NO_HF_PLAN = ("gpt2", "opt")
 #: Every family's token embedding is vocabulary parallel (128 rows >= 2 x 8 tokens): 1/p
@@ -127,6 +130,8 @@ def test_tensor_parallel_and_the_hf_plan_run_equal_to_transformers(family, ranks
     rows = td.comm_report(run_stages(annotated)["local_view"]).rows
     # the vocabulary-parallel embedding's lookup, then the attention's and the MLP's
     assert [r.collective for r in rows if r.collective != "local_slice"] == ["all_reduce"] * 3
+    if name in MOE:  # expert parallel, each rank computing only the pairs routed to its experts
+        assert [k.experts for _, _, k in experts_calls(annotated)] == [4], name
     with caplog.at_level(logging.WARNING, logger="tvm_distx"):
         exe = td.compile(annotated)
     # every kernel builds with our schedules (OPT's boolean causal mask once did not)
