@@ -47,7 +47,7 @@ from randprog import (HypothesisDrawer, SeededDrawer, build_module, compare, gen
 HERE = Path(__file__).parent
 
 #: Cases drawn by hypothesis on emulated ranks (the stress mode raises it).
-EMULATED_CASES = int(os.environ.get("TVM_DISTX_STRESS_CASES", "200"))
+EMULATED_CASES = int(os.environ.get("TVM_DISTX_STRESS_CASES", "120"))
 #: Seeded programs on emulated ranks besides (numpy's draws give larger programs
 #: than hypothesis', which favours small ones): chunks of seeds from SEEDED_FIRST.
 SEEDED_FIRST, SEEDED_CHUNKS, SEEDED_CHUNK = 200_000, 6, 25
