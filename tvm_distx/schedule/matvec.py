@@ -35,7 +35,8 @@ from tvm.s_tir import Schedule
 from tvm.s_tir.schedule import LoopRV
 
 from .base import (REDUCE, Block, CPUTraits, block_binding, decompose_init, first_divisor,
-                   index_positions, loop_extent, loops_over, uses_var)
+                   index_positions, loop_extent, loops_over, uses_var,
+                   vectorize_innermost)
 from .matmul import MatmulMatch, MatmulRule
 
 __all__ = ["MatvecRule"]
@@ -79,17 +80,31 @@ class MatvecRule(MatmulRule):
         return (f"MatvecRule(max_rows={self.max_rows}, rows={self.group}, unroll={self.unroll}, "
                 f"long_row={self.long_row}, interleave={self.interleave})")
 
+    #: Attention products have two batch axes (sequence, head) besides rows and columns.
+    max_spatial = 4
+
     def match(self, blocks: list[Block]) -> MatmulMatch | None:
         found = super().match(blocks)
         if found is None:
             return None
-        rhs = found.rhs
-        if index_positions(rhs.indices, found.k) != [len(rhs.indices) - 1]:
-            return None  # the weight's reduction axis is not contiguous
         extents = {iv.var: iv.dom.extent for iv in found.block.stmt.iter_vars}
         static = {var: int(e) for var, e in extents.items() if isinstance(e, tirx.IntImm)}
         if len(static) != len(extents):
             return None  # a symbolic row count (a prompt) is a matrix product
+        last = len(found.rhs.indices) - 1
+        if _columns_contiguous(found):
+            # (in, out): every row of A is its own product; only A's own axes are rows
+            rows = 1
+            for var in found.block.spatial[:-1]:
+                if not index_positions(found.rhs.indices, var):
+                    rows *= static[var]
+            if rows > self.max_rows or static[found.j] % _MIN_LANES:
+                return None
+            return found
+        if index_positions(found.rhs.indices, found.k) != [last]:
+            return None  # the weight's reduction axis is not contiguous
+        if len(found.block.spatial) > MatmulRule.max_spatial:
+            return None
         rows = 1
         for var in found.block.spatial[:-1]:
             rows *= static[var]
@@ -103,6 +118,8 @@ class MatvecRule(MatmulRule):
             sch.compute_inline(producer.rv)  # raises: the recipe is abandoned
         for producer in found.side:
             sch.compute_inline(producer.rv)
+        if _columns_contiguous(found):
+            return self._apply_columns(sch, found, cpu)
         *_, j, k = sch.get_loops(mm)
         n, depth = loop_extent(sch, j), loop_extent(sch, k)
         full = cpu.lanes(found.block.output.dtype)
@@ -146,6 +163,43 @@ class MatvecRule(MatmulRule):
             sch.parallel(jo)
         decompose_init(sch, partial)
         return sch
+
+    def _apply_columns(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits) -> Schedule:
+        """A right operand stored ``(in, out)`` (attention's ``q @ k^T`` and ``p @ v``).
+
+        Each row of it is read front to back and added, scaled by one element
+        of ``A``, into a tile of up to four vector accumulators: one stream
+        through the operand, no reduction across lanes. The other axes
+        (batch, heads, rows) and the tiles are the parallel loop.
+        """
+        mm = found.block.rv
+        *others, j, k = sch.get_loops(mm)
+        n = loop_extent(sch, j)
+        full = cpu.lanes(found.block.output.dtype)
+        lanes = first_divisor(n, [full, full // 2, full // 4, _MIN_LANES])
+        tile = first_divisor(n // lanes, [4, 2, 1])
+        jo, jt, jv = sch.split(j, [None, tile, lanes])
+        sch.reorder(*others, jo, k, jt, jv)
+        outer = sch.fuse(*others, jo) if others else jo
+        local = sch.cache_write(mm, 0, "local")
+        sch.reverse_compute_at(local, outer)
+        for consumer in found.epilogue:
+            sch.reverse_compute_at(consumer.rv, outer)
+        sch.vectorize(jv)
+        sch.unroll(jt)
+        for block in (local, *(c.rv for c in found.epilogue)):
+            vectorize_innermost(sch, block, full)
+        if cpu.cores > 1 and (loop_extent(sch, outer) or 1) > 1:
+            sch.parallel(outer)
+        decompose_init(sch, mm)
+        return sch
+
+
+def _columns_contiguous(found: MatmulMatch) -> bool:
+    """Whether the right operand is stored ``(.., in, out)``: its columns innermost."""
+    last = len(found.rhs.indices) - 1
+    return (index_positions(found.rhs.indices, found.j) == [last]
+            and index_positions(found.rhs.indices, found.k) != [last])
 
 
 def _lane_loop(sch: Schedule, block) -> LoopRV:
