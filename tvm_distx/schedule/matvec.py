@@ -206,7 +206,8 @@ def _lane_loop(sch: Schedule, block) -> LoopRV:
     """The loop over the last axis of the buffer ``block`` writes (its vector lanes)."""
     stmt = sch.get(block)
     lane = stmt.writes[0].region[-1].min
-    value = next(v for iv, v in zip(stmt.iter_vars, block_binding(sch, block)) if iv.var.same_as(lane))
+    value = next(v for iv, v in zip(stmt.iter_vars, block_binding(sch, block))
+                 if iv.var.same_as(lane))
     return next(loop for loop in sch.get_loops(block) if uses_var(value, sch.get(loop).loop_var))
 
 
