@@ -31,7 +31,10 @@ logger = logging.getLogger(__name__)
 
 def measure_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: float = 120.0,
                     save: str | Path | None = None) -> CostProfile:
-    """Measure flops, bandwidth and message latency.
+    """Measure the kernels' rates and call cost, the bandwidth and the message latency.
+
+    Each number is the median of repeated bursts (the typical cost on the host
+    as it is); the slowest rank's counts.
 
     Parameters
     ----------
