@@ -23,6 +23,13 @@ all-reduce and the slice after it become one reduce-scatter, which receives
 half the bytes of the all-reduce. Other all-reduces stay, and
 :class:`~tvm_distx.legalize.LowerDistIR` lowers them.
 
+With ``tvm_forms=True`` a local slice on a one-axis mesh of all the module's
+devices is written as TVM's ``R.dist.redistribute_replica_to_shard`` instead,
+the form TVM's ``LowerDistIR`` understands (it leaves our packed call typed as
+a DTensor, which then fails to build). Use it when TVM's ``LowerDistIR``
+follows; our :class:`~tvm_distx.legalize.LowerDistIR` lowers either form to
+the same local slice.
+
 The group is a :class:`~tvm_distx.ccl.CollectiveGroup` along the step's mesh
 axis, so on an N-D mesh every collective runs among the ranks of one mesh axis
 only. A move between two meshes (pipeline stages) is one send/recv whose spec
@@ -72,9 +79,10 @@ RUNTIME_FUNCTIONS = {
 @mutator
 class _Legalizer(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, function: str,
-                 folds: dict[relax.Var, relax.Var]) -> None:
+                 folds: dict[relax.Var, relax.Var], tvm_world: int | None = None) -> None:
         super().__init__(mod)
         self.function = function
+        self.tvm_world = tvm_world  # device count when local slices take TVM's form
         self.bound: dict[relax.Var, relax.Expr] = {}
         self.folds = folds  # all-reduce var -> the redistribute that completes it
 
@@ -148,6 +156,10 @@ class _Legalizer(PyExprMutator):
         # a partial sum left on another axis is typed completed, as TVM types it
         out_ty = DTensorType(var.ty.tensor_ty, var.ty.device_mesh,
                              completed(step.dst.placement).to_tvm())
+        if step.collective is Collective.LOCAL_SLICE and self._tvm_can_slice(mesh):
+            call = relax.op.distributed.redistribute_replica_to_shard(
+                value, num_workers=mesh.size, axis=step.tensor_axes[0])
+            return self.builder_.emit(call, name_hint=f"{var.name}_local_slice")
         if step.collective is Collective.SEND_RECV:
             spec = ccl.SendRecvSpec(_ir.static_shape(var.ty), step.src, step.dst)
             args = [value, relax.ShapeExpr(spec.encode())]
@@ -165,6 +177,11 @@ class _Legalizer(PyExprMutator):
                            relax.Tuple(args)],
                           ty_args=[out_ty])
         return self.builder_.emit(call, name_hint=f"{var.name}_{step.collective.name.lower()}")
+
+    def _tvm_can_slice(self, mesh) -> bool:
+        """Whether TVM's replica-to-shard (which slices over every worker) says this slice."""
+        return (self.tvm_world is not None and len(mesh.shape) == 1
+                and mesh.device_range == range(self.tvm_world))
 
 
 def _plan_with_symbolic_extents(src: TensorSharding, dst: TensorSharding, shape, dtype):
@@ -190,13 +207,27 @@ def _plan_with_symbolic_extents(src: TensorSharding, dst: TensorSharding, shape,
 
 @module_pass(name="tvm_distx.LegalizeRedistribute")
 class LegalizeRedistribute:
-    """Replace every ``R.dist.redistribute`` by the planned collective calls."""
+    """Replace every ``R.dist.redistribute`` by the planned collective calls.
+
+    Parameters
+    ----------
+    tvm_forms : bool
+        Write a local slice on a one-axis mesh of all the module's devices as
+        TVM's ``R.dist.redistribute_replica_to_shard``, for TVM's
+        ``LowerDistIR`` to follow (see the module documentation).
+    """
+
+    def __init__(self, *, tvm_forms: bool = False) -> None:
+        self.tvm_forms = tvm_forms
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        from .lower_distir import module_devices
+
+        world = len(module_devices(mod)) if self.tvm_forms else None
         out = mod.clone()
         for gv, func in mod.functions.items():
             if isinstance(func, relax.Function) and _has_redistribute(func):
-                legalizer = _Legalizer(mod, gv.name_hint, fold_targets(func))
+                legalizer = _Legalizer(mod, gv.name_hint, fold_targets(func), world)
                 out[gv] = legalizer.visit_expr(func)
         return out
 

@@ -59,7 +59,7 @@ from .partial_sums import partial_sum
 from .split_extents import drop_extents_param
 
 __all__ = ["LowerDistIR", "CollectiveGroup", "ENTRIES_ATTR", "local_type", "rank_entry",
-           "module_devices", "function_meshes", "rank_sets"]
+           "fed_from_worker0", "module_devices", "function_meshes", "rank_sets"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,50 @@ def rank_entry(mod: tvm.IRModule, function: str, device: int) -> str | None:
     if device >= len(row) or not row[device]:
         return None
     return str(row[device])
+
+
+#: What TVM's ``LowerDistIR`` feeds each parameter through at entry (never emitted by ours).
+_FROM_WORKER0 = ("relax.ccl.broadcast_from_worker0", "relax.ccl.scatter_from_worker0",
+                 ccl.DISCO_PREFIX + "broadcast_from_worker0",
+                 ccl.DISCO_PREFIX + "scatter_from_worker0")
+
+
+def fed_from_worker0(mod: tvm.IRModule, function: str) -> bool:
+    """Whether a lowered public function takes its inputs whole on worker 0, as TVM lowers.
+
+    TVM's ``LowerDistIR`` keeps every parameter's global type and broadcasts
+    or scatters it from worker 0 at entry (the ``"worker0"`` feed of
+    :mod:`tvm_distx.signature`); ours takes each rank's shard. The sign is a
+    parameter (or a field of one) passed straight to
+    ``R.ccl.broadcast_from_worker0`` or ``R.ccl.scatter_from_worker0`` (or
+    to their ``runtime.disco.*`` packed forms).
+    """
+    gv = next((g for g in mod.functions if g.name_hint == function), None)
+    func = mod[gv] if gv is not None else None
+    if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+        return False
+    params = set(func.params)
+
+    def is_param(arg) -> bool:
+        if isinstance(arg, relax.TupleGetItem):
+            arg = arg.tuple_value
+        return isinstance(arg, relax.Var) and arg in params
+
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            call = binding.value
+            if not isinstance(call, relax.Call) or not call.args:
+                continue
+            op = call.op
+            name = (op.name if isinstance(op, tvm.ir.Op) else
+                    str(op.global_symbol) if isinstance(op, relax.ExternFunc) else None)
+            if name == "relax.call_dps_packed" and isinstance(call.args[0], relax.ExternFunc):
+                name, args = str(call.args[0].global_symbol), list(call.args[1].fields)
+            else:
+                args = list(call.args)
+            if name in _FROM_WORKER0 and args and is_param(args[0]):
+                return True
+    return False
 
 
 @module_pass(name="tvm_distx.LowerDistIR")

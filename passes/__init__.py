@@ -6,6 +6,8 @@
 - :class:`SplitFusedProjections` gives each segment of a fused projection
   (q|k|v, gate|up) its own weight parameter, recording how it is cut from the
   user's weight (:func:`derivations_of`).
+- :class:`VocabParallelEmbedding` writes the lookups of a vocabulary-split
+  embedding table as masked, offset lookups summed over the ranks.
 
 Propagation reads each call's signature (:mod:`.op_signatures`) from the
 rules of :mod:`.relax_op_rules` and :mod:`.tir_access`, registered on import
@@ -16,6 +18,7 @@ from . import dist_type_rules, relax_op_rules, tir_access  # noqa: F401 - regist
 from .annotate_sharding import AnnotateSharding
 from .propagate_sharding import PropagateSharding, propagate
 from .split_fused import SplitFusedProjections, derivations_of
+from .vocab_parallel import VocabParallelEmbedding, vocab_lookups
 
-__all__ = ["AnnotateSharding", "PropagateSharding", "SplitFusedProjections", "derivations_of",
-           "propagate"]
+__all__ = ["AnnotateSharding", "PropagateSharding", "SplitFusedProjections",
+           "VocabParallelEmbedding", "derivations_of", "propagate", "vocab_lookups"]

@@ -11,6 +11,8 @@ import pytest
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
+from safetensors.numpy import load_file, save_file
+
 from tvm_distx.bundle import check_weights, read_manifest, sha256_file
 from tvm_distx.cli import main as cli
 from tvm_distx.passes import AnnotateSharding
@@ -70,7 +72,7 @@ def test_the_pipeline_runs_each_stage_program_on_its_ranks():
 def test_manifest_lists_meshes_groups_collectives_and_each_ranks_weight_shard(bundle, data):
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert (manifest["format"], manifest["version"], manifest["num_ranks"]) == (
-        "tvm-distx-bundle", 1, 2)
+        "tvm-distx-bundle", 2, 2)
     assert manifest["meshes"] == [{"name": "mesh[0]", "shape": [2], "devices": [0, 1]}]
     assert manifest["ranks"] == [{"rank": 0, "coordinates": {"mesh[0]": [0]}},
                                  {"rank": 1, "coordinates": {"mesh[0]": [1]}}]
@@ -81,13 +83,20 @@ def test_manifest_lists_meshes_groups_collectives_and_each_ranks_weight_shard(bu
     assert [(p["name"], p["placement"]) for p in main["params"]] == [
         ("x", "R"), ("A", "S[1]"), ("B", "S[0]")]
     _, A, B = data
-    files = {(w["rank"], w["name"]): w for w in manifest["weight_files"]}
-    assert sorted(files) == [(0, "A"), (0, "B"), (1, "A"), (1, "B")]
-    # each rank's file holds only its shard: A's columns, B's rows
-    np.testing.assert_array_equal(np.load(bundle / files[1, "A"]["file"]), A[:, 64:])
-    np.testing.assert_array_equal(np.load(bundle / files[0, "B"]["file"]), B[:64])
-    assert files[1, "A"]["shape"] == [128, 64]
-    assert files[1, "A"]["sha256"] == sha256_file(bundle / files[1, "A"]["file"])
+    # one safetensors file per rank, holding only its shards: A's columns, B's rows
+    files = {f["rank"]: f for f in manifest["weight_files"]}
+    assert [files[r]["file"] for r in (0, 1)] == ["weights/rank0.safetensors",
+                                                  "weights/rank1.safetensors"]
+    assert files[1]["weights"] == [{"name": "A", "shape": [128, 64], "dtype": "float32"},
+                                   {"name": "B", "shape": [64, 128], "dtype": "float32"}]
+    rank0, rank1 = (load_file(bundle / files[r]["file"]) for r in (0, 1))
+    np.testing.assert_array_equal(rank1["A"], A[:, 64:])
+    np.testing.assert_array_equal(rank0["B"], B[:64])
+    assert files[1]["sha256"] == sha256_file(bundle / files[1]["file"])
+    # a rank reads its shards memory-mapped, not copied
+    mapped = read_manifest(bundle).read_weight(1, "A")
+    assert isinstance(mapped.base, np.memmap) or isinstance(mapped, np.memmap)
+    np.testing.assert_array_equal(mapped, A[:, 64:])
     check_weights(read_manifest(bundle))
 
 
@@ -116,26 +125,56 @@ def test_a_broken_manifest_is_refused(bundle, damage, message):
 
 
 def test_a_tampered_missing_or_misshapen_weight_is_refused_before_any_rank_runs(bundle):
-    path = bundle / "weights" / "rank1" / "A.npy"
+    path = bundle / "weights" / "rank1.safetensors"
     original = path.read_bytes()
-    np.save(path, np.ones((128, 64), "float32"))
+    shards = load_file(path)
+    save_file({**shards, "A": np.ones((128, 64), "float32")}, path)
     with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* does not match its sha256"):
         check_weights(read_manifest(bundle))
     path.write_bytes(original)
     check_weights(read_manifest(bundle))
     # the manifest and the file agree, but not with the program's local shape
-    np.save(path, np.ones((128, 32), "float32"))
+    save_file({**shards, "A": np.ones((128, 32), "float32")}, path)
 
     def reshape(d):
-        entry = [w for w in d["weight_files"] if (w["rank"], w["name"]) == (1, "A")][0]
-        entry["shape"], entry["sha256"] = [128, 32], sha256_file(path)
+        entry = [f for f in d["weight_files"] if f["rank"] == 1][0]
+        entry["sha256"] = sha256_file(path)
+        entry["weights"][0]["shape"] = [128, 32]
 
     edit_manifest(bundle, reshape)
     with pytest.raises(td.BundleError, match="local shape \\[128, 64\\] on rank 1"):
         check_weights(read_manifest(bundle))
+    # a file that is no safetensors file, with its sha256 recorded
+    path.write_bytes(b"\xff" * 64)
+    edit_manifest(bundle, lambda d: d["weight_files"][1].update(sha256=sha256_file(path)))
+    with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* is not a valid safetensors"):
+        check_weights(read_manifest(bundle))
     path.unlink()
     with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* is missing"):
         launch(bundle, [np.zeros((128, 128), "float32")])
+
+
+def test_a_bundle_can_link_a_checkpoint_that_each_rank_reads_itself(exe, data, tmp_path):
+    from tvm_distx.runtime.checkpoint import open_checkpoint
+
+    x, A, B = data
+    save_file({"A": A, "B": B}, tmp_path / "model.safetensors")
+    bundle = exe.export(tmp_path / "linked", params=open_checkpoint(tmp_path),
+                        link_checkpoint=True)
+    manifest = read_manifest(bundle)
+    assert manifest.weight_files == () and [
+        (link.rank, link.name, link.start, link.stop) for link in manifest.weight_links] == [
+        (0, "A", (0, 0), (128, 64)), (0, "B", (0, 0), (64, 128)),
+        (1, "A", (0, 64), (128, 128)), (1, "B", (64, 0), (128, 128))]
+    np.testing.assert_allclose(launch(bundle, [x], backend="disco"), mlp_twice(x, A, B),
+                               atol=1e-5)
+    # a block the checkpoint no longer has, and a checkpoint gone
+    save_file({"A": A[:, :96], "B": B}, tmp_path / "model.safetensors")
+    with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* has no block"):
+        check_weights(read_manifest(bundle))
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(td.BundleError, match="(?s)checkpoint file is missing.*same path on every"):
+        launch(bundle, [x])
 
 
 @pytest.mark.parametrize("damage,message", [

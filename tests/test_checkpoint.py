@@ -64,7 +64,7 @@ def saved_llama(tmp_path_factory):
     return model, directory
 
 
-def test_from_pretrained_generates_transformers_tokens_reading_one_shard_at_a_time(
+def test_from_pretrained_generates_transformers_tokens_each_rank_reading_its_own_blocks(
         saved_llama, monkeypatch):
     from tvm_distx.llm import CausalLM
 
@@ -81,18 +81,31 @@ def test_from_pretrained_generates_transformers_tokens_reading_one_shard_at_a_ti
     want = model.generate(torch.from_numpy(prompt), max_new_tokens=16, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0].tolist()
     with CausalLM.from_pretrained(directory, num_ranks=2, max_length=24) as lm:
+        manifest = lm.session.manifest
         out = lm.generate(prompt, max_new_tokens=16)
     assert out[0].tolist() == want
-    # every read is one rank's block: a split weight is never read whole
+    # this process read no weight: each rank reads its own blocks from the checkpoint
+    assert reads == []
+    assert manifest.weight_files == () and not (manifest.root / "weights").exists()
     shapes = {k: v.shape for k, v in open_checkpoint(directory).items()}
-    split = {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
-             "model.layers.0.mlp.gate_proj.weight"}
+    links = {(link.rank, link.tensor): link for link in manifest.weight_links}
+    q = "model.layers.0.self_attn.q_proj.weight"  # (out, in), its rows split over 2 ranks
+    rows = shapes[q][0]
+    assert [(links[r, q].start, links[r, q].stop) for r in (0, 1)] == [
+        ((0, 0), (rows // 2, shapes[q][1])), ((rows // 2, 0), (rows, shapes[q][1]))]
+    for link in manifest.weight_links:
+        assert link.checkpoint.startswith(str(directory.resolve())) and link.tensor in shapes
+    # an exported bundle is self-contained: the shards are copied, one read per rank's block
+    with CausalLM.from_pretrained(directory, num_ranks=2, max_length=24) as lm:
+        bundle = lm.export(directory.parent / "bundle")
     for key, bounds in reads:
-        if key in split:
-            whole = tuple((0, d) for d in shapes[key])
-            assert bounds != whole, key
-    assert split <= {key for key, _ in reads}
+        assert bounds != tuple((0, d) for d in shapes[key]) or key not in {
+            q, "model.layers.1.mlp.down_proj.weight", "model.layers.0.mlp.gate_proj.weight"}
     assert {key for key, _ in reads} <= set(shapes)
+    assert sorted(p.name for p in (bundle / "weights").iterdir()) == [
+        "rank0.safetensors", "rank1.safetensors"]
+    with CausalLM.from_bundle(bundle) as lm:
+        assert lm.generate(prompt, max_new_tokens=16)[0].tolist() == want
 
 
 def test_from_pretrained_refuses_a_checkpoint_that_lacks_a_weight(saved_llama, tmp_path):

@@ -5,10 +5,13 @@ run on MPI (and on disco with 2 ranks; the later families on 2 MPI ranks and 4
 emulated ones, see :data:`EVERY_BACKEND`); ``presets.from_hf(model)`` must give the
 same annotated module on 2 and 4 ranks where transformers ships a plan (GPT-2
 and OPT ship none, and ``from_hf`` says so; on 4 ranks both keep the 2 key/value
-heads whole, where transformers' own plan would split them, and both keep an LM
-head tied to the embedding whole). Each compile is also checked for its
-collectives: one all-reduce per attention block and one per MLP or MoE layer,
-nothing else. The maximum errors are recorded as test properties
+heads whole, where transformers' own plan would split them). Token embeddings
+are vocabulary parallel in both (transformers' implicit ``embed_tokens:
+embedding_rowwise``); a table tied to the LM head is split on the vocabulary
+once, for its lookups and the head.
+Each compile is also checked for its collectives: one all-reduce per attention
+block and one per MLP or MoE layer, one for the embedding's lookup, nothing
+else. The maximum errors are recorded as test properties
 (``--junitxml``) for the README's table.
 """
 
@@ -29,6 +32,7 @@ pytest.importorskip("transformers")
 import tvm_distx as td  # noqa: E402
 from tvm_distx import presets  # noqa: E402
 from tvm_distx.errors import RuleError  # noqa: E402
+from tvm_distx.moe_dispatch import experts_calls  # noqa: E402
 from tvm_distx.pipeline import run_stages  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
@@ -40,17 +44,23 @@ FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "mixtral", "qwen2_moe", "phi3",
 #: ranks and 4 emulated ones (the same rank programs, in threads): the backends are the
 #: same code for every family, and each launch costs seconds on a 2-core test machine.
 EVERY_BACKEND = ("llama", "qwen2", "mistral", "gpt2", "mixtral", "qwen2_moe")
+#: Families with a sparse MLP: planned expert parallel, with the sparse expert dispatch.
+MOE = ("mixtral", "qwen2_moe", "deepseek_v3")
 #: Families whose config ships no ``base_model_tp_plan``.
 NO_HF_PLAN = ("gpt2", "opt")
+#: Every family's token embedding is vocabulary parallel (128 rows >= 2 x 8 tokens): 1/p
+#: of the table per rank, and one all-reduce more, of the lookup. GPT-2, Gemma and OPT tie
+#: it to the LM head: the one table is split on the vocabulary for both.
 
 
 #: Weights every rank holds whole by design, per family (globs over parameter names),
-#: beside vectors (norms, row-parallel biases) and embeddings, which every family has.
+#: beside vectors (norms, row-parallel biases) and position tables.
 _WHOLE = {
-    # tied LM heads: the table is also the token embedding
-    "gpt2": ("*lm_head_weight", "*wte_weight", "*wpe_weight"),
-    "gemma": ("*lm_head_weight",),
-    "opt": ("*lm_head_weight",),
+    # the import's copy of a table tied to the LM head, which the program never reads
+    # (the lookups and the head read the head's weight, split on the vocabulary)
+    "gpt2": ("*wte_weight",),
+    "gemma": ("*embed_tokens_weight",),
+    "opt": ("*embed_tokens_weight",),
     # routers, and Qwen2-MoE's one-output shared-expert gate
     "mixtral": ("*mlp_gate_weight",),
     "qwen2_moe": ("*mlp_gate_weight", "*shared_expert_gate_weight"),
@@ -69,7 +79,8 @@ for _name in ("qwen2", "mistral", "mixtral", "qwen2_moe", "gemma", "qwen3"):
 def _replicated_by_design(name: str, value: np.ndarray, family: str, ranks: int) -> bool:
     """Whether every rank holds ``name`` whole by design (see :data:`_WHOLE`)."""
     globs = _WHOLE.get(family, ()) + (_WHOLE_ON_4.get(family, ()) if ranks == 4 else ())
-    return value.ndim == 1 or "embed" in name or any(fnmatch(name, g) for g in globs)
+    return value.ndim == 1 or "wpe" in name or "position" in name \
+        or any(fnmatch(name, g) for g in globs)
 
 
 def _check_weight_bytes(family, exe, weights, ranks):
@@ -105,7 +116,7 @@ def test_tensor_parallel_and_the_hf_plan_run_equal_to_transformers(family, ranks
     if name in NO_HF_PLAN:
         with pytest.raises(RuleError, match="no base_model_tp_plan"):
             presets.from_hf(model)
-    else:  # on 4 ranks both keep the 2 key/value heads whole; both keep tied heads whole
+    else:  # on 4 ranks both keep the 2 key/value heads whole; both split a tied table once
         hf_plan = presets.from_hf(model)
         if name == "qwen2_moe":  # transformers' plan leaves the shared expert whole; ours splits it
             hf_plan = hf_plan.override({"*shared_expert_gate_proj_weight": "S[0]",
@@ -117,7 +128,10 @@ def test_tensor_parallel_and_the_hf_plan_run_equal_to_transformers(family, ranks
                                         "*self_attn_o_proj_weight": "S[1]"})
         tvm.ir.assert_structural_equal(hf_plan.apply(meshed), annotated)
     rows = td.comm_report(run_stages(annotated)["local_view"]).rows
-    assert [r.collective for r in rows if r.collective != "local_slice"] == ["all_reduce"] * 2
+    # the vocabulary-parallel embedding's lookup, then the attention's and the MLP's
+    assert [r.collective for r in rows if r.collective != "local_slice"] == ["all_reduce"] * 3
+    if name in MOE:  # expert parallel, each rank computing only the pairs routed to its experts
+        assert [k.experts for _, _, k in experts_calls(annotated)] == [4], name
     with caplog.at_level(logging.WARNING, logger="tvm_distx"):
         exe = td.compile(annotated)
     # every kernel builds with our schedules (OPT's boolean causal mask once did not)

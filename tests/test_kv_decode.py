@@ -185,13 +185,17 @@ def test_the_cache_is_split_by_heads_one_pth_per_rank(case, ranks, request):
     assert all(prefill[s.name].sharding == s.sharding for s in _cache_specs(exe, cache))
 
 
-@pytest.mark.parametrize("case, blocks", [("llama2", 4), ("gpt2_2", 4), ("gpt2_4", 4)])
-def test_decode_moves_only_one_all_reduce_per_block(case, blocks, request):
+@pytest.mark.parametrize("case, blocks, lookups", [("llama2", 4, 1), ("gpt2_2", 4, 2),
+                                                    ("gpt2_4", 4, 2)])
+def test_decode_moves_only_one_all_reduce_per_block(case, blocks, lookups, request):
     case = request.getfixturevalue(case)
-    # two layers: one attention block and one MLP each; the logits are split on the
-    # vocabulary (llama) or whole (GPT-2's tied head), gathered when the result is assembled
-    assert _collectives(case["annotated"], "decode") == ["all_reduce"] * blocks
-    assert _collectives(case["annotated"], "prefill") == ["all_reduce"] * blocks
+    # two layers: one attention block and one MLP each, after the embeddings' lookups, split
+    # on their rows (GPT-2's token table with its tied head, and its position table, whose
+    # positions are an input here): one all-reduce each in the prefill; in the decode step
+    # GPT-2's two partial sums are added before one all-reduce completes both. The logits
+    # are split on the vocabulary, gathered when the result is assembled
+    assert _collectives(case["annotated"], "decode") == ["all_reduce"] * (blocks + 1)
+    assert _collectives(case["annotated"], "prefill") == ["all_reduce"] * (blocks + lookups)
 
 
 def test_fewer_kv_heads_than_ranks_keep_the_cache_whole_where_kv_projections_are_whole(llama2):
@@ -207,7 +211,7 @@ def test_fewer_kv_heads_than_ranks_keep_the_cache_whole_where_kv_projections_are
         assert specs[name].local_shape == shape
     rows = td.comm_report(stages["local_view"]).rows
     assert [r.collective for r in rows if r.function == "decode" and
-            r.collective != "local_slice"] == ["all_reduce"] * 4
+            r.collective != "local_slice"] == ["all_reduce"] * 5  # the lookup's, then 4 blocks
 
 
 # --------------------------------------------------------------------------- errors

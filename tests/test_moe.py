@@ -217,6 +217,11 @@ def test_the_comparison_prefers_expert_parallel(mixtral_block):
     assert [r.collective for r in tensor] == ["all_reduce"]
     assert comparison.tensor.total_bytes_per_rank == 4 * comparison.expert.total_bytes_per_rank
     assert "<- chosen" in str(comparison).splitlines()[1]
+    # expert-MLP work per token and rank: the sparse dispatch runs k / p = 1 expert MLP
+    # (6 H I flops), the masked dense dispatch of the tensor plan E / p = 2
+    assert comparison.expert_flops == 6 * HIDDEN * 96
+    assert comparison.tensor_flops == 2 * 6 * HIDDEN * 96
+    assert f"{6 * HIDDEN * 96:,}" in str(comparison).splitlines()[1]
     assert moe.moe_parallel(meshed).strategy == "expert"
     # the plan not chosen is correct too, from the fused weights as imported
     _, weights, x, want = mixtral_block

@@ -207,8 +207,8 @@ def test_a_failing_rank_stops_the_job_names_the_rank_and_leaves_nothing(
 
 
 def test_a_missing_weight_shard_is_refused_before_any_rank_starts(bundle, weights):
-    (bundle / "weights" / "rank1" / "B.npy").unlink()
+    (bundle / "weights" / "rank1.safetensors").unlink()
     before = leftovers()
-    with pytest.raises(td.BundleError, match="weight 'B' of rank 1 .* is missing"):
+    with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* is missing"):
         launch(bundle, [weights[0]])
     assert leftovers() == before

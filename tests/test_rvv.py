@@ -51,9 +51,8 @@ def test_the_bundle_is_cross_linked_for_riscv_with_weights_manifest_readme_and_l
     manifest = json.loads((tp_bundle / "manifest.json").read_text())
     assert manifest["target"]["name"] == "rvv"
     assert "+v" in manifest["target"]["target"]["mattr"]
-    assert sorted(w["file"] for w in manifest["weight_files"]) == [
-        "weights/rank0/A.npy", "weights/rank0/B.npy", "weights/rank1/A.npy",
-        "weights/rank1/B.npy"]
+    assert [(f["file"], [w["name"] for w in f["weights"]]) for f in manifest["weight_files"]] \
+        == [("weights/rank0.safetensors", ["A", "B"]), ("weights/rank1.safetensors", ["A", "B"])]
     assert "kernels/" in (tp_bundle / "README.md").read_text()
     assert os.access(tp_bundle / "run.sh", os.X_OK)
 

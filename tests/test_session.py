@@ -127,10 +127,8 @@ def test_an_exception_in_the_caller_stops_the_ranks(tensor_parallel):
     assert _gone(pids)
 
 
-def test_sessions_run_on_mpi_only(tensor_parallel):
-    exe, _ = tensor_parallel
-    with pytest.raises(td.ArgumentError, match="a session runs on MPI ranks"):
-        exe.session(backend="emulate")
+def test_a_session_needs_the_programs_rank_count(tensor_parallel):
+    exe, _ = tensor_parallel  # disco and emulated sessions: tests/test_session_backends.py
     with pytest.raises(td.ArgumentError, match="needs 2 ranks, not 4"):
         exe.session(4)
 

@@ -352,7 +352,7 @@ def test_a_bundle_takes_the_fused_weight_at_export_and_at_launch(gated_mlp, tmp_
     stored = exe.export(tmp_path / "stored", params=weights)
     manifest = read_manifest(stored)
     assert "p_gate_up_weight_seg1" in manifest.weights["main"]
-    rank1 = np.load(stored / "weights" / "rank1" / "p_gate_up_weight_seg1.npy")
+    rank1 = manifest.read_weight(1, "p_gate_up_weight_seg1")
     # rank 1's half of the up segment: rows 48 + 24 .. 96 of the user's weight
     np.testing.assert_array_equal(rank1, weights["p_gate_up_weight"][72:96])
     np.testing.assert_allclose(launch(stored, [x], backend="disco"), want, atol=1e-5)

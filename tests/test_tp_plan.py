@@ -65,13 +65,14 @@ def test_llama_gets_megatron_placements_from_its_structure(llama):
         for name in ("self_attn_o_proj", "mlp_down_proj"):
             want[f"{prefix}{name}_weight"] = "S[1]"  # input features split
     want["p_lm_head_weight"] = "S[0]"
+    want["p_model_embed_tokens_weight"] = "S[0]"  # untied, 128 rows >= 2 x 8 tokens: vocab
     assert plan.placements() == want
     assert [(b.kind, b.row) for b in plan.blocks] == [
         ("attention", "p_model_layers_0_self_attn_o_proj_weight"),
         ("mlp", "p_model_layers_0_mlp_down_proj_weight"),
         ("attention", "p_model_layers_1_self_attn_o_proj_weight"),
         ("mlp", "p_model_layers_1_mlp_down_proj_weight")]
-    assert plan.role("p_model_embed_tokens_weight") is None  # not a linear: replicated
+    assert plan.role("p_model_embed_tokens_weight").role == "vocab"
     assert "4 blocks" in str(plan) and "lm_head" in str(plan)
 
 
@@ -126,14 +127,15 @@ def test_overrides_win(llama):
 def test_llama_runs_with_ideal_collectives_and_a_pth_of_the_weights(llama, ranks):
     model, mod, weights = llama
     annotated = presets.tensor_parallel().apply(presets.with_meshes(mod, [(ranks,)]))
-    assert _collectives(annotated) == ["all_reduce"] * 4  # one per attention, one per MLP
+    # the embedding's lookup, then one per attention and one per MLP
+    assert _collectives(annotated) == ["all_reduce"] * 5
     exe = td.compile(annotated)
     ids = tokens(8, seed=ranks)
     np.testing.assert_allclose(exe.run(ids, params=weights, backend="mpi"), logits(model, ids),
                                atol=1e-4, rtol=0)
-    # replicated by design: the embedding, the norms, and (4 ranks) the 2 KV heads
+    # replicated by design: the norms, and (4 ranks) the 2 KV heads; the embedding is split
     def whole(name):
-        return ("embed" in name or "norm" in name
+        return ("norm" in name
                 or (ranks == 4 and ("k_proj" in name or "v_proj" in name)))
 
     replicated = sum(v.nbytes for n, v in weights.items() if whole(n))
@@ -146,24 +148,25 @@ def test_other_llama_families_run_tensor_parallel(family):
     model = build(family, layers=1)
     mod, weights = _import(model, tokens(8))
     annotated = presets.tensor_parallel().apply(presets.with_meshes(mod, [(2,)]))
-    assert _collectives(annotated) == ["all_reduce"] * 2
+    assert _collectives(annotated) == ["all_reduce"] * 3  # with the embedding's
     ids = tokens(8, seed=7)
     backend = "disco" if family == "mistral" else "mpi"
     np.testing.assert_allclose(td.compile(annotated).run(ids, params=weights, backend=backend),
                                logits(model, ids), atol=1e-4, rtol=0)
 
 
-def test_gpt2_fused_qkv_is_split_per_segment_and_its_tied_head_kept_whole():
+def test_gpt2_fused_qkv_is_split_per_segment_and_its_tied_head_split_with_its_lookups():
     model = build("gpt2", layers=1)
     mod, weights = _import(model, tokens(8))
     preset = presets.tensor_parallel()
     plan = preset.plan(preset.prepare(presets.with_meshes(mod, [(2,)])))
-    head = plan.role("p_lm_head_weight")
-    assert head.role == "replicated" and "tied" in head.reason
+    head = plan.role("p_lm_head_weight")  # also the token embedding: one table, vocab split
+    assert head.role == "lm_head" and head.axis == 0 and head.lookup and "tied" in head.reason
+    assert plan.role("p_transformer_wpe_weight").role == "replicated"  # positions
     segments = [n for n, p in plan.placements().items() if "c_attn_weight_seg" in n]
     assert len(segments) == 3 and {plan.placements()[n] for n in segments} == {"S[1]"}
     annotated = preset.apply(presets.with_meshes(mod, [(2,)]))
-    assert _collectives(annotated) == ["all_reduce"] * 2
+    assert _collectives(annotated) == ["all_reduce"] * 3  # the lookup's, attention's, MLP's
     ids = tokens(8, seed=8)
     np.testing.assert_allclose(td.compile(annotated).run(ids, params=weights, backend="mpi"),
                                logits(model, ids), atol=1e-4, rtol=0)
@@ -178,7 +181,8 @@ def test_a_reference_llama_and_a_home_made_block_get_the_same_structure():
         "p_layers_0_attention_wq_weight": "S[0]", "p_layers_0_attention_wk_weight": "S[0]",
         "p_layers_0_attention_wv_weight": "S[0]", "p_layers_0_attention_wo_weight": "S[1]",
         "p_layers_0_feed_forward_w1_weight": "S[0]", "p_layers_0_feed_forward_w3_weight": "S[0]",
-        "p_layers_0_feed_forward_w2_weight": "S[1]", "p_output_weight": "S[0]"}
+        "p_layers_0_feed_forward_w2_weight": "S[1]", "p_output_weight": "S[0]",
+        "p_tok_embeddings_weight": "S[0]"}
     block = Transformer(layers=1).eval()
     x = torch.randn(2, 16, 256)
     mod, weights = _import(block, x)
@@ -195,7 +199,8 @@ def test_mixtral_gets_experts_split_by_the_moe_plan():
     model = build("mixtral", layers=1)
     mod, weights = _import(model, tokens(8))
     annotated = presets.tensor_parallel().apply(presets.with_meshes(mod, [(2,)]))
-    assert _collectives(annotated) == ["all_reduce"] * 2  # the attention's and the experts'
+    # the embedding's, the attention's and the experts'
+    assert _collectives(annotated) == ["all_reduce"] * 3
     ids = tokens(8, seed=9)
     np.testing.assert_allclose(td.compile(annotated).run(ids, params=weights, backend="mpi"),
                                logits(model, ids), atol=1e-4, rtol=0)
@@ -204,7 +209,8 @@ def test_mixtral_gets_experts_split_by_the_moe_plan():
 def test_the_summary_counts_collectives_against_the_ideal(llama):
     _, mod, _ = llama
     text = presets.tensor_parallel().summary(presets.with_meshes(mod, [(2,)]))
-    assert "collectives: 4 all-reduce for 4 split blocks (ideal: one each)" in text
+    assert ("collectives: 5 all-reduce for 4 split blocks and 1 vocabulary-parallel "
+            "embedding(s) (ideal: one each)") in text
     assert "extra:" not in text
 
 
@@ -220,16 +226,20 @@ def test_the_summary_shows_what_an_even_split_of_fused_qkv_costs():
 
 def test_the_per_layer_summary_places_weights_and_collectives_in_their_layers(llama):
     """Llama, 2 layers: each layer splits its own q/k/v/o and gate/up/down and runs two
-    all-reduces, the ideal; the LM head is its own row."""
+    all-reduces, the ideal, and the first also the embedding's lookup (split on its
+    vocabulary, one all-reduce); the LM head is its own row."""
     _, mod, _ = llama
     summary = presets.tensor_parallel().layers(presets.with_meshes(mod, [(2,)]))
     assert [layer.name for layer in summary.layers] == ["layer 0", "layer 1", "head"]
-    assert summary.ideal and [layer.all_reduces for layer in summary.layers] == [2, 2, 0]
-    assert [layer.ideal for layer in summary.layers] == [2, 2, 0]
+    assert summary.ideal and [layer.all_reduces for layer in summary.layers] == [3, 2, 0]
+    assert [layer.ideal for layer in summary.layers] == [3, 2, 0]
     for index, layer in enumerate(summary.layers[:2]):
-        split = {name: placement for name, placement, _ in layer.split}
+        split = {name: placement for name, placement, _ in layer.split
+                 if name != "p_model_embed_tokens_weight"}
         assert len(split) == 7 and all(f"layers_{index}_" in name for name in split)
         assert split[f"p_model_layers_{index}_mlp_down_proj_weight"] == "S[1]"
+    assert ("p_model_embed_tokens_weight", "S[0]") in \
+        [(name, placement) for name, placement, _ in summary.layers[0].split]
     assert [name for name, _, _ in summary.layers[2].split] == ["p_lm_head_weight"]
     assert "layer 1: 2 all-reduce(s), ideal 2 (ideal)" in str(summary)
 
@@ -251,6 +261,6 @@ def test_a_moe_layer_counts_one_all_reduce_with_its_attention():
     model = build("mixtral", layers=2)
     mod, _ = _import(model, tokens(8))
     summary = presets.tensor_parallel().layers(presets.with_meshes(mod, [(2,)]))
-    assert summary.ideal and [layer.ideal for layer in summary.layers] == [2, 2, 0]
+    assert summary.ideal and [layer.ideal for layer in summary.layers] == [3, 2, 0]
     experts = [name for name, _, reason in summary.layers[1].split if "experts" in reason]
     assert experts and all("layers_1_" in name for name in experts)

@@ -4,9 +4,15 @@ A bundle is a directory::
 
     manifest.json           what the launcher and every rank read (schema below)
     lib.so                  the rank programs, one library for all ranks
-    weights/rank<d>/<name>.npy   the shard of each weight that device d holds
+    weights/rank<d>.safetensors   the shards of every weight that device d holds
 
-The manifest (``"format": "tvm-distx-bundle"``, ``"version": 1``) holds:
+Each rank's weights are one `safetensors <https://huggingface.co/docs/safetensors>`_
+file, the format Hugging Face checkpoints use: a JSON header naming each
+tensor's dtype, shape and byte range, then the raw bytes. A rank reads only its
+own file, and memory-maps it (:meth:`Manifest.read_weight`), so loading costs
+no copy beyond the one its runtime makes.
+
+The manifest (``"format": "tvm-distx-bundle"``, ``"version": 2``) holds:
 
 ``num_ranks``
     How many processes the program needs (device ``d`` is rank ``d``).
@@ -33,15 +39,29 @@ The manifest (``"format": "tvm-distx-bundle"``, ``"version": 1``) holds:
     and, optionally, ``derived``: the parameters cut from a user's fused
     weight, ``[{"name", "source", "source_shape", "axis", "start", "stop"}]``
     (:class:`tvm_distx.layout.derived.DerivedParam`), so that a weight given
-    at run time may be the user's fused one.
+    at run time may be the user's fused one; and, optionally, ``feed``: how
+    the ranks receive the inputs, ``"shards"`` (each rank its shard, the
+    default) or ``"worker0"`` (rank 0 the global inputs, which the program
+    scatters, as lowered by TVM's ``LowerDistIR``; see
+    :mod:`tvm_distx.signature`).
 ``weight_files``
-    ``[{"rank", "name", "file", "shape", "dtype", "sha256"}]``: each rank's
-    shard of each weight.
+    ``[{"rank", "file", "sha256", "weights": [{"name", "shape", "dtype"}]}]``:
+    each rank's safetensors file, its sha256, and the shards it holds (under
+    the ``"worker0"`` feed, rank 0's file holds the whole weights).
+``weight_links`` (optional)
+    ``[{"rank", "name", "checkpoint", "tensor", "start", "stop", "stored_dtype",
+    "dtype"}]``: shards not copied into the bundle but read by the rank itself
+    from a checkpoint's safetensors file (an absolute path, the same on every
+    host): the block ``[start, stop)`` of tensor ``tensor``, converted to
+    ``dtype``. A session serving a checkpoint (``CausalLM.from_pretrained``)
+    links its weights this way, so no process but the rank holding a shard
+    ever reads it.
 
 :func:`read_manifest` refuses, with a :class:`tvm_distx.BundleError`, a
 missing or unparsable manifest, an unknown format or version, missing fields,
-and (:func:`check_weights`) a weight file that is missing, has the wrong shape
-or dtype, or whose sha256 differs. It runs before any rank computes.
+and (:func:`check_weights`) a weight file that is missing, is not a valid
+safetensors file, holds a shard of the wrong shape or dtype, or whose sha256
+differs. It runs before any rank computes.
 """
 
 from __future__ import annotations
@@ -60,21 +80,25 @@ import numpy as np
 from .errors import BundleError
 from .layout.derived import Derivations
 from .mesh import DeviceMesh
-from .signature import FunctionSignature, TensorSpec
+from .signature import FEEDS, SHARDS, FunctionSignature, TensorSpec
 
 __all__ = ["FORMAT", "VERSION", "Manifest", "WeightFile", "read_manifest", "check_weights",
-           "sha256_file", "check_library"]
+           "sha256_file", "check_library", "write_rank_weights", "WeightLink"]
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "tvm-distx-bundle"
-VERSION = 1
+VERSION = 2
 MANIFEST = "manifest.json"
 
 
 @dataclass(frozen=True)
 class WeightFile:
-    """One rank's shard of one weight, as the manifest lists it."""
+    """One rank's shard of one weight, as the manifest lists it.
+
+    ``file`` is the rank's safetensors file, which holds all its shards, and
+    ``sha256`` is that file's.
+    """
 
     rank: int
     name: str
@@ -82,6 +106,43 @@ class WeightFile:
     shape: tuple[int, ...]
     dtype: str
     sha256: str
+
+
+@dataclass(frozen=True)
+class WeightLink:
+    """One rank's shard of one weight, read from a checkpoint file by the rank itself."""
+
+    rank: int
+    name: str
+    checkpoint: str
+    tensor: str
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    stored_dtype: str
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.start, self.stop))
+
+    def lazy(self):
+        """The block as a :class:`tvm_distx.runtime.checkpoint.LazyTensor` (nothing read)."""
+        from .runtime.checkpoint import LazyTensor
+
+        return LazyTensor(Path(self.checkpoint), self.tensor, tuple(zip(self.start, self.stop)),
+                          np.dtype(self.dtype), self.stored_dtype)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "name": self.name, "checkpoint": self.checkpoint,
+                "tensor": self.tensor, "start": list(self.start), "stop": list(self.stop),
+                "stored_dtype": self.stored_dtype, "dtype": self.dtype}
+
+    @classmethod
+    def of(cls, rank: int, name: str, block) -> "WeightLink":
+        """The link to ``block``, a lazy checkpoint tensor (sliced to the rank's shard)."""
+        return cls(rank, name, str(Path(block.path).resolve()), block.key,
+                   tuple(a for a, _ in block.bounds), tuple(b for _, b in block.bounds),
+                   block.stored_dtype, str(block.dtype))
 
 
 @dataclass(frozen=True)
@@ -100,6 +161,7 @@ class Manifest:
     collectives: tuple[str, ...]
     raw: dict
     derivations: dict[str, Derivations] = field(default_factory=dict)
+    weight_links: tuple[WeightLink, ...] = ()
 
     @property
     def library_path(self) -> Path:
@@ -137,7 +199,11 @@ class Manifest:
         """
         for w in self.weight_files:
             if w.rank == rank and w.name == name:
-                return np.load(self.root / w.file, mmap_mode="r", allow_pickle=False)
+                path = self.root / w.file
+                return _map_tensor(path, _tensor_table(path, f"rank {rank}'s weights"), name)
+        for link in self.weight_links:
+            if link.rank == rank and link.name == name:
+                return link.lazy().read()
         raise BundleError(f"the bundle at {self.root} stores no weight '{name}' for rank {rank}",
                           hint="export the bundle again")
 
@@ -261,10 +327,15 @@ def _parse(root: Path, data: dict) -> Manifest:
                         spec.sharding.mesh,
                         [None if isinstance(d, str) else d for d in spec.shape], var=spec.name)
                 specs.setdefault(kind, []).append(spec)
+        feed = f.get("feed", SHARDS)
+        if feed not in FEEDS:
+            raise BundleError(f"function '{name}' has feed {feed!r}; this tvm-distx knows "
+                              f"{', '.join(map(repr, FEEDS))}",
+                              hint="export the bundle again with this version of tvm-distx")
         with _entry(f"function '{name}'"):
             functions[name] = FunctionSignature(name, tuple(specs.get("params", ())),
                                                 tuple(specs.get("results", ())),
-                                                bool(f["tuple_result"]))
+                                                bool(f["tuple_result"]), feed)
             row = tuple(e if e else None for e in f["entries"])
             weights[name] = tuple(str(w) for w in f.get("weights", []))
             derivations[name] = Derivations.from_json(f.get("derived"))
@@ -276,11 +347,18 @@ def _parse(root: Path, data: dict) -> Manifest:
                               f", which are not among its parameters", hint="export the bundle again")
         entries[name] = row
     files = []
-    for index, w in enumerate(_require(data, "weight_files", list, "at the top level")):
+    for index, f in enumerate(_require(data, "weight_files", list, "at the top level")):
         with _entry(f"weight file {index}"):
-            files.append(WeightFile(int(w["rank"]), str(w["name"]), str(w["file"]),
+            files.extend(WeightFile(int(f["rank"]), str(w["name"]), str(f["file"]),
                                     tuple(int(n) for n in w["shape"]), str(w["dtype"]),
-                                    str(w["sha256"])))
+                                    str(f["sha256"])) for w in f["weights"])
+    links = []
+    for index, w in enumerate(data.get("weight_links", [])):
+        with _entry(f"weight link {index}"):
+            links.append(WeightLink(int(w["rank"]), str(w["name"]), str(w["checkpoint"]),
+                                    str(w["tensor"]), tuple(int(n) for n in w["start"]),
+                                    tuple(int(n) for n in w["stop"]), str(w["stored_dtype"]),
+                                    str(w["dtype"])))
     library = _require(data, "library", str, "at the top level")
     _inside(root, library, "the library")
     for w in files:
@@ -290,7 +368,8 @@ def _parse(root: Path, data: dict) -> Manifest:
                           hint="export the bundle again")
     return Manifest(root, num_ranks, library, dict(data.get("target") or {}), meshes,
                     functions, entries, weights, tuple(files),
-                    tuple(str(c) for c in data.get("collectives", [])), data, derivations)
+                    tuple(str(c) for c in data.get("collectives", [])), data, derivations,
+                    tuple(links))
 
 
 def _inside(root: Path, relative: str, what: str) -> None:
@@ -351,17 +430,22 @@ def check_weights(manifest: Manifest, ranks: Sequence[int] | None = None) -> Non
         mismatch, or a shape or dtype that differs from the manifest's.
     """
     wanted = set(range(manifest.num_ranks) if ranks is None else ranks)
-    expected = {(p.name, r): p.sharding.local_shape(p.shape)
+    expected = {(p.name, r): f.input_shape(p, r)
                 for f in manifest.functions.values() for p in f.params
-                for r in range(manifest.num_ranks) if p.held_by(r) and not p.symbolic}
-    listed = {(w.name, w.rank) for w in manifest.weight_files}
+                for r in range(manifest.num_ranks) if f.fed(p, r) and not p.symbolic}
+    listed = {(w.name, w.rank) for w in (*manifest.weight_files, *manifest.weight_links)}
     for function, stored in manifest.weights.items():
-        for p in manifest.functions[function].params:
+        signature = manifest.functions[function]
+        for p in signature.params:
             for r in sorted(wanted):
-                if p.name in stored and p.held_by(r) and (p.name, r) not in listed:
+                if p.name in stored and signature.fed(p, r) and (p.name, r) not in listed:
                     raise BundleError(
                         f"weight '{p.name}' of rank {r} is stored in the bundle, but the "
                         "manifest lists no file for it", hint="export the bundle again")
+    for link in manifest.weight_links:
+        if link.rank in wanted:
+            _check_link(link, expected.get((link.name, link.rank)))
+    digests: dict[Path, str] = {}
     for w in manifest.weight_files:
         if w.rank not in wanted:
             continue
@@ -369,13 +453,15 @@ def check_weights(manifest: Manifest, ranks: Sequence[int] | None = None) -> Non
         where = f"weight '{w.name}' of rank {w.rank} ({path})"
         if not path.is_file():
             raise BundleError(f"{where} is missing", hint="export the bundle again")
-        if sha256_file(path) != w.sha256:
+        if path not in digests:
+            digests[path] = sha256_file(path)
+        if digests[path] != w.sha256:
             raise BundleError(f"{where} does not match its sha256 in the manifest",
                               hint="the file was changed or corrupted; export the bundle again")
-        try:
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as err:
-            raise BundleError(f"{where} is not a numpy array file ({err})") from None
+        held = _tensor_table(path, where).get(w.name)
+        if held is None:
+            raise BundleError(f"{where}: the file holds no tensor '{w.name}'",
+                              hint="export the bundle again")
         want = expected.get((w.name, w.rank))
         if want is not None and tuple(want) != w.shape:
             raise BundleError(
@@ -383,9 +469,110 @@ def check_weights(manifest: Manifest, ranks: Sequence[int] | None = None) -> Non
                 f"parameter '{w.name}' has local shape {list(want)} on rank {w.rank}",
                 hint="the manifest was edited; export the bundle again",
             )
-        if tuple(array.shape) != w.shape or str(array.dtype) != w.dtype:
+        dtype, shape = held[0], held[1]
+        if shape != w.shape or dtype != w.dtype:
             raise BundleError(
-                f"{where} holds {array.dtype}{list(array.shape)}, the manifest says "
+                f"{where} holds {dtype}{list(shape)}, the manifest says "
                 f"{w.dtype}{list(w.shape)}",
                 hint="export the bundle again",
             )
+
+
+def _check_link(link: WeightLink, local_shape) -> None:
+    """A linked shard: its checkpoint file has the tensor, and the block fits it and the program."""
+    where = f"weight '{link.name}' of rank {link.rank} (tensor {link.tensor} of {link.checkpoint})"
+    path = Path(link.checkpoint)
+    if not path.is_file():
+        raise BundleError(f"{where}: the checkpoint file is missing",
+                          hint="the ranks read the checkpoint themselves: it must be at the "
+                          "same path on every host")
+    try:
+        from safetensors import SafetensorError, safe_open
+
+        with safe_open(str(path), framework="numpy") as f:
+            part = f.get_slice(link.tensor)
+            shape, stored = tuple(int(d) for d in part.get_shape()), part.get_dtype()
+    except (SafetensorError, OSError, ValueError) as err:
+        raise BundleError(f"{where} cannot be read ({err})",
+                          hint="the checkpoint changed since the bundle was made; make it "
+                          "again") from None
+    inside = len(shape) == len(link.start) and all(
+        0 <= a <= b <= n for a, b, n in zip(link.start, link.stop, shape))
+    if stored != link.stored_dtype or not inside:
+        raise BundleError(f"{where}: the checkpoint holds {stored}{list(shape)}, which has no "
+                          f"block {list(link.start)}..{list(link.stop)} of {link.stored_dtype}",
+                          hint="the checkpoint changed since the bundle was made; make it again")
+    if local_shape is not None and tuple(local_shape) != link.shape:
+        raise BundleError(f"{where}: the block is {list(link.shape)} but the program's "
+                          f"parameter '{link.name}' has local shape {list(local_shape)}",
+                          hint="the manifest was edited; export the bundle again")
+
+
+#: safetensors' dtype names, as numpy's.
+_SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16",
+                       "I16": "int16", "U32": "uint32", "I32": "int32", "U64": "uint64",
+                       "I64": "int64", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def write_rank_weights(root: Path, rank: int, shards: dict[str, np.ndarray]) -> dict:
+    """Write one rank's shards as ``weights/rank<rank>.safetensors`` under ``root``.
+
+    Returns
+    -------
+    dict
+        The file's ``weight_files`` entry for the manifest.
+    """
+    from safetensors.numpy import save_file
+
+    relative = Path("weights") / f"rank{rank}.safetensors"
+    (root / relative).parent.mkdir(parents=True, exist_ok=True)
+    # np.asarray(order="C"), unlike np.ascontiguousarray, keeps a 0-d shard 0-d
+    save_file({name: np.asarray(a, order="C") for name, a in shards.items()},
+              str(root / relative))
+    return {"rank": rank, "file": str(relative), "sha256": sha256_file(root / relative),
+            "weights": [{"name": name, "shape": list(a.shape), "dtype": str(a.dtype)}
+                        for name, a in shards.items()]}
+
+
+def _tensor_table(path: Path, where: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """``{name: (dtype, shape, file offset)}`` of a safetensors file, validated.
+
+    The safetensors library checks the header (byte ranges inside the file,
+    sizes matching dtypes and shapes); the offsets then come from the header,
+    whose layout is the format's specification: an 8-byte little-endian length,
+    then that many bytes of JSON.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy"):
+            pass
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise BundleError(f"{where} is not a valid safetensors file ({err})",
+                          hint="the file was replaced or corrupted; export the bundle again") \
+            from None
+    table = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise BundleError(f"{where}: tensor '{name}' has dtype {info['dtype']}, which a "
+                              "bundle never stores", hint="export the bundle again")
+        table[name] = (dtype, tuple(int(n) for n in info["shape"]),
+                       8 + size + int(info["data_offsets"][0]))
+    return table
+
+
+def _map_tensor(path: Path, table: dict, name: str) -> np.ndarray:
+    """Tensor ``name`` of a safetensors file, memory-mapped read-only."""
+    if name not in table:
+        raise BundleError(f"{path} holds no tensor '{name}'", hint="export the bundle again")
+    dtype, shape, offset = table[name]
+    if 0 in shape:
+        return np.zeros(shape, dtype)
+    flat = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(int(np.prod(shape)),))
+    return flat.reshape(shape)

@@ -43,6 +43,31 @@ integers). A collective is called by every member of its group, in the same
 order on every member, and reductions fold the members' values in member
 order (the same bits on every backend); a send/recv is called by every device
 of either mesh. Ranks that take part in no step of a call do not call it.
+
+TVM's own lowering (``tvm.relax.distributed.transform.LowerDistIR``, then
+``LegalizeOps``) calls TVM's disco builtins instead, :data:`DISCO_BUILTINS`
+under the prefix :data:`DISCO_PREFIX`. An MPI rank provides them over the whole
+MPI world, worker ``k`` being rank ``k`` (see
+:mod:`tvm_distx.runtime.mpi_ccl`):
+
+==================================== ================================ ============================
+function                             arguments (then the output)      what the rank does
+==================================== ================================ ============================
+``runtime.disco.allreduce``          ``x, (kind,), in_group``         reduce ``x`` over the world
+``runtime.disco.allgather``          ``x, in_group``                  concatenate every rank's
+                                                                      ``x`` along dimension 0
+``runtime.disco.broadcast_from_``    ``x, in_group``                  rank 0's ``x`` (the others'
+``worker0``                                                           is not read)
+``runtime.disco.scatter_from_``      ``x, in_group``                  row ``k`` of rank 0's ``x``
+``worker0``                                                           (``(world, *out.shape)``)
+                                                                      on rank ``k``
+``runtime.disco.gather_to_worker0``  ``x, in_group``                  every rank's ``x`` along
+                                                                      dimension 0, on rank 0
+``runtime.disco.worker_id``          none; returns a shape            ``(rank,)``
+==================================== ================================ ============================
+
+``in_group`` is ignored: every rank of the world is one group, as in a disco
+session without worker groups.
 """
 
 from __future__ import annotations
@@ -60,6 +85,8 @@ __all__ = [
     "SEND",
     "RECV",
     "FUNCTIONS",
+    "DISCO_PREFIX",
+    "DISCO_BUILTINS",
     "REDUCE_KINDS",
     "CollectiveGroup",
     "SendRecvSpec",
@@ -79,6 +106,13 @@ RECV = "tvm_distx.ccl.recv"
 #: Every runtime function a lowered program may call.
 FUNCTIONS = (ALLREDUCE, ALLGATHER, REDUCE_SCATTER, ALLTOALL, BROADCAST, LOCAL_SLICE, SEND_RECV,
              SEND, RECV)
+
+#: The prefix of TVM's disco builtins (TVM's dispatchers to a disco session's CCL).
+DISCO_PREFIX = "runtime.disco."
+
+#: TVM's disco builtins that TVM's lowered programs call, without :data:`DISCO_PREFIX`.
+DISCO_BUILTINS = ("allreduce", "allgather", "broadcast_from_worker0", "scatter_from_worker0",
+                  "gather_to_worker0", "worker_id")
 
 #: Reduction kinds, as ``tvm_distx.ccl.allreduce`` and ``reducescatter`` receive them.
 REDUCE_KINDS = {"sum": 0, "prod": 1, "min": 2, "max": 3, "avg": 4}

@@ -38,13 +38,14 @@ import tvm
 from tvm import relax
 
 from . import _ir, ccl
-from .bundle import FORMAT, MANIFEST, VERSION, sha256_file
+from .bundle import FORMAT, MANIFEST, VERSION, WeightLink, sha256_file, write_rank_weights
 from .errors import ArgumentError
-from .layout import MeshTable
-from .layout.derived import Derivations, host_array
+from .layout import MeshTable, shard_bounds
+from .layout.derived import Derivations, host_array, is_deferred
 from .mesh import DeviceMesh
-from .signature import FunctionSignature
+from .signature import SHARDS, WORKER0, FunctionSignature
 from .runtime.arrays import assemble_results
+from .runtime.session_base import check_backend, open_session
 
 __all__ = ["DistExecutable"]
 
@@ -133,9 +134,15 @@ class DistExecutable:
                                 "target machines")
         if backend == "mpi":
             return self._run_mpi(inputs, params, function, timeout, options)
+        if backend == "emulate" and signature.feed == WORKER0:
+            raise ArgumentError(
+                f"'{function}' was lowered by TVM's LowerDistIR (rank 0 takes the global inputs "
+                "and the program calls TVM's runtime.disco.* functions), which the emulator "
+                "does not provide", hint='run it with backend="mpi" or "disco"')
         values, signature = signature.bind_sizes(list(inputs), params)
-        per_rank = [[_shard(spec, value, rank) for spec, value in zip(signature.params, values)
-                     if spec.held_by(rank)] for rank in range(self.num_ranks)]
+        per_rank = [[signature.rank_input(spec, value, rank)
+                     for spec, value in zip(signature.params, values) if spec.held_by(rank)]
+                    for rank in range(self.num_ranks)]
         entries = self.entries[function]
         if backend == "emulate":
             from .runtime import emulate
@@ -157,10 +164,11 @@ class DistExecutable:
         """Launch the ranks once and keep them for many calls (a context manager).
 
         The weights in ``params`` are written once into a private bundle, and
-        each rank loads its shards once; every :meth:`~tvm_distx.runtime.session.MPISession.run`
-        after that costs milliseconds, not a launch::
+        each rank loads its shards once; every
+        :meth:`~tvm_distx.runtime.session_base.Session.run` after that costs
+        milliseconds, not a launch::
 
-            with exe.session(params=weights) as session:
+            with exe.session(params=weights, backend="disco") as session:
                 for x in batches:
                     y = session.run(x)
 
@@ -168,8 +176,13 @@ class DistExecutable:
         ----------
         num_ranks : int, optional
             Must equal the program's rank count when given.
-        backend : {"mpi"}
-            Sessions run on MPI ranks.
+        backend : {"mpi", "disco", "emulate"}
+            How the ranks run (see the module documentation): MPI processes
+            (:class:`~tvm_distx.runtime.session.MPISession`), disco workers on
+            this host (:class:`~tvm_distx.runtime.disco_session.DiscoSession`)
+            or threads of this process
+            (:class:`~tvm_distx.runtime.emulated_session.EmulatedSession`).
+            All three take the same calls and give the same results.
         params : mapping of str to array, optional
             Global weights of ``function`` by name, stored for the session.
         function : str or sequence of str
@@ -177,17 +190,22 @@ class DistExecutable:
         timeout : float
             Seconds for the ranks to start, and for each call by default.
         **options
-            ``hosts``, ``mpiexec``, ``env`` (as for :meth:`run`).
+            For ``"mpi"`` only: ``hosts``, ``mpiexec``, ``env`` (as for :meth:`run`).
 
         Returns
         -------
-        tvm_distx.runtime.session.MPISession
-        """
-        from .runtime.session import MPISession
+        tvm_distx.runtime.session_base.Session
+            The session; its bundle is removed when it closes.
 
-        if backend != "mpi":
-            raise ArgumentError(f"a session runs on MPI ranks, not {backend!r}",
-                                hint='use backend="mpi" (or exe.run(..., backend=...) per call)')
+        Raises
+        ------
+        ArgumentError
+            For an unknown backend, options the backend does not take, a rank
+            count the program does not have, or a target that cannot run here.
+        LaunchError
+            If the ranks do not start.
+        """
+        check_backend(backend, options)
         if not self.target.runnable_here:
             raise ArgumentError(f"a program built for {self.target.name} cannot run on this host",
                                 hint="export it with .export(dir) and open the session on the "
@@ -197,8 +215,9 @@ class DistExecutable:
                                 hint=f"exe.session({self.num_ranks})")
         bundle = Path(tempfile.mkdtemp(prefix="tvm-distx-session-bundle-"))
         try:
-            self.export(bundle, params=params, function=function)
-            session = MPISession(bundle, timeout=timeout, **options)
+            # a checkpoint's weights are read by each rank itself, never by this process
+            self.export(bundle, params=params, function=function, link_checkpoint=True)
+            session = open_session(bundle, backend=backend, timeout=timeout, **options)
         except BaseException:
             shutil.rmtree(bundle, ignore_errors=True)
             raise
@@ -226,7 +245,7 @@ class DistExecutable:
 
     # ---------------------------------------------------------------- bundles
     def export(self, directory: str | os.PathLike, *, params: Mapping | None = None,
-               function: str = "main") -> Path:
+               function: str = "main", link_checkpoint: bool = False) -> Path:
         """Write a self-contained bundle: the library, each rank's weight shards, a manifest.
 
         Parameters
@@ -240,6 +259,14 @@ class DistExecutable:
             The function(s) whose parameters ``params`` names. A weight several
             functions take (the prefill and the decode of a model) is stored
             once per rank for all of them.
+        link_checkpoint : bool
+            Weights read from a checkpoint on demand (the
+            :class:`~tvm_distx.runtime.checkpoint.LazyTensor` values of
+            :meth:`tvm_distx.llm.CausalLM.from_pretrained`) are not copied: the
+            manifest names the checkpoint file, tensor and block of each rank's
+            shard, and the rank reads it there itself. The checkpoint must then
+            stay where it is, at the same path on every host. Sessions
+            (:meth:`session`) link; a bundle to copy elsewhere should not.
 
         Returns
         -------
@@ -277,7 +304,7 @@ class DistExecutable:
                                 f"{', '.join(p.name for p in signatures[0].params)}")
         created = not root.exists()
         try:
-            return self._export(root, signatures, weights, functions)
+            return self._export(root, signatures, weights, functions, link_checkpoint)
         except BaseException:
             if created:  # no partial bundle left behind
                 shutil.rmtree(root, ignore_errors=True)
@@ -289,36 +316,43 @@ class DistExecutable:
         return {d.source for d in derivations.params} if derivations else set()
 
     def _export(self, root: Path, signatures: list[FunctionSignature], weights: dict,
-                functions: list[str]) -> Path:
+                functions: list[str], link_checkpoint: bool) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         if (root / "weights").exists():
             shutil.rmtree(root / "weights")
-        files, written = [], {}
+        stored: dict[str, tuple] = {}  # name -> (signature, spec, value), one per weight
         for function, signature in zip(functions, signatures):
             for spec in signature.params:
                 if spec.name not in weights[function]:
                     continue
-                if spec.name in written:  # a weight several functions take: one file per rank
-                    if written[spec.name] != (spec.sharding, spec.shape):
+                if spec.name in stored:  # a weight several functions take: stored once
+                    if (stored[spec.name][1].sharding, stored[spec.name][1].shape) != \
+                            (spec.sharding, spec.shape):
                         raise ArgumentError(
                             f"weight '{spec.name}' is placed differently in "
                             f"{', '.join(functions)}, so one bundle cannot hold it for both",
                             hint="give it the same placement in every function, or export "
                             "one bundle per function")
                     continue
-                written[spec.name] = (spec.sharding, spec.shape)
-                value = host_array(weights[function][spec.name])
-                for rank in range(self.num_ranks):
-                    if not spec.held_by(rank):
-                        continue
-                    rel = Path("weights") / f"rank{rank}" / f"{spec.name}.npy"
-                    (root / rel).parent.mkdir(parents=True, exist_ok=True)
-                    np.save(root / rel, _shard(spec, value, rank))
-                    files.append({"rank": rank, "name": spec.name, "file": str(rel),
-                                  "shape": list(spec.local_shape), "dtype": spec.dtype,
-                                  "sha256": sha256_file(root / rel)})
+                stored[spec.name] = (signature, spec, host_array(weights[function][spec.name]))
+        files, links = [], []
+        for rank in range(self.num_ranks):  # one rank's shards in memory at a time
+            shards = {}
+            for name, (signature, spec, value) in stored.items():
+                if not signature.fed(spec, rank):  # not held, or TVM's feed off rank 0
+                    continue
+                if link_checkpoint and is_deferred(value) and signature.feed == SHARDS:
+                    bounds = shard_bounds(spec.sharding, value.shape, rank)  # read by the rank
+                    links.append(WeightLink.of(rank, name,
+                                               value[tuple(slice(a, b) for a, b in bounds)]))
+                else:
+                    shards[name] = signature.rank_input(spec, value, rank)
+            if shards:
+                files.append(write_rank_weights(root, rank, shards))
         self._write_library(root)
         manifest = self._manifest(files, {f: sorted(weights[f]) for f in functions})
+        if links:
+            manifest["weight_links"] = [link.to_json() for link in links]
         manifest["library_sha256"] = sha256_file(root / manifest["library"])
         (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _write_launcher(root, self.num_ranks, self.target.name, signatures[0],
@@ -353,6 +387,7 @@ class DistExecutable:
                        "params": [p.to_json(self.meshes) for p in sig.params],
                        "results": [r.to_json(self.meshes) for r in sig.results],
                        "tuple_result": sig.tuple_result,
+                       "feed": sig.feed,
                        "weights": weights.get(name, []),
                        "derived": self.derivations.get(name, Derivations()).to_json()}
                 for name, sig in self.signatures.items()
@@ -385,7 +420,7 @@ def _write_launcher(root: Path, num_ranks: int, target: str, signature: Function
         "| `manifest.json` | meshes, rank coordinates, process groups, collectives, "
         "entries, signatures, weight files with sha256 |",
         "| `lib.so` | the rank programs (one library for all ranks) |",
-        "| `weights/rank<d>/<name>.npy` | the shard of each weight that rank d holds |",
+        "| `weights/rank<d>.safetensors` | the shards of the weights that rank d holds |",
         "| `run.sh` | `mpiexec` launch through `tvm-distx run` |",
         *(["| `kernels/` | the kernels alone (`kernels.so`, their TIR and arguments), "
            "checked under qemu with `tvm_distx.rvv.check_kernels` |"]
@@ -408,12 +443,6 @@ def _example_shape(spec, meshes: dict[str, DeviceMesh]) -> tuple[int, ...]:
     """A shape that fits ``spec``: a symbolic dimension gets a size every mesh divides."""
     size = math.lcm(*(m.size for m in meshes.values())) if meshes else 1
     return tuple(size if isinstance(d, str) else d for d in spec.shape)
-
-
-def _shard(spec, value, rank: int) -> np.ndarray:
-    from .runtime.arrays import shard_array
-
-    return shard_array(host_array(value), spec.sharding, rank)
 
 
 def _coordinates(meshes: dict[str, DeviceMesh], rank: int) -> dict[str, list[int]]:

@@ -18,6 +18,9 @@ style                                   our placement
                                         own (:class:`tvm_distx.passes.SplitFusedProjections`);
                                         a colwise style on a fused weight does the same
 ``embedding_colwise``                   the table ``S[1]`` (hidden split)
+``embedding_rowwise``                   the table ``S[0]``: a vocabulary-parallel lookup
+                                        (:class:`tvm_distx.passes.VocabParallelEmbedding`),
+                                        each rank's offset ``S[0]`` beside it
 expert styles (``moe_tp_experts``,      the experts by :func:`tvm_distx.moe.moe_parallel`
 ``grouped_gemm``, ...)                  (the cheaper of tensor and expert parallelism)
 ``replicate``, ``local_params``, ...    replicated (these only hook a module's forward)
@@ -34,12 +37,19 @@ Two splits of transformers' plan are dropped, as
 :func:`tvm_distx.presets.tensor_parallel` never makes them, with a warning: a
 projection whose output is reshaped into fewer heads than ranks (the key and
 value projections of grouped-query attention on many ranks), which would give
-a rank part of a head; and an LM head tied to the token embedding (Gemma), whose
-split would make every lookup gather the table.
+a rank part of a head; and an LM head tied to the token embedding (Gemma)
+where the table cannot be split on the vocabulary for its lookups too, whose
+split would make every lookup gather the table. Where it can, the tied table
+is split once for both, as ``tensor_parallel()`` splits it.
 
-Styles we cannot honour (``embedding_rowwise``, ``sequence_parallel``,
-``packed_rowwise``, ``mla_kv_a_proj``) raise a :class:`~tvm_distx.RuleError`
-naming the style and the module, when the plan is read.
+transformers shards the token embedding on its vocabulary
+(``embed_tokens: embedding_rowwise``) in every base model whose plan is not
+empty, without the config naming it; :func:`from_hf` adds that entry too. A
+vocabulary that does not divide by the ranks stays whole (a warning says so).
+
+Styles we cannot honour (``sequence_parallel``, ``packed_rowwise``,
+``mla_kv_a_proj``) raise a :class:`~tvm_distx.RuleError` naming the style and
+the module, when the plan is read.
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ logger = logging.getLogger(__name__)
 _LINEAR_STYLES = {
     "colwise": (0, 0), "colwise_rep": (0, 0), "colwise_gather_output": (0, 0),
     "rowwise": (1, None), "rowwise_rep": (1, None), "rowwise_split_input": (1, None),
-    "embedding_colwise": (1, None),
+    "embedding_colwise": (1, None), "embedding_rowwise": (0, None),
 }
 #: Styles that only hook a module's forward: its parameters stay whole.
 _FORWARD_ONLY = frozenset({"replicate", "replicated_with_grad_allreduce", "local_params",
@@ -72,8 +82,6 @@ _EXPERT_STYLES = frozenset({"moe_tp_experts", "grouped_gemm", "ep_dispatch_exper
                             "ep_router"})
 #: Styles we cannot honour, with what to do instead.
 _UNSUPPORTED = {
-    "embedding_rowwise": "a vocabulary-parallel embedding needs a masked lookup and an "
-                         "all-reduce, which is not built; override it: .override({'...': 'R'})",
     "sequence_parallel": "use presets.megatron(sequence_parallel=True) for sequence "
                          "parallelism",
     "packed_rowwise": "a row-parallel fused projection is not split per segment yet; "
@@ -142,6 +150,7 @@ class HFPlan:
         for d in (derived.params if derived is not None else ()):
             segments.setdefault(d.source, []).append(d.name)
         out: dict[str, str] = {}
+        rowwise: set[str] = set()  # tables the plan splits on their vocabulary
         for path, style in self.entries:
             if style in _FORWARD_ONLY or style in _EXPERT_STYLES:
                 continue
@@ -153,6 +162,8 @@ class HFPlan:
                         continue  # a 3-D expert weight: planned with the experts
                     if axes is not None:
                         out[name] = self._placement(axes)
+                        if style == "embedding_rowwise":
+                            rowwise.add(name)
                 # a fused projection cut per segment (packed_colwise, or a colwise style
                 # on a weight whose result the graph cuts apart, Phi-3's qkv_proj): each
                 # segment gets the style's placement, so a rank boundary never falls
@@ -163,20 +174,77 @@ class HFPlan:
                     for seg in segs:
                         if len(params[seg].ty.shape) == (2 if glob.endswith("weight") else 1):
                             out[seg] = self._placement(axes)
-        return self._untied(mod, function, self._whole_heads(mod, function, out))
+        out = self._untied(mod, function, self._whole_heads(mod, function, out), rowwise)
+        return self._vocab_offsets(mod, function, out, rowwise)
 
-    def _untied(self, mod: tvm.IRModule, function: str,
-                out: dict[str, str]) -> dict[str, str]:
-        """``out`` without the split of an output projection tied to the token embedding.
+    def _vocab_offsets(self, mod: tvm.IRModule, function: str, out: dict[str, str],
+                       rowwise: set[str]) -> dict[str, str]:
+        """``out`` with each vocabulary-split table's offsets split alike.
+
+        A table of ``rowwise`` that nothing looks up (the embedding of a model
+        whose lookups read the tied LM head's weight) and a vocabulary that does
+        not divide by the ranks are left whole.
+        """
+        from .passes.vocab_parallel import embedding_lookups, vocab_lookups
+
+        ranks = self._ranks(mod)
+        lookups = embedding_lookups(mod[function])
+        done = vocab_lookups(mod, function)
+        for table in rowwise - set(lookups) - set(done):
+            out.pop(table, None)
+        for table in [t for t in lookups if t in rowwise and t in out]:
+            vocab = int(lookups[table][0].args[0].ty.shape[0])
+            if ranks and vocab % ranks:
+                logger.warning("%s: the %d rows of '%s' do not divide by %d ranks: kept "
+                               "whole", self.source, vocab, table, ranks)
+                out.pop(table)
+        for table, offsets in done.items():
+            if table in out:
+                out[offsets] = out[table]
+        return out
+
+    def _ranks(self, mod: tvm.IRModule) -> int | None:
+        meshes = mod.global_infos.get("mesh") if mod.global_infos else None
+        if not meshes or len(meshes[0].shape) <= self.model_axis:
+            return None
+        return int(meshes[0].shape[self.model_axis])
+
+    def vocab_parallel(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+        """``mod`` with the lookups of the tables the plan splits on the vocabulary rewritten."""
+        from .passes import VocabParallelEmbedding
+        from .passes.vocab_parallel import embedding_lookups
+
+        ranks = self._ranks(mod)
+        if ranks is None:
+            return mod
+        out = self.placements(mod, function)
+        split = {t: ranks for t in embedding_lookups(mod[function])
+                 if out.get(t) == self._placement(0)}
+        return VocabParallelEmbedding(split, function)(mod)
+
+    def _untied(self, mod: tvm.IRModule, function: str, out: dict[str, str],
+                rowwise: set[str]) -> dict[str, str]:
+        """``out`` without the split of an output projection tied to something it cannot serve.
 
         transformers' plan splits the LM head (``colwise_gather_output``) even
-        when it shares its weight with the embedding (Gemma, OPT): the lookup
-        would then gather the table on every run. As
-        :func:`tvm_distx.presets.tensor_parallel` does, a tied head stays whole.
+        when it shares its weight with the embedding (Gemma). Where
+        :func:`tvm_distx.presets.tensor_parallel` splits such a table on the
+        vocabulary for both its lookups and the head
+        (:func:`tvm_distx.vocab_plan.embedding_roles`), the split is kept and
+        the lookups become vocabulary parallel (the weight joins ``rowwise``);
+        otherwise the lookup would gather the table on every run, and the head
+        stays whole.
         """
         from .tp_plan import tied_weights
+        from .vocab_plan import embedding_roles
 
+        ranks = self._ranks(mod)
+        tables = embedding_roles(mod, ranks, function) if ranks else {}
         for weight in tied_weights(mod, function):
+            role = tables.get(weight)
+            if out.get(weight) == self._placement(0) and role is not None and role.lookup:
+                rowwise.add(weight)
+                continue
             if weight in out:
                 logger.warning("%s: '%s' is also the token embedding: kept whole (a split "
                                "would gather it on every run)", self.source, weight)
@@ -246,12 +314,13 @@ class HFPlan:
 
         if self.has_experts and moe.expert_weights(mod, function):
             # the experts' fused weights are cut by the tensor plan of moe_parallel
+            mod = self.vocab_parallel(mod, function)
             plan = moe.moe_parallel(mod, self, model_axis=self.model_axis,
                                     mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
         # fused projections are cut as tensor_parallel() cuts them; a segment no style
         # names stays whole, as its fused weight would
-        mod = SplitFusedProjections()(mod)
+        mod = self.vocab_parallel(SplitFusedProjections()(mod), function)
         return AnnotateSharding(self.rules(mod, function))(mod)
 
 
@@ -290,6 +359,8 @@ def from_hf(model_or_config, *, model_axis: int = 0, mesh_ndim: int = 1,
                         hint="presets.tensor_parallel() finds the plan from the graph")
     if prefix is None:
         prefix = getattr(model_or_config, "base_model_prefix", None) or "model"
+    if "embed_tokens" not in base:  # as transformers adds it to every base model's plan
+        base = {"embed_tokens": "embedding_rowwise", **base}
     entries = [(f"{prefix}.{path}" if prefix else path, style) for path, style in base.items()]
     entries += list((getattr(type(model_or_config), "_tp_plan", None) or {}).items())
     return HFPlan(tuple(entries), f"{name}'s base_model_tp_plan", model_axis, mesh_ndim)

@@ -9,7 +9,9 @@ through the whole stack once:
    functions, the cache by heads like the attention that writes it;
 3. :func:`tvm_distx.compile` builds the rank programs, and
    :meth:`tvm_distx.DistExecutable.session` launches the ranks once, each
-   loading its weight shards once.
+   loading its weight shards once: MPI processes (``backend="mpi"``, the
+   default), disco worker processes on this host (``"disco"``) or threads of
+   this process (``"emulate"``).
 
 :meth:`CausalLM.generate` then runs the prefill once and one decode per new
 token. The caches never leave the ranks: each call takes them from the ranks'
@@ -103,8 +105,10 @@ class CausalLM:
             A causal LM in eval mode (``AutoModelForCausalLM``), batch 1.
         num_ranks : int
             The ranks of the one tensor-parallel mesh.
-        backend : {"mpi"}
-            Sessions run on MPI ranks.
+        backend : {"mpi", "disco", "emulate"}
+            Where the ranks run (:meth:`tvm_distx.DistExecutable.session`): MPI
+            processes, disco worker processes on this host, or threads of this
+            process. The tokens are the same on all three.
         plan : preset, optional
             ``presets.tensor_parallel()`` by default; any preset with
             ``.apply(mod, function)`` (``presets.from_hf(model)``, say).
@@ -116,10 +120,12 @@ class CausalLM:
         timeout : float
             Seconds for the ranks to start and for each call.
         **options
-            ``hosts``, ``mpiexec``, ``env`` for the session.
+            ``hosts``, ``mpiexec``, ``env`` for an MPI session.
         """
         from . import export_decoder
+        from .runtime.session_base import check_backend
 
+        check_backend(backend, options)  # before the export and the compile
         if num_ranks < 1:
             raise ArgumentError(f"CausalLM.from_hf(num_ranks={num_ranks}): need at least one "
                                 "rank", hint="CausalLM.from_hf(model, num_ranks=2)")
@@ -135,10 +141,13 @@ class CausalLM:
 
         The model is built from ``config.json`` without initialising its
         weights (their memory is never touched), traced, sharded and compiled
-        as in :meth:`from_hf`. Its weights are then cut from the checkpoint's
-        safetensors files shard by shard (:mod:`tvm_distx.runtime.checkpoint`):
-        each block a rank holds is read on its own from the memory-mapped file,
-        so no process ever holds the whole model.
+        as in :meth:`from_hf`. This process then reads no weight: each rank
+        reads the blocks it holds from the checkpoint's memory-mapped
+        safetensors files itself (:mod:`tvm_distx.runtime.checkpoint`; the
+        session's bundle links them, see ``link_checkpoint`` in
+        :meth:`tvm_distx.DistExecutable.export`), so no process ever holds the
+        whole model, and the checkpoint must be at the same path on every host.
+        :meth:`export` copies the blocks into a bundle instead.
 
         Parameters
         ----------
@@ -161,7 +170,9 @@ class CausalLM:
         from . import export_decoder
         from .frontend import relax_name
         from .runtime.checkpoint import open_checkpoint
+        from .runtime.session_base import check_backend
 
+        check_backend(backend, options)  # before the export and the compile
         root = Path(directory)
         if not (root / "config.json").is_file():
             raise ArgumentError(f"{root} is not a Hugging Face checkpoint (no config.json)",
@@ -253,12 +264,31 @@ class CausalLM:
         return Path(root)
 
     @classmethod
-    def from_bundle(cls, directory, *, timeout: float = 300.0, **options) -> "CausalLM":
-        """Serve a bundle written by :meth:`export` on its ranks (a session)."""
+    def from_bundle(cls, directory, *, backend: str = "mpi", timeout: float = 300.0,
+                    **options) -> "CausalLM":
+        """Serve a bundle written by :meth:`export` on its ranks (a session).
+
+        Parameters
+        ----------
+        directory : path
+            The bundle.
+        backend : {"mpi", "disco", "emulate"}
+            Where the ranks run (as for :meth:`from_hf`).
+        timeout : float
+            Seconds for the ranks to start and for each call.
+        **options
+            ``hosts``, ``mpiexec``, ``env`` for an MPI session.
+
+        Raises
+        ------
+        BundleError
+            If the directory is not a generation bundle.
+        """
         from .errors import BundleError
         from .kv_export import KVCacheLayout
-        from .runtime.session import MPISession
+        from .runtime.session_base import check_backend, open_session
 
+        check_backend(backend, options)
         path = Path(directory) / GENERATION_FILE
         try:
             data = json.loads(path.read_text())
@@ -272,7 +302,7 @@ class CausalLM:
                               hint="write one with CausalLM.from_hf(model).export(directory)",
                               cli_hint="write one in Python: CausalLM.from_hf(model)"
                               ".export(directory)") from None
-        session = MPISession(directory, timeout=timeout, **options)
+        session = open_session(directory, backend=backend, timeout=timeout, **options)
         return cls(cache, session, eos_token_id=data.get("eos_token_id"),
                    bytes_per_token=int(data.get("bytes_per_token") or 0))
 

@@ -21,10 +21,12 @@ Two plans split them on one mesh axis of ``p`` ranks:
 
 * :func:`expert_parallel` splits every expert weight on its expert dimension:
   each rank holds ``E / p`` whole experts, the router and the tokens are
-  replicated, each rank runs its experts and weights their outputs by the
-  routing weights (zero for the tokens an expert did not receive), and the
-  sum over experts is a partial sum completed by **one all-reduce** of the
-  ``(T, H)`` result per MoE layer. No expert weight is ever gathered.
+  replicated, and the dense dispatch becomes one experts kernel
+  (:mod:`tvm_distx.moe_dispatch`) that each rank runs as a *sparse dispatch*
+  over the slice of the routing matrix of its own experts: it computes only
+  the (token, expert) pairs routed to them. The sum over experts is a partial
+  sum completed by **one all-reduce** of the ``(T, H)`` result per MoE layer.
+  No expert weight is ever gathered.
 * :func:`tensor_parallel_experts` splits every expert on its intermediate
   dimension (Megatron inside each expert, a fused gate|up weight per segment):
   each rank holds a slice of every expert, and the down projection leaves a
@@ -40,10 +42,14 @@ Both plans take a ``base`` preset for the other weights (attention, embeddings,
 LM head), for example :func:`tvm_distx.presets.megatron` or
 ``presets.tensor_parallel()``; the expert weights' placements win over it.
 
-With the dense dispatch of :mod:`tvm_distx.torch_moe`, a rank runs each of its
-experts on every token (masked dense work: ``E / k`` times a sparse
-dispatch's arithmetic), and the tokens an expert was not routed contribute
-exact zeros.
+:class:`MoeComparison` also gives each plan's expert-MLP flops per token and
+rank: ``k / p`` expert MLPs for the sparse expert-parallel dispatch (balanced
+routing), ``E / p`` for tensor parallelism inside the experts, which still runs
+the masked dense dispatch of :mod:`tvm_distx.torch_moe` (every expert on every
+token, the tokens an expert was not routed contributing exact zeros). A
+dispatch that :mod:`tvm_distx.moe_dispatch` does not read (biased experts, or a
+gating other than ``silu(gate) * up``, such as GPT-OSS's) stays masked dense
+under expert parallelism too.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ if TYPE_CHECKING:
     from .comm_report import CommReport
 
 __all__ = ["ExpertWeight", "MoePlan", "MoeComparison", "expert_weights", "expert_parallel",
-           "tensor_parallel_experts", "compare", "moe_parallel"]
+           "tensor_parallel_experts", "compare", "moe_parallel", "expert_mlp_work"]
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +164,28 @@ def _expert_bias(add, roles, producers, params) -> ExpertWeight | None:
     return None
 
 
+def _kernel_experts(mod: tvm.IRModule, call, params) -> list[ExpertWeight]:
+    """The expert weights an experts kernel (:mod:`tvm_distx.moe_dispatch`) reads, if ``call``
+    is one; its description says which axes they have."""
+    from .schedule.experts import EXPERTS_ATTR, ExpertsKernel
+
+    callee = call.args[0]
+    func = mod[callee] if isinstance(callee, tvm.ir.GlobalVar) else None
+    if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is None or \
+            EXPERTS_ATTR not in func.attrs:
+        return []
+    kernel = ExpertsKernel.of(func)
+    up, down = call.args[1].fields[2:4]
+    out = []
+    if up in params:
+        out.append(ExpertWeight(up.name, kernel.experts, 0, 2 if kernel.up_transposed else 1,
+                                "up"))
+    if down in params:
+        out.append(ExpertWeight(down.name, kernel.experts, 0,
+                                1 if kernel.down_transposed else 2, "down"))
+    return out
+
+
 def expert_weights(mod: tvm.IRModule, function: str = "main") -> list[ExpertWeight]:
     """The expert weights of ``function``, found by the structure of the module docstring.
 
@@ -190,6 +218,10 @@ def expert_weights(mod: tvm.IRModule, function: str = "main") -> list[ExpertWeig
             producers[binding.var] = value
             if depends_on_experts(value):
                 expert_outputs.add(binding.var)
+            if _op_name(value) == "relax.call_tir":
+                for weight in _kernel_experts(mod, value, params):
+                    found.setdefault(weight.name, weight)
+                continue
             if _op_name(value) == "relax.add":
                 bias = _expert_bias(value, roles, producers, params)
                 if bias is not None:
@@ -302,12 +334,20 @@ class MoePlan:
         split per segment (:class:`tvm_distx.passes.SplitFusedProjections`), so
         that a fused gate|up expert weight is cut within gate and within up, never
         between them; ``compile`` and ``run`` then take the fused weights as imported.
+
+        For expert parallelism, each dense expert dispatch becomes one experts
+        kernel (:func:`tvm_distx.moe_dispatch.fuse_expert_dispatch`), which runs
+        as a sparse dispatch: each rank computes only the (token, expert) pairs
+        routed to its experts.
         """
+        from .moe_dispatch import fuse_expert_dispatch
         from .passes import AnnotateSharding, SplitFusedProjections
 
         if self.strategy == "tensor":
             mod = SplitFusedProjections()(mod)
-        return AnnotateSharding(self.rules(mod, function))(mod)
+            return AnnotateSharding(self.rules(mod, function))(mod)
+        rules = self.rules(mod, function)
+        return AnnotateSharding(rules)(fuse_expert_dispatch(mod, function))
 
 
 def expert_parallel(base: Preset | None = None, *, model_axis: int = 0,
@@ -338,7 +378,7 @@ def tensor_parallel_experts(base: Preset | None = None, *, model_axis: int = 0,
 
 @dataclass(frozen=True)
 class MoeComparison:
-    """Both plans' communication; ``chosen`` is the cheaper (see :func:`moe_parallel`).
+    """Both plans' communication and work; ``chosen`` is the cheaper (see :func:`moe_parallel`).
 
     Attributes
     ----------
@@ -346,11 +386,21 @@ class MoeComparison:
         The comm reports of :func:`expert_parallel` and :func:`tensor_parallel_experts`.
     chosen : str
         ``"expert"`` or ``"tensor"``.
+    expert_flops, tensor_flops : float or None
+        Expert-MLP floating-point operations per token on each rank, summed over
+        the MoE layers. Expert parallelism runs the sparse dispatch: ``k / p``
+        expert MLPs per token when the routing is balanced (the exact figure
+        is the routed pairs on the rank's experts). Tensor parallelism inside
+        the experts runs every expert, masked, on every token: ``E / p``
+        (as expert parallelism did before the sparse dispatch). None when the
+        dispatch is not the one :mod:`tvm_distx.moe_dispatch` reads.
     """
 
     expert: CommReport
     tensor: CommReport
     chosen: str
+    expert_flops: float | None = None
+    tensor_flops: float | None = None
 
     @staticmethod
     def collectives(report) -> list:
@@ -362,15 +412,47 @@ class MoeComparison:
         return report.total_bytes_per_rank, len(MoeComparison.collectives(report))
 
     def __str__(self) -> str:
-        lines = ["plan                     collectives  bytes/rank"]
-        for label, key, report in (("expert parallel", "expert", self.expert),
-                                   ("tensor parallel experts", "tensor", self.tensor)):
+        lines = ["plan                     collectives  bytes/rank  expert-MLP flops/token/rank"]
+        for label, key, report, flops in (
+                ("expert parallel", "expert", self.expert, self.expert_flops),
+                ("tensor parallel experts", "tensor", self.tensor, self.tensor_flops)):
             mark = "  <- chosen" if key == self.chosen else ""
             rows = self.collectives(report)
             kinds = ", ".join(sorted({r.collective for r in rows})) or "-"
+            work = "-" if flops is None else f"{round(flops):,}"
             lines.append(f"{label:<24} {len(rows):>11}  {report.total_bytes_per_rank:>10,}"
-                         f"  ({kinds}){mark}")
+                         f"  {work:>27}  ({kinds}){mark}")
         return "\n".join(lines)
+
+
+def expert_mlp_work(mod: tvm.IRModule, ranks: int,
+                    function: str = "main") -> tuple[float | None, float | None]:
+    """Expert-MLP flops per token and rank: (expert parallel, sparse; tensor parallel, dense).
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        An imported module (its dense dispatches are read, see
+        :func:`tvm_distx.moe_dispatch.dense_dispatches`).
+    ranks : int
+        The ranks sharing the experts.
+
+    Returns
+    -------
+    tuple of (float or None, float or None)
+        See :class:`MoeComparison`; ``(None, None)`` without a dispatch read.
+    """
+    from .moe_dispatch import dense_dispatches
+    from .schedule.experts import expert_mlp_flops
+
+    found = dense_dispatches(mod, function)
+    if not found:
+        return None, None
+    per_token = [expert_mlp_flops(d.kernel.hidden, d.kernel.intermediate) for d in found]
+    tensor = sum(d.kernel.experts * f for d, f in zip(found, per_token)) / ranks
+    if any(d.top_k is None for d in found):
+        return None, tensor
+    return sum(d.top_k * f for d, f in zip(found, per_token)) / ranks, tensor
 
 
 def compare(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: int = 0,
@@ -397,7 +479,12 @@ def compare(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: int = 
         reports[strategy] = comm_report(run_stages(plan.apply(mod, function))["local_view"])
     cheaper = min(("expert", "tensor"), key=lambda s: (MoeComparison._cost(reports[s]),
                                                         s != "expert"))
-    result = MoeComparison(reports["expert"], reports["tensor"], cheaper)
+    from .mesh import module_meshes
+
+    meshes = list(module_meshes(mod).values())
+    ranks = meshes[0].shape[model_axis] if meshes else 1
+    result = MoeComparison(reports["expert"], reports["tensor"], cheaper,
+                           *expert_mlp_work(mod, ranks, function))
     logger.info("MoE plans compared:\n%s", result)
     return result
 

@@ -21,7 +21,7 @@ import tvm
 from tvm import relax
 
 from . import _ir
-from .errors import CompilerStageError, DistxError
+from .errors import CompilerStageError, DistxError, UnsupportedProgramError
 from .executable import DistExecutable
 from .signature import FunctionSignature
 from .targets import resolve_target
@@ -159,16 +159,21 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
     signatures = {gv.name_hint: FunctionSignature.from_function(gv.name_hint, func)
                   for gv, func in _ir.relax_functions(propagated)
                   if func.attrs is not None and "global_symbol" in func.attrs}
-    built = unscheduled = lowered
+    from .schedule.experts import SparseExperts
+
+    # the experts kernels run as a sparse dispatch over each rank's own experts
+    built = unscheduled = SparseExperts()(lowered)
     if schedule and resolved.schedulable:
         from .schedule import ScheduleCPU, fuse_kernels
 
-        unscheduled = fuse_kernels(lowered)
+        unscheduled = fuse_kernels(unscheduled)
         built = ScheduleCPU(resolved.target)(unscheduled)
     logger.info("building for %s", resolved.name)
     vm_exec, built = _build(built, unscheduled, resolved.target)
+    entries = _rank_entries(lowered, signatures)
+    signatures = _with_feeds(lowered, signatures, entries["num_ranks"])
     return DistExecutable(lowered, signatures, vm_exec, resolved, built=built,
-                          derivations=derivations, **_rank_entries(lowered, signatures))
+                          derivations=derivations, **entries)
 
 
 def _build(built: tvm.IRModule, unscheduled: tvm.IRModule, target):
@@ -216,6 +221,41 @@ def _builds_alone(func, target) -> bool:
     except Exception:  # noqa: BLE001 - any failure means: do not use this schedule
         return False
     return True
+
+
+def _with_feeds(lowered: tvm.IRModule, signatures: dict[str, FunctionSignature],
+                num_ranks: int) -> dict[str, FunctionSignature]:
+    """Each signature with its feed: ``"worker0"`` for a function lowered by TVM's LowerDistIR.
+
+    TVM's lowering broadcasts and scatters the inputs from worker 0 over every
+    worker (``runtime.disco.*``, over the whole MPI world on our ranks), so each
+    parameter must live on a one-axis mesh of all the run's devices.
+
+    Raises
+    ------
+    UnsupportedProgramError
+        For a parameter of such a function on another mesh.
+    """
+    from dataclasses import replace
+
+    from .legalize.lower_distir import fed_from_worker0
+    from .signature import WORKER0
+
+    out = {}
+    for name, signature in signatures.items():
+        if fed_from_worker0(lowered, name):
+            for spec in signature.params:
+                mesh = spec.sharding.mesh
+                if len(mesh.shape) != 1 or mesh.device_range != range(num_ranks):
+                    raise UnsupportedProgramError(
+                        f"TVM's LowerDistIR feeds '{spec.name}' from worker 0 over all "
+                        f"{num_ranks} workers, but it lives on mesh {mesh.describe()}",
+                        function=name, var=spec.name, placement=str(spec.sharding.placement),
+                        hint="lower the module with tvm_distx.legalize.LowerDistIR, which "
+                        "gives each rank its shard on any mesh")
+            signature = replace(signature, feed=WORKER0)
+        out[name] = signature
+    return out
 
 
 def _rank_entries(lowered: tvm.IRModule, signatures) -> dict:

@@ -11,11 +11,27 @@ signature then names its variable (``("n", 64)``). One compiled program serves
 every size; :meth:`FunctionSignature.bind_sizes` reads the sizes from the
 actual inputs, checks them (one value per variable, split extents divisible by
 their mesh axes) and gives the concrete signature of that run.
+
+How the ranks receive the inputs is the signature's *feed*:
+
+``"shards"`` (:data:`SHARDS`, ours)
+    Each rank's entry takes its own shard of every parameter (our
+    ``LowerDistIR``); the runtime cuts the global inputs.
+``"worker0"`` (:data:`WORKER0`, TVM's)
+    Every rank's entry takes every parameter with its *global* shape, and
+    only rank 0's values are read: the program broadcasts and scatters them
+    at entry (``runtime.disco.broadcast_from_worker0`` and
+    ``scatter_from_worker0``), as TVM's ``LowerDistIR`` lowers it. The
+    runtime gives rank 0 the global inputs and the other ranks a placeholder
+    of the same shape. Results are each rank's shards in both feeds.
+
+:meth:`FunctionSignature.rank_input` is the one place that says what a rank
+is given.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -24,7 +40,14 @@ from .layout import MeshTable, Placement, TensorSharding
 from .layout.derived import host_array, is_deferred
 from .mesh import DeviceMesh
 
-__all__ = ["TensorSpec", "FunctionSignature"]
+__all__ = ["TensorSpec", "FunctionSignature", "SHARDS", "WORKER0", "FEEDS"]
+
+#: Each rank takes its shard of every parameter (our ``LowerDistIR``).
+SHARDS = "shards"
+#: Rank 0 takes the global inputs and the program scatters them (TVM's ``LowerDistIR``).
+WORKER0 = "worker0"
+#: The feeds a signature may have.
+FEEDS = (SHARDS, WORKER0)
 
 
 @dataclass(frozen=True)
@@ -110,12 +133,48 @@ class FunctionSignature:
         One per result tensor (a tuple result lists its fields).
     tuple_result : bool
         Whether the function returns a tuple.
+    feed : {"shards", "worker0"}
+        How the ranks receive the inputs (see the module documentation).
     """
 
     name: str
     params: tuple[TensorSpec, ...]
     results: tuple[TensorSpec, ...]
     tuple_result: bool
+    feed: str = SHARDS
+
+    def __post_init__(self) -> None:
+        if self.feed not in FEEDS:
+            raise ArgumentError(f"'{self.name}' has an unknown feed {self.feed!r}",
+                                hint=f"use one of {', '.join(FEEDS)}")
+
+    def fed(self, spec: TensorSpec, device: int) -> bool:
+        """Whether ``device`` is given data for parameter ``spec`` (else a placeholder).
+
+        Under ``"shards"`` every device holding ``spec`` gets its shard; under
+        ``"worker0"`` device 0 alone gets the global value.
+        """
+        return spec.held_by(device) and (self.feed == SHARDS or device == 0)
+
+    def input_shape(self, spec: TensorSpec, device: int) -> tuple[int, ...]:
+        """The shape of what ``device`` passes for parameter ``spec`` (which it holds)."""
+        return spec.local_shape if self.feed == SHARDS else tuple(spec.shape)
+
+    def rank_input(self, spec: TensorSpec, value, device: int) -> np.ndarray:
+        """What ``device`` passes for parameter ``spec``, from its global ``value``.
+
+        Its shard (``"shards"``); under ``"worker0"``, the global value on
+        device 0 and zeros of the global shape elsewhere (the program reads
+        device 0's only). ``value`` is not read for a device that is not
+        :meth:`fed`, and may then be None.
+        """
+        from .runtime.arrays import shard_array
+
+        if not self.fed(spec, device):
+            return np.zeros(self.input_shape(spec, device), spec.dtype)
+        if self.feed == WORKER0:
+            return np.ascontiguousarray(host_array(value))
+        return shard_array(host_array(value), spec.sharding, device)
 
     @classmethod
     def from_function(cls, name: str, func) -> "FunctionSignature":
@@ -176,9 +235,8 @@ class FunctionSignature:
 
     def specialize(self, sizes: dict[str, int]) -> "FunctionSignature":
         """The concrete signature of a run with symbolic ``sizes``."""
-        return FunctionSignature(self.name, tuple(p.specialize(sizes) for p in self.params),
-                                 tuple(r.specialize(sizes) for r in self.results),
-                                 self.tuple_result)
+        return replace(self, params=tuple(p.specialize(sizes) for p in self.params),
+                       results=tuple(r.specialize(sizes) for r in self.results))
 
     def bind_sizes(self, inputs, params: dict | None = None
                    ) -> tuple[list[np.ndarray], "FunctionSignature"]:

@@ -31,9 +31,13 @@ for every weight, Megatron's placement:
   gathered back at once.
 * The **LM head**, the linear whose result is the function's output, is column
   parallel (its vocabulary split); the logits are gathered at the end.
-* **Embeddings** stay replicated. A vocabulary-parallel embedding would hold
-  ``1/p`` of the table, but its lookup needs a masked gather and an all-reduce
-  of every token's hidden state; that is not built yet.
+* A token **embedding** (``take(table, ids, axis=0)`` of a ``(V, H)`` table
+  whose ids come from the function's inputs) is **vocabulary parallel** where
+  that saves memory: each rank holds ``V/p`` rows, and one all-reduce of the
+  ``(tokens, H)`` hidden states completes each lookup. Otherwise (a table tied
+  to a whole LM head, a vocabulary that does not divide, or one smaller than
+  twice the tokens looked up) it stays replicated; the criterion is
+  :func:`tvm_distx.vocab_plan.embedding_roles`.
 * **Fused projections** (q|k|v, gate|up) are first cut into one parameter per
   segment (:class:`tvm_distx.passes.SplitFusedProjections`), so each segment is
   column parallel on its own. **Experts** (3-D weights) follow
@@ -80,13 +84,17 @@ class WeightRole:
     param : str
         The parameter of ``main``.
     role : str
-        ``"column"``, ``"row"``, ``"lm_head"`` or ``"replicated"``.
+        ``"column"``, ``"row"``, ``"lm_head"``, ``"vocab"`` (a vocabulary-parallel
+        embedding table, or its offsets) or ``"replicated"``.
     axis : int or None
         The weight axis split on the model mesh axis (None when replicated).
     reason : str
         Why, in one line.
     bias : bool
-        Whether the parameter is a linear's bias.
+        Whether the parameter is a linear's bias (or a table's offsets).
+    lookup : bool
+        Whether the weight is a vocabulary-parallel embedding table (an LM head
+        tied to one too): its lookups cost one all-reduce each.
     """
 
     param: str
@@ -94,6 +102,7 @@ class WeightRole:
     axis: int | None
     reason: str
     bias: bool = False
+    lookup: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,13 +152,16 @@ class TensorParallelPlan:
         return out
 
     def __str__(self) -> str:
+        vocab = sum(r.lookup for r in self.roles)
         lines = [f"tensor-parallel plan for {self.ranks} ranks: {len(self.blocks)} blocks, "
-                 f"ideal one all-reduce each"]
+                 f"ideal one all-reduce each"
+                 + (f", and one for each of {vocab} vocabulary-parallel embedding(s)"
+                    if vocab else "")]
         for b in self.blocks:
             lines.append(f"  {b.name or '(block)'} [{b.kind}]: column {', '.join(b.column)}; "
                          f"row {b.row}")
         for r in self.roles:
-            if r.role in ("lm_head", "replicated") and not r.bias:
+            if r.role in ("lm_head", "replicated", "vocab") and not r.bias:
                 lines.append(f"  {r.param}: {r.role} ({r.reason})")
         return "\n".join(lines)
 
@@ -229,6 +241,11 @@ class _Graph:
             if name is not None and len(_ir.static_shape(other_operand.ty) or ()) == 1:
                 result, bias = users[0], name
         return _Linear(weight, out_axis, bias, source, result, var)
+
+    def is_output_projection(self, linear: _Linear) -> bool:
+        """Whether the linear's result is the function's output (through layout ops)."""
+        return linear.result in self.outputs or self.forward_to(
+            linear.result, lambda u, _: u in self.outputs) is not None
 
     def forward_to(self, var, stop) -> relax.Var | None:
         """The first user of ``var`` (through layout ops) for which ``stop`` holds."""
@@ -390,12 +407,21 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
     feeders = {f.matmul for block in blocks if block.kind != "replicated"
                for c in linears if c.weight in block.column
                for f in graph.linears_behind(c.source)}
+    from .vocab_plan import embedding_roles
+
+    tables = embedding_roles(mod, ranks, function)
     for linear in linears:
         if linear.weight in roles:
             continue
-        if linear.result in graph.outputs or \
-                graph.forward_to(linear.result, lambda u, _: u in graph.outputs) is not None:
+        if graph.is_output_projection(linear):
             vocab = _ir.static_shape(graph.params[linear.weight].ty)[linear.out_axis]
+            table = tables.get(linear.weight)
+            if table is not None and table.role == "vocab":
+                roles[linear.weight] = WeightRole(
+                    linear.weight, "lm_head", linear.out_axis,
+                    "the output projection, tied to the token embedding: both split on the "
+                    "vocabulary (masked lookups, logits gathered at the end)", lookup=True)
+                continue
             if not graph.only_used_by(linear.weight, linear):
                 roles[linear.weight] = WeightRole(
                     linear.weight, "replicated", None, "the output projection is tied to "
@@ -428,6 +454,8 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
             continue
         roles[linear.weight] = WeightRole(linear.weight, "replicated", None,
                                           "not in a column -> row block")
+    for name, role in tables.items():
+        roles.setdefault(name, role)  # a tied table keeps its LM head's role
     return TensorParallelPlan(ranks, tuple(roles.values()), tuple(blocks))
 
 
@@ -506,6 +534,7 @@ class TensorParallel:
     overrides: tuple[tuple[str, str, str | None], ...] = ()
     split_fused: bool = True
     experts: bool = True
+    vocab: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.model_axis < self.mesh_ndim:
@@ -551,8 +580,10 @@ class TensorParallel:
         moves = [r for r in report.rows if r.collective != "local_slice"]
         reduces = [r for r in moves if r.collective in ("all_reduce", "reduce_scatter")]
         split = [b for b in plan.blocks if b.kind != "replicated"]
+        vocab = [r for r in plan.roles if r.lookup]
         lines = [str(plan), f"collectives: {len(reduces)} all-reduce for {len(split)} split "
-                 f"blocks (ideal: one each), {report.total_text} bytes received per rank"]
+                 f"blocks and {len(vocab)} vocabulary-parallel embedding(s) (ideal: one "
+                 f"each), {report.total_text} bytes received per rank"]
         lines += [f"  extra: {r.collective} of {r.value} ({r.src} -> {r.dst}, "
                   f"{r.bytes_text} bytes)" for r in moves if r not in reduces]
         return "\n".join(lines)
@@ -591,12 +622,29 @@ class TensorParallel:
         fused expert weights the MoE plan cuts only when it splits them).
         """
         from . import moe
-
-        if not self.split_fused or (self.experts and moe.expert_weights(mod, function)):
-            return mod
         from .passes import SplitFusedProjections
 
-        return SplitFusedProjections()(mod)
+        if self.split_fused and not (self.experts and moe.expert_weights(mod, function)):
+            mod = SplitFusedProjections()(mod)
+        return self.vocab_parallel(mod, function)
+
+    def vocab_parallel(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+        """``mod`` with the lookups of the tables the plan splits on their vocabulary rewritten.
+
+        See :func:`tvm_distx.vocab_plan.embedding_roles` for which; a module without a
+        mesh, or
+        with ``vocab=False``, is returned as it is.
+        """
+        from .passes import VocabParallelEmbedding
+        from .vocab_plan import embedding_roles
+
+        meshes = mod.global_infos.get("mesh") if mod.global_infos else None
+        if not self.vocab or not meshes:
+            return mod
+        ranks = self.ranks(mod)
+        split = {name: ranks for name, role in embedding_roles(mod, ranks, function).items()
+                 if role.lookup}
+        return VocabParallelEmbedding(split, function)(mod)
 
     def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` with fused projections cut, annotated with :meth:`rules`.
@@ -609,8 +657,10 @@ class TensorParallel:
 
         if self.experts and moe.expert_weights(mod, function):
             # the experts' fused weights are cut, when needed, by the MoE tensor plan
+            # (the embedding lookups are rewritten first; the base plan finds them so)
+            mod = self.vocab_parallel(mod, function)
             base = TensorParallel(self.model_axis, self.mesh_ndim, self.overrides,
-                                  split_fused=False, experts=False)
+                                  split_fused=False, experts=False, vocab=False)
             plan = moe.moe_parallel(mod, base, model_axis=self.model_axis,
                                     mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)

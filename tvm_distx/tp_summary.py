@@ -4,7 +4,8 @@
 layer of a model, the questions a user of a tensor-parallel plan asks first:
 which weights are split and how, which stay whole and why, and how many
 collectives the layer really runs against the ideal: Megatron's one all-reduce
-per attention block and one per MLP (or mixture-of-experts) block.
+per attention block and one per MLP (or mixture-of-experts) block, and one for
+a vocabulary-parallel embedding's lookup.
 
 Layers are found from the graph, not from names: a layer starts at the first
 projection of an attention block (a linear whose result is reshaped into
@@ -45,8 +46,9 @@ class LayerSummary:
     collectives : tuple of CommRow
         The collectives the compiled program runs in this layer.
     ideal : int
-        One all-reduce per split attention block and one per split MLP or
-        mixture-of-experts block of the layer.
+        One all-reduce per split attention block, one per split MLP or
+        mixture-of-experts block of the layer, and one per vocabulary-parallel
+        embedding lookup (the first layer's).
     """
 
     name: str
@@ -85,7 +87,8 @@ class PlanSummary:
 
     def __str__(self) -> str:
         lines = [f"tensor-parallel plan for {self.ranks} ranks, per layer "
-                 "(ideal: one all-reduce per attention block and one per MLP or MoE block)"]
+                 "(ideal: one all-reduce per attention block, one per MLP or MoE block and "
+                 "one per vocabulary-parallel embedding)"]
         for layer in self.layers:
             verdict = "ideal" if not layer.extra else f"{len(layer.extra)} extra"
             lines.append(f"{layer.name}: {layer.all_reduces} all-reduce(s), ideal "
@@ -159,6 +162,9 @@ def summarize_layers(mod: tvm.IRModule, annotated: tvm.IRModule, local_view: tvm
     for block in plan.blocks:
         if block.kind != "replicated" and block.row in outputs:
             ideal[layer_of(order.get(outputs[block.row], 0))] += 1
+    for role in plan.roles:  # a vocabulary-parallel embedding: one all-reduce of its lookup
+        if role.lookup and role.param in uses:
+            ideal[layer_of(uses[role.param])] += 1
     for param in annotated[function].params:
         shape = _ir.static_shape(param.ty) or ()
         if len(shape) < 2 or param.name not in uses or not _is_float(param.ty):

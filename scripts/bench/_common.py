@@ -138,10 +138,10 @@ def bundle_rank_call(bundle: str, inputs: dict, comm, *, with_signature: bool = 
     signature = manifest.function("main")
     entry = manifest.entry("main", rank)
     mpi_ccl.install(comm)  # before the VM: it resolves its functions once
-    files = {w.name: manifest.root / w.file for w in manifest.files_of(rank)}
+    stored = {w.name for w in manifest.files_of(rank)}
     args = []
     for spec in signature.params:
-        value = (np.load(files[spec.name]) if spec.name in files
+        value = (manifest.read_weight(rank, spec.name) if spec.name in stored
                  else shard_array(inputs[spec.name], spec.sharding, rank))
         args.append(tvm.runtime.tensor(np.ascontiguousarray(value)))
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(manifest.library_path)), tvm.cpu())

@@ -287,6 +287,29 @@ def test_disco_builtins() -> None:
     tvm.get_global_func("runtime.disco.gather_to_worker0")(tensor(everyone[RANK]), False, out)
     if RANK == 0:
         check("disco-gather", out, everyone.reshape(4 * SIZE, 3))
+    check("disco-worker-id", np.array(tvm.get_global_func("runtime.disco.worker_id")()),
+          np.array([RANK]))
+
+
+def test_real_disco_session_keeps_tvm_builtins() -> None:
+    """A disco session started in a rank still reaches TVM's own functions, after any installs."""
+    from tvm_distx.runtime import collectives
+    from tvm_distx.runtime.disco_worker import repair_disco
+
+    RAN.append("disco-session-not-shadowed")
+    repair_disco()  # the pinned wheel's tvm.runtime.disco needs it before use
+    disco = sys.modules["tvm.runtime.disco"]
+    kept = dict(collectives._TVM_DISPATCHERS)
+    assert set(kept) == {ccl.DISCO_PREFIX + name for name in ccl.DISCO_BUILTINS}, kept
+    mpi_ccl.install()  # again: idempotent, TVM's functions are kept, never ours wrapped
+    assert collectives._TVM_DISPATCHERS == kept
+    session = disco.ThreadedSession(num_workers=3)
+    ids = session.get_global_func("runtime.disco.worker_id")()
+    got = np.array([ids.debug_get_from_remote(w)[0] for w in range(3)])
+    check("disco-session-worker-id", got, np.arange(3))  # TVM's workers, not this rank
+    session.shutdown()
+    check("disco-worker-id-after", np.array(tvm.get_global_func("runtime.disco.worker_id")()),
+          np.array([RANK]))
 
 
 # ---------------------------------------------------------------------- errors
@@ -358,6 +381,7 @@ def main() -> None:
     test_broadcast(world, (0,), SIZE - 1, "int64")
     test_allgather_bfloat16()
     test_disco_builtins()
+    test_real_disco_session_keeps_tvm_builtins()
     if needs(4):
         grid = mesh((2, 2))
         for axes in ((0,), (1,), (0, 1)):

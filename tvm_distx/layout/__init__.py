@@ -28,7 +28,7 @@ The package imports no TVM at import time and no compiler module
 
 from ..mesh import DeviceMesh, MeshRef
 from .abi import CollectiveGroup, Piece, SendRecvSpec
-from .derived import DerivedParam, Derivations
+from .derived import BlockOffsets, DerivedParam, Derivations
 from .geometry import (
     PARTIAL,
     REPLICATE,
@@ -69,6 +69,7 @@ __all__ = [
     "CollectiveGroup",
     "SendRecvSpec",
     "Piece",
+    "BlockOffsets",
     "DerivedParam",
     "Derivations",
 ]

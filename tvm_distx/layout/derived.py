@@ -8,6 +8,14 @@ data, how one new parameter is cut from it (source name, axis, start, stop),
 and :class:`Derivations` applies the cuts to a weights dict wherever weights
 are bound: :meth:`tvm_distx.DistExecutable.run`, ``export`` and bundles.
 
+A vocabulary-parallel embedding (:class:`tvm_distx.passes.VocabParallelEmbedding`)
+needs each rank's vocabulary offset. The program gets it as one more parameter
+that no user holds: :class:`BlockOffsets`, the first index of each of ``p``
+equal blocks of the vocabulary, ``arange(p) * (V // p)``. Split ``S[0]`` on the
+mesh axis that splits the table, each rank's shard of it *is* its offset, cut
+like any weight, so every backend and every per-rank program gets it with no
+rank builtin. :class:`Derivations` adds it to every weights dict it binds.
+
 This module imports numpy only: rank processes may use it.
 """
 
@@ -20,7 +28,8 @@ import numpy as np
 
 from ..errors import ArgumentError
 
-__all__ = ["DerivedParam", "Derivations", "host_array", "is_deferred"]
+__all__ = ["BlockOffsets", "DerivedParam", "Derivations", "block_starts", "host_array",
+           "is_deferred"]
 
 
 @dataclass(frozen=True)
@@ -109,15 +118,82 @@ class DerivedParam:
                    int(data["start"]), int(data["stop"]))
 
 
+def block_starts(extent: int, blocks: int) -> np.ndarray:
+    """The first index of each of ``blocks`` equal blocks of ``[0, extent)`` (int64).
+
+    Raises
+    ------
+    ArgumentError
+        If ``blocks`` does not divide ``extent``.
+    """
+    if blocks < 1 or extent % blocks:
+        raise ArgumentError(f"block_starts: {extent} does not split into {blocks} equal blocks",
+                            hint="give a block count that divides the extent")
+    return np.arange(blocks, dtype=np.int64) * (extent // blocks)
+
+
+@dataclass(frozen=True)
+class BlockOffsets:
+    """A parameter no user holds: the first index of each block of a split axis.
+
+    Parameters
+    ----------
+    name : str
+        The program's parameter, of shape ``(blocks,)``.
+    extent : int
+        The extent of the split axis (a vocabulary size).
+    blocks : int
+        How many equal blocks it is split in (the ranks of the mesh axis).
+    dtype : str
+        The parameter's dtype (the token ids' dtype).
+    """
+
+    name: str
+    extent: int
+    blocks: int
+    dtype: str = "int64"
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ArgumentError("BlockOffsets needs a name", hint="BlockOffsets('off', 128, 2)")
+        block_starts(int(self.extent), int(self.blocks))  # raises when it does not divide
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's shape, ``(blocks,)``."""
+        return (int(self.blocks),)
+
+    def value(self) -> np.ndarray:
+        """``arange(blocks) * (extent // blocks)`` in :attr:`dtype`."""
+        return block_starts(int(self.extent), int(self.blocks)).astype(self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (see :meth:`from_json`)."""
+        return {"kind": "block_offsets", "name": self.name, "extent": int(self.extent),
+                "blocks": int(self.blocks), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "BlockOffsets":
+        """The inverse of :meth:`to_json`."""
+        return cls(str(data["name"]), int(data["extent"]), int(data["blocks"]),
+                   str(data.get("dtype", "int64")))
+
+
 @dataclass(frozen=True)
 class Derivations:
-    """The derived parameters of one function, applied to the user's weights by :meth:`bind`."""
+    """The derived parameters of one function, applied to the user's weights by :meth:`bind`.
+
+    ``params`` are cut from the user's weights; ``made`` are made from the
+    layout alone (:class:`BlockOffsets`) and added to every weights dict bound.
+    """
 
     params: tuple[DerivedParam, ...] = ()
+    made: tuple[BlockOffsets, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(self.params))
-        names = [p.name for p in self.params]
+        object.__setattr__(self, "made", tuple(self.made))
+        names = [p.name for p in self.params] + [m.name for m in self.made]
         if len(set(names)) != len(names):
             raise ArgumentError(f"Derivations: a parameter is derived twice ({names})",
                                 hint="give each derived parameter once")
@@ -128,14 +204,15 @@ class Derivations:
                                 hint="derive every parameter from the user's weight directly")
 
     def __bool__(self) -> bool:
-        return bool(self.params)
+        return bool(self.params or self.made)
 
     @property
     def sources(self) -> tuple[str, ...]:
         """The user's weights that are cut, in first-use order."""
         return tuple(dict.fromkeys(p.source for p in self.params))
 
-    def merged(self, more: Iterable[DerivedParam]) -> "Derivations":
+    def merged(self, more: Iterable[DerivedParam],
+               more_made: Iterable[BlockOffsets] = ()) -> "Derivations":
         """These derivations and ``more``.
 
         A parameter of ``more`` cut from one of these derived parameters (a
@@ -160,13 +237,19 @@ class Derivations:
                 p = DerivedParam(p.name, parent.source, parent.source_shape, parent.axis,
                                  parent.start + p.start, parent.start + p.stop)
             out[p.name] = p
-        return Derivations(tuple(out.values()))
+        made = {m.name: m for m in self.made}
+        for m in more_made:
+            made[m.name] = m
+        return Derivations(tuple(out.values()), tuple(made.values()))
 
-    def bind(self, weights: Mapping[str, Any] | None) -> dict[str, Any]:
+    def bind(self, weights: Mapping[str, Any] | None,
+             stored: Iterable[str] = ()) -> dict[str, Any]:
         """``weights`` with every user weight that is cut replaced by its derived parameters.
 
         Names that are not sources pass through, so weights already given by
-        their derived names are accepted too.
+        their derived names are accepted too. The parameters made from the
+        layout (:attr:`made`) are added, except those in ``stored`` (held in a
+        bundle already).
 
         Raises
         ------
@@ -175,6 +258,10 @@ class Derivations:
             the wrong shape.
         """
         out = dict(weights or {})
+        stored = set(stored)
+        for m in self.made:  # made from the layout: always the same values
+            if m.name not in stored:
+                out[m.name] = m.value()
         if not self.params:
             return out
         for source in self.sources:
@@ -194,12 +281,16 @@ class Derivations:
 
     def to_json(self) -> list[dict[str, Any]]:
         """A JSON-ready list (see :meth:`from_json`)."""
-        return [p.to_json() for p in self.params]
+        return [p.to_json() for p in self.params] + [m.to_json() for m in self.made]
 
     @classmethod
     def from_json(cls, data: Iterable[Mapping[str, Any]] | None) -> "Derivations":
         """The inverse of :meth:`to_json`; None gives no derivations."""
-        return cls(tuple(DerivedParam.from_json(d) for d in data or ()))
+        items = list(data or ())
+        return cls(tuple(DerivedParam.from_json(d) for d in items
+                         if d.get("kind", "slice") == "slice"),
+                   tuple(BlockOffsets.from_json(d) for d in items
+                         if d.get("kind") == "block_offsets"))
 
 
 def is_deferred(value) -> bool:

@@ -4,7 +4,12 @@
   (the fast unit-test backend);
 - :mod:`tvm_distx.runtime.mpi_ccl` and :mod:`tvm_distx.runtime.worker`: ranks as
   MPI processes, launched by :mod:`tvm_distx.runtime.launcher`;
-- :mod:`tvm_distx.runtime.disco`: ranks as disco worker processes on one host.
+- :mod:`tvm_distx.runtime.disco`: ranks as disco worker processes on one host;
+- sessions, whose ranks start once and serve many calls, on each of them:
+  :mod:`~tvm_distx.runtime.session` (MPI), :mod:`~tvm_distx.runtime.disco_session`,
+  :mod:`~tvm_distx.runtime.emulated_session`, over the shared
+  :mod:`~tvm_distx.runtime.session_base` (driver) and
+  :class:`~tvm_distx.runtime.session_worker.RankState` (rank).
 """
 
 from .arrays import assemble_array, shard_array

@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from tvm.runtime import Tensor
 
 __all__ = ["Collectives", "ProcessGroup", "REDUCERS", "abi_functions", "register", "as_numpy",
-           "check_shape", "process_group"]
+           "check_shape", "process_group", "in_disco_worker"]
 
 logger = logging.getLogger(__name__)
 
@@ -201,12 +202,11 @@ def abi_functions(backend: Collectives, builtins: str | None = None
     backend : Collectives
         The implementation.
     builtins : str, optional
-        Also TVM's disco builtins (``allreduce``, ``allgather``,
-        ``broadcast_from_worker0``, ``scatter_from_worker0``,
-        ``gather_to_worker0``, over every device of the run) under this
-        prefix: ``"runtime.disco."`` replaces TVM's dispatchers (no disco
-        session), ``"runtime.disco.."`` implements the CCL whose name is empty
-        (disco workers without a C++ CCL).
+        Also TVM's disco builtins (:data:`tvm_distx.ccl.DISCO_BUILTINS`, over
+        every device of the run) under this prefix: ``"runtime.disco."``
+        replaces TVM's dispatchers (an MPI rank, no disco session; with
+        ``worker_id``), ``"runtime.disco.."`` implements the CCL whose name is
+        empty (disco workers without a C++ CCL).
     """
     groups: dict[tuple, ProcessGroup] = {}
     specs: dict[tuple, SendRecvSpec] = {}
@@ -338,8 +338,12 @@ def abi_functions(backend: Collectives, builtins: str | None = None
 
 
 def _tvm_builtins(backend: Collectives, prefix: str, reduced) -> dict[str, Callable[..., None]]:
-    """TVM's disco builtins over every device of the run (``in_group`` is ignored: one group
-    of workers)."""
+    """TVM's disco builtins (:data:`tvm_distx.ccl.DISCO_BUILTINS`) over every device of the run.
+
+    Worker ``k`` is device ``k``; ``in_group`` is ignored (one group of workers).
+    ``worker_id`` is TVM's dispatcher itself, not a CCL function, so it is
+    given under :data:`tvm_distx.ccl.DISCO_PREFIX` only.
+    """
 
     def world() -> ProcessGroup:
         devices = tuple(backend.devices)
@@ -380,21 +384,79 @@ def _tvm_builtins(backend: Collectives, prefix: str, reduced) -> dict[str, Calla
         recv = as_numpy(out) if g.index == 0 else None
         backend.gather(send, recv, 0, g)
 
-    return {f"{prefix}allreduce": allreduce, f"{prefix}allgather": allgather,
-            f"{prefix}broadcast_from_worker0": broadcast_from_worker0,
-            f"{prefix}scatter_from_worker0": scatter_from_worker0,
-            f"{prefix}gather_to_worker0": gather_to_worker0}
+    def worker_id():
+        import tvm_ffi
+
+        return tvm_ffi.Shape((world().index,))
+
+    functions = {"allreduce": allreduce, "allgather": allgather,
+                 "broadcast_from_worker0": broadcast_from_worker0,
+                 "scatter_from_worker0": scatter_from_worker0,
+                 "gather_to_worker0": gather_to_worker0, "worker_id": worker_id}
+    assert set(functions) == set(ccl.DISCO_BUILTINS)
+    if prefix != ccl.DISCO_PREFIX:
+        del functions["worker_id"]
+    return {prefix + name: func for name, func in functions.items()}
+
+
+#: TVM's own ``runtime.disco.*`` dispatchers, kept the first time ours replace them.
+_TVM_DISPATCHERS: dict[str, Callable] = {}
+_THREAD = threading.local()
+
+
+def in_disco_worker() -> bool:
+    """Whether the calling thread is a worker of a real disco session (cached per thread).
+
+    TVM's own ``runtime.disco.worker_id`` answers only on a disco worker
+    thread and raises elsewhere; a thread's answer never changes.
+    """
+    known = getattr(_THREAD, "in_disco_worker", None)
+    if known is None:
+        tvm_worker_id = _TVM_DISPATCHERS.get(ccl.DISCO_PREFIX + "worker_id")
+        known = False
+        if tvm_worker_id is not None:
+            try:
+                tvm_worker_id()
+                known = True
+            except Exception:  # noqa: BLE001 - "The current thread is not a DiscoWorker thread"
+                known = False
+        _THREAD.in_disco_worker = known
+    return known
+
+
+def _unless_in_disco_worker(name: str, ours: Callable) -> Callable:
+    """``ours``, except on a real disco worker thread, which keeps TVM's dispatcher."""
+    theirs = _TVM_DISPATCHERS.get(name)
+    if theirs is None:
+        return ours
+
+    def dispatch(*args):
+        if in_disco_worker():
+            return theirs(*args)
+        return ours(*args)
+
+    return dispatch
 
 
 def register(backend: Collectives, builtins: str | None = None) -> None:
     """Make :func:`abi_functions` of ``backend`` this process's global TVM functions.
 
     A ``relax.VirtualMachine`` resolves its functions once, when it is created:
-    register first.
+    register first. With ``builtins=tvm_distx.ccl.DISCO_PREFIX``, TVM's own
+    dispatchers are replaced by functions that call ``backend`` from any thread
+    but a real disco session's workers, which still reach TVM's (and through it
+    their session's CCL): TVM's are kept the first time, so registering again
+    (any number of times) replaces ours by ours and never wraps a wrapper.
     """
     import tvm_ffi
 
     for name, func in abi_functions(backend, builtins).items():
+        if builtins == ccl.DISCO_PREFIX and name.startswith(ccl.DISCO_PREFIX):
+            if name not in _TVM_DISPATCHERS:
+                found = tvm_ffi.get_global_func(name, allow_missing=True)
+                if found is not None:
+                    _TVM_DISPATCHERS[name] = found
+            func = _unless_in_disco_worker(name, func)
         tvm_ffi.register_global_func(name, func, override=True)
 
 

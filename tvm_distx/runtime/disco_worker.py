@@ -8,6 +8,12 @@ wheel), registers :func:`run_rank` and serves the controller's pipe.
 Worker 0 is a thread of the controller process, so the controller imports this
 module as well; there, rank 0 also leaves every rank's result in
 :data:`RESULTS` for the controller to pick up.
+
+The same workers serve a persistent session
+(:class:`tvm_distx.runtime.disco_session.DiscoSession`): :func:`open_rank` runs
+once per worker and keeps its :class:`~tvm_distx.runtime.session_worker.RankState`
+(virtual machine, stored weights loaded once, resident values) in
+:data:`SESSIONS`; :func:`call_rank` then runs each call over the same segment.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import traceback
 from typing import Sequence
 
@@ -27,15 +34,29 @@ import tvm_ffi
 
 from tvm_distx.runtime.disco_shm import DONE, Layout, ShmComm, install
 
-__all__ = ["RUN", "RESULTS", "repair_disco", "run_rank", "main"]
+__all__ = ["RUN", "OPEN", "CALL", "RESULTS", "SESSIONS", "repair_disco", "run_rank",
+           "open_rank", "call_rank", "forget", "main"]
 
 logger = logging.getLogger(__name__)
 
 #: The global function every worker runs once per run.
 RUN = "tvm_distx.disco.run"
 
+#: The global functions of a persistent session: open it once, then one call per call.
+OPEN = "tvm_distx.disco.session_open"
+CALL = "tvm_distx.disco.session_call"
+
 #: Results of finished runs in the controller process, by job id: one per rank.
 RESULTS: dict[str, list] = {}
+
+#: This process's rank of each open session, by session id
+#: (:class:`~tvm_distx.runtime.session_worker.RankState`).
+SESSIONS: dict[str, object] = {}
+#: Per session id: this process's mapping of its segment, the thread that last ran one of
+#: its calls, and how many calls this process has finished.
+MAPPINGS: dict[str, mmap.mmap] = {}
+THREADS: dict[str, int] = {}
+FINISHED: dict[str, int] = {}
 
 
 def repair_disco():
@@ -133,17 +154,154 @@ def _run(job: dict, comm: ShmComm) -> None:
     comm.finish(DONE)
 
 
-def _inject_fault(rank: int) -> None:
-    """The test hook of :mod:`tvm_distx.runtime.worker` (``TVM_DISTX_FAULT="<rank>:kill"``).
+@tvm_ffi.register_global_func(OPEN, override=True)
+def open_rank(message: str) -> int:
+    """Join a persistent session: check the bundle, create this rank's virtual machine.
 
-    Only ``kill`` applies to disco workers (a raising rank is tested with bad
-    inputs); rank 0 is a thread of the controller and is never killed.
+    Parameters
+    ----------
+    message : str
+        JSON: ``session`` (id), ``bundle`` (its directory), and the segment
+        fields of :func:`call_rank`.
+
+    Returns
+    -------
+    int
+        0, or 1 when the segment could not even be mapped (it never raises;
+        see :func:`run_rank`).
     """
+    return _in_segment(message, _open)
+
+
+@tvm_ffi.register_global_func(CALL, override=True)
+def call_rank(message: str) -> int:
+    """Run one call of a persistent session on this rank; rank 0 gathers the results.
+
+    Parameters
+    ----------
+    message : str
+        JSON: ``session`` and ``job`` (ids), ``fd``, ``layout`` and
+        ``deadline`` (as for :func:`run_rank`), and ``inputs``: per rank,
+        offset and length of its pickled ``(function, shards, sizes, state,
+        keep)`` in the input area.
+
+    Returns
+    -------
+    int
+        0, or 1 when the segment could not even be mapped.
+    """
+    return _in_segment(message, _call)
+
+
+def _in_segment(message: str, work) -> int:
+    """Run ``work(job, comm)`` over the session's segment with its collectives installed.
+
+    The rank's mapping of the segment stays open between calls (a new one only
+    when the segment has grown), and the final status is the last thing written:
+    once every rank has one, the controller may end the session, and worker 0
+    (a thread of the controller) must then have nothing left to do but return.
+    """
+    try:
+        job = json.loads(message)
+        session = job["session"]
+        layout = Layout(**job["layout"])
+        THREADS[session] = threading.get_ident()
+        buf = _mapping(session, job["fd"], layout.size)
+        comm = ShmComm(buf, layout, _worker_id(), job["deadline"])
+    except BaseException:  # noqa: BLE001 - nothing may escape a disco worker
+        logger.exception("a disco worker could not join its session")
+        return 1
+    failure = ""
+    try:
+        install(comm)  # before a virtual machine exists: it resolves functions once
+        work(job, comm)
+    except BaseException:  # noqa: BLE001
+        # text only: a traceback kept by a log handler would keep the segment mapped
+        failure = traceback.format_exc()
+        logger.debug("disco rank %d failed:\n%s", comm.rank, failure)
+    install(None)
+    FINISHED[session] = FINISHED.get(session, 0) + 1
+    if failure:
+        comm.fail(failure)
+    else:
+        comm.finish(DONE)
+    return 0
+
+
+def _mapping(session: str, fd: int, size: int) -> mmap.mmap:
+    """This rank's mapping of a session's segment, of ``size`` bytes (remapped when it grew)."""
+    held = MAPPINGS.get(session)
+    if held is None or len(held) != size:
+        held = MAPPINGS[session] = mmap.mmap(fd, size)
+    return held
+
+
+def forget(session: str) -> None:
+    """Drop what this process keeps of a session (its rank state and its mapping)."""
+    SESSIONS.pop(session, None)
+    THREADS.pop(session, None)
+    FINISHED.pop(session, None)
+    held = MAPPINGS.pop(session, None)
+    if held is not None:
+        try:
+            held.close()
+        except BufferError:  # a view is still alive somewhere; the GC unmaps it
+            pass
+
+
+def _open(job: dict, comm: ShmComm) -> None:
+    import tvm
+    from tvm import relax
+
+    from tvm_distx.bundle import check_weights, read_manifest
+    from tvm_distx.runtime.session_worker import RankState
+
+    rank = comm.rank
+    manifest = read_manifest(job["bundle"])
+    check_weights(manifest, [rank])
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(manifest.library_path)), tvm.cpu())
+    SESSIONS[job["session"]] = RankState(manifest, rank, vm)
+    everyone = tuple(range(comm.layout.world))
+    comm.meet("the opening of the session", everyone, None, ())
+
+
+def _call(job: dict, comm: ShmComm) -> None:
+    rank, world = comm.rank, comm.layout.world
+    me = SESSIONS[job["session"]]
+    _inject_fault(rank, ("kill", "raise", "hang"))
+    offset, length = job["inputs"][rank]
+    function, values, sizes, state, keep = pickle.loads(comm.inputs[offset:offset + length])
+    blocks = me.call(function, values, sizes, state, keep, local=True)
+    blob = np.frombuffer(pickle.dumps((blocks, len(me.loaded)),
+                                      protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    everyone = tuple(range(world))
+    posted = comm.meet("the gathering of results", everyone, blob,
+                       everyone if rank == 0 else ())
+    if rank == 0:
+        RESULTS[job["job"]] = {d: pickle.loads(posted[d]) for d in everyone}
+
+
+def _inject_fault(rank: int, kinds: tuple[str, ...] = ("kill",)) -> None:
+    """The test hook of :mod:`tvm_distx.runtime.worker` (``TVM_DISTX_FAULT="<rank>:<kind>"``).
+
+    A one-shot run takes only ``kill`` (a raising rank is tested with bad
+    inputs); a session call takes ``kill``, ``raise`` and ``hang`` (sleeps past
+    any deadline). Rank 0 is a thread of the controller: it may raise, but is
+    never killed nor hung.
+    """
+    import time
+
     from tvm_distx.runtime.worker import FAULT_ENV
 
     where, _, kind = os.environ.get(FAULT_ENV, "").partition(":")
-    if kind == "kill" and rank != 0 and where.strip() == str(rank):
+    if kind not in kinds or where.strip() != str(rank):
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} ({FAULT_ENV})")
+    if rank != 0 and kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if rank != 0 and kind == "hang":
+        time.sleep(3600)
 
 
 def _to_numpy(value):

@@ -3,7 +3,9 @@
 :func:`launch` reads only the bundle's manifest to set everything up. Before
 any rank starts it checks the rank count and every weight file (see
 :func:`tvm_distx.bundle.check_weights`), cuts the global inputs into each
-rank's shards in a private job directory (``tempfile``), and then runs
+rank's shards in a private job directory (``tempfile``; for a function lowered
+by TVM's ``LowerDistIR``, whose feed is ``"worker0"``, rank 0 gets the global
+inputs and the other ranks none, see :mod:`tvm_distx.signature`), and then runs
 ``mpiexec`` from the ``mpich`` wheel (or ``mpiexec=``). Across hosts the same
 call takes ``hosts=["node0", "node1"]``, which becomes ``mpiexec -hosts
 node0,node1``; the bundle and the job directory must then be on a shared
@@ -40,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -47,7 +50,7 @@ import numpy as np
 
 from tvm_distx.bundle import Manifest, check_library, check_weights, read_manifest
 from tvm_distx.errors import ArgumentError, BundleError, LaunchError
-from tvm_distx.runtime.arrays import assemble_array, shard_array
+from tvm_distx.runtime.arrays import assemble_array
 from tvm_distx.runtime.rank_env import rank_environment
 
 __all__ = ["bind_inputs", "launch", "mpiexec_path"]
@@ -144,7 +147,7 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
         raise ArgumentError(f"unknown backend {backend!r}", hint="use mpi or disco")
     job = Path(tempfile.mkdtemp(prefix="tvm-distx-job-"))
     try:
-        _write_inputs(job, manifest, free.params, values)
+        _write_inputs(job, manifest, free, values)
         (job / SIZES_FILE).write_text(json.dumps(sizes))
         _run_mpiexec(manifest, job, function, timeout, hosts, mpiexec, env)
         return _read_results(job, manifest, signature)
@@ -167,15 +170,15 @@ def bind_inputs(manifest: Manifest, function: str, inputs: Sequence, params: Map
     stored = set(manifest.weights.get(function, ()))
     # a fused weight given whole is cut into the segments the program takes
     derivations = manifest.derivations.get(signature.name)
-    runtime_params = derivations.bind(params) if derivations else dict(params or {})
+    runtime_params = derivations.bind(params, stored) if derivations else dict(params or {})
+    for name in stored & {m.name for m in (derivations.made if derivations else ())}:
+        runtime_params.pop(name, None)  # made from the layout: the bundle holds the same values
     overlap = stored & set(runtime_params)
     if overlap:
         raise ArgumentError(f"{', '.join(sorted(overlap))} are weights stored in the bundle",
                             hint="do not pass them again")
     # bind the run-time inputs against the parameters that are not stored weights
-    free = type(signature)(signature.name,
-                           tuple(p for p in signature.params if p.name not in stored),
-                           signature.results, signature.tuple_result)
+    free = replace(signature, params=tuple(p for p in signature.params if p.name not in stored))
     values = free.bind(list(inputs), runtime_params)
     sizes = free.sizes(values)  # symbolic extents: checked here, before any rank starts
     signature = signature.specialize(sizes) if signature.symbolic else signature
@@ -191,8 +194,9 @@ def _run_disco(manifest: Manifest, signature, specs, values, timeout: float):
     per_rank = []
     for rank in range(manifest.num_ranks):
         per_rank.append([
-            np.asarray(manifest.read_weight(rank, spec.name)) if spec.name not in given
-            else shard_array(given[spec.name], spec.sharding, rank)
+            np.asarray(manifest.read_weight(rank, spec.name))
+            if spec.name not in given and signature.fed(spec, rank)
+            else signature.rank_input(spec, given.get(spec.name), rank)
             for spec in signature.params if spec.held_by(rank)])
     entries = [manifest.entry(signature.name, r) for r in range(manifest.num_ranks)]
     outs = run_disco(manifest.library_path, entries, per_rank, timeout=timeout)
@@ -203,13 +207,14 @@ def _run_disco(manifest: Manifest, signature, specs, values, timeout: float):
 SIZES_FILE = "sizes.json"
 
 
-def _write_inputs(job: Path, manifest: Manifest, specs, values) -> None:
+def _write_inputs(job: Path, manifest: Manifest, free, values) -> None:
+    """Each rank's inputs: its shards, or under TVM's feed rank 0's global values only."""
     for rank in range(manifest.num_ranks):
         folder = job / f"rank{rank}" / "in"
         folder.mkdir(parents=True)
-        for spec, value in zip(specs, values):
-            if spec.held_by(rank):
-                np.save(folder / f"{spec.name}.npy", shard_array(value, spec.sharding, rank))
+        for spec, value in zip(free.params, values):
+            if free.fed(spec, rank):
+                np.save(folder / f"{spec.name}.npy", free.rank_input(spec, value, rank))
 
 
 def _run_mpiexec(manifest: Manifest, job: Path, function: str, timeout: float,

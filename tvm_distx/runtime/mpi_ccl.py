@@ -5,10 +5,39 @@ implements the collective-backend interface of
 :mod:`tvm_distx.runtime.collectives`; :func:`install` registers it as every
 function of :mod:`tvm_distx.ccl`, so it must run after ``import tvm`` and
 before a ``relax.VirtualMachine`` is created (the VM looks its functions up
-once). It also overrides TVM's own disco builtins (``runtime.disco.allreduce``,
-``allgather``, ``broadcast_from_worker0``, ``scatter_from_worker0`` and
-``gather_to_worker0``, over the whole world), so programs lowered by TVM's
-``LowerDistIR`` run too.
+once).
+
+TVM's lowered programs
+----------------------
+
+A program lowered by TVM's own ``LowerDistIR`` (then ``LegalizeOps``) calls
+TVM's disco builtins instead of ours, and those only work inside a disco
+session: in an MPI rank they would fail ("not a DiscoWorker thread").
+:func:`install` therefore also registers, under TVM's exact names
+(:data:`tvm_distx.ccl.DISCO_BUILTINS`), implementations over the MPI world:
+worker ``k`` of TVM's vocabulary is rank ``k`` of ``comm``, and every call
+spans all of ``comm`` (``in_group`` is ignored):
+
+* ``runtime.disco.broadcast_from_worker0(x, in_group, out)``: rank 0's ``x``
+  into every rank's ``out`` (``MPI_Bcast``); the other ranks' ``x`` is not read;
+* ``runtime.disco.scatter_from_worker0(x, in_group, out)``: rank 0's ``x``
+  has shape ``(world, *out.shape)`` and row ``k`` goes to rank ``k``
+  (``MPI_Scatter``); the other ranks' ``x`` is not read;
+* ``runtime.disco.gather_to_worker0(x, in_group, out)``: every rank's ``x``
+  concatenated along dimension 0 into rank 0's ``out`` (``MPI_Gather``);
+* ``runtime.disco.allreduce(x, (kind,), in_group, out)``: kinds as
+  :data:`tvm_distx.ccl.REDUCE_KINDS` (TVM's codes), folded as our allreduce;
+* ``runtime.disco.allgather(x, in_group, out)``: concatenated along dimension 0;
+* ``runtime.disco.worker_id()``: the shape ``(rank,)`` (TVM's
+  ``redistribute_replica_to_shard`` slices with it).
+
+These replace TVM's dispatchers in the rank process only, and only on threads
+that are not workers of a real disco session: on such a worker (a
+``ThreadedSession`` started in a rank, say) the call still goes to TVM's
+function and the session's CCL (see
+:func:`tvm_distx.runtime.collectives.register`). Nothing outside the rank
+processes (``runtime/worker.py``, ``runtime/session_worker.py``) calls
+:func:`install`, so a user's process keeps TVM's functions untouched.
 
 How data moves:
 
@@ -379,11 +408,11 @@ def install(comm: MPI.Comm | None = None) -> MpiCollectives:
     """Register the MPI collectives as this process's ``tvm_distx.ccl.*`` functions.
 
     Call it after ``import tvm`` and before creating a ``relax.VirtualMachine``
-    (the VM resolves its functions once). It also overrides TVM's disco
-    builtins ``runtime.disco.allreduce``, ``allgather``,
-    ``broadcast_from_worker0`` and ``scatter_from_worker0`` with versions over
-    the whole of ``comm``. Installing again on the same communicator
-    re-registers the same implementation.
+    (the VM resolves its functions once), and only in a rank process. It
+    also provides TVM's disco builtins over the whole of ``comm`` (see the
+    module documentation). Installing again re-registers the same
+    implementation (a new one for another communicator) and keeps TVM's own
+    dispatchers for disco worker threads.
 
     Parameters
     ----------
@@ -403,7 +432,7 @@ def install(comm: MPI.Comm | None = None) -> MpiCollectives:
     comm = MPI.COMM_WORLD if comm is None else comm
     if _INSTALLED is None or _INSTALLED.comm != comm:
         _INSTALLED = MpiCollectives(comm)
-    register(_INSTALLED, builtins="runtime.disco.")
+    register(_INSTALLED, builtins=ccl.DISCO_PREFIX)
     logger.debug("MPI collectives installed on rank %d of %d", _INSTALLED.rank,
                  _INSTALLED.size)
     return _INSTALLED

@@ -38,11 +38,11 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from tvm_distx.bundle import check_library, check_weights, read_manifest
 from tvm_distx.errors import ArgumentError, LaunchError
 from tvm_distx.runtime.launcher import (_BAD_EXIT, _remove_new_segments, _segments, _stop,
-                                        bind_inputs, mpiexec_path)
+                                        mpiexec_path)
 from tvm_distx.runtime.rank_env import rank_environment
+from tvm_distx.runtime.session_base import Call, RankProcess, Session
 from tvm_distx.runtime.session_worker import receive_message, send_message
 
 __all__ = ["MPISession", "RankProcess"]
@@ -50,25 +50,7 @@ __all__ = ["MPISession", "RankProcess"]
 logger = logging.getLogger(__name__)
 
 
-class RankProcess(tuple):
-    """``(rank, pid, host)`` of one rank of a session."""
-
-    __slots__ = ()
-
-    @property
-    def rank(self) -> int:
-        return self[0]
-
-    @property
-    def pid(self) -> int:
-        return self[1]
-
-    @property
-    def host(self) -> str:
-        return self[2]
-
-
-class MPISession:
+class MPISession(Session):
     """A bundle's ranks under ``mpiexec``, launched once and called many times.
 
     Parameters
@@ -93,34 +75,25 @@ class MPISession:
         For a bundle that cannot run here (before anything starts).
     LaunchError
         If the ranks do not start.
+
+    See Also
+    --------
+    tvm_distx.runtime.session_base.Session : :meth:`run`, :meth:`close` and the
+        attributes every session has.
     """
+
+    backend = "mpi"
 
     def __init__(self, bundle: str | os.PathLike, *, num_ranks: int | None = None,
                  timeout: float = 300.0, hosts: Sequence[str] | None = None,
                  mpiexec: str | None = None, env: Mapping[str, str] | None = None) -> None:
-        if not timeout > 0:
-            raise ArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}",
-                                hint="for example timeout=300")
+        super().__init__(bundle, num_ranks=num_ranks, timeout=timeout)
         if hosts and hosts[0] not in _this_host():
             raise ArgumentError(
                 f"rank 0 would run on {hosts[0]}, but it talks to this process over a "
                 f"local socket, so it must run here ({socket.gethostname()})",
                 hint=f"list this host first: hosts=['{socket.gethostname()}', ...]")
-        self.manifest = read_manifest(bundle)
-        if num_ranks is not None and num_ranks != self.manifest.num_ranks:
-            raise ArgumentError(f"the bundle at {self.manifest.root} needs "
-                                f"{self.manifest.num_ranks} ranks, not {num_ranks}",
-                                hint=f"open the session with {self.manifest.num_ranks} ranks")
-        check_library(self.manifest)
-        check_weights(self.manifest)
-        self.timeout = timeout
-        self.ranks: tuple[RankProcess, ...] = ()
-        self.calls = 0
-        #: per rank, how many stored weights it has loaded so far (each once)
-        self.weights_loaded: dict[int, int] = {}
         self._conn: socket.socket | None = None
-        self._closed = False
-        self._owned: list[Path] = []  # directories removed on close (a bundle made for it)
         self._dir = Path(tempfile.mkdtemp(prefix="tvm-distx-session-"))
         self._log = self._dir / "mpiexec.log"
         self._segments = _segments()
@@ -139,6 +112,7 @@ class MPISession:
             self._proc = subprocess.Popen(command, env=rank_environment(os.environ, env),
                                           stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True)
+        self._closed = False
         try:
             self._conn = self._accept(server, started + timeout)
             reply = self._receive(started + timeout, "starting")
@@ -152,68 +126,11 @@ class MPISession:
                     time.monotonic() - started)
 
     # -- calls
-    def run(self, *inputs, params: Mapping | None = None, function: str = "main",
-            timeout: float | None = None, state: Mapping[str, str] | None = None,
-            keep: Mapping[int, str] | None = None):
-        """Run ``function`` on the session's ranks; returns its global results.
+    def _call(self, call: Call, timeout: float):
+        send_message(self._conn, ("run", *call))
+        reply = self._receive(time.monotonic() + timeout, f"running '{call.function}'")
+        return reply[1], reply[2]
 
-        Parameters
-        ----------
-        *inputs : array
-            The global values of the parameters that are not weights stored in
-            the bundle (nor in ``params``), in order.
-        params : mapping of str to array, optional
-            Global values by name, for parameters not stored in the bundle.
-        function : str
-            A public function of the bundle.
-        timeout : float, optional
-            Seconds this call may take (the session's timeout by default).
-        state : mapping of str to str, optional
-            Parameters taken from values the ranks keep between calls:
-            parameter name -> resident name. A name not kept yet starts as
-            zeros. These parameters are not among ``inputs``.
-        keep : mapping of int to str, optional
-            Results kept on the ranks instead of returned: result index ->
-            resident name (a later call's ``state``). Each rank keeps its own
-            shard; nothing moves.
-
-        Returns
-        -------
-        numpy.ndarray or tuple of numpy.ndarray
-            The results not kept, in order (a tuple for a tuple-returning
-            function).
-
-        Raises
-        ------
-        ArgumentError
-            For inputs that do not fit the function (the session stays usable),
-            or a closed session.
-        LaunchError
-            If a rank fails or the call times out (the session is then closed).
-        """
-        if self._closed:
-            raise ArgumentError("the session is closed",
-                                hint="open a new one: with exe.session(...) as session: ...")
-        state, keep = dict(state or {}), {int(k): str(v) for k, v in (keep or {}).items()}
-        signature = self.manifest.function(function)
-        _check_state(signature, state, keep)
-        placeholders = {name: _placeholder(signature, name) for name in state}
-        _, free, values, sizes = bind_inputs(self.manifest, function, inputs,
-                                             {**(params or {}), **placeholders})
-        call = ("run", function, {spec.name: value for spec, value in zip(free.params, values)
-                                  if spec.name not in state}, sizes, state, keep)
-        try:
-            send_message(self._conn, call)
-            reply = self._receive(time.monotonic() + (timeout or self.timeout),
-                                  f"running '{function}'")
-        except BaseException:
-            self._shut(failed=True)
-            raise
-        self.calls += 1
-        self.weights_loaded = dict(reply[2])
-        return reply[1]
-
-    # -- life cycle
     def close(self) -> None:
         """Stop the ranks and clean up; a second call does nothing."""
         if self._closed:
@@ -225,27 +142,14 @@ class MPISession:
             pass
         self._shut(failed=self._proc.returncode != 0)
 
-    def __enter__(self) -> "MPISession":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # a session dropped without close() leaves nothing running
-        if not getattr(self, "_closed", True):
-            self._shut(failed=True)
-
     # -- internals
-    def _shut(self, failed: bool) -> None:
-        self._closed = True
+    def _stop(self, failed: bool) -> None:
         if self._conn is not None:
             self._conn.close()
         _stop(self._proc)
         if failed:
             _remove_new_segments(self._segments)
         shutil.rmtree(self._dir, ignore_errors=True)
-        for path in self._owned:
-            shutil.rmtree(path, ignore_errors=True)
 
     def _accept(self, server: socket.socket, deadline: float) -> socket.socket:
         while True:
@@ -299,37 +203,6 @@ class MPISession:
         return LaunchError(f"the session's ranks stopped {doing} (mpiexec exit code "
                            f"{self._proc.returncode})", hint="the session is closed; its log "
                            "ended with:\n" + "\n".join(log.strip().splitlines()[-8:]))
-
-
-def _check_state(signature, state: dict, keep: dict) -> None:
-    """Refuse state that names no parameter, or keeps a result that does not exist."""
-    names = {p.name for p in signature.params}
-    unknown = sorted(set(state) - names)
-    if unknown:
-        raise ArgumentError(f"'{signature.name}' has no parameter named "
-                            f"{', '.join(unknown)} (in state=)",
-                            hint=f"its parameters are {', '.join(sorted(names))}")
-    count = len(signature.results)
-    bad = sorted(i for i in keep if not 0 <= i < count)
-    if bad:
-        raise ArgumentError(f"'{signature.name}' has {count} result(s); keep= names {bad}",
-                            hint=f"keep result indices from 0 to {count - 1}")
-    if keep and count == len(keep):
-        raise ArgumentError(f"keep= keeps every result of '{signature.name}' on the ranks",
-                            hint="return at least one result (the logits, say)")
-
-
-def _placeholder(signature, name: str):
-    """A zero-size stand-in that satisfies the input check of a parameter given by state.
-
-    The check only reads shapes and dtypes; a broadcast view of one zero has the
-    parameter's shape without its memory, and is never sent.
-    """
-    import numpy as np
-
-    spec = next(p for p in signature.params if p.name == name)
-    shape = tuple(1 if d is None else int(d) for d in spec.shape)
-    return np.broadcast_to(np.zeros((), spec.dtype), shape)
 
 
 def _this_host() -> set[str]:

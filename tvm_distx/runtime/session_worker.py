@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["send_message", "receive_message", "serve"]
+__all__ = ["send_message", "receive_message", "serve", "RankState", "assemble_reply"]
 
 _HEADER = struct.Struct("!Q")
 
@@ -90,7 +90,6 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
     from tvm_distx.bundle import check_weights, read_manifest
     from tvm_distx.errors import BundleError
     from tvm_distx.runtime import mpi_ccl
-    from tvm_distx.runtime.arrays import assemble_array, first_holder, shard_array
     from tvm_distx.runtime.worker import _threads_per_rank
 
     _threads_per_rank(comm)
@@ -101,8 +100,7 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
     check_weights(manifest, [rank])
     mpi_ccl.install(comm)  # before the VM exists: it resolves functions once
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(manifest.library_path)), tvm.cpu())
-    loaded: dict[str, object] = {}  # stored weights of this rank, loaded once
-    resident: dict[str, object] = {}  # values kept on this rank between calls, by name
+    me = RankState(manifest, rank, vm)
 
     conn = None
     ranks = comm.gather((rank, os.getpid(), socket.gethostname()), root=0)
@@ -116,53 +114,138 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
         if call[0] == "close":
             break
         _, function, values, sizes, state, keep = call
+        blocks = me.call(function, values, sizes, state, keep)
+        gathered = comm.gather((rank, blocks, len(me.loaded)), root=0)
+        if rank == 0:
+            result = assemble_reply(manifest, function, sizes, keep,
+                                    {r: b for r, b, _ in gathered})
+            send_message(conn, ("ok", result, {r: n for r, _, n in gathered}))
+    if conn is not None:
+        conn.close()
+
+
+class RankState:
+    """What one rank of a session keeps between calls, and how it runs one call.
+
+    Every backend's ranks use it (MPI processes, disco workers, emulated
+    threads), so a call means the same everywhere.
+
+    Parameters
+    ----------
+    manifest : tvm_distx.bundle.Manifest
+        The bundle the session serves.
+    rank : int
+        This rank.
+    vm : tvm.relax.VirtualMachine
+        The rank's virtual machine over the bundle's library, created once
+        (after the backend's collectives are registered).
+
+    Attributes
+    ----------
+    loaded : dict of str to tvm.runtime.Tensor
+        The stored weights this rank has loaded, each the first time a
+        function needs it (read only through
+        :meth:`tvm_distx.bundle.Manifest.read_weight`).
+    resident : dict of str to tvm.runtime.Tensor
+        The values kept on this rank between calls, by name (``state``/``keep``).
+    """
+
+    def __init__(self, manifest, rank: int, vm) -> None:
+        self.manifest, self.rank, self.vm = manifest, rank, vm
+        self.loaded: dict[str, object] = {}
+        self.resident: dict[str, object] = {}
+
+    def call(self, function: str, values: dict, sizes: dict, state: dict, keep: dict,
+             local: bool = False) -> dict[int, np.ndarray]:
+        """Run this rank's entry of ``function``; returns the result blocks it reports.
+
+        Parameters
+        ----------
+        function : str
+            The public function.
+        values : dict of str to numpy.ndarray
+            The run-time parameters by name: global values, cut here, or (with
+            ``local``) this rank's shards already.
+        sizes : dict
+            The call's symbolic sizes.
+        state, keep : dict
+            As for :meth:`tvm_distx.runtime.session.MPISession.run`.
+        local : bool
+            Whether ``values`` are this rank's shards.
+
+        Returns
+        -------
+        dict of int to numpy.ndarray
+            Per result index not kept, this rank's block when it is the first
+            holder of that block (each block is reported by one rank).
+        """
+        import tvm
+
+        from tvm_distx.runtime.arrays import first_holder
+
+        manifest, rank = self.manifest, self.rank
         signature = manifest.function(function)
         if signature.symbolic:
             signature = signature.specialize(sizes)
         stored = set(manifest.weights.get(function, ()))
-        blocks = {}
+        blocks: dict[int, np.ndarray] = {}
         entry = manifest.entry(function, rank)
-        if entry is not None:
-            args = []
-            for spec in signature.params:
-                if not spec.held_by(rank):
-                    continue
-                if spec.name in state:  # a value kept on the ranks by an earlier call
-                    name = state[spec.name]
-                    if name not in resident:  # first use: zeros of this rank's shard
-                        resident[name] = tvm.runtime.tensor(
-                            np.zeros(spec.sharding.local_shape(spec.shape), spec.dtype))
-                    args.append(resident[name])
-                elif spec.name in stored:
-                    if spec.name not in loaded:
-                        loaded[spec.name] = tvm.runtime.tensor(
-                            manifest.read_weight(rank, spec.name))
-                    args.append(loaded[spec.name])
-                else:
-                    args.append(tvm.runtime.tensor(
-                        np.ascontiguousarray(shard_array(values[spec.name], spec.sharding, rank))))
-            out = vm[entry](*args)
-            results = list(out) if signature.tuple_result else [out]
-            held = [spec for spec in signature.results if spec.held_by(rank)]
-            for index, spec in enumerate(signature.results):
-                if not spec.held_by(rank):
-                    continue
-                if index in keep:  # stays on this rank, as it is: nothing moves
-                    resident[keep[index]] = results[held.index(spec)]
-                elif first_holder(spec.sharding, spec.shape, rank):
-                    blocks[index] = results[held.index(spec)].numpy()
-        gathered = comm.gather((rank, blocks, len(loaded)), root=0)
-        if rank == 0:
-            outputs = []
-            for index, spec in enumerate(signature.results):
-                if index in keep:
-                    continue
-                shards = {r: b[index] for r, b, _ in gathered if index in b}
-                outputs.append(assemble_array(shards, spec.sharding, spec.shape))
-            result = tuple(outputs) if signature.tuple_result else outputs[0]
-            send_message(conn, ("ok", result, {r: n for r, _, n in gathered}))
-    if conn is not None:
-        conn.close()
+        if entry is None:
+            return blocks
+        args = []
+        for spec in signature.params:
+            if not spec.held_by(rank):
+                continue
+            if spec.name in state:  # a value kept on the ranks by an earlier call
+                name = state[spec.name]
+                if name not in self.resident:  # first use: zeros of this rank's shard
+                    self.resident[name] = tvm.runtime.tensor(
+                        np.zeros(spec.sharding.local_shape(spec.shape), spec.dtype))
+                args.append(self.resident[name])
+            elif spec.name in stored:
+                if spec.name not in self.loaded:
+                    self.loaded[spec.name] = tvm.runtime.tensor(np.ascontiguousarray(
+                        manifest.read_weight(rank, spec.name)
+                        if signature.fed(spec, rank)  # else TVM's feed: a placeholder
+                        else signature.rank_input(spec, None, rank)))
+                args.append(self.loaded[spec.name])
+            else:
+                value = values.get(spec.name)
+                if not local:  # the global value: what this rank takes of it
+                    value = signature.rank_input(spec, value, rank)
+                args.append(tvm.runtime.tensor(np.ascontiguousarray(value)))
+        out = self.vm[entry](*args)
+        results = list(out) if signature.tuple_result else [out]
+        held = [spec for spec in signature.results if spec.held_by(rank)]
+        for index, spec in enumerate(signature.results):
+            if not spec.held_by(rank):
+                continue
+            if index in keep:  # stays on this rank, as it is: nothing moves
+                self.resident[keep[index]] = results[held.index(spec)]
+            elif first_holder(spec.sharding, spec.shape, rank):
+                blocks[index] = results[held.index(spec)].numpy()
+        return blocks
+
+
+def assemble_reply(manifest, function: str, sizes: dict, keep: dict,
+                   blocks: dict[int, dict[int, np.ndarray]]):
+    """The global results of a call from every rank's blocks (:meth:`RankState.call`).
+
+    Returns the results not kept, in order: a tuple for a tuple-returning
+    function, else the one array.
+    """
+    from tvm_distx.runtime.arrays import assemble_array
+
+    signature = manifest.function(function)
+    if signature.symbolic:
+        signature = signature.specialize(sizes)
+    outputs = []
+    for index, spec in enumerate(signature.results):
+        if index in keep:
+            continue
+        shards = {r: b[index] for r, b in blocks.items() if index in b}
+        outputs.append(assemble_array(shards, spec.sharding, spec.shape))
+    return tuple(outputs) if signature.tuple_result else outputs[0]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,10 @@ Rank ``r`` (its rank in ``MPI.COMM_WORLD``) is device ``r``. It:
 2. installs the MPI collectives (:func:`tvm_distx.runtime.mpi_ccl.install`)
    before it creates the virtual machine;
 3. runs its entry of the function with its weights from the bundle and its
-   input shards from ``JOB/rank<r>/in/<name>.npy``;
+   input shards from ``JOB/rank<r>/in/<name>.npy`` (for a function lowered by
+   TVM's ``LowerDistIR``, the ``"worker0"`` feed of
+   :mod:`tvm_distx.signature`: rank 0 the global inputs, the other ranks
+   placeholders of the same shapes);
 4. writes the result blocks it is the first to hold to ``JOB/rank<r>/out<i>.npy``.
 
 Its progress is in ``JOB/rank<r>/status`` (``started``, ``loaded``,
@@ -80,7 +83,8 @@ def _count_collectives(folder: Path, fault: str | None) -> None:
 
         return call
 
-    for name in ccl.FUNCTIONS:
+    disco = [ccl.DISCO_PREFIX + n for n in ccl.DISCO_BUILTINS if n != "worker_id"]
+    for name in (*ccl.FUNCTIONS, *disco):  # ours, and TVM's builtins of TVM-lowered programs
         tvm_ffi.register_global_func(name, wrap(tvm.get_global_func(name)), override=True)
 
 
@@ -148,7 +152,9 @@ def _run(bundle: Path, folder: Path, function: str, comm, rank: int) -> None:
         for spec in signature.params:
             if not spec.held_by(rank):
                 continue
-            if spec.name in weights:
+            if not signature.fed(spec, rank):  # TVM's feed: only rank 0's inputs are read
+                value = signature.rank_input(spec, None, rank)
+            elif spec.name in weights:
                 value = manifest.read_weight(rank, spec.name)
             else:
                 value = np.load(folder / "in" / f"{spec.name}.npy", allow_pickle=False)

@@ -1,0 +1,356 @@
+"""What every persistent session shares, whatever runs its ranks.
+
+A session (:class:`~tvm_distx.runtime.session.MPISession`,
+:class:`~tvm_distx.runtime.disco_session.DiscoSession`,
+:class:`~tvm_distx.runtime.emulated_session.EmulatedSession`) serves a bundle's
+functions on ranks that start once and load their stored weights once. This
+module holds the driver's half that does not depend on how the ranks run:
+
+* :class:`Session` checks the bundle before anything starts, checks every call
+  (its inputs, its ``state`` and ``keep``) before any rank sees it, counts the
+  calls and the weights loaded, and closes the session on any failure, Ctrl-C
+  included; a closed session refuses calls and closing twice does nothing.
+  A backend implements :meth:`Session._call` (send a checked call, wait for its
+  reply) and :meth:`Session._stop` (stop the ranks, free what they used).
+* :class:`RankProcess` names a rank's process.
+
+The rank's half (run one call on a rank's shards, keep its weights and its
+resident values; put the results together) is :class:`~tvm_distx.runtime.session_worker.RankState`
+and :func:`~tvm_distx.runtime.session_worker.assemble_reply`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from tvm_distx.bundle import Manifest, check_library, check_weights, read_manifest
+from tvm_distx.errors import ArgumentError
+from tvm_distx.runtime.launcher import bind_inputs
+from tvm_distx.signature import WORKER0
+
+__all__ = ["Session", "RankProcess", "Call", "open_session", "check_backend",
+           "SESSION_BACKENDS"]
+
+logger = logging.getLogger(__name__)
+
+#: The backends a session runs on.
+SESSION_BACKENDS = ("mpi", "disco", "emulate")
+
+
+def check_backend(backend: str, options: Mapping) -> None:
+    """Refuse an unknown session backend, or options it does not take (before any work).
+
+    Raises
+    ------
+    ArgumentError
+        Naming the backend or the options.
+    """
+    if backend not in SESSION_BACKENDS:
+        raise ArgumentError(f"unknown session backend {backend!r}",
+                            hint=f"use one of {', '.join(SESSION_BACKENDS)}")
+    if backend != "mpi" and options:
+        raise ArgumentError(f"a {backend} session takes no option {', '.join(sorted(options))}",
+                            hint='hosts=, mpiexec= and env= are for backend="mpi"')
+
+
+def open_session(bundle: str | os.PathLike, *, backend: str = "mpi", num_ranks: int | None = None,
+                 timeout: float = 300.0, **options) -> "Session":
+    """Start a session of a bundle on ``backend``.
+
+    Parameters
+    ----------
+    bundle : path
+        A directory written by :meth:`tvm_distx.DistExecutable.export`.
+    backend : {"mpi", "disco", "emulate"}
+        :class:`~tvm_distx.runtime.session.MPISession`,
+        :class:`~tvm_distx.runtime.disco_session.DiscoSession` or
+        :class:`~tvm_distx.runtime.emulated_session.EmulatedSession`.
+    num_ranks : int, optional
+        Must equal the bundle's rank count when given.
+    timeout : float
+        Seconds for the ranks to start, and for each call by default.
+    **options
+        For ``"mpi"``: ``hosts``, ``mpiexec``, ``env``.
+
+    Returns
+    -------
+    Session
+
+    Raises
+    ------
+    ArgumentError
+        For an unknown backend, or options it does not take.
+    """
+    check_backend(backend, options)
+    if backend == "mpi":
+        from tvm_distx.runtime.session import MPISession as kind
+    elif backend == "disco":
+        from tvm_distx.runtime.disco_session import DiscoSession as kind
+    elif backend == "emulate":
+        from tvm_distx.runtime.emulated_session import EmulatedSession as kind
+    return kind(bundle, num_ranks=num_ranks, timeout=timeout, **options)
+
+
+class RankProcess(tuple):
+    """``(rank, pid, host)`` of one rank of a session."""
+
+    __slots__ = ()
+
+    @property
+    def rank(self) -> int:
+        """The rank."""
+        return self[0]
+
+    @property
+    def pid(self) -> int:
+        """Its process id (this process's for ranks that are threads)."""
+        return self[1]
+
+    @property
+    def host(self) -> str:
+        """The host it runs on."""
+        return self[2]
+
+
+class Call(tuple):
+    """One checked call, as the ranks get it.
+
+    ``(function, values, sizes, state, keep)``: the public function, the global
+    values of its run-time parameters by name (not those taken from ``state``),
+    its symbolic sizes, ``state`` (parameter -> resident name) and ``keep``
+    (result index -> resident name).
+    """
+
+    __slots__ = ()
+
+    @property
+    def function(self) -> str:
+        return self[0]
+
+    @property
+    def values(self) -> dict:
+        return self[1]
+
+    @property
+    def sizes(self) -> dict:
+        return self[2]
+
+    @property
+    def state(self) -> dict:
+        return self[3]
+
+    @property
+    def keep(self) -> dict:
+        return self[4]
+
+
+class Session:
+    """A bundle's ranks, started once and called many times (the backend-neutral part).
+
+    Parameters
+    ----------
+    bundle : path
+        A directory written by :meth:`tvm_distx.DistExecutable.export`.
+    num_ranks : int, optional
+        Must equal the bundle's rank count when given.
+    timeout : float
+        Seconds the ranks may take to start, and each call by default.
+
+    Attributes
+    ----------
+    manifest : tvm_distx.bundle.Manifest
+        The bundle's manifest.
+    ranks : tuple of RankProcess
+        The ranks, once started.
+    calls : int
+        Calls that returned.
+    weights_loaded : dict of int to int
+        Per rank, how many stored weights it has loaded so far (each once).
+
+    Raises
+    ------
+    ArgumentError
+        For a bad ``timeout`` or ``num_ranks``.
+    BundleError
+        For a bundle that cannot run here (before anything starts).
+    """
+
+    #: the backend's name, in messages
+    backend = "session"
+
+    def __init__(self, bundle: str | os.PathLike, *, num_ranks: int | None = None,
+                 timeout: float = 300.0) -> None:
+        self._closed = True  # until the ranks run: __del__ has nothing to stop
+        if not timeout > 0:
+            raise ArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}",
+                                hint="for example timeout=300")
+        self.manifest: Manifest = read_manifest(bundle)
+        if num_ranks is not None and num_ranks != self.manifest.num_ranks:
+            raise ArgumentError(f"the bundle at {self.manifest.root} needs "
+                                f"{self.manifest.num_ranks} ranks, not {num_ranks}",
+                                hint=f"open the session with {self.manifest.num_ranks} ranks")
+        check_library(self.manifest)
+        check_weights(self.manifest)
+        self.timeout = timeout
+        self.ranks: tuple[RankProcess, ...] = ()
+        self.calls = 0
+        self.weights_loaded: dict[int, int] = {}
+        self._owned: list[Path] = []  # directories removed on close (a bundle made for it)
+
+    # -- calls
+    def run(self, *inputs, params: Mapping | None = None, function: str = "main",
+            timeout: float | None = None, state: Mapping[str, str] | None = None,
+            keep: Mapping[int, str] | None = None):
+        """Run ``function`` on the session's ranks; returns its global results.
+
+        Parameters
+        ----------
+        *inputs : array
+            The global values of the parameters that are not weights stored in
+            the bundle (nor in ``params``, nor taken from ``state``), in order.
+        params : mapping of str to array, optional
+            Global values by name, for parameters not stored in the bundle.
+        function : str
+            A public function of the bundle.
+        timeout : float, optional
+            Seconds this call may take (the session's timeout by default).
+        state : mapping of str to str, optional
+            Parameters taken from values the ranks keep between calls:
+            parameter name -> resident name. A name not kept yet starts as
+            zeros. These parameters are not among ``inputs``.
+        keep : mapping of int to str, optional
+            Results kept on the ranks instead of returned: result index ->
+            resident name (a later call's ``state``). Each rank keeps its own
+            shard; nothing moves.
+
+        Returns
+        -------
+        numpy.ndarray or tuple of numpy.ndarray
+            The results not kept, in order (a tuple for a tuple-returning
+            function).
+
+        Raises
+        ------
+        ArgumentError
+            For inputs that do not fit the function (the session stays usable),
+            or a closed session.
+        LaunchError
+            If a rank fails or the call times out (the session is then closed).
+        """
+        if self._closed:
+            raise ArgumentError("the session is closed",
+                                hint="open a new one: with exe.session(...) as session: ...")
+        call = self._check(inputs, params, function, state, keep)
+        started = time.monotonic()
+        try:
+            result, loaded = self._call(call, timeout or self.timeout)
+        except BaseException:  # a failed rank, a timeout, Ctrl-C: the session is over
+            self._shut(failed=True)
+            raise
+        self.calls += 1
+        self.weights_loaded = dict(loaded)
+        logger.debug("%s: '%s' took %.2f ms", self.backend, function,
+                     1e3 * (time.monotonic() - started))
+        return result
+
+    def _check(self, inputs, params, function: str, state, keep) -> Call:
+        """The call, checked against the function before any rank sees it."""
+        state = {str(k): str(v) for k, v in (state or {}).items()}
+        keep = {int(k): str(v) for k, v in (keep or {}).items()}
+        signature = self.manifest.function(function)
+        check_state(signature, state, keep)
+        placeholders = {name: _placeholder(signature, name) for name in state}
+        _, free, values, sizes = bind_inputs(self.manifest, function, inputs,
+                                             {**(params or {}), **placeholders})
+        return Call((function, {spec.name: value for spec, value in zip(free.params, values)
+                                if spec.name not in state}, sizes, state, keep))
+
+    # -- what a backend implements
+    def _call(self, call: Call, timeout: float) -> tuple[object, Mapping[int, int]]:
+        """Run one checked call; returns its result and the weights each rank has loaded.
+
+        Raises LaunchError naming the rank when one fails or the call times out.
+        """
+        raise NotImplementedError
+
+    def _stop(self, failed: bool) -> None:
+        """Stop the ranks and free what they used (called once)."""
+        raise NotImplementedError
+
+    # -- life cycle
+    def close(self) -> None:
+        """Stop the ranks and clean up; a second call does nothing."""
+        if not self._closed:
+            self._shut(failed=False)
+
+    def _shut(self, failed: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stop(failed)
+        finally:
+            for path in self._owned:
+                shutil.rmtree(path, ignore_errors=True)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the session has ended (closed, or ended by a failure)."""
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a session dropped without close() leaves nothing running
+        if not getattr(self, "_closed", True):
+            self._shut(failed=True)
+
+
+def check_state(signature, state: dict, keep: dict) -> None:
+    """Refuse state that names no parameter, or keeps a result that does not exist.
+
+    Raises
+    ------
+    ArgumentError
+        Naming the function and the parameter or result index.
+    """
+    if (state or keep) and signature.feed == WORKER0:
+        raise ArgumentError(f"'{signature.name}' was lowered by TVM's LowerDistIR: rank 0 takes "
+                            "its inputs whole, so no shard kept on the ranks can feed it",
+                            hint="call it without state= and keep=, or lower it with "
+                            "tvm_distx.legalize.LowerDistIR")
+    names = {p.name for p in signature.params}
+    unknown = sorted(set(state) - names)
+    if unknown:
+        raise ArgumentError(f"'{signature.name}' has no parameter named "
+                            f"{', '.join(unknown)} (in state=)",
+                            hint=f"its parameters are {', '.join(sorted(names))}")
+    count = len(signature.results)
+    bad = sorted(i for i in keep if not 0 <= i < count)
+    if bad:
+        raise ArgumentError(f"'{signature.name}' has {count} result(s); keep= names {bad}",
+                            hint=f"keep result indices from 0 to {count - 1}")
+    if keep and count == len(keep):
+        raise ArgumentError(f"keep= keeps every result of '{signature.name}' on the ranks",
+                            hint="return at least one result (the logits, say)")
+
+
+def _placeholder(signature, name: str):
+    """A zero-size stand-in that satisfies the input check of a parameter given by state.
+
+    The check only reads shapes and dtypes; a broadcast view of one zero has the
+    parameter's shape without its memory, and is never sent.
+    """
+    spec = next(p for p in signature.params if p.name == name)
+    shape = tuple(1 if d is None else int(d) for d in spec.shape)
+    return np.broadcast_to(np.zeros((), spec.dtype), shape)
