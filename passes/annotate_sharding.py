@@ -152,11 +152,14 @@ class _Planner:
     def plan_function(self, name: str, func: relax.Function) -> None:
         sites = _SiteCollector()
         sites.visit_expr(func)
+        by_name: dict[str, list[relax.Var]] = {}  # read once: a rule per weight is common
+        for param in func.params:
+            by_name.setdefault(str(param.name), []).append(param)
         for rule in self.rules:
             if rule.function is not None and rule.function != name:
                 continue
             if rule.kind == "param":
-                self._plan_param(rule, name, func, sites)
+                self._plan_param(rule, name, by_name.get(rule.param, ()), sites)
             else:
                 for binding in sites.calls:
                     if self._matches(rule, binding.value):
@@ -168,10 +171,8 @@ class _Planner:
             return _ir.callee_name(call) == rule.callee
         return isinstance(call.op, tvm.ir.Op) and call.op.name == rule.op
 
-    def _plan_param(self, rule, name, func, sites) -> None:
-        for param in func.params:
-            if param.name != rule.param:
-                continue
+    def _plan_param(self, rule, name, params, sites) -> None:
+        for param in params:
             sharding = self._next_sharding(rule, rule.result, name, param.name)
             self.site_count[id(rule)] += 1
             self._check_value(param, sharding, name, param.name)

@@ -102,6 +102,21 @@ def llama_plan(llama):
     return auto_shard(mod, (2,), memory_per_rank=int(0.55 * _weight_bytes(weights)))
 
 
+@pytest.fixture(scope="module")
+def gpt2():
+    """Tiny GPT-2: Conv1D weights stored (in, out), q|k|v fused in ``c_attn``, tied LM head."""
+    model = build("gpt2")
+    ids = tokens(8)
+    mod, weights = td.from_torch(model, (torch.from_numpy(ids),))
+    return mod, weights, ids, logits(model, ids)
+
+
+@pytest.fixture(scope="module")
+def gpt2_plan(gpt2):
+    mod, weights, _, _ = gpt2
+    return auto_shard(mod, (2,), memory_per_rank=int(0.55 * _weight_bytes(weights)))
+
+
 # --------------------------------------------------------------------------- (2,) mesh
 def test_transformer_gets_megatron_under_a_budget_and_runs_on_mpi(transformer, transformer_plan):
     mod, weights, x, want = transformer
@@ -142,21 +157,50 @@ def test_tiny_llama_gets_megatron_under_a_budget_and_runs_on_mpi(llama, llama_pl
     np.testing.assert_allclose(out, want, atol=1e-4)
 
 
-def test_never_worse_than_the_tensor_parallel_preset(transformer, transformer_plan, llama,
-                                                      llama_plan):
-    for (mod, weights, _, _), (_, report) in ((transformer, transformer_plan),
-                                              (llama, llama_plan)):
-        budget = report.memory_per_rank
-        try:
-            preset = plan_cost(mod, (2,), presets.tensor_parallel(), memory_per_rank=budget)
-        except MemoryBudgetError:  # the preset does not even fit
-            preset = None
-        if preset is not None:
-            assert report.solution.objective <= preset.objective * (1 + 1e-9)
-        # without a budget too
+def test_gpt2_fused_qkv_gets_megatron_per_segment_under_a_budget_and_runs_on_mpi(gpt2,
+                                                                                gpt2_plan):
+    """c_attn (q|k|v in one Conv1D weight) is cut per segment, each split by heads."""
+    mod, weights, ids, want = gpt2
+    annotated, report = gpt2_plan
+    placements = report.placements
+    for layer in range(2):
+        prefix = f"p_transformer_h_{layer}_"
+        for seg in range(3):  # a Conv1D weight is (in, out): column parallel is S[1]
+            assert placements[f"{prefix}attn_c_attn_weight_seg{seg}"] == "S[1]"
+        assert placements[f"{prefix}mlp_c_fc_weight"] == "S[1]"
+        for name in ("attn_c_proj", "mlp_c_proj"):
+            assert placements[f"{prefix}{name}_weight"] == "S[0]"  # row parallel
+    assert 0.5 <= report.weight_bytes_per_rank / _weight_bytes(weights) <= 0.53
+    exe = td.compile(annotated)
+    realized = _lowered(exe)
+    assert realized == report.collectives()
+    assert _one_reduction_per_block(realized, blocks=4)
+    out = exe.run(ids, params=weights, backend="mpi")  # the user's fused weights, cut on load
+    np.testing.assert_allclose(out, want, atol=1e-4)
+
+
+def test_never_worse_than_the_hand_written_presets(transformer, transformer_plan, llama,
+                                                   llama_plan, gpt2, gpt2_plan):
+    """Each preset priced as the program it propagates to (plan_cost), with and without a budget.
+
+    ``megatron()`` names the test transformer's layers; ``tensor_parallel()`` finds
+    the plan in any graph.
+    """
+    tp = ("tensor_parallel()", presets.tensor_parallel())
+    sp = ("megatron(sequence_parallel=True)", presets.megatron(sequence_parallel=True))
+    for (mod, weights, _, _), (_, report), named in ((transformer, transformer_plan, (tp, sp)),
+                                                     (llama, llama_plan, (tp,)),
+                                                     (gpt2, gpt2_plan, (tp,))):
         _, free = auto_shard(mod, (2,), runner_ups=0, pin=False)
-        preset = plan_cost(mod, (2,), presets.tensor_parallel())
-        assert free.solution.objective <= preset.objective * (1 + 1e-9)
+        for name, preset in named:
+            try:
+                fitted = plan_cost(mod, (2,), preset, memory_per_rank=report.memory_per_rank)
+            except MemoryBudgetError:  # the preset does not even fit
+                fitted = None
+            if fitted is not None:
+                assert report.solution.objective <= fitted.objective * (1 + 1e-9), name
+            assert free.solution.objective <= plan_cost(mod, (2,), preset).objective * (
+                1 + 1e-9), name
 
 
 def test_the_report_gives_reasons_and_runner_ups(transformer_plan):

@@ -298,7 +298,7 @@ def _linear_module(rows, depth, width, bias: bool):
 
 
 @pytest.mark.parametrize("rows, depth, width, bias", [(1, 256, 96, True), (3, 100, 64, False),
-                                                      (4, 64, 30, True)])
+                                                      (4, 64, 30, True), (2, 4096, 12, True)])
 def test_a_few_rows_times_an_out_in_weight_read_once_in_parallel(rows, depth, width, bias):
     mod = schedule_module(_linear_module(rows, depth, width, bias), TARGET)
     rules = {f.attrs[RULE_ATTR] for f in kernels(mod).values()}
@@ -312,7 +312,45 @@ def test_a_few_rows_times_an_out_in_weight_read_once_in_parallel(rows, depth, wi
     b = rng.standard_normal((width,), dtype="float32")
     t = x @ w.T + (b if bias else 0)
     got = run(mod, *([x, w, b] if bias else [x, w]))
-    np.testing.assert_allclose(got, t / (1 + np.exp(-t)), rtol=1e-4, atol=1e-4)
+    with np.errstate(over="ignore"):  # silu of a large negative t is 0
+        want = t / (1 + np.exp(-t))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _attention_module(heads, length, dim):
+    """One decoded query against a cache: ``softmax(q @ k^T * s, masked) @ v``, legalized."""
+    from tvm_distx.pipeline import legalize_ops
+
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((1, heads, 1, dim), "float32"))
+    k = relax.Var("k", relax.TensorType((1, heads, length, dim), "float32"))
+    v = relax.Var("v", relax.TensorType((1, heads, length, dim), "float32"))
+    m = relax.Var("m", relax.TensorType((1, 1, 1, length), "bool"))
+    with bb.function("main", [q, k, v, m]):
+        with bb.dataflow():
+            keys = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
+            scores = bb.emit(relax.op.multiply(relax.op.matmul(q, keys),
+                                               relax.const(0.125, "float32")))
+            masked = bb.emit(relax.op.where(m, scores, relax.const(-1e30, "float32")))
+            probs = bb.emit(relax.op.nn.softmax(masked, axis=-1))
+            out = bb.emit_output(relax.op.matmul(probs, v))
+        bb.emit_func_output(out)
+    return legalize_ops(bb.get())
+
+
+def test_attention_products_of_one_query_are_matrix_vector_products():
+    heads, length, dim = 4, 96, 32
+    mod = schedule_module(_attention_module(heads, length, dim), TARGET)
+    rules = [f.attrs[RULE_ATTR] for f in kernels(mod).values()]
+    assert rules.count("matvec") == 2, rules
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s, dtype="float32")
+               for s in ((1, heads, 1, dim), (1, heads, length, dim), (1, heads, length, dim)))
+    m = (np.arange(length) < 40).reshape(1, 1, 1, length)
+    s = np.where(m, q @ k.transpose(0, 1, 3, 2) * 0.125, -1e30)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ v
+    np.testing.assert_allclose(run(mod, q, k, v, m), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [8, None])  # more rows, or a symbolic count: a matrix product

@@ -412,6 +412,10 @@ def _index_copy(node, importer) -> relax.Var:
     written element is one product with ``1.0`` plus products with ``0.0``:
     exact for finite values. (TVM's own translation emits an ``index_put``
     with too few index tensors, which Relax rejects.)
+
+    A single index (one decoded token) needs no product: the source row is
+    broadcast along the indexed axis and selected where the index hits, one
+    elementwise pass over ``x``.
     """
     from .errors import UnsupportedProgramError
 
@@ -435,11 +439,17 @@ def _index_copy(node, importer) -> relax.Var:
     slots = bb.emit(relax.op.arange(0, length, 1, _dtype_of(index)))
     hit = bb.emit(relax.op.equal(relax.op.expand_dims(index, 1),
                                  relax.op.expand_dims(slots, 0)))          # (n, length)
-    weights = bb.emit(relax.op.astype(relax.op.permute_dims(hit, [1, 0]), _dtype_of(x)))
-    written = bb.emit(relax.op.matmul(weights, source))                    # (..., length, d)
-    mask = bb.emit(relax.op.expand_dims(
-        relax.op.max(relax.op.astype(hit, "int32"), axis=[0]), 1))         # (length, 1)
-    out = bb.emit(relax.op.where(relax.op.astype(mask, "bool"), written, x))
+    count = index.ty.shape[0] if isinstance(index.ty.shape, relax.ShapeExpr) else None
+    if isinstance(count, tvm.tirx.IntImm) and int(count) == 1:
+        # one row: (1, length) -> (length, 1), selects source (..., 1, d) broadcast
+        mask = bb.emit(relax.op.permute_dims(hit, [1, 0]))
+        out = bb.emit(relax.op.where(mask, source, x))
+    else:
+        weights = bb.emit(relax.op.astype(relax.op.permute_dims(hit, [1, 0]), _dtype_of(x)))
+        written = bb.emit(relax.op.matmul(weights, source))                # (..., length, d)
+        mask = bb.emit(relax.op.expand_dims(
+            relax.op.max(relax.op.astype(hit, "int32"), axis=[0]), 1))     # (length, 1)
+        out = bb.emit(relax.op.where(relax.op.astype(mask, "bool"), written, x))
     if moved:
         out = bb.emit(relax.op.permute_dims(out, [order.index(a) for a in range(ndim)]))
     return out

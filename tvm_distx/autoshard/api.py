@@ -21,7 +21,7 @@ from ..errors import RuleError
 from ..rules import ShardingRule, rules_for
 from .costs import DEFAULT_PROFILE, CostProfile
 from .graph import ShardGraph
-from .ilp import Solution, solve
+from .ilp import Solution, kernel_seconds, solve
 
 __all__ = ["AutoShardReport", "auto_shard", "plan_cost"]
 
@@ -119,7 +119,7 @@ class AutoShardReport:
                 while g.nodes[target].view and users.get(target):  # through transposes
                     target = users[target][0]
                 ust = g.strategies[target][sol.choice[target]]
-                seconds = self.profile.compute_time(g.flops(target) / ust.parts)
+                seconds = kernel_seconds(g, target, ust, self.profile)
                 parts.append(f"{g.nodes[target].op.removeprefix('relax.')} "
                              f"{g.nodes[target].name} runs {ust.out} on 1/{ust.parts} "
                              f"({seconds * 1e6:.1f} us)")
@@ -200,6 +200,23 @@ def _with_mesh(mod: tvm.IRModule, mesh_shape: tuple[int, ...]) -> tvm.IRModule:
     return with_meshes(mod, [tuple(mesh_shape)])
 
 
+def _split_fused(mod: tvm.IRModule, function: str) -> tvm.IRModule:
+    """``mod`` with its fused projections cut per segment, as the tensor-parallel preset cuts them.
+
+    A fused projection (GPT-2's ``c_attn``, a gate|up weight) split evenly
+    puts a rank boundary inside a segment; one parameter per segment
+    (:class:`tvm_distx.passes.SplitFusedProjections`) lets each be split like
+    any other weight. The executable cuts the segments from the user's weight.
+    Expert weights are left fused (their plan cuts them when it splits them).
+    """
+    from .. import moe
+    from ..passes import SplitFusedProjections
+
+    if moe.expert_weights(mod, function):
+        return mod
+    return SplitFusedProjections()(mod)
+
+
 def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
                memory_per_rank: int | None = None, objective: str = "latency",
                rules: Sequence[ShardingRule] = (), profile: CostProfile | None = None,
@@ -211,7 +228,9 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     ----------
     mod : tvm.IRModule
         A module as :func:`tvm_distx.from_torch` gives it (before ``LegalizeOps``),
-        with static shapes.
+        with static shapes. Fused projections are first cut into one weight per
+        segment (:class:`tvm_distx.passes.SplitFusedProjections`); the rules and
+        the report then name the segments (``..._seg0``).
     mesh_shape : sequence of int
         The device mesh, e.g. ``(2,)`` or ``(2, 2)``.
     memory_per_rank : int, optional
@@ -262,7 +281,7 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     mesh_shape = tuple(int(n) for n in mesh_shape)
     from ..pipeline import legalize_ops
 
-    meshed = _with_mesh(mod, mesh_shape)
+    meshed = _split_fused(_with_mesh(mod, mesh_shape), function)
     legal = legalize_ops(meshed)
     graph = extract(legal, mesh_shape, function, legalized=True)
     fixed = _fixed_from_rules(graph, rules, meshed, function)
@@ -301,36 +320,65 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
         return AnnotateSharding(report.rules(function))(meshed), report
     from .pin import pin_values
 
-    pins = {}
+    pins, reads = {}, {}
+    chosen = [graph.strategies[i][best.choice[i]] for i in range(len(graph.nodes))]
     for index, node in enumerate(graph.nodes):
-        placement = graph.strategies[index][best.choice[index]].out
-        if node.kind == "op" and node.labels is not None and "P" not in placement:
-            pins[graph.variables[index]] = placement
-    return AnnotateSharding(report.rules(function))(pin_values(legal, pins, function)), report
+        if node.kind != "op" or node.labels is None:
+            continue
+        if "P" not in chosen[index].out:
+            pins[graph.variables[index]] = chosen[index].out
+        for operand, wanted in zip(node.operands, chosen[index].ins):
+            held = chosen[operand].out
+            if wanted != held and "P" not in held:  # a move the solver costed for this call
+                reads.setdefault(graph.variables[index], {})[graph.variables[operand]] = wanted
+    held = {graph.variables[i]: chosen[i].out for i, node in enumerate(graph.nodes)
+            if node.kind in ("input", "param")}
+    pinned = pin_values(legal, pins, function, reads, held)
+    return AnnotateSharding(report.rules(function))(pinned), report
 
 
 def plan_cost(mod: tvm.IRModule, mesh_shape: Sequence[int], rules, *,
               objective: str = "latency", profile: CostProfile | None = None,
               memory_per_rank: int | None = None, function: str = "main",
               time_limit: float = 30.0) -> Solution:
-    """The predicted cost of a hand-written plan (a preset or parameter rules).
+    """The predicted cost of a hand-written plan (a preset or parameter rules), as it runs.
 
-    Every parameter the rules leave out is replicated, as propagation leaves
-    it; the values in between take their cheapest strategies. Compare with
+    The plan is applied as :func:`tvm_distx.compile` would apply it (a preset's
+    ``apply``, which may first cut fused projections; rules through
+    :class:`tvm_distx.passes.AnnotateSharding`) and propagated; every value
+    then has the placement propagation gave it, and the plan is priced by
+    :func:`tvm_distx.autoshard.ilp.evaluate` with the model :func:`auto_shard`
+    minimises (:mod:`tvm_distx.autoshard.realized`). Compare with
     :attr:`AutoShardReport.solution` to see what :func:`auto_shard` gains.
 
     Raises
     ------
     MemoryBudgetError
-        When the plan does not fit ``memory_per_rank``.
+        When the plan does not fit ``memory_per_rank`` (its weights plus the
+        live activations at some point of the program exceed it).
     """
+    from ..errors import MemoryBudgetError
+    from ..passes import AnnotateSharding, PropagateSharding
+    from ..pipeline import legalize_ops
     from .extract import extract
+    from .ilp import evaluate
+    from .realized import propagated_placements, realized_choice
 
+    del time_limit  # nothing is solved: the program is read
     mesh_shape = tuple(int(n) for n in mesh_shape)
     meshed = _with_mesh(mod, mesh_shape)
-    if hasattr(rules, "rules"):  # a preset: its rules for this module
-        rules = rules.rules(meshed, function)
-    graph = extract(meshed, mesh_shape, function)
-    fixed = _fixed_from_rules(graph, rules, meshed, function, fill="R")
-    return solve(graph, profile=profile or DEFAULT_PROFILE, objective=objective, fixed=fixed,
-                 memory_per_rank=memory_per_rank, time_limit=time_limit)
+    if hasattr(rules, "apply"):  # a preset
+        prepared = rules.prepare(meshed, function) if hasattr(rules, "prepare") else meshed
+        annotated = rules.apply(meshed, function)
+    else:
+        prepared, annotated = meshed, AnnotateSharding(list(rules))(meshed)
+    graph = extract(prepared, mesh_shape, function)
+    propagated = PropagateSharding(require_legalized=True)(legalize_ops(annotated))
+    choice = realized_choice(graph, propagated_placements(propagated, function))
+    solution = evaluate(graph, choice, profile=profile or DEFAULT_PROFILE, objective=objective)
+    if memory_per_rank is not None and solution.peak_bytes > memory_per_rank:
+        raise MemoryBudgetError(
+            f"plan_cost: the plan needs {solution.peak_bytes} bytes per rank (weights "
+            f"{solution.weight_bytes}), over the budget of {memory_per_rank} on a {mesh_shape} "
+            "mesh", hint="raise memory_per_rank or split more weights")
+    return solution

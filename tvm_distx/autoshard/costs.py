@@ -1,11 +1,20 @@
 """The cost profile of a machine and the time of one collective plan under it.
 
-A :class:`CostProfile` is three numbers per rank: the arithmetic rate
-(``flops_per_s``), the point-to-point bandwidth (``bytes_per_s``) and the
+A :class:`CostProfile` is five numbers per rank: the arithmetic rate of a
+matmul kernel (``flops_per_s``), the rate at which a kernel reads and writes
+memory (``memory_bytes_per_s``), the fixed cost of one kernel call
+(``kernel_s``), the bandwidth of a collective (``bytes_per_s``) and the
 start-up latency of one message (``latency_s``). It is pure data, saved and
 loaded as JSON, so that a profile measured once on a machine
 (:func:`tvm_distx.autoshard.measure_profile`) is reused by every later plan.
 :data:`DEFAULT_PROFILE` stands in when nothing was measured.
+
+The time of one kernel is a roofline: its fixed cost plus the larger of its
+arithmetic over the arithmetic rate and the bytes it reads and writes over
+the memory rate (:meth:`CostProfile.kernel_time`). A matmul is bound by its
+arithmetic, an elementwise kernel by its bytes, and a kernel on a small
+shape by its fixed cost; one rate for every kernel would price a relu on a
+large tensor like a matmul of the same flop count.
 
 The time of a redistribution is its planner steps' time: for each step,
 ``messages * latency_s + bytes_received / bytes_per_s``, with the ring message
@@ -41,6 +50,10 @@ class CostProfile:
         Seconds of start-up per message.
     name : str
         Where the numbers come from (``"default"``, ``"measured mpi x2"``).
+    memory_bytes_per_s : float
+        Bytes per second a kernel reads and writes (an elementwise kernel's rate).
+    kernel_s : float
+        Seconds of one kernel call that does nearly nothing.
 
     Examples
     --------
@@ -52,20 +65,28 @@ class CostProfile:
     bytes_per_s: float = 4.0e9
     latency_s: float = 1.0e-5
     name: str = "default"
+    memory_bytes_per_s: float = 1.0e10
+    kernel_s: float = 2.0e-6
 
     def __post_init__(self) -> None:
-        for f in ("flops_per_s", "bytes_per_s"):
+        for f in ("flops_per_s", "bytes_per_s", "memory_bytes_per_s"):
             value = getattr(self, f)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ArgumentError(f"CostProfile.{f} must be a positive number, got {value!r}",
                                     hint="CostProfile(flops_per_s=2e10, bytes_per_s=4e9, "
                                     "latency_s=1e-5)")
-        if not isinstance(self.latency_s, (int, float)) or self.latency_s < 0:
-            raise ArgumentError(f"CostProfile.latency_s must be >= 0, got {self.latency_s!r}")
+        for f in ("latency_s", "kernel_s"):
+            value = getattr(self, f)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ArgumentError(f"CostProfile.{f} must be >= 0, got {value!r}")
 
     def compute_time(self, flops: float) -> float:
         """Seconds for ``flops`` operations on one rank."""
         return flops / self.flops_per_s
+
+    def kernel_time(self, flops: float, nbytes: float) -> float:
+        """Seconds for one kernel of ``flops`` operations that reads and writes ``nbytes``."""
+        return self.kernel_s + max(flops / self.flops_per_s, nbytes / self.memory_bytes_per_s)
 
     def message_time(self, nbytes: float, messages: int) -> float:
         """Seconds to receive ``nbytes`` in ``messages`` messages."""

@@ -44,6 +44,15 @@ logger = logging.getLogger(__name__)
 LAYER_PATTERN = re.compile(r"(?:^|_)(?:layers|layer|h|blocks|block)_(\d+)_")
 
 
+def itemsize(dtype: str) -> int:
+    """Bytes of one element of ``dtype`` (``bfloat16`` 2, ``float8_*`` 1)."""
+    if dtype == "bfloat16":
+        return 2
+    if dtype.startswith("float8"):
+        return 1
+    return int(np.dtype(dtype).itemsize)
+
+
 @dataclass(frozen=True)
 class Node:
     """One value of the program.
@@ -87,11 +96,7 @@ class Node:
     @property
     def itemsize(self) -> int:
         """Bytes of one element (``bfloat16`` 2, ``float8_*`` 1)."""
-        if self.dtype == "bfloat16":
-            return 2
-        if self.dtype.startswith("float8"):
-            return 1
-        return int(np.dtype(self.dtype).itemsize)
+        return itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -239,6 +244,22 @@ class ShardGraph:
             extents[label] = max(extents.get(label, 1), extent)
         reduces = any(label not in node.output for labels in node.labels for label in labels)
         return float(math.prod(extents.values())) * (2.0 if reduces else 1.0)
+
+    def kernel_bytes(self, index: int, strategy: Strategy) -> int:
+        """Bytes one device's kernel of a node reads and writes under ``strategy``.
+
+        Its operands in the placements the strategy wants them in, and its
+        result; 0 for an input, a parameter or a view.
+        """
+        node = self.nodes[index]
+        if node.kind != "op" or node.view:
+            return 0
+        mesh = tuple(self.mesh_shape)
+        total = math.prod(_local_shape(node.shape, strategy.out, mesh)) * node.itemsize
+        for operand, placement in zip(node.operands, strategy.ins):
+            source = self.nodes[operand]
+            total += math.prod(_local_shape(source.shape, placement, mesh)) * source.itemsize
+        return total
 
     def local_bytes(self, index: int, strategy: Strategy) -> int:
         """Bytes one device holds of a node's result under ``strategy``.

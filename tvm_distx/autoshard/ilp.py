@@ -5,14 +5,16 @@ The program (Alpa's formulation, with the redistributions shared per value):
 * one binary ``x[c, s]`` per class ``c`` of nodes and strategy ``s``, one-hot per
   class (:class:`tvm_distx.autoshard.graph.ShardGraph` puts the same node of
   every repeated layer in one class);
-* **compute**: ``flops / parts / flops_per_s`` per node, times the nodes in its class;
+* **compute**: per node, its kernel's roofline time on the local shapes the
+  strategy gives (:func:`kernel_seconds`), times the nodes in its class;
 * **redistribution**: per edge from a value to a user, ``e[p, q]`` (continuous)
   has the producer's placement indicators as one marginal and the user's
   wanted-placement indicators as the other, so it is 1 exactly on the move
   that runs (a tight linearisation of the product). A value moved to ``q`` for
   several users is moved once: ``m[p, q] >= e_u[p, q]`` for every user carries
   the cost, the planner's bytes over the bandwidth plus the start-up of each
-  message (:func:`tvm_distx.autoshard.costs.step_messages`);
+  message (:func:`tvm_distx.autoshard.costs.step_messages`), plus the local
+  packing a collective on an inner dimension needs (:func:`planner_reshard`);
 * **memory**: at every program point, the weights plus the live activations
   on one device stay under ``memory_per_rank`` (equal constraints of repeated
   layers are kept once);
@@ -39,20 +41,28 @@ import numpy as np
 
 from ..errors import ArgumentError, MemoryBudgetError, RuleError, UnsupportedProgramError
 from .costs import DEFAULT_PROFILE, CostProfile, step_messages
-from .graph import ShardGraph
+from .graph import ShardGraph, itemsize
 
-__all__ = ["Reshard", "Solution", "solve", "planner_reshard"]
+__all__ = ["Reshard", "Solution", "evaluate", "kernel_seconds", "planner_reshard", "solve"]
 
 logger = logging.getLogger(__name__)
 
-#: ``(shape, dtype, src, dst, mesh_shape) -> (bytes received per rank, [(collective, group), ...])``
-Reshard = Callable[[tuple, str, str, str, tuple], "tuple[int, tuple[tuple[str, int], ...]]"]
+#: ``(shape, dtype, src, dst, mesh_shape) -> (bytes received per rank,
+#: [(collective, group), ...], bytes copied locally per rank)``
+Reshard = Callable[[tuple, str, str, str, tuple],
+                   "tuple[int, tuple[tuple[str, int], ...], int]"]
 
 
 @functools.lru_cache(maxsize=65536)
 def planner_reshard(shape: tuple, dtype: str, src: str, dst: str,
-                    mesh_shape: tuple) -> tuple[int, tuple[tuple[str, int], ...]]:
-    """The planner's bytes and steps for one redistribution (cached)."""
+                    mesh_shape: tuple) -> tuple[int, tuple[tuple[str, int], ...], int]:
+    """The planner's bytes and steps for one redistribution (cached), and its local copies.
+
+    The runtime hands a collective contiguous blocks: an all-gather or a
+    reduce-scatter along a dimension with a dimension of more than one element
+    before it packs or unpacks the whole local tensor once, and an all-to-all
+    packs its input and unpacks its output. Those bytes are the third value.
+    """
     from ..layout import TensorSharding
     from ..legalize.planner import plan_redistribute
     from ..mesh import DeviceMesh
@@ -61,7 +71,19 @@ def planner_reshard(shape: tuple, dtype: str, src: str, dst: str,
     plan = plan_redistribute(TensorSharding(mesh, src), TensorSharding(mesh, dst), shape, dtype)
     steps = tuple((s.collective.value, mesh_shape[s.mesh_axis] if s.mesh_axis is not None
                    else int(np.prod(mesh_shape))) for s in plan.steps)
-    return plan.bytes_received, steps
+    copied = 0
+    for step in plan.steps:
+        kind = step.collective.value
+        if kind not in ("all_gather", "reduce_scatter", "all_to_all") or not step.tensor_axes:
+            continue
+        src_local = step.src.local_shape(tuple(shape))
+        dst_local = step.dst.local_shape(tuple(shape))
+        size = itemsize(dtype)
+        if kind == "all_to_all":
+            copied += (int(np.prod(src_local)) + int(np.prod(dst_local))) * size
+        elif int(np.prod(src_local[:step.tensor_axes[0]])) > 1:
+            copied += max(int(np.prod(src_local)), int(np.prod(dst_local))) * size
+    return plan.bytes_received, steps, copied
 
 
 @dataclass
@@ -223,7 +245,7 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
         columns = []
         for s, strategy in enumerate(graph.strategies[c]):
             column = b.var(binary=True)
-            compute_terms[column] = count[c] * profile.compute_time(graph.flops(c) / strategy.parts)
+            compute_terms[column] = count[c] * kernel_seconds(graph, c, strategy, profile)
             columns.append(column)
         x[c] = columns
         b.row({col: 1.0 for col in columns}, 1.0, 1.0)
@@ -379,14 +401,28 @@ def _groups(graph: ShardGraph, users) -> dict[tuple, int]:
     return groups
 
 
+def kernel_seconds(graph: ShardGraph, index: int, strategy, profile: CostProfile) -> float:
+    """Seconds of one node's kernel under ``strategy`` on one device (0 for a value or a view).
+
+    The roofline of :meth:`~tvm_distx.autoshard.costs.CostProfile.kernel_time`
+    on the node's local arithmetic and the local bytes of its operands and
+    result (:meth:`~tvm_distx.autoshard.graph.ShardGraph.kernel_bytes`).
+    """
+    node = graph.nodes[index]
+    if node.kind != "op" or node.view:
+        return 0.0
+    return profile.kernel_time(graph.flops(index) / strategy.parts,
+                               graph.kernel_bytes(index, strategy))
+
+
 def _move_seconds(node, src: str, dst: str, mesh: tuple, profile: CostProfile, objective: str,
                   reshard: Reshard) -> float:
     """Seconds to move ``node``'s value from ``src`` to ``dst`` (0 when nothing moves)."""
     if src == dst:
         return 0.0
-    nbytes, steps = reshard(node.shape, node.dtype, src, dst, mesh)
+    nbytes, steps, copied = reshard(node.shape, node.dtype, src, dst, mesh)
     messages = sum(step_messages(k, g) for k, g in steps) if objective == "latency" else 0
-    return profile.message_time(nbytes, messages)
+    return profile.message_time(nbytes, messages) + copied / profile.memory_bytes_per_s
 
 
 def evaluate(graph: ShardGraph, choice: list[int], *, profile: CostProfile = DEFAULT_PROFILE,
@@ -407,13 +443,13 @@ def evaluate(graph: ShardGraph, choice: list[int], *, profile: CostProfile = DEF
     users = users if users is not None else _users(graph)
     mesh = tuple(graph.mesh_shape)
     strategies = [graph.strategies[i][choice[i]] for i in range(len(graph.nodes))]
-    compute = sum(profile.compute_time(graph.flops(i) / strategies[i].parts)
+    compute = sum(kernel_seconds(graph, i, strategies[i], profile)
                   for i in range(len(graph.nodes)))
     moves, comm, nbytes = [], 0.0, 0
     for value, node in enumerate(graph.nodes):
         src = strategies[value].out
         for dst in sorted({strategies[u].ins[slot] for u, slot in users[value]} - {src}):
-            size, steps = reshard(node.shape, node.dtype, src, dst, mesh)
+            size, steps, _ = reshard(node.shape, node.dtype, src, dst, mesh)
             seconds = _move_seconds(node, src, dst, mesh, profile, objective, reshard)
             moves.append((value, src, dst, size, seconds, steps))
             comm += seconds

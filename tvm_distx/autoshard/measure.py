@@ -1,11 +1,15 @@
 """Measuring a :class:`~tvm_distx.autoshard.costs.CostProfile` on the ranks that will run.
 
+:func:`build_kernels` compiles three kernels as :func:`tvm_distx.compile`
+compiles a program's (legalized, then our CPU schedules): a matmul with a
+transposed weight, an elementwise add and an add of one element.
 :func:`measure_profile` launches ``num_ranks`` MPI ranks (the ``mpiexec`` of
 :func:`tvm_distx.runtime.launcher.mpiexec_path`) running
-:mod:`tvm_distx.autoshard._probe`: a matmul for the arithmetic rate, and
-ping-pongs between ranks 0 and 1 for the start-up of a message and the
-bandwidth. ``backend="local"`` measures the arithmetic rate in this process
-and keeps the default communication numbers.
+:mod:`tvm_distx.autoshard._probe` on them, all at once: the matmul gives the
+arithmetic rate, the add the memory rate, the one-element add the fixed cost
+of a kernel call, and all-gathers of 4 bytes and 4 MiB the start-up of a
+message and the bandwidth. ``backend="local"`` times the kernels in this
+process and keeps the default communication numbers.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ logger = logging.getLogger(__name__)
 
 def measure_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: float = 120.0,
                     save: str | Path | None = None) -> CostProfile:
-    """Measure flops, bandwidth and message latency.
+    """Measure the kernels' rates and call cost, the bandwidth and the message latency.
+
+    Each number is the median of repeated bursts (the typical cost on the host
+    as it is); the slowest rank's counts.
 
     Parameters
     ----------
@@ -47,14 +54,13 @@ def measure_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: float 
         When the ranks fail or time out.
     """
     if backend == "local":
-        import time
+        from . import _probe
 
-        import numpy as np
-
-        a = np.ones((512, 512), dtype=np.float32)
-        best = min(_timed(lambda: a @ a, time) for _ in range(5))
-        profile = CostProfile(2 * 512 ** 3 / best, DEFAULT_PROFILE.bytes_per_s,
-                              DEFAULT_PROFILE.latency_s, name="measured local")
+        with tempfile.TemporaryDirectory() as tmp:
+            found = _probe._kernels(str(build_kernels(Path(tmp))))
+        found.pop("work")  # the matmul call the MPI probe puts between collectives
+        profile = CostProfile(**found, bytes_per_s=DEFAULT_PROFILE.bytes_per_s,
+                              latency_s=DEFAULT_PROFILE.latency_s, name="measured local")
     elif backend == "mpi":
         if num_ranks < 2:
             raise ArgumentError(f"profile(num_ranks={num_ranks}): messages need 2 ranks",
@@ -65,7 +71,7 @@ def measure_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: float 
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "profile.json"
             cmd = [mpiexec_path(), "-n", str(num_ranks), sys.executable, "-m",
-                   "tvm_distx.autoshard._probe", str(out)]
+                   "tvm_distx.autoshard._probe", str(out), str(build_kernels(Path(tmp)))]
             try:
                 done = subprocess.run(cmd, env=rank_environment(), capture_output=True,
                                       text=True, timeout=timeout)
@@ -87,7 +93,34 @@ def measure_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: float 
     return profile
 
 
-def _timed(fn, time) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def build_kernels(folder: Path, target="x86") -> Path:
+    """The probe's kernels, compiled as a program's are, in ``folder``; the library's path.
+
+    Functions ``matmul(x, w)`` (``x @ w.T``, the sizes of
+    :data:`tvm_distx.autoshard._probe.MATMUL`), ``add(a, b)`` (of
+    :data:`~tvm_distx.autoshard._probe.ELEMENTWISE`) and ``tiny(a, b)`` (one element).
+    """
+    import tvm
+    from tvm import relax
+    from tvm.relax.op import add, matmul, permute_dims
+
+    from ..pipeline import legalize_ops
+    from ..schedule import schedule_module
+    from ..targets import resolve_target
+    from ._probe import ELEMENTWISE, MATMUL
+
+    m, k, n = MATMUL
+    bb = relax.BlockBuilder()
+    for name, shapes in (("matmul", ((m, k), (n, k))), ("add", (ELEMENTWISE, ELEMENTWISE)),
+                         ("tiny", ((1,), (1,)))):
+        a, b = (relax.Var(v, relax.TensorType(s, "float32")) for v, s in zip("ab", shapes))
+        with bb.function(name, [a, b]):
+            with bb.dataflow():
+                out = bb.emit_output(bb.emit(matmul(a, bb.emit(permute_dims(b))))
+                                     if name == "matmul" else bb.emit(add(a, b)))
+            bb.emit_func_output(out)
+    resolved = resolve_target(target)
+    mod = schedule_module(legalize_ops(bb.get()), resolved.target)
+    path = Path(folder) / "probe_kernels.so"
+    tvm.compile(mod, target=resolved.target).export_library(str(path))
+    return path

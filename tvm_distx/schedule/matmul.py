@@ -60,6 +60,9 @@ class MatmulRule(Rule):
 
     name = "matmul"
 
+    #: The most spatial axes (batch axes, rows, columns) of a matmul block the rule takes.
+    max_spatial = 3
+
     def __init__(self, rows: int | None = None, vectors: int | None = None,
                  pack: bool = True) -> None:
         self.rows = rows
@@ -76,7 +79,7 @@ class MatmulRule(Rule):
         mm = reductions[0]
         if mm.store is None or not mm.trivial_binding or len(mm.reduce) != 1:
             return None
-        if not 2 <= len(mm.spatial) <= 3 or mm.leading_spatial != len(mm.spatial):
+        if not 2 <= len(mm.spatial) <= self.max_spatial or mm.leading_spatial != len(mm.spatial):
             return None
         if not isinstance(mm.store.value, tirx.Add):
             return None
