@@ -16,7 +16,8 @@ not timed; a short generation warms each one up first):
   between two tokens.
 * **ours, p ranks** (p = 1, 2): :class:`tvm_distx.llm.CausalLM` serving a
   generation bundle (:meth:`~tvm_distx.llm.CausalLM.export` of
-  ``CausalLM.from_hf(model, num_ranks=p)``, ``presets.tensor_parallel()``) on
+  ``CausalLM.from_pretrained(checkpoint, num_ranks=p)``, the model as
+  ``save_pretrained`` wrote it, ``presets.tensor_parallel()``) on
   ``mpiexec -n p`` ranks that stay up, one TVM thread per rank. Times are
   :attr:`~tvm_distx.llm.CausalLM.stats`: each decode step is one call of the
   session as the caller sees it, socket round trip and argmax included.
@@ -112,7 +113,9 @@ def build(folder: Path, config: dict, prompt: int, new_tokens: int, ranks: list[
                 if "embed_tokens" not in n)
     for p in ranks:
         started = time.perf_counter()
-        with CausalLM.from_hf(model, num_ranks=p, max_length=prompt + new_tokens) as lm:
+        # from the checkpoint transformers wrote, as users serve one: each block read lazily
+        with CausalLM.from_pretrained(folder / "model", num_ranks=p,
+                                      max_length=prompt + new_tokens) as lm:
             root = lm.export(folder / f"bundle_{p}")
         manifest = read_manifest(root)
         decode = set(manifest.weights.get("decode", ()))
