@@ -28,7 +28,7 @@ from tvm_distx.runtime.launcher import launch  # noqa: E402
 from tvm_distx.signature import FunctionSignature  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
-from hf_tiny import VOCAB, build  # noqa: E402
+from hf_tiny import VOCAB, build, tokens as random_ids  # noqa: E402
 
 MAX_LENGTH = 32
 NEW_TOKENS = 16
@@ -72,10 +72,6 @@ def gpt2_2():
 @pytest.fixture(scope="module")
 def gpt2_4():
     return _compiled(_gpt2(), 4)
-
-
-def _prompt(length: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, (1, length), dtype=np.int64)
 
 
 def _generate(case, prompt: np.ndarray, new_tokens: int, bundle: Path | None = None,
@@ -154,7 +150,7 @@ def _cache_specs(exe, cache):
 def test_one_shot_runs_give_transformers_logits_and_tokens(llama2, tmp_path):
     """Without a session: each step is one launch (prefill through exe.run, decode steps
     through a bundle written once). Three steps; the sessions below generate the rest."""
-    prompt = _prompt(6, seed=1)
+    prompt = random_ids(6, seed=1)
     tokens, prefill_logits = _generate(llama2, prompt, 3, bundle=_bundle(llama2, tmp_path))
     assert tokens == _transformers_tokens(llama2["model"], prompt, 3)
     with torch.no_grad():
@@ -165,7 +161,7 @@ def test_one_shot_runs_give_transformers_logits_and_tokens(llama2, tmp_path):
 @pytest.mark.parametrize("case", ["llama2", "gpt2_2", "gpt2_4"])
 def test_a_session_keeps_the_cache_on_the_ranks_and_generates_the_same_tokens(case, request):
     case = request.getfixturevalue(case)
-    prompt = _prompt(7, seed=3)
+    prompt = random_ids(7, seed=3)
     tokens = _generate_in_session(case, prompt, 24)
     assert tokens == _transformers_tokens(case["model"], prompt, 24)
 

@@ -21,20 +21,9 @@ import tvm_distx as td  # noqa: E402
 from tvm_distx.llm import CausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
-from hf_tiny import VOCAB, build  # noqa: E402
+from hf_tiny import build, greedy, prompt_ids  # noqa: E402
 
 NEW_TOKENS = 12
-
-
-def _reference(model, prompt: np.ndarray, new_tokens: int) -> np.ndarray:
-    with torch.no_grad():
-        out = model.generate(torch.from_numpy(prompt[None, :]), max_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0].numpy()
-
-
-def _prompt(length: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, length, dtype=np.int64)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +35,9 @@ def llama():
 
 def test_generate_equals_transformers_token_for_token(llama):
     model, lm = llama
-    prompt = _prompt(5, seed=1)
+    prompt = prompt_ids(5, seed=1)
     out = lm.generate(prompt[None, :], max_new_tokens=NEW_TOKENS)
-    np.testing.assert_array_equal(out[0], _reference(model, prompt, NEW_TOKENS))
+    np.testing.assert_array_equal(out[0], greedy(model, prompt, NEW_TOKENS))
     assert out.shape == (1, 5 + NEW_TOKENS)
     assert lm.stats.new_tokens == NEW_TOKENS - 1 and lm.stats.decode_tokens_per_second > 0
     assert lm.stats.bytes_per_token > 0  # the all-reduces of the split blocks
@@ -58,10 +47,10 @@ def test_prompts_of_different_lengths_and_the_stream(llama):
     model, lm = llama
     pids = [p.pid for p in lm.session.ranks]
     calls = lm.session.calls
-    prompts = [_prompt(3, seed=2), _prompt(7, seed=3)]
+    prompts = [prompt_ids(3, seed=2), prompt_ids(7, seed=3)]
     rows = lm.generate(prompts, max_new_tokens=6)
     for prompt, row in zip(prompts, rows):
-        np.testing.assert_array_equal(row, _reference(model, prompt, 6))
+        np.testing.assert_array_equal(row, greedy(model, prompt, 6))
     streamed = list(lm.stream(prompts[1], max_new_tokens=6))
     np.testing.assert_array_equal(streamed, rows[1][7:])
     # the same ranks served every call: one prefill and five decodes per prompt
@@ -73,7 +62,7 @@ def test_a_prompt_too_long_for_the_cache_is_refused_before_any_call(llama):
     _, lm = llama
     with pytest.raises(td.ArgumentError, match="need 36 cache positions; the model was "
                                                "exported for 32"):
-        lm.generate(_prompt(30, seed=4), max_new_tokens=7)
+        lm.generate(prompt_ids(30, seed=4), max_new_tokens=7)
 
 
 def test_a_generation_bundle_serves_the_same_tokens_from_the_command_line(llama, tmp_path):
@@ -81,13 +70,13 @@ def test_a_generation_bundle_serves_the_same_tokens_from_the_command_line(llama,
 
     model, lm = llama
     bundle = lm.export(tmp_path / "llama")
-    prompt = _prompt(4, seed=5)
+    prompt = prompt_ids(4, seed=5)
     done = subprocess.run([sys.executable, "-m", "tvm_distx", "generate", str(bundle),
                            "--ids", *map(str, prompt), "--max-new-tokens", "6",
                            "-o", str(tmp_path / "out.npy")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    want = _reference(model, prompt, 6)
+    want = greedy(model, prompt, 6)
     assert done.stdout.split() == [str(t) for t in want]
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), want[None, :])
     bad = subprocess.run([sys.executable, "-m", "tvm_distx", "generate", str(tmp_path),
@@ -105,7 +94,7 @@ def test_a_rank_killed_mid_generation_ends_it_naming_the_rank(llama):
     model, lm = llama
     session = lm.exe.session(2, params=lm.weights, function=("prefill", "decode"))
     doomed = CausalLM(lm.cache, session, exe=lm.exe, weights=lm.weights)
-    stream = doomed.stream(_prompt(5, 11), max_new_tokens=10)
+    stream = doomed.stream(prompt_ids(5, 11), max_new_tokens=10)
     next(stream), next(stream)  # the prefill and one decode step ran
     pids = [p.pid for p in session.ranks]
     os.kill(pids[1], signal.SIGKILL)

@@ -29,22 +29,11 @@ from tvm_distx.llm import CausalLM  # noqa: E402
 from tvm_distx.runtime.session_base import open_session  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
-from hf_tiny import VOCAB, build  # noqa: E402
+from hf_tiny import build, greedy, prompt_ids  # noqa: E402
 from test_session import Accumulate  # noqa: E402
 
 NEW_TOKENS = 32
 PROMPT = 6
-
-
-def _reference(model, prompt: np.ndarray, new_tokens: int) -> np.ndarray:
-    with torch.no_grad():
-        out = model.generate(torch.from_numpy(prompt[None, :]), max_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0].numpy()
-
-
-def _prompt(length: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, length, dtype=np.int64)
 
 
 def _children() -> set[int]:
@@ -115,29 +104,29 @@ def gpt2():
 def test_disco_generates_the_tokens_of_transformers(family, request):
     model, lm = request.getfixturevalue(family)
     assert type(lm.session).__name__ == "DiscoSession"
-    prompt = _prompt(PROMPT, seed=len(family))
+    prompt = prompt_ids(PROMPT, seed=len(family))
     out = lm.generate(prompt, max_new_tokens=NEW_TOKENS)
-    np.testing.assert_array_equal(out[0], _reference(model, prompt, NEW_TOKENS))
+    np.testing.assert_array_equal(out[0], greedy(model, prompt, NEW_TOKENS))
     assert lm.stats.new_tokens == NEW_TOKENS - 1
 
 
 def test_disco_serves_a_batch_of_prompts_of_different_lengths(llama):
     model, lm = llama
-    prompts = [_prompt(3, seed=2), _prompt(7, seed=3)]
+    prompts = [prompt_ids(3, seed=2), prompt_ids(7, seed=3)]
     rows = lm.generate(prompts, max_new_tokens=10)
     assert [len(r) for r in rows] == [13, 17]
     for prompt, row in zip(prompts, rows):
-        np.testing.assert_array_equal(row, _reference(model, prompt, 10))
+        np.testing.assert_array_equal(row, greedy(model, prompt, 10))
 
 
 def test_emulated_ranks_generate_the_same_tokens(llama):
     model, lm = llama
     session, emulated = _session(lm, "emulate")
     with emulated:
-        prompt = _prompt(PROMPT, seed=7)
+        prompt = prompt_ids(PROMPT, seed=7)
         out = emulated.generate(prompt, max_new_tokens=NEW_TOKENS)
         np.testing.assert_array_equal(out, lm.generate(prompt, max_new_tokens=NEW_TOKENS))
-        np.testing.assert_array_equal(out[0], _reference(model, prompt, NEW_TOKENS))
+        np.testing.assert_array_equal(out[0], greedy(model, prompt, NEW_TOKENS))
         assert session.calls == NEW_TOKENS  # one prefill, 31 decodes
     assert session.closed
 
@@ -158,7 +147,7 @@ def test_a_second_generation_neither_relaunches_workers_nor_reloads_weights(llam
         workers = dict(session._pool.procs)
         pids = [p.pid for p in session.ranks]
         assert pids[0] == os.getpid() and pids[1] == workers[1].pid
-        prompt = _prompt(PROMPT, seed=8)
+        prompt = prompt_ids(PROMPT, seed=8)
         first = fresh.generate(prompt, max_new_tokens=4)
         loaded = dict(session.weights_loaded)
         assert sorted(loaded) == [0, 1] and loaded[0] > 0
@@ -177,7 +166,7 @@ def test_a_worker_killed_mid_decode_ends_the_session_naming_it(llama):
     _, lm = llama
     children, segments = _children(), _segments()
     session, doomed = _session(lm, "disco")
-    stream = doomed.stream(_prompt(5, 11), max_new_tokens=10)
+    stream = doomed.stream(prompt_ids(5, 11), max_new_tokens=10)
     next(stream), next(stream)  # the prefill and one decode step ran
     worker = session.ranks[1].pid
     os.kill(worker, signal.SIGKILL)
@@ -191,7 +180,7 @@ def test_a_worker_killed_mid_decode_ends_the_session_naming_it(llama):
     assert _segments() == segments  # the segment is closed
     assert session.closed
     with pytest.raises(td.ArgumentError, match="the session is closed"):
-        doomed.generate(_prompt(3, 1), max_new_tokens=2)
+        doomed.generate(prompt_ids(3, 1), max_new_tokens=2)
     doomed.close()
 
 

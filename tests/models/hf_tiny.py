@@ -80,3 +80,16 @@ def logits(model, ids: np.ndarray) -> np.ndarray:
 def tokens(seq: int, seed: int = 0) -> np.ndarray:
     """Random token ids of shape (1, seq)."""
     return np.random.default_rng(seed).integers(0, VOCAB, (1, seq), dtype=np.int64)
+
+
+def prompt_ids(length: int, seed: int) -> np.ndarray:
+    """Random token ids of shape (length,): the one prompt of :func:`tokens`."""
+    return tokens(length, seed)[0]
+
+
+def greedy(model, ids: np.ndarray, new_tokens: int) -> np.ndarray:
+    """transformers' greedy ``generate`` of one prompt (length,): prompt then new tokens."""
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(ids[None, :]), max_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0].numpy()
