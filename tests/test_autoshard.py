@@ -82,39 +82,44 @@ def transformer():
     return _imported_transformer(1)
 
 
-@pytest.fixture(scope="module")
-def transformer_plan(transformer):
-    mod, weights, _, _ = transformer
-    return auto_shard(mod, (2,), memory_per_rank=int(0.55 * _weight_bytes(weights)))
-
-
-@pytest.fixture(scope="module")
-def llama():
-    model = build("llama")
+def _imported(family: str):
+    """A tiny transformers model imported on 8 tokens: (module, weights, ids, its logits)."""
+    model = build(family)
     ids = tokens(8)
     mod, weights = td.from_torch(model, (torch.from_numpy(ids),))
     return mod, weights, ids, logits(model, ids)
 
 
+def _under_budget(imported):
+    """``auto_shard`` on (2,) with 0.55 x the weights per rank."""
+    mod, weights, _, _ = imported
+    return auto_shard(mod, (2,), memory_per_rank=int(0.55 * _weight_bytes(weights)))
+
+
+@pytest.fixture(scope="module")
+def transformer_plan(transformer):
+    return _under_budget(transformer)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _imported("llama")
+
+
 @pytest.fixture(scope="module")
 def llama_plan(llama):
-    mod, weights, _, _ = llama
-    return auto_shard(mod, (2,), memory_per_rank=int(0.55 * _weight_bytes(weights)))
+    return _under_budget(llama)
 
 
 @pytest.fixture(scope="module")
 def gpt2():
     """Tiny GPT-2: Conv1D weights stored (in, out), q|k|v fused in ``c_attn``, tied LM head."""
-    model = build("gpt2")
-    ids = tokens(8)
-    mod, weights = td.from_torch(model, (torch.from_numpy(ids),))
-    return mod, weights, ids, logits(model, ids)
+    return _imported("gpt2")
 
 
 @pytest.fixture(scope="module")
 def gpt2_plan(gpt2):
-    mod, weights, _, _ = gpt2
-    return auto_shard(mod, (2,), memory_per_rank=int(0.55 * _weight_bytes(weights)))
+    return _under_budget(gpt2)
 
 
 # --------------------------------------------------------------------------- (2,) mesh
