@@ -193,6 +193,7 @@ from tvm_distx.layout.geometry import (
     divides,
     encode_placement,
     intersect,
+    same_blocks_code,
     local_elements,
     send_recv_transfers,
     shard_bounds,
@@ -606,13 +607,14 @@ def _plan(src: TensorSharding, dst: TensorSharding, shape: tuple[int, ...], dtyp
         steps: tuple[RedistStep, ...] = (_send_recv_step(src, dst, shape, itemsize),)
     else:
         mesh = src.mesh
-        path = _search(mesh.shape, encode_placement(src.placement), encode_placement(dst.placement), shape,
-                       itemsize)
+        # splits over one-device mesh axes are replicas: a 1-rank program moves nothing
+        target = same_blocks_code(encode_placement(dst.placement), mesh.shape)
+        path = _search(mesh.shape, same_blocks_code(encode_placement(src.placement), mesh.shape),
+                       target, shape, itemsize)
         collectives = []
         before = src
         for axis, kind, tensor_axes, code, moved in path:
-            after = dst if code == encode_placement(dst.placement) else TensorSharding(mesh,
-                                                                              decode_placement(code))
+            after = dst if code == target else TensorSharding(mesh, decode_placement(code))
             collectives.append(RedistStep(axis, kind, tensor_axes, before, after, moved, moved))
             before = after
         steps = tuple(collectives)

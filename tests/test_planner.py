@@ -42,6 +42,7 @@ from tvm_distx.legalize.planner import (
     plan_redistribute,
 )
 from tvm_distx.mesh import DeviceMesh
+from tvm_distx.layout.geometry import encode_placement, same_blocks_code
 
 # Every sharded dim divides by 8, the largest split ("S[k]S[k]" on a 2x4 mesh);
 # distinct extents catch a transposed dimension.
@@ -116,11 +117,17 @@ def groups(m: DeviceMesh, axis: int) -> list[list[int]]:
 
 
 def check_step_shape(step) -> None:
-    """A collective changes exactly its mesh axis, as its kind says."""
+    """A collective changes exactly its mesh axis, as its kind says.
+
+    (Splits over one-device mesh axes are replicas: those axes may change label.)
+    """
     src, dst = step.src.placement.entries, step.dst.placement.entries
     a = step.mesh_axis
     assert step.src.mesh == step.dst.mesh
-    assert src[:a] + src[a + 1:] == dst[:a] + dst[a + 1:], step
+    shape = step.src.mesh.shape
+    same_src = same_blocks_code(encode_placement(step.src.placement), shape)
+    same_dst = same_blocks_code(encode_placement(step.dst.placement), shape)
+    assert same_src[:a] + same_src[a + 1:] == same_dst[:a] + same_dst[a + 1:], step
     if step.collective is Collective.LOCAL_SLICE:
         assert src[a] == Replicate() and dst[a] == Shard(step.tensor_axes[0])
     elif step.collective is Collective.ALL_GATHER:
@@ -198,7 +205,12 @@ def run_send_recv(step, local: dict[int, np.ndarray], shape) -> dict[int, np.nda
 
 def check_plan(plan: RedistPlan, array: np.ndarray = ARRAY) -> None:
     """Run ``plan`` on ``array``; every intermediate and the result must be exact."""
-    assert plan.steps[0].src == plan.src if plan.steps else plan.src == plan.dst
+    if plan.steps:
+        assert plan.steps[0].src == plan.src
+    else:  # equal, or differing only by splits over one-device mesh axes
+        shape = plan.src.mesh.shape
+        assert same_blocks_code(encode_placement(plan.src.placement), shape) == \
+            same_blocks_code(encode_placement(plan.dst.placement), shape)
     local = {d: ref_shard(array, plan.src, d) for d in plan.src.mesh.devices}
     sharding = plan.src
     for step in plan.steps:
@@ -212,7 +224,7 @@ def check_plan(plan: RedistPlan, array: np.ndarray = ARRAY) -> None:
         for device, block in local.items():
             np.testing.assert_array_equal(block, ref_shard(array, sharding, device),
                                           err_msg=f"{step} on device {device}")
-    assert sharding == plan.dst
+    assert sharding == plan.dst or not plan.steps
     assert plan.bytes_received == sum(s.bytes_received for s in plan.steps)
     assert plan.bytes_sent == sum(s.bytes_sent for s in plan.steps)
 
@@ -564,3 +576,17 @@ def test_planner_imports_no_tvm():
     assert not {n for n in names if n == "tvm" or n.startswith("tvm.") or n == "tvm_ffi"}
     assert {n for n in names if n.startswith("tvm_distx")} <= {
         "tvm_distx.errors", "tvm_distx.layout", "tvm_distx.layout.geometry"}
+
+
+@pytest.mark.parametrize("mesh_shape", [(1,), (1, 2), (2, 1)])
+def test_a_split_over_one_device_moves_nothing(mesh_shape):
+    # a one-device mesh axis holds the whole dimension whatever its label: plans only run
+    # collectives along the axes of more than one device (a 1-rank program runs none)
+    m = mesh(mesh_shape)
+    for a, b in itertools.product(placements(len(mesh_shape)), repeat=2):
+        plan = plan_redistribute(ts(m, a), ts(m, b), SHAPE, DTYPE)
+        check_plan(plan)
+        assert all(s.mesh_axis is None or mesh_shape[s.mesh_axis] > 1 for s in plan.steps), \
+            (a, b, plan.steps)
+    if mesh_shape == (1,):
+        assert plan_redistribute(ts(m, "S[0]"), ts(m, "S[1]"), SHAPE, DTYPE).steps == ()

@@ -36,7 +36,7 @@ from tvm_distx.vocab_plan import embedding_roles
 
 def _lookup_module(vocab: int = 16, tokens: int = 4, tied: bool = False,
                    positions: bool = False, residual: bool = False,
-                   shared: bool = False) -> tvm.IRModule:
+                   shared: bool = False, mesh: tuple[int, ...] = (2,)) -> tvm.IRModule:
     """``main(ids, table) = take(table, ids) * 2`` (plus a tied head, a position lookup or
     another use of the table); with ``residual``, ``main(ids, x, table) = take(table, ids) + x``."""
     bb = relax.BlockBuilder()
@@ -57,7 +57,7 @@ def _lookup_module(vocab: int = 16, tokens: int = 4, tied: bool = False,
                 out = bb.emit(relax.op.add(out, relax.op.sum(table, axis=[0])))
             out = bb.emit_output(out)
         bb.emit_func_output(out)
-    return presets.with_meshes(bb.get(), [(2,)])
+    return presets.with_meshes(bb.get(), [mesh])
 
 
 def _annotated(mod: tvm.IRModule, extra=()) -> tvm.IRModule:
@@ -135,6 +135,17 @@ def test_the_lookup_of_a_vocabulary_split_table_is_a_partial_sum_completed_by_on
     assert operands == ["S[0]", "R", "S[0]"]  # blocks, ids, offsets
     rows = td.comm_report(stages["local_view"]).rows
     assert [(r.collective, r.src, r.dst) for r in rows] == [("all_reduce", "P", "R")]
+
+
+def test_on_one_rank_the_table_moves_nothing():
+    # a (1,) mesh: the table's blocks may be typed S[1] by the reshape and read as S[0],
+    # the same single block; the program must not copy the table through a collective
+    mod = VocabParallelEmbedding({"table": 1})(_lookup_module(mesh=(1,)))
+    mod = AnnotateSharding([ShardingRule(param="table", result="S[0]", function="main"),
+                            ShardingRule(param="table_vocab_offsets", result="S[0]",
+                                         function="main")])(mod)
+    rows = td.comm_report(run_stages(mod)["local_view"]).rows
+    assert all(r.collective == "all_reduce" for r in rows), rows
 
 
 def test_a_consumer_that_wants_the_tokens_split_gets_a_reduce_scatter():

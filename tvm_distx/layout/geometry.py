@@ -43,6 +43,7 @@ __all__ = [
     "encode_placement",
     "decode_placement",
     "sharding_axes",
+    "same_blocks_code",
     "split_parts",
     "divides",
     "local_elements",
@@ -83,6 +84,16 @@ def decode_placement(code: Code) -> Placement:
 def sharding_axes(code: Code, dim: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The mesh axes of size > 1 that shard ``dim``, in increasing order (major first)."""
     return tuple(a for a, c in enumerate(code) if c == dim and mesh_shape[a] > 1)
+
+
+def same_blocks_code(code: Code, mesh_shape: tuple[int, ...]) -> Code:
+    """``code`` with every split over a one-device mesh axis written as a replica.
+
+    A split over one device leaves that device the whole dimension, so two
+    placements with the same result hold the same block on every device: moving
+    between them needs no collective.
+    """
+    return tuple(REPLICATE if c >= 0 and mesh_shape[a] == 1 else c for a, c in enumerate(code))
 
 
 def split_parts(code: Code, dim: int, mesh_shape: tuple[int, ...]) -> int:
