@@ -209,6 +209,20 @@ class HFPlan:
             return None
         return int(meshes[0].shape[self.model_axis])
 
+    def grouped_attention(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+        """``mod`` with attention reading each key-value head once where the heads stay split.
+
+        As :meth:`tvm_distx.presets.TensorParallel.grouped_attention`
+        (:class:`tvm_distx.passes.GroupedQueryAttention`); a module without a mesh
+        is returned as it is.
+        """
+        from .passes import GroupedQueryAttention
+
+        ranks = self._ranks(mod)
+        if ranks is None:
+            return mod
+        return GroupedQueryAttention(function, heads_divisor=ranks)(mod)
+
     def vocab_parallel(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` with the lookups of the tables the plan splits on the vocabulary rewritten."""
         from .passes import VocabParallelEmbedding
@@ -314,13 +328,14 @@ class HFPlan:
 
         if self.has_experts and moe.expert_weights(mod, function):
             # the experts' fused weights are cut by the tensor plan of moe_parallel
-            mod = self.vocab_parallel(mod, function)
+            mod = self.grouped_attention(self.vocab_parallel(mod, function), function)
             plan = moe.moe_parallel(mod, self, model_axis=self.model_axis,
                                     mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
         # fused projections are cut as tensor_parallel() cuts them; a segment no style
         # names stays whole, as its fused weight would
         mod = self.vocab_parallel(SplitFusedProjections()(mod), function)
+        mod = self.grouped_attention(mod, function)
         return AnnotateSharding(self.rules(mod, function))(mod)
 
 

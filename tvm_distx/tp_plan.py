@@ -626,7 +626,21 @@ class TensorParallel:
 
         if self.split_fused and not (self.experts and moe.expert_weights(mod, function)):
             mod = SplitFusedProjections()(mod)
-        return self.vocab_parallel(mod, function)
+        return self.grouped_attention(self.vocab_parallel(mod, function), function)
+
+    def grouped_attention(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+        """``mod`` with attention reading each key-value head once where the heads stay split.
+
+        See :class:`tvm_distx.passes.GroupedQueryAttention`: products over
+        repeated key-value heads are rewritten when the model axis divides the
+        key-value heads. A module without a mesh is returned as it is.
+        """
+        from .passes import GroupedQueryAttention
+
+        meshes = mod.global_infos.get("mesh") if mod.global_infos else None
+        if not meshes:
+            return mod
+        return GroupedQueryAttention(function, heads_divisor=self.ranks(mod))(mod)
 
     def vocab_parallel(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` with the lookups of the tables the plan splits on their vocabulary rewritten.
@@ -658,7 +672,7 @@ class TensorParallel:
         if self.experts and moe.expert_weights(mod, function):
             # the experts' fused weights are cut, when needed, by the MoE tensor plan
             # (the embedding lookups are rewritten first; the base plan finds them so)
-            mod = self.vocab_parallel(mod, function)
+            mod = self.grouped_attention(self.vocab_parallel(mod, function), function)
             base = TensorParallel(self.model_axis, self.mesh_ndim, self.overrides,
                                   split_fused=False, experts=False, vocab=False)
             plan = moe.moe_parallel(mod, base, model_axis=self.model_axis,
