@@ -73,6 +73,32 @@ class AutoShardReport:
         """Parameter bytes of the whole model."""
         return sum(n.nbytes for n in self.graph.nodes if n.kind == "param")
 
+    @property
+    def cache_bytes_per_rank(self) -> int:
+        """State bytes one rank holds: the key-value cache (0 without one)."""
+        return self.solution.state_bytes
+
+    @property
+    def replicated_cache_bytes(self) -> int:
+        """State bytes of the whole cache."""
+        return sum(self.graph.nodes[i].nbytes for i in self.graph.state)
+
+    @property
+    def activation_bytes_per_rank(self) -> int:
+        """The largest set of live activations one rank holds at once."""
+        return self.solution.activation_bytes
+
+    def preset(self):
+        """The chosen placements as a :class:`tvm_distx.presets.Preset` (exact names).
+
+        It applies to every function with these parameter names: a plan of
+        ``decode`` serves ``prefill`` (``CausalLM.from_hf(model, plan=report.preset())``).
+        """
+        from ..rules import Preset
+
+        return Preset(tuple((name, placement, None) for name, placement in
+                            self.placements.items()))
+
     def collectives(self) -> Counter:
         """How many of each collective the plan runs per call (local slices left out)."""
         count: Counter = Counter()
@@ -137,7 +163,10 @@ class AutoShardReport:
             f"(compute {sol.compute_s * 1e3:.3f} ms, communication {sol.comm_s * 1e3:.3f} ms), "
             f"{sol.comm_bytes} B received per rank",
             f"  memory per rank: weights {_mib(sol.weight_bytes)} of "
-            f"{_mib(self.replicated_weight_bytes)}, peak {_mib(sol.peak_bytes)}"
+            f"{_mib(self.replicated_weight_bytes)}"
+            + (f", cache {_mib(sol.state_bytes)} of {_mib(self.replicated_cache_bytes)}"
+               if self.graph.state else "")
+            + f", activations {_mib(sol.activation_bytes)}, peak {_mib(sol.peak_bytes)}"
             + (f" (budget {_mib(self.memory_per_rank)})" if self.memory_per_rank else ""),
             "  collectives: " + (", ".join(f"{n} {k}" for k, n in
                                              sorted(self.collectives().items())) or "none"),
@@ -234,7 +263,11 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     mesh_shape : sequence of int
         The device mesh, e.g. ``(2,)`` or ``(2, 2)``.
     memory_per_rank : int, optional
-        Bytes per rank for weights and live activations.
+        Bytes per rank for weights, state and live activations. State is an
+        input the function returns updated (a key-value cache: ``decode``
+        of :func:`tvm_distx.export_decoder`); it counts once, its new value
+        included, keeps one placement across the call, and no collective
+        touches it.
     objective : {"latency", "throughput"}
         ``"latency"``: the time of one call, each message paying its start-up;
         ``"throughput"``: arithmetic and bytes only (start-ups overlap other

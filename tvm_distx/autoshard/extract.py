@@ -22,7 +22,7 @@ from .. import _ir
 from ..errors import SymbolicExtentError, UnsupportedProgramError
 from .graph import Node, ShardGraph
 
-__all__ = ["extract", "VIEW_OPS"]
+__all__ = ["extract", "VIEW_OPS", "WRITE_KERNELS"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
     variables: list = []
     nodes: list[Node] = []
     ids: dict = {}
+    tuples: dict = {}
     num_input = func.attrs.get("num_input") if func.attrs is not None else None
     num_input = len(func.params) if num_input is None else int(num_input)
     for position, param in enumerate(func.params):
@@ -98,6 +99,11 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
             if isinstance(value, relax.Var):
                 if value in ids:
                     ids[var] = ids[value]
+                if value in tuples:
+                    tuples[var] = tuples[value]
+                continue
+            if isinstance(value, relax.Tuple):  # the results, gathered (gv = lv1, lv2)
+                tuples[var] = list(value.fields)
                 continue
             if isinstance(value, relax.If):
                 raise UnsupportedProgramError(
@@ -113,11 +119,58 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
             variables.append(var)
             nodes.append(node)
     result = body.body
-    fields = list(result.fields) if isinstance(result, relax.Tuple) else [result]
+    fields = list(result.fields) if isinstance(result, relax.Tuple) else \
+        tuples.get(result, [result])
     outputs = tuple(ids[f] for f in fields if isinstance(f, relax.Var) and f in ids)
     graph = ShardGraph(nodes, outputs, tuple(int(n) for n in mesh_shape))
     graph.variables = variables
+    graph.state = _state(nodes, outputs)
+    if graph.state:
+        logger.info("state of %r (returned updated): %s", function,
+                    ", ".join(nodes[i].name for i in graph.state))
     return graph
+
+
+def _state(nodes: list[Node], outputs: tuple[int, ...]) -> dict[int, int]:
+    """Input -> the result returning its new value (a cache written out of place).
+
+    A returned input is its own new value. Otherwise a result is traced back
+    through values of its shape and element type to a write
+    (:data:`WRITE_KERNELS`: ``where(written, new, key_0)``, a scatter) that
+    takes an input of that shape whole: that input is state, and the result
+    its new value. A residual sum of an input is no write: the input stays
+    an activation.
+    """
+    state: dict[int, int] = {}
+    for out in outputs:
+        node = nodes[out]
+        if node.kind == "input":
+            state.setdefault(out, out)
+            continue
+        queue, seen, found = [out], {out}, None
+        while queue and found is None:
+            current = queue.pop(0)
+            same = [o for o in nodes[current].operands if nodes[o].shape == node.shape
+                    and nodes[o].dtype == node.dtype and nodes[o].kind != "param"]
+            if _is_write(nodes[current].op):
+                found = next((o for o in same if nodes[o].kind == "input" and o not in state),
+                             None)
+            for operand in same:
+                if operand not in seen:
+                    seen.add(operand)
+                    queue.append(operand)
+        if found is not None:
+            state[found] = out
+    return state
+
+
+#: Kernels (and operators) that write some positions of a tensor and keep the others.
+WRITE_KERNELS = ("where", "scatter", "scatter_elements", "scatter_nd", "index_put",
+                 "dynamic_update_slice", "index_copy", "slice_scatter")
+
+
+def _is_write(op: str) -> bool:
+    return op.removeprefix("relax.").rstrip("0123456789_") in WRITE_KERNELS
 
 
 def _op_node(value, name: str, info, ids: dict, mod, op_signature) -> Node:

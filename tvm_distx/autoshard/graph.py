@@ -20,6 +20,12 @@ in the same order (same operators, shapes and strategies), node ``j`` of every
 layer is put in one *class*: one choice serves all the layers, and its costs
 count once per layer. Nodes after the last layer's own nodes (the final norm)
 and before the first (the embedding) are classes of their own.
+
+**State.** An input whose new value the function returns (a key-value cache:
+``decode(ids, pos, key_0, ...) -> (logits, key_0', ...)``) is state, not a
+transient activation: ``ShardGraph.state`` pairs it with the result that
+returns it. Its bytes count once, for the whole call, and the result keeps
+the input's placement, so the next call reads it where this one wrote it.
 """
 
 from __future__ import annotations
@@ -175,6 +181,9 @@ class ShardGraph:
     classes: list[int] = field(init=False)
     layers: int = field(init=False, default=0)
     variables: list = field(init=False, default_factory=list)
+    #: state the function carries from call to call (a key-value cache): input node ->
+    #: the result node that returns its new value (the input itself when returned as is)
+    state: dict[int, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.strategies = [self._enumerate(n) for n in self.nodes]
@@ -269,6 +278,10 @@ class ShardGraph:
         node = self.nodes[index]
         local = _local_shape(node.shape, strategy.out, tuple(self.mesh_shape))
         return math.prod(local) * node.itemsize
+
+    def state_nodes(self) -> set[int]:
+        """The state inputs and the results that return them: their bytes count once, as state."""
+        return set(self.state) | set(self.state.values())
 
     # ------------------------------------------------------------ repeated layers
     def separate_layers(self) -> None:
