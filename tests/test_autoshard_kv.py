@@ -102,3 +102,41 @@ def test_the_rules_generate_like_transformers_on_mpi(decoder, tight):
                           plan=report.preset()) as lm:
         out = lm.generate(prompt, max_new_tokens=6)
     np.testing.assert_array_equal(out[0], greedy(model, prompt, 6))
+
+
+# --------------------------------------------------------------------------- run-time extents
+def _prefill_only(program):
+    import tvm
+
+    return tvm.IRModule({gv: f for gv, f in program.mod.functions.items()
+                         if gv.name_hint != "decode"})
+
+
+def test_a_symbolic_prompt_length_is_priced_at_a_size_and_runs_at_any(decoder):
+    """prefill(input_ids (1, seq), ...) planned at seq=64, run at 5 and 9 tokens on 2 MPI ranks."""
+    import tvm_distx as td
+    from hf_tiny import logits, tokens
+
+    model, program, weights, _ = decoder
+    mod = _prefill_only(program)
+    seq = str(mod["prefill"].params[0].ty.shape.values[1].name)
+    with pytest.raises(td.SymbolicExtentError, match=f"its symbolic extents: {seq}"):
+        auto_shard(mod, (2,), function="prefill", sizes={"seq": 64}, runner_ups=0)
+    unbounded = mod.clone()
+    unbounded["prefill"] = mod["prefill"].without_attr("tir_var_upper_bound")
+    with pytest.raises(td.SymbolicExtentError, match=f"sizes=\\{{'{seq}': 128\\}}"):
+        auto_shard(unbounded, (2,), function="prefill", runner_ups=0)
+    annotated, report = auto_shard(mod, (2,), function="prefill", sizes={seq: 64},
+                                   runner_ups=0)
+    assert report.graph.sizes == {seq: 64} and f"{seq}=64" in str(report)
+    assert report.collectives()["all_reduce"] == 4  # Megatron: one per attention, per MLP
+    for value, _, _, _, _, steps in report.solution.moves:  # the rest: static masks
+        node = report.graph.nodes[value]
+        assert not node.dynamic or {k for k, _ in steps} <= {"all_reduce", "local_slice"}
+    assert 0.5 <= report.weight_bytes_per_rank / weights <= 0.55  # norms whole
+    exe = td.compile(annotated)
+    for length in (5, 9):
+        ids = tokens(length, seed=length)
+        out = exe.run(ids, np.arange(length), *program.cache.zeros(), params=program.weights,
+                      function="prefill", backend="mpi")
+        np.testing.assert_allclose(out[0], logits(model, ids), atol=1e-4)

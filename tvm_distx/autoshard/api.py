@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import tvm
 
@@ -158,7 +158,8 @@ class AutoShardReport:
         lines = [
             f"auto_shard on a {self.graph.mesh_shape} mesh, objective {self.objective}, "
             f"profile {self.profile.name}"
-            + (f", {self.graph.layers} identical layers solved once" if self.graph.layers else ""),
+            + (f", {self.graph.layers} identical layers solved once" if self.graph.layers else "")
+            + ("".join(f", {k}={v}" for k, v in self.graph.sizes.items())),
             f"  predicted: {self.predicted_seconds * 1e3:.3f} ms per call "
             f"(compute {sol.compute_s * 1e3:.3f} ms, communication {sol.comm_s * 1e3:.3f} ms), "
             f"{sol.comm_bytes} B received per rank",
@@ -250,7 +251,8 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
                memory_per_rank: int | None = None, objective: str = "latency",
                rules: Sequence[ShardingRule] = (), profile: CostProfile | None = None,
                time_limit: float = 30.0, runner_ups: int = 2, pin: bool = True,
-               function: str = "main") -> tuple[tvm.IRModule, AutoShardReport]:
+               function: str = "main", sizes: Mapping[str, int] | None = None
+               ) -> tuple[tvm.IRModule, AutoShardReport]:
     """Choose every placement of ``mod`` by cost, under a memory budget.
 
     Parameters
@@ -288,6 +290,13 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
         annotated, as a preset does, and propagation chooses the rest.
     function : str
         The function to plan.
+    sizes : mapping of str to int, optional
+        The example size of each symbolic (run-time) extent to price the plan
+        at (``sizes={"seq": 128}``); a variable left out is priced at its upper
+        bound (``tir_var_upper_bound``, which ``from_torch`` writes from
+        ``torch.export.Dim(max=...)``). No strategy splits a symbolic extent and
+        no collective other than a completing all-reduce moves a value that has
+        one, so the rules serve every size.
 
     Returns
     -------
@@ -299,6 +308,8 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     ------
     MemoryBudgetError
         When no plan fits ``memory_per_rank``.
+    SymbolicExtentError
+        When a symbolic extent has no size in ``sizes`` and no upper bound.
     RuleError
         For a rule that is not a parameter rule, or a placement a tensor cannot take.
 
@@ -316,7 +327,7 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
 
     meshed = _split_fused(_with_mesh(mod, mesh_shape), function)
     legal = legalize_ops(meshed)
-    graph = extract(legal, mesh_shape, function, legalized=True)
+    graph = extract(legal, mesh_shape, function, legalized=True, sizes=sizes)
     fixed = _fixed_from_rules(graph, rules, meshed, function)
     options = dict(profile=profile, objective=objective, memory_per_rank=memory_per_rank,
                    fixed=fixed, time_limit=time_limit)

@@ -14,6 +14,7 @@ everywhere and are left out.
 from __future__ import annotations
 
 import logging
+from typing import Mapping
 
 import tvm
 from tvm import relax
@@ -33,34 +34,91 @@ VIEW_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.expand_dims"
 VIEW_KERNELS = ("reshape", "transpose", "expand_dims", "squeeze")
 
 
-def _tensor_info(var, function: str) -> tuple[tuple[int, ...], str] | None:
+class _Sizes:
+    """The example value of each symbolic variable of one function, to price the plan at."""
+
+    def __init__(self, func, function: str, sizes: Mapping[str, int] | None) -> None:
+        self.function = function
+        self.given = dict(sizes or {})
+        attrs = func.attrs if func.attrs is not None else {}
+        bounds = attrs.get("tir_var_upper_bound") if hasattr(attrs, "get") else None
+        self.bounds = {str(k): int(v) for k, v in (bounds or {}).items()}
+        self.analyzer = tvm.sym.Analyzer()
+        self.bound: dict[str, int] = {}
+        self.used: dict[str, int] = {}
+
+    def value(self, extent, var) -> int:
+        from tvm import tirx
+
+        for free in tirx.analysis.undefined_vars(extent):
+            name = str(free.name)
+            if name in self.bound:
+                continue
+            if name in self.given:
+                value = int(self.given[name])
+            elif name in self.bounds:
+                value = self.bounds[name]
+                logger.info("auto_shard: %s of %r priced at its upper bound %d (sizes= sets "
+                            "it)", name, self.function, value)
+            else:
+                raise SymbolicExtentError(
+                    f"auto_shard: {var.name!r} in {self.function!r} has the run-time extent "
+                    f"{name!r}, with no example size and no upper bound",
+                    hint=f"give the size to price the plan at: auto_shard(..., "
+                    f"sizes={{{name!r}: 128}}); the rules it writes serve every size",
+                    cli_hint=f"give the size to price the plan at: --size {name}=128")
+            if value < 1:
+                raise SymbolicExtentError(
+                    f"auto_shard(sizes={{{name!r}: {value}}}): a size must be at least 1",
+                    hint=f"sizes={{{name!r}: 128}}",
+                    cli_hint=f"--size {name}=128")
+            self.bound[name] = value
+            self.used[name] = value
+            self.analyzer.bind(free, value)
+        return int(self.analyzer.simplify(extent))
+
+
+def _tensor_info(var, function: str, sizes: _Sizes
+                 ) -> tuple[tuple[int, ...], str, frozenset[int]] | None:
+    """Shape (symbolic extents at their example sizes), dtype and the symbolic dimensions."""
     ty = var.ty
     if not isinstance(ty, relax.TensorType):
         return None
     shape = _ir.static_shape(ty)
     if shape is None:
         return None
-    if any(d is None for d in shape):
+    if all(d is not None for d in shape):
+        return tuple(int(d) for d in shape), str(ty.dtype), frozenset()
+    if not isinstance(ty.shape, relax.ShapeExpr):
         raise SymbolicExtentError(
-            f"auto_shard: {var.name!r} in {function!r} has a run-time extent {ty}",
-            hint="plan with a static example shape (from_torch without dynamic_shapes); the "
-            "rules it writes serve every size")
-    return tuple(int(d) for d in shape), str(ty.dtype)
+            f"auto_shard: {var.name!r} in {function!r} has a shape of unknown extents {ty}",
+            hint="give the function's tensors shapes, symbolic or static")
+    values = list(ty.shape.values)
+    dynamic = frozenset(i for i, d in enumerate(shape) if d is None)
+    return (tuple(int(d) if d is not None else sizes.value(values[i], var)
+                  for i, d in enumerate(shape)), str(ty.dtype), dynamic)
 
 
 def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "main", *,
-            legalized: bool = False) -> ShardGraph:
+            legalized: bool = False, sizes: Mapping[str, int] | None = None) -> ShardGraph:
     """The sharding problem of ``mod[function]`` on a mesh of ``mesh_shape``.
 
     With ``legalized`` the module is taken as :func:`tvm_distx.pipeline.legalize_ops`
     left it. The graph's ``variables`` are the Relax variables of its nodes.
+
+    A symbolic extent (``seq``) is priced at ``sizes[name]``, or at the
+    variable's upper bound (the function's ``tir_var_upper_bound``, which
+    ``from_torch`` writes from ``torch.export.Dim(max=...)``) when ``sizes``
+    does not name it; a node records its symbolic dimensions
+    (:attr:`~tvm_distx.autoshard.graph.Node.dynamic`), which no strategy splits
+    and no collective moves, so that the plan serves every size.
 
     Raises
     ------
     UnsupportedProgramError
         When the function has control flow or no dataflow at all.
     SymbolicExtentError
-        When a tensor has a run-time extent.
+        When a run-time extent has neither a size in ``sizes`` nor an upper bound.
     """
     from .. import passes  # noqa: F401  (registers the operator rules)
     from ..passes.op_signatures import op_signature
@@ -69,6 +127,7 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
     if not legalized:
         mod = legalize_ops(mod)
     func = mod[function]
+    known = _Sizes(func, function, sizes)
     variables: list = []
     nodes: list[Node] = []
     ids: dict = {}
@@ -76,13 +135,13 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
     num_input = func.attrs.get("num_input") if func.attrs is not None else None
     num_input = len(func.params) if num_input is None else int(num_input)
     for position, param in enumerate(func.params):
-        info = _tensor_info(param, function)
+        info = _tensor_info(param, function, known)
         if info is None:
             continue
         ids[param] = len(nodes)
         variables.append(param)
         nodes.append(Node(str(param.name), info[0], info[1],
-                          "input" if position < num_input else "param"))
+                          "input" if position < num_input else "param", dynamic=info[2]))
     body = func.body
     if not isinstance(body, relax.SeqExpr):
         raise UnsupportedProgramError(f"auto_shard: {function!r} has no binding blocks")
@@ -109,11 +168,11 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
                 raise UnsupportedProgramError(
                     f"auto_shard: {function!r} has control flow at {var.name!r}",
                     hint="plan a function without R.If")
-            info = _tensor_info(var, function)
+            info = _tensor_info(var, function, known)
             if info is None:
                 if not isinstance(value, relax.Call):
                     continue
-                info = ((), "float32")  # a tuple of results: its operands arrive whole
+                info = ((), "float32", frozenset())  # a tuple of results: operands arrive whole
             node = _op_node(value, str(var.name), info, ids, mod, op_signature)
             ids[var] = len(nodes)
             variables.append(var)
@@ -125,6 +184,17 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
     graph = ShardGraph(nodes, outputs, tuple(int(n) for n in mesh_shape))
     graph.variables = variables
     graph.state = _state(nodes, outputs)
+    graph.sizes = dict(known.used)
+    unknown = sorted(set(known.given) - set(known.used))
+    if unknown:
+        found = sorted(known.bounds) or sorted(known.used)
+        raise SymbolicExtentError(
+            f"auto_shard(sizes=...): {function!r} has no symbolic extent "
+            f"{', '.join(map(repr, unknown))}",
+            hint=("its symbolic extents: " + ", ".join(found)) if found else
+            f"{function!r} has static shapes only: leave sizes out",
+            cli_hint=("its symbolic extents: " + ", ".join(found)) if found else
+            f"{function!r} has static shapes only: leave --size out")
     if graph.state:
         logger.info("state of %r (returned updated): %s", function,
                     ", ".join(nodes[i].name for i in graph.state))
@@ -174,7 +244,7 @@ def _is_write(op: str) -> bool:
 
 
 def _op_node(value, name: str, info, ids: dict, mod, op_signature) -> Node:
-    shape, dtype = info
+    shape, dtype, dynamic = info
     op = value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) \
         else type(value).__name__
     view = op in VIEW_OPS
@@ -194,7 +264,7 @@ def _op_node(value, name: str, info, ids: dict, mod, op_signature) -> Node:
                 break
         else:
             return Node(name, shape, dtype, "op", op, tuple(operands), tuple(labels),
-                        tuple(sig.output[0]), frozenset(sig.unshardable), view)
+                        tuple(sig.output[0]), frozenset(sig.unshardable), view, dynamic)
     args = list(value.args) if isinstance(value, relax.Call) else []
     if isinstance(value, relax.TupleGetItem):
         args = [value.tuple_value]
@@ -203,4 +273,4 @@ def _op_node(value, name: str, info, ids: dict, mod, op_signature) -> Node:
         args = list(args[1].fields)
     operands = [ids[a] for a in args if isinstance(a, relax.Var) and a in ids]
     logger.info("auto_shard: %s (%s) has no sharding rule here; it runs replicated", name, op)
-    return Node(name, shape, dtype, "op", op, tuple(operands))
+    return Node(name, shape, dtype, "op", op, tuple(operands), dynamic=dynamic)

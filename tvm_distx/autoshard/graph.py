@@ -86,6 +86,9 @@ class Node:
         Labels the rule forbids to split.
     view : bool
         A layout change (reshape, transpose): no arithmetic and no buffer of its own.
+    dynamic : frozenset of int
+        Dimensions of a run-time (symbolic) extent, ``shape`` holding the example
+        size: no strategy splits them, and no collective moves the value.
     """
 
     name: str
@@ -98,6 +101,7 @@ class Node:
     output: tuple[str, ...] | None = None
     unshardable: frozenset[str] = frozenset()
     view: bool = False
+    dynamic: frozenset[int] = frozenset()
 
     @property
     def itemsize(self) -> int:
@@ -184,6 +188,8 @@ class ShardGraph:
     #: state the function carries from call to call (a key-value cache): input node ->
     #: the result node that returns its new value (the input itself when returned as is)
     state: dict[int, int] = field(init=False, default_factory=dict)
+    #: the example size each symbolic variable was priced at
+    sizes: dict[str, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.strategies = [self._enumerate(n) for n in self.nodes]
@@ -193,8 +199,8 @@ class ShardGraph:
     def _enumerate(self, node: Node) -> list[Strategy]:
         axes = range(len(self.mesh_shape))
         if node.kind in ("input", "param"):
-            choices = [[None] + (list(range(len(node.shape))) if self.mesh_shape[a] > 1 else [])
-                       for a in axes]
+            dims = [d for d in range(len(node.shape)) if d not in node.dynamic]
+            choices = [[None] + (dims if self.mesh_shape[a] > 1 else []) for a in axes]
             out = []
             for split in itertools.product(*choices):
                 parts_of: dict[int, int] = {}
@@ -215,7 +221,12 @@ class ShardGraph:
                 extents.setdefault(label, set()).add(extent)
         for label, extent in zip(node.output, node.shape):
             extents.setdefault(label, set()).add(extent)
-        candidates = sorted(label for label in extents if label not in node.unshardable)
+        dynamic = {label for d, label in enumerate(node.output) if d in node.dynamic}
+        for operand, labels in zip(node.operands, node.labels):
+            dynamic |= {label for d, label in enumerate(labels)
+                        if d in self.nodes[operand].dynamic}
+        candidates = sorted(label for label in extents
+                            if label not in node.unshardable and label not in dynamic)
         produced = set(node.output)
         reductions = frozenset(label for labels in node.labels for label in labels
                                if label not in produced)

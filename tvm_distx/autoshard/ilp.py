@@ -195,12 +195,18 @@ def _users(graph: ShardGraph) -> list[list[tuple[int, int]]]:
     return users
 
 
-def _collective(node, src: str, dst: str, mesh: tuple, reshard: Reshard) -> bool:
-    """Whether moving ``node`` from ``src`` to ``dst`` takes a collective (not a local slice)."""
+#: The steps a value with a run-time extent may take (the legalizer moves no symbolic
+#: extent between ranks; partial sums are completed in place).
+SYMBOLIC_MOVES = frozenset({"local_slice", "all_reduce"})
+
+
+def _collective(node, src: str, dst: str, mesh: tuple, reshard: Reshard,
+                allowed: frozenset = frozenset({"local_slice"})) -> bool:
+    """Whether moving ``node`` from ``src`` to ``dst`` takes a step not in ``allowed``."""
     if src == dst:
         return False
     steps = reshard(node.shape, node.dtype, src, dst, mesh)[1]
-    return any(kind != "local_slice" for kind, _ in steps)
+    return any(kind not in allowed for kind, _ in steps)
 
 
 def _last_use(graph: ShardGraph, users) -> list[int]:
@@ -298,6 +304,9 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
         if node.view and any(o in untouched for o in node.operands):
             untouched.add(index)
     state_classes = {classes[i] for i in untouched}
+    # a run-time extent is kept by a kernel, never moved between layouts (partial sums
+    # are completed in place)
+    dynamic_classes = {classes[i] for i, node in enumerate(graph.nodes) if node.dynamic}
     for plan in exclude:
         picked = {x[classes[n]][s] for n, s in plan.items()}  # one column per class
         b.row({col: 1.0 for col in picked}, -np.inf, len(picked) - 1.0)
@@ -328,8 +337,10 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
                     row[col] = row.get(col, 0.0) - 1.0
                 b.row(row, 0.0, 0.0)
             for (p, q), col in e.items():
-                if c in state_classes and _collective(node, p, q, mesh, reshard):
-                    b.upper[col] = 0.0  # no collective touches the cache
+                if c in state_classes and _collective(node, p, q, mesh, reshard) or \
+                        c in dynamic_classes and _collective(node, p, q, mesh, reshard,
+                                                             SYMBOLIC_MOVES):
+                    b.upper[col] = 0.0  # no collective touches the cache or a run-time extent
                     continue
                 seconds = _move_seconds(node, p, q, mesh, profile, objective, reshard)
                 if seconds <= 0:
