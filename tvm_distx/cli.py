@@ -308,12 +308,21 @@ def _autoshard(args: argparse.Namespace) -> int:
                             "-o rules.yaml")
     shape = tuple(int(n) for n in meshes[0].shape)
     rules = _read_rules(args.rules)
+    if args.function not in [gv.name_hint for gv in mod.functions]:
+        from tvm import relax
+
+        names = sorted(gv.name_hint for gv, f in mod.functions.items()
+                       if isinstance(f, relax.Function))
+        raise ArgumentError(f"autoshard --function {args.function}: {args.module} has no "
+                            "such function", hint="its functions: " + ", ".join(names)
+                            + f" (--function {names[0] if names else 'main'})")
+    sizes = dict(_size(text) for text in args.size)
     with _progress("choosing placements"):
         _, report = auto_shard(mod, shape, memory_per_rank=memory, objective=args.objective,
                                rules=rules, profile=profile, time_limit=args.time_limit,
-                               pin=False)
+                               pin=False, function=args.function, sizes=sizes or None)
     sys.stderr.write(str(report) + "\n")
-    data = report.rules_data()
+    data = report.rules_data(args.function)
     if args.output is not None and Path(args.output).suffix == ".json":
         text = json.dumps(data, indent=2) + "\n"
     else:
@@ -327,6 +336,15 @@ def _autoshard(args: argparse.Namespace) -> int:
         Path(args.output).write_text(text)
         sys.stderr.write(f"wrote {args.output}\n")
     return EXIT_OK
+
+
+def _size(text: str) -> tuple[str, int]:
+    """``seq=128``: a symbolic extent's example size for ``autoshard --size``."""
+    name, _, value = text.partition("=")
+    if not name or not value.strip().isdigit() or int(value) < 1:
+        raise ArgumentError(f"--size takes NAME=INT, got {text!r}",
+                            hint="for example --size seq=128 (repeat it for each extent)")
+    return name.strip(), int(value)
 
 
 def _load_plain(args: argparse.Namespace):
@@ -617,6 +635,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="a cost profile (JSON, from tvm_distx.profile(...).save(path))")
     p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS",
                    help="the solver's time limit (the report gives the optimality gap)")
+    p.add_argument("--function", default="main",
+                   help="the function to plan (decode, prefill; default main)")
+    p.add_argument("--size", action="append", default=[], metavar="NAME=INT",
+                   help="the example size of a symbolic extent to price the plan at "
+                   "(--size seq=128; repeatable); the rules serve every size")
     p.add_argument("-o", "--output", type=Path,
                    help="write the rules here, YAML or .json (default YAML on stdout)")
     p.set_defaults(handler=_autoshard)

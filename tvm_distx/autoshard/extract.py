@@ -127,6 +127,7 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
     if not legalized:
         mod = legalize_ops(mod)
     func = mod[function]
+    _check_names(func, function, sizes or {})
     known = _Sizes(func, function, sizes)
     variables: list = []
     nodes: list[Node] = []
@@ -185,9 +186,17 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
     graph.variables = variables
     graph.state = _state(nodes, outputs)
     graph.sizes = dict(known.used)
-    unknown = sorted(set(known.given) - set(known.used))
+    if graph.state:
+        logger.info("state of %r (returned updated): %s", function,
+                    ", ".join(nodes[i].name for i in graph.state))
+    return graph
+
+
+def _check_names(func, function: str, given) -> None:
+    """Every name of ``sizes`` is a symbolic extent of the function."""
+    found = sorted({str(v.name) for v in relax.analysis.defined_symbolic_vars(func)})
+    unknown = sorted(set(given) - set(found))
     if unknown:
-        found = sorted(known.bounds) or sorted(known.used)
         raise SymbolicExtentError(
             f"auto_shard(sizes=...): {function!r} has no symbolic extent "
             f"{', '.join(map(repr, unknown))}",
@@ -195,10 +204,6 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
             f"{function!r} has static shapes only: leave sizes out",
             cli_hint=("its symbolic extents: " + ", ".join(found)) if found else
             f"{function!r} has static shapes only: leave --size out")
-    if graph.state:
-        logger.info("state of %r (returned updated): %s", function,
-                    ", ".join(nodes[i].name for i in graph.state))
-    return graph
 
 
 def _state(nodes: list[Node], outputs: tuple[int, ...]) -> dict[int, int]:
