@@ -247,6 +247,26 @@ def _split_fused(mod: tvm.IRModule, function: str) -> tvm.IRModule:
     return SplitFusedProjections()(mod)
 
 
+def _inline_calls(mod: tvm.IRModule, function: str) -> tvm.IRModule:
+    """``mod`` with the private Relax functions ``function`` calls inlined, to plan through them.
+
+    Propagation carries placements into a callee's parameters; the planner
+    must see the callee's operators at each call site. Each call site is
+    costed on its own operands, and call sites that take parameters of
+    different layers (``..layers_<i>_..``) are solved once, as repeated layers.
+    """
+    from tvm import relax
+
+    callees = {gv.name_hint for gv, f in mod.functions.items()
+               if isinstance(f, relax.Function) and gv.name_hint != function
+               and (f.attrs is None or "global_symbol" not in f.attrs)}
+    if not callees or not any(f"{name}(" in mod[function].script() for name in callees):
+        return mod
+    logger.info("auto_shard: %s calls %s; planned through the calls (inlined)", function,
+                ", ".join(sorted(callees)))
+    return relax.transform.InlinePrivateFunctions()(mod)
+
+
 def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
                memory_per_rank: int | None = None, objective: str = "latency",
                rules: Sequence[ShardingRule] = (), profile: CostProfile | None = None,
@@ -326,7 +346,7 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     from ..pipeline import legalize_ops
 
     meshed = _split_fused(_with_mesh(mod, mesh_shape), function)
-    legal = legalize_ops(meshed)
+    legal = legalize_ops(_inline_calls(meshed, function))
     graph = extract(legal, mesh_shape, function, legalized=True, sizes=sizes)
     fixed = _fixed_from_rules(graph, rules, meshed, function)
     options = dict(profile=profile, objective=objective, memory_per_rank=memory_per_rank,
