@@ -135,8 +135,12 @@ def test_a_symbolic_prompt_length_is_priced_at_a_size_and_runs_at_any(decoder):
         assert not node.dynamic or {k for k, _ in steps} <= {"all_reduce", "local_slice"}
     assert 0.5 <= report.weight_bytes_per_rank / weights <= 0.55  # norms whole
     exe = td.compile(annotated)
-    for length in (5, 9):
-        ids = tokens(length, seed=length)
-        out = exe.run(ids, np.arange(length), *program.cache.zeros(), params=program.weights,
-                      function="prefill", backend="mpi")
-        np.testing.assert_allclose(out[0], logits(model, ids), atol=1e-4)
+    session = exe.session(2, backend="mpi", params=program.weights, function="prefill")
+    try:  # one launch of the ranks, two prompt lengths
+        for length in (5, 9):
+            ids = tokens(length, seed=length)
+            out = session.run(ids, np.arange(length), *program.cache.zeros(),
+                              function="prefill")
+            np.testing.assert_allclose(out[0], logits(model, ids), atol=1e-4)
+    finally:
+        session.close()

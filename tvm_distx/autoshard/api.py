@@ -339,10 +339,16 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     >>> print(report)
     """
     from ..passes import AnnotateSharding
-    from .extract import extract
+    from .extract import check_sizes, extract
 
     profile = profile or DEFAULT_PROFILE
     mesh_shape = tuple(int(n) for n in mesh_shape)
+    if function not in [gv.name_hint for gv in mod.functions]:
+        raise RuleError(f"auto_shard(function={function!r}): the module has no such function",
+                        function=function, hint="its functions: " + ", ".join(
+                            sorted(gv.name_hint for gv in mod.functions)),
+                        cli_hint="pick one with --function")
+    check_sizes(mod[function], function, sizes or {})
     from ..pipeline import legalize_ops
 
     meshed = _split_fused(_with_mesh(mod, mesh_shape), function)

@@ -23,7 +23,7 @@ from .. import _ir
 from ..errors import SymbolicExtentError, UnsupportedProgramError
 from .graph import Node, ShardGraph
 
-__all__ = ["extract", "VIEW_OPS", "WRITE_KERNELS"]
+__all__ = ["check_sizes", "extract", "VIEW_OPS", "WRITE_KERNELS"]
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +190,20 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
         logger.info("state of %r (returned updated): %s", function,
                     ", ".join(nodes[i].name for i in graph.state))
     return graph
+
+
+def check_sizes(func, function: str, given) -> None:
+    """Before any work: every name of ``sizes`` is a symbolic extent of the function, and
+    every symbolic extent of its parameters has a size or an upper bound.
+
+    Raises
+    ------
+    SymbolicExtentError
+    """
+    _check_names(func, function, given)
+    sizes = _Sizes(func, function, given)
+    for param in func.params:
+        _tensor_info(param, function, sizes)
 
 
 def _check_names(func, function: str, given) -> None:
