@@ -1,7 +1,8 @@
 """auto_shard through calls: ``main`` calls a private decoder-layer function twice.
 
-The planner inlines the calls to cost every call site; the rules name
-``main``'s parameters, and propagation carries them into the callee.
+The planner inlines the calls to cost every call site, and solves the two call
+sites once, as repeated layers; the rules name ``main``'s parameters, and
+propagation carries them into the callee.
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ class Module:
 
     @R.function
     def main(x: R.Tensor(({TOKENS}, {DIM}), "float32"),
-             p_layers_0_w1: R.Tensor(({DIM}, {WIDE}), "float32"),
-             p_layers_0_w2: R.Tensor(({WIDE}, {DIM}), "float32"),
-             p_layers_1_w1: R.Tensor(({DIM}, {WIDE}), "float32"),
-             p_layers_1_w2: R.Tensor(({WIDE}, {DIM}), "float32")) -> R.Tensor(({TOKENS}, {DIM}), "float32"):
+             w1_0: R.Tensor(({DIM}, {WIDE}), "float32"),
+             w2_0: R.Tensor(({WIDE}, {DIM}), "float32"),
+             w1_1: R.Tensor(({DIM}, {WIDE}), "float32"),
+             w2_1: R.Tensor(({WIDE}, {DIM}), "float32")) -> R.Tensor(({TOKENS}, {DIM}), "float32"):
         R.func_attr({{"num_input": 1}})
         cls = Module
         with R.dataflow():
-            a = cls.layer(x, p_layers_0_w1, p_layers_0_w2)
-            b = cls.layer(a, p_layers_1_w1, p_layers_1_w2)
+            a = cls.layer(x, w1_0, w2_0)
+            b = cls.layer(a, w1_1, w2_1)
             R.output(b)
         return b
 """
@@ -65,12 +66,12 @@ def problem(tmp_path_factory):
     mod = load_module(path)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((TOKENS, DIM)).astype("float32")
-    weights = {f"p_layers_{i}_{w}": (0.1 * rng.standard_normal(shape)).astype("float32")
+    weights = {f"{w}_{i}": (0.1 * rng.standard_normal(shape)).astype("float32")
                for i in range(2) for w, shape in (("w1", (DIM, WIDE)), ("w2", (WIDE, DIM)))}
     want = x
     for i in range(2):
-        want = want + np.maximum(want @ weights[f"p_layers_{i}_w1"], 0) @ \
-            weights[f"p_layers_{i}_w2"]
+        want = want + np.maximum(want @ weights[f"w1_{i}"], 0) @ \
+            weights[f"w2_{i}"]
     return mod, weights, x, want
 
 
@@ -80,10 +81,10 @@ def test_a_layer_called_twice_is_planned_through_the_calls_and_runs_on_mpi(probl
     total = sum(w.nbytes for w in weights.values())
     annotated, report = auto_shard(mod, (2,), memory_per_rank=total // 2 + 40_000,
                                    runner_ups=0, pin=pin)
-    assert report.graph.layers == 2  # the two call sites solved once
+    assert report.graph.layers == 2  # the two call sites solved once (no layer names needed)
     for i in range(2):  # Megatron inside the callee: column then row parallel
-        assert report.placements[f"p_layers_{i}_w1"] == "S[1]"
-        assert report.placements[f"p_layers_{i}_w2"] == "S[0]"
+        assert report.placements[f"w1_{i}"] == "S[1]"
+        assert report.placements[f"w2_{i}"] == "S[0]"
     assert report.weight_bytes_per_rank == total // 2
     # one reduction per block, or its sequence-parallel form
     collectives = report.collectives()

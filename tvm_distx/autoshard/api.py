@@ -247,24 +247,65 @@ def _split_fused(mod: tvm.IRModule, function: str) -> tvm.IRModule:
     return SplitFusedProjections()(mod)
 
 
+#: What the planner's inlining appends to a callee's value names at call site ``k``
+#: (:data:`tvm_distx.autoshard.graph.CALL_SITE_PATTERN` reads it back).
+CALL_SITE = "__call"
+
+
 def _inline_calls(mod: tvm.IRModule, function: str) -> tvm.IRModule:
     """``mod`` with the private Relax functions ``function`` calls inlined, to plan through them.
 
     Propagation carries placements into a callee's parameters; the planner
     must see the callee's operators at each call site. Each call site is
-    costed on its own operands, and call sites that take parameters of
-    different layers (``..layers_<i>_..``) are solved once, as repeated layers.
+    costed on its own operands, and its values are named ``<name>__call<k>``
+    for the ``k``-th call: repeated call sites of one callee are then solved
+    once, as repeated layers (:class:`~tvm_distx.autoshard.graph.ShardGraph`).
     """
     from tvm import relax
+    from tvm.relax.expr_functor import PyExprMutator, mutator
 
-    callees = {gv.name_hint for gv, f in mod.functions.items()
+    callees = {gv for gv, f in mod.functions.items()
                if isinstance(f, relax.Function) and gv.name_hint != function
                and (f.attrs is None or "global_symbol" not in f.attrs)}
-    if not callees or not any(f"{name}(" in mod[function].script() for name in callees):
+    if not callees:
         return mod
-    logger.info("auto_shard: %s calls %s; planned through the calls (inlined)", function,
-                ", ".join(sorted(callees)))
-    return relax.transform.InlinePrivateFunctions()(mod)
+
+    sites = [0]
+
+    @mutator
+    class Inline(PyExprMutator):
+        def visit_var_binding_(self, binding) -> None:
+            value = binding.value
+            if not (isinstance(value, relax.Call) and value.op in callees):
+                super().visit_var_binding_(binding)
+                return
+            site = sites[0]
+            sites[0] += 1
+            fresh = relax.utils.copy_with_new_vars(mod[value.op])
+            for param, arg in zip(fresh.params, value.args):
+                arg = self.visit_expr(arg)
+                if not isinstance(arg, relax.Var):  # a constant operand
+                    arg = self.builder_.emit(arg)
+                self.set_var_remap(param, arg)
+            body = fresh.body
+            for block in body.blocks:
+                for inner in block.bindings:
+                    new = self.builder_.emit(self.visit_expr(inner.value),
+                                             name_hint=f"{inner.var.name}{CALL_SITE}{site}")
+                    self.set_var_remap(inner.var, new)
+            result = self.visit_expr(body.body)
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, result))
+
+    inlined = Inline(mod).visit_expr(mod[function])
+    if not sites[0]:
+        return mod
+    logger.info("auto_shard: %s calls %s at %d sites; planned through the calls (inlined)",
+                function, ", ".join(sorted(gv.name_hint for gv in callees)), sites[0])
+    out = mod.clone()
+    out[mod.get_global_var(function)] = inlined
+    public = [gv.name_hint for gv, f in out.functions.items()
+              if isinstance(f, relax.Function) and gv not in callees]
+    return relax.transform.DeadCodeElimination(public)(out)  # callees no longer called
 
 
 def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
@@ -410,7 +451,7 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
 def plan_cost(mod: tvm.IRModule, mesh_shape: Sequence[int], rules, *,
               objective: str = "latency", profile: CostProfile | None = None,
               memory_per_rank: int | None = None, function: str = "main",
-              time_limit: float = 30.0) -> Solution:
+              time_limit: float = 30.0, sizes: Mapping[str, int] | None = None) -> Solution:
     """The predicted cost of a hand-written plan (a preset or parameter rules), as it runs.
 
     The plan is applied as :func:`tvm_distx.compile` would apply it (a preset's
@@ -420,6 +461,7 @@ def plan_cost(mod: tvm.IRModule, mesh_shape: Sequence[int], rules, *,
     :func:`tvm_distx.autoshard.ilp.evaluate` with the model :func:`auto_shard`
     minimises (:mod:`tvm_distx.autoshard.realized`). Compare with
     :attr:`AutoShardReport.solution` to see what :func:`auto_shard` gains.
+    ``sizes`` prices symbolic extents as :func:`auto_shard` does.
 
     Raises
     ------
@@ -442,7 +484,7 @@ def plan_cost(mod: tvm.IRModule, mesh_shape: Sequence[int], rules, *,
         annotated = rules.apply(meshed, function)
     else:
         prepared, annotated = meshed, AnnotateSharding(list(rules))(meshed)
-    graph = extract(prepared, mesh_shape, function)
+    graph = extract(prepared, mesh_shape, function, sizes=sizes)
     propagated = PropagateSharding(require_legalized=True)(legalize_ops(annotated))
     choice = realized_choice(graph, propagated_placements(propagated, function))
     solution = evaluate(graph, choice, profile=profile or DEFAULT_PROFILE, objective=objective)

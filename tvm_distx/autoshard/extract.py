@@ -9,6 +9,11 @@ propagation sees. Each binding of ``main`` becomes a
 kernel's access patterns); an operator with no rule becomes a node with no
 labels (it runs replicated, as propagation runs it). Constants are replicated
 everywhere and are left out.
+
+Two facts the program does not state are read here: which inputs are
+**state** (returned updated, as a key-value cache is: ``ShardGraph.state``),
+and the example size of each **symbolic extent** (``sizes``, or the
+variable's upper bound), recorded per node as ``Node.dynamic``.
 """
 
 from __future__ import annotations

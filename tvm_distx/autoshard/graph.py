@@ -19,7 +19,9 @@ to the highest layer among its operands. When every layer has the same nodes
 in the same order (same operators, shapes and strategies), node ``j`` of every
 layer is put in one *class*: one choice serves all the layers, and its costs
 count once per layer. Nodes after the last layer's own nodes (the final norm)
-and before the first (the embedding) are classes of their own.
+and before the first (the embedding) are classes of their own. In a function
+that calls a private function (a decoder layer), the ``k``-th call site is
+layer ``k`` instead (:data:`CALL_SITE_PATTERN`), whatever the weights are named.
 
 **State.** An input whose new value the function returns (a key-value cache:
 ``decode(ids, pos, key_0, ...) -> (logits, key_0', ...)``) is state, not a
@@ -48,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 #: Where a parameter's layer number is in its name (``p_model_layers_3_mlp_up_proj_weight``).
 LAYER_PATTERN = re.compile(r"(?:^|_)(?:layers|layer|h|blocks|block)_(\d+)_")
+#: A value of the ``k``-th call site of a private function, inlined for planning
+#: (:func:`tvm_distx.autoshard.api._inline_calls` names it ``<name>__call<k>``).
+CALL_SITE_PATTERN = re.compile(r"__call(\d+)$")
 
 
 def itemsize(dtype: str) -> int:
@@ -300,7 +305,27 @@ class ShardGraph:
         self.classes = list(range(len(self.nodes)))
         self.layers = 0
 
+    def _layer_of_call_sites(self) -> list[int | None] | None:
+        """Per node, its call site (a parameter: its users' one call site), or None."""
+        sites = [CALL_SITE_PATTERN.search(n.name) if n.kind == "op" else None
+                 for n in self.nodes]
+        if not any(sites):
+            return None
+        layer: list[int | None] = [int(m.group(1)) if m else None for m in sites]
+        users: dict[int, set] = {}
+        for index, node in enumerate(self.nodes):
+            for operand in node.operands:
+                users.setdefault(operand, set()).add(layer[index])
+        for index, node in enumerate(self.nodes):
+            found = users.get(index, set())
+            if node.kind == "param" and len(found) == 1:
+                layer[index] = next(iter(found))
+        return layer
+
     def _layer_of_nodes(self) -> list[int | None]:
+        by_site = self._layer_of_call_sites()
+        if by_site is not None:
+            return by_site
         layer: list[int | None] = []
         for node in self.nodes:
             if node.kind == "param":
