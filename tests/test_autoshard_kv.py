@@ -144,3 +144,46 @@ def test_a_symbolic_prompt_length_is_priced_at_a_size_and_runs_at_any(decoder):
             np.testing.assert_allclose(out[0], logits(model, ids), atol=1e-4)
     finally:
         session.close()
+
+
+ALIASED = """
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+
+@I.ir_module
+class Module:
+    @R.function
+    def step(x: R.Tensor((4, 64), "float32"), key: R.Tensor((1, 2, 256, 16), "float32"),
+             value: R.Tensor((1, 2, 256, 16), "float32"), mask: R.Tensor((1, 1, 256, 1), "bool"),
+             new: R.Tensor((1, 2, 256, 16), "float32"), w: R.Tensor((64, 64), "float32")):
+        R.func_attr({"num_input": 5})
+        with R.dataflow():
+            y = R.matmul(x, w)
+            written = R.where(mask, new, value)
+            out = (y, key, written)
+            R.output(out)
+        return out
+"""
+
+
+def test_caches_returned_as_is_or_written_count_once(tmp_path):
+    """``key`` is returned as is (an alias), ``value`` written by a ``where``: each counts once."""
+    from tvm_distx.script import load_module
+
+    path = tmp_path / "step.py"
+    path.write_text(ALIASED)
+    _, report = auto_shard(load_module(path), (2,), function="step", runner_ups=0, pin=False)
+    g = report.graph
+    assert {g.nodes[i].name: g.nodes[o].name for i, o in g.state.items()} == \
+        {"key": "key", "value": "written"}  # new, also an input of that shape, is not state
+    cache = 2 * (2 * 256 * 16 * 4)
+    assert report.replicated_cache_bytes == cache
+    held = report.cache_bytes_per_rank
+    activations = report.activation_bytes_per_rank
+    assert report.solution.peak_bytes == report.weight_bytes_per_rank + held + activations
+    # x, mask, new and y, all live when y is made; never the cache's bytes again
+    chosen = [g.strategies[i][c] for i, c in enumerate(report.solution.choice)]
+    assert activations == sum(g.local_bytes(i, chosen[i]) for i, n in enumerate(g.nodes)
+                              if n.name in ("x", "mask", "new", "y"))
+    assert f"cache {held / 2**20:.2f} MiB of {cache / 2**20:.2f} MiB" in str(report)

@@ -235,11 +235,10 @@ def _state(nodes: list[Node], outputs: tuple[int, ...]) -> dict[int, int]:
     its new value. A residual sum of an input is no write: the input stays
     an activation.
     """
-    state: dict[int, int] = {}
+    state: dict[int, int] = {out: out for out in outputs if nodes[out].kind == "input"}
     for out in outputs:
         node = nodes[out]
         if node.kind == "input":
-            state.setdefault(out, out)
             continue
         queue, seen, found = [out], {out}, None
         while queue and found is None:
@@ -247,8 +246,9 @@ def _state(nodes: list[Node], outputs: tuple[int, ...]) -> dict[int, int]:
             same = [o for o in nodes[current].operands if nodes[o].shape == node.shape
                     and nodes[o].dtype == node.dtype and nodes[o].kind != "param"]
             if _is_write(nodes[current].op):
-                found = next((o for o in same if nodes[o].kind == "input" and o not in state),
-                             None)
+                kept = [o for o in same if nodes[o].kind == "input" and o not in state]
+                if kept:  # where(written, new, old) keeps its last operand; a scatter its first
+                    found = kept[-1] if _is_write(nodes[current].op, ("where",)) else kept[0]
             for operand in same:
                 if operand not in seen:
                     seen.add(operand)
@@ -263,8 +263,8 @@ WRITE_KERNELS = ("where", "scatter", "scatter_elements", "scatter_nd", "index_pu
                  "dynamic_update_slice", "index_copy", "slice_scatter")
 
 
-def _is_write(op: str) -> bool:
-    return op.removeprefix("relax.").rstrip("0123456789_") in WRITE_KERNELS
+def _is_write(op: str, kinds: tuple[str, ...] = WRITE_KERNELS) -> bool:
+    return op.removeprefix("relax.").rstrip("0123456789_") in kinds
 
 
 def _op_node(value, name: str, info, ids: dict, mod, op_signature) -> Node:
