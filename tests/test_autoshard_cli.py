@@ -64,3 +64,7 @@ def test_a_missing_size_hints_the_flag(model, capsys):
     assert main(["autoshard", str(model), "--mesh", "2", "--function", "step", "--size",
                  "n"]) == 2
     assert "--size takes NAME=INT" in capsys.readouterr().err
+    assert main(["autoshard", str(model), "--mesh", "2", "--function", "step", "--size",
+                 "n=32", "--memory", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "priced at n=32" in err and "give smaller --size NAME=INT" in err

@@ -392,11 +392,15 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
             f"auto_shard: no plan found within the time limit of {time_limit} s on a {mesh} "
             "mesh", hint="raise time_limit", cli_hint="raise --time-limit")
     if res.x is None:
+        priced = ", ".join(f"{k}={v}" for k, v in graph.sizes.items())
         raise MemoryBudgetError(
             f"auto_shard: no plan fits {memory_per_rank} bytes per rank on a {mesh} mesh "
-            f"({res.message})",
-            hint="raise memory_per_rank, use a larger mesh, or relax the rules",
-            cli_hint="raise --memory, use a larger --mesh, or relax --rules")
+            f"({res.message})" + (f", run-time extents priced at {priced}" if priced else ""),
+            hint="raise memory_per_rank, use a larger mesh, or relax the rules"
+            + (f", or price the run-time extents at smaller sizes (sizes={{...}})"
+               if priced else ""),
+            cli_hint="raise --memory, use a larger --mesh, or relax --rules"
+            + (", or give smaller --size NAME=INT" if priced else ""))
     values = res.x
     choice = [0] * len(graph.nodes)
     for index in range(len(graph.nodes)):
