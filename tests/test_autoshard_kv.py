@@ -146,6 +146,24 @@ def test_a_symbolic_prompt_length_is_priced_at_a_size_and_runs_at_any(decoder):
         session.close()
 
 
+def test_the_prefill_plan_serves_generation_at_any_prompt_length_on_mpi(decoder):
+    """Rules of ``prefill`` planned at seq=64 serve ``decode`` too, prompts of run-time length."""
+    from tvm_distx.llm import CausalLM
+
+    model, program, _, _ = decoder
+    mod = _prefill_only(program)
+    seq = str(mod["prefill"].params[0].ty.shape.values[1].name)
+    _, report = auto_shard(mod, (2,), function="prefill", sizes={seq: 64}, runner_ups=0,
+                           pin=False)
+    assert all(report.placements[name] == "S[1]" for name in CACHES)
+    prompts = [prompt_ids(5, seed=4), prompt_ids(9, seed=5)]
+    with CausalLM.from_hf(model, num_ranks=2, max_length=MAX_LENGTH,
+                          plan=report.preset()) as lm:
+        rows = lm.generate(prompts, max_new_tokens=4)
+    for row, prompt in zip(rows, prompts):
+        np.testing.assert_array_equal(row, greedy(model, prompt, 4))
+
+
 ALIASED = """
 from tvm.script import ir as I
 from tvm.script import relax as R
