@@ -269,64 +269,10 @@ def _plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
-
-
-def _bytes(text: str) -> int:
-    """``1GiB``, ``512MiB``, ``2e9``: a number of bytes for --memory."""
-    import re
-
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text or "")
-    unit = match.group(2).lower() if match else None
-    try:
-        if match is None or unit not in _UNITS:
-            raise ValueError(text)
-        value = float(match.group(1)) * _UNITS[unit]
-    except ValueError:
-        raise ArgumentError(f"--memory {text!r} is not a size",
-                            hint="give bytes with a unit: --memory 1GiB, --memory 512MiB") \
-            from None
-    return int(value)
-
-
 def _autoshard(args: argparse.Namespace) -> int:
-    from .autoshard import CostProfile, auto_shard
+    from ._cli_autoshard import autoshard
 
-    _writable_file(args.output, "-o")
-    memory = _bytes(args.memory) if args.memory is not None else None
-    profile = None
-    if args.profile is not None:
-        _input_file(args.profile, "--profile file")
-        profile = CostProfile.load(args.profile)
-    mod = _with_mesh(_load_plain(args), args.mesh)
-    meshes = mod.global_infos.get("mesh") if mod.global_infos else None
-    if not meshes or len(meshes) != 1:
-        raise ArgumentError("autoshard needs one mesh: the module has "
-                            f"{len(meshes) if meshes else 'none'}",
-                            hint="tvm-distx autoshard model.py --mesh 2x2 --memory 1GiB "
-                            "-o rules.yaml")
-    shape = tuple(int(n) for n in meshes[0].shape)
-    rules = _read_rules(args.rules)
-    with _progress("choosing placements"):
-        _, report = auto_shard(mod, shape, memory_per_rank=memory, objective=args.objective,
-                               rules=rules, profile=profile, time_limit=args.time_limit,
-                               pin=False)
-    sys.stderr.write(str(report) + "\n")
-    data = report.rules_data()
-    if args.output is not None and Path(args.output).suffix == ".json":
-        text = json.dumps(data, indent=2) + "\n"
-    else:
-        import yaml
-
-        text = "# written by tvm-distx autoshard; edit and pass back with --rules\n" + \
-            yaml.safe_dump(data, sort_keys=False)
-    if args.output is None:
-        sys.stdout.write(text)
-    else:
-        Path(args.output).write_text(text)
-        sys.stderr.write(f"wrote {args.output}\n")
-    return EXIT_OK
+    return autoshard(args)
 
 
 def _load_plain(args: argparse.Namespace):
@@ -617,6 +563,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="a cost profile (JSON, from tvm_distx.profile(...).save(path))")
     p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS",
                    help="the solver's time limit (the report gives the optimality gap)")
+    p.add_argument("--function", default="main",
+                   help="the function to plan (decode, prefill; default main)")
+    p.add_argument("--size", action="append", default=[], metavar="NAME=INT",
+                   help="the example size of a symbolic extent to price the plan at "
+                   "(--size seq=128; repeatable); the rules serve every size")
     p.add_argument("-o", "--output", type=Path,
                    help="write the rules here, YAML or .json (default YAML on stdout)")
     p.set_defaults(handler=_autoshard)

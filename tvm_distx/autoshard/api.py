@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import tvm
 
@@ -72,6 +72,32 @@ class AutoShardReport:
     def replicated_weight_bytes(self) -> int:
         """Parameter bytes of the whole model."""
         return sum(n.nbytes for n in self.graph.nodes if n.kind == "param")
+
+    @property
+    def cache_bytes_per_rank(self) -> int:
+        """State bytes one rank holds: the key-value cache (0 without one)."""
+        return self.solution.state_bytes
+
+    @property
+    def replicated_cache_bytes(self) -> int:
+        """State bytes of the whole cache."""
+        return sum(self.graph.nodes[i].nbytes for i in self.graph.state)
+
+    @property
+    def activation_bytes_per_rank(self) -> int:
+        """The largest set of live activations one rank holds at once."""
+        return self.solution.activation_bytes
+
+    def preset(self):
+        """The chosen placements as a :class:`tvm_distx.presets.Preset` (exact names).
+
+        It applies to every function with these parameter names: a plan of
+        ``decode`` serves ``prefill`` (``CausalLM.from_hf(model, plan=report.preset())``).
+        """
+        from ..rules import Preset
+
+        return Preset(tuple((name, placement, None) for name, placement in
+                            self.placements.items()))
 
     def collectives(self) -> Counter:
         """How many of each collective the plan runs per call (local slices left out)."""
@@ -132,12 +158,16 @@ class AutoShardReport:
         lines = [
             f"auto_shard on a {self.graph.mesh_shape} mesh, objective {self.objective}, "
             f"profile {self.profile.name}"
-            + (f", {self.graph.layers} identical layers solved once" if self.graph.layers else ""),
+            + (f", {self.graph.layers} identical layers solved once" if self.graph.layers else "")
+            + ("".join(f", {k}={v}" for k, v in self.graph.sizes.items())),
             f"  predicted: {self.predicted_seconds * 1e3:.3f} ms per call "
             f"(compute {sol.compute_s * 1e3:.3f} ms, communication {sol.comm_s * 1e3:.3f} ms), "
             f"{sol.comm_bytes} B received per rank",
             f"  memory per rank: weights {_mib(sol.weight_bytes)} of "
-            f"{_mib(self.replicated_weight_bytes)}, peak {_mib(sol.peak_bytes)}"
+            f"{_mib(self.replicated_weight_bytes)}"
+            + (f", cache {_mib(sol.state_bytes)} of {_mib(self.replicated_cache_bytes)}"
+               if self.graph.state else "")
+            + f", activations {_mib(sol.activation_bytes)}, peak {_mib(sol.peak_bytes)}"
             + (f" (budget {_mib(self.memory_per_rank)})" if self.memory_per_rank else ""),
             "  collectives: " + (", ".join(f"{n} {k}" for k, n in
                                              sorted(self.collectives().items())) or "none"),
@@ -217,11 +247,73 @@ def _split_fused(mod: tvm.IRModule, function: str) -> tvm.IRModule:
     return SplitFusedProjections()(mod)
 
 
+#: What the planner's inlining appends to a callee's value names at call site ``k``
+#: (:data:`tvm_distx.autoshard.graph.CALL_SITE_PATTERN` reads it back).
+CALL_SITE = "__call"
+
+
+def _inline_calls(mod: tvm.IRModule, function: str) -> tvm.IRModule:
+    """``mod`` with the private Relax functions ``function`` calls inlined, to plan through them.
+
+    Propagation carries placements into a callee's parameters; the planner
+    must see the callee's operators at each call site. Each call site is
+    costed on its own operands, and its values are named ``<name>__call<k>``
+    for the ``k``-th call: repeated call sites of one callee are then solved
+    once, as repeated layers (:class:`~tvm_distx.autoshard.graph.ShardGraph`).
+    """
+    from tvm import relax
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    callees = {gv for gv, f in mod.functions.items()
+               if isinstance(f, relax.Function) and gv.name_hint != function
+               and (f.attrs is None or "global_symbol" not in f.attrs)}
+    if not callees:
+        return mod
+
+    sites = [0]
+
+    @mutator
+    class Inline(PyExprMutator):
+        def visit_var_binding_(self, binding) -> None:
+            value = binding.value
+            if not (isinstance(value, relax.Call) and value.op in callees):
+                super().visit_var_binding_(binding)
+                return
+            site = sites[0]
+            sites[0] += 1
+            fresh = relax.utils.copy_with_new_vars(mod[value.op])
+            for param, arg in zip(fresh.params, value.args):
+                arg = self.visit_expr(arg)
+                if not isinstance(arg, relax.Var):  # a constant operand
+                    arg = self.builder_.emit(arg)
+                self.set_var_remap(param, arg)
+            body = fresh.body
+            for block in body.blocks:
+                for inner in block.bindings:
+                    new = self.builder_.emit(self.visit_expr(inner.value),
+                                             name_hint=f"{inner.var.name}{CALL_SITE}{site}")
+                    self.set_var_remap(inner.var, new)
+            result = self.visit_expr(body.body)
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, result))
+
+    inlined = Inline(mod).visit_expr(mod[function])
+    if not sites[0]:
+        return mod
+    logger.info("auto_shard: %s calls %s at %d sites; planned through the calls (inlined)",
+                function, ", ".join(sorted(gv.name_hint for gv in callees)), sites[0])
+    out = mod.clone()
+    out[mod.get_global_var(function)] = inlined
+    public = [gv.name_hint for gv, f in out.functions.items()
+              if isinstance(f, relax.Function) and gv not in callees]
+    return relax.transform.DeadCodeElimination(public)(out)  # callees no longer called
+
+
 def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
                memory_per_rank: int | None = None, objective: str = "latency",
                rules: Sequence[ShardingRule] = (), profile: CostProfile | None = None,
                time_limit: float = 30.0, runner_ups: int = 2, pin: bool = True,
-               function: str = "main") -> tuple[tvm.IRModule, AutoShardReport]:
+               function: str = "main", sizes: Mapping[str, int] | None = None
+               ) -> tuple[tvm.IRModule, AutoShardReport]:
     """Choose every placement of ``mod`` by cost, under a memory budget.
 
     Parameters
@@ -234,7 +326,11 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     mesh_shape : sequence of int
         The device mesh, e.g. ``(2,)`` or ``(2, 2)``.
     memory_per_rank : int, optional
-        Bytes per rank for weights and live activations.
+        Bytes per rank for weights, state and live activations. State is an
+        input the function returns updated (a key-value cache: ``decode``
+        of :func:`tvm_distx.export_decoder`); it counts once, its new value
+        included, keeps one placement across the call, and no collective
+        touches it.
     objective : {"latency", "throughput"}
         ``"latency"``: the time of one call, each message paying its start-up;
         ``"throughput"``: arithmetic and bytes only (start-ups overlap other
@@ -255,6 +351,13 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
         annotated, as a preset does, and propagation chooses the rest.
     function : str
         The function to plan.
+    sizes : mapping of str to int, optional
+        The example size of each symbolic (run-time) extent to price the plan
+        at (``sizes={"seq": 128}``); a variable left out is priced at its upper
+        bound (``tir_var_upper_bound``, which ``from_torch`` writes from
+        ``torch.export.Dim(max=...)``). No strategy splits a symbolic extent and
+        no collective other than a completing all-reduce moves a value that has
+        one, so the rules serve every size.
 
     Returns
     -------
@@ -266,6 +369,8 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     ------
     MemoryBudgetError
         When no plan fits ``memory_per_rank``.
+    SymbolicExtentError
+        When a symbolic extent has no size in ``sizes`` and no upper bound.
     RuleError
         For a rule that is not a parameter rule, or a placement a tensor cannot take.
 
@@ -275,15 +380,21 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     >>> print(report)
     """
     from ..passes import AnnotateSharding
-    from .extract import extract
+    from .extract import check_sizes, extract
 
     profile = profile or DEFAULT_PROFILE
     mesh_shape = tuple(int(n) for n in mesh_shape)
+    if function not in [gv.name_hint for gv in mod.functions]:
+        raise RuleError(f"auto_shard(function={function!r}): the module has no such function",
+                        function=function, hint="its functions: " + ", ".join(
+                            sorted(gv.name_hint for gv in mod.functions)),
+                        cli_hint="pick one with --function")
+    check_sizes(mod[function], function, sizes or {})
     from ..pipeline import legalize_ops
 
     meshed = _split_fused(_with_mesh(mod, mesh_shape), function)
-    legal = legalize_ops(meshed)
-    graph = extract(legal, mesh_shape, function, legalized=True)
+    legal = legalize_ops(_inline_calls(meshed, function))
+    graph = extract(legal, mesh_shape, function, legalized=True, sizes=sizes)
     fixed = _fixed_from_rules(graph, rules, meshed, function)
     options = dict(profile=profile, objective=objective, memory_per_rank=memory_per_rank,
                    fixed=fixed, time_limit=time_limit)
@@ -340,7 +451,7 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
 def plan_cost(mod: tvm.IRModule, mesh_shape: Sequence[int], rules, *,
               objective: str = "latency", profile: CostProfile | None = None,
               memory_per_rank: int | None = None, function: str = "main",
-              time_limit: float = 30.0) -> Solution:
+              time_limit: float = 30.0, sizes: Mapping[str, int] | None = None) -> Solution:
     """The predicted cost of a hand-written plan (a preset or parameter rules), as it runs.
 
     The plan is applied as :func:`tvm_distx.compile` would apply it (a preset's
@@ -350,6 +461,7 @@ def plan_cost(mod: tvm.IRModule, mesh_shape: Sequence[int], rules, *,
     :func:`tvm_distx.autoshard.ilp.evaluate` with the model :func:`auto_shard`
     minimises (:mod:`tvm_distx.autoshard.realized`). Compare with
     :attr:`AutoShardReport.solution` to see what :func:`auto_shard` gains.
+    ``sizes`` prices symbolic extents as :func:`auto_shard` does.
 
     Raises
     ------
@@ -372,7 +484,7 @@ def plan_cost(mod: tvm.IRModule, mesh_shape: Sequence[int], rules, *,
         annotated = rules.apply(meshed, function)
     else:
         prepared, annotated = meshed, AnnotateSharding(list(rules))(meshed)
-    graph = extract(prepared, mesh_shape, function)
+    graph = extract(prepared, mesh_shape, function, sizes=sizes)
     propagated = PropagateSharding(require_legalized=True)(legalize_ops(annotated))
     choice = realized_choice(graph, propagated_placements(propagated, function))
     solution = evaluate(graph, choice, profile=profile or DEFAULT_PROFILE, objective=objective)

@@ -19,7 +19,15 @@ to the highest layer among its operands. When every layer has the same nodes
 in the same order (same operators, shapes and strategies), node ``j`` of every
 layer is put in one *class*: one choice serves all the layers, and its costs
 count once per layer. Nodes after the last layer's own nodes (the final norm)
-and before the first (the embedding) are classes of their own.
+and before the first (the embedding) are classes of their own. In a function
+that calls a private function (a decoder layer), the ``k``-th call site is
+layer ``k`` instead (:data:`CALL_SITE_PATTERN`), whatever the weights are named.
+
+**State.** An input whose new value the function returns (a key-value cache:
+``decode(ids, pos, key_0, ...) -> (logits, key_0', ...)``) is state, not a
+transient activation: ``ShardGraph.state`` pairs it with the result that
+returns it. Its bytes count once, for the whole call, and the result keeps
+the input's placement, so the next call reads it where this one wrote it.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 #: Where a parameter's layer number is in its name (``p_model_layers_3_mlp_up_proj_weight``).
 LAYER_PATTERN = re.compile(r"(?:^|_)(?:layers|layer|h|blocks|block)_(\d+)_")
+#: A value of the ``k``-th call site of a private function, inlined for planning
+#: (:func:`tvm_distx.autoshard.api._inline_calls` names it ``<name>__call<k>``).
+CALL_SITE_PATTERN = re.compile(r"__call(\d+)$")
 
 
 def itemsize(dtype: str) -> int:
@@ -80,6 +91,9 @@ class Node:
         Labels the rule forbids to split.
     view : bool
         A layout change (reshape, transpose): no arithmetic and no buffer of its own.
+    dynamic : frozenset of int
+        Dimensions of a run-time (symbolic) extent, ``shape`` holding the example
+        size: no strategy splits them, and no collective moves the value.
     """
 
     name: str
@@ -92,6 +106,7 @@ class Node:
     output: tuple[str, ...] | None = None
     unshardable: frozenset[str] = frozenset()
     view: bool = False
+    dynamic: frozenset[int] = frozenset()
 
     @property
     def itemsize(self) -> int:
@@ -175,6 +190,11 @@ class ShardGraph:
     classes: list[int] = field(init=False)
     layers: int = field(init=False, default=0)
     variables: list = field(init=False, default_factory=list)
+    #: state the function carries from call to call (a key-value cache): input node ->
+    #: the result node that returns its new value (the input itself when returned as is)
+    state: dict[int, int] = field(init=False, default_factory=dict)
+    #: the example size each symbolic variable was priced at
+    sizes: dict[str, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.strategies = [self._enumerate(n) for n in self.nodes]
@@ -184,8 +204,8 @@ class ShardGraph:
     def _enumerate(self, node: Node) -> list[Strategy]:
         axes = range(len(self.mesh_shape))
         if node.kind in ("input", "param"):
-            choices = [[None] + (list(range(len(node.shape))) if self.mesh_shape[a] > 1 else [])
-                       for a in axes]
+            dims = [d for d in range(len(node.shape)) if d not in node.dynamic]
+            choices = [[None] + (dims if self.mesh_shape[a] > 1 else []) for a in axes]
             out = []
             for split in itertools.product(*choices):
                 parts_of: dict[int, int] = {}
@@ -206,7 +226,12 @@ class ShardGraph:
                 extents.setdefault(label, set()).add(extent)
         for label, extent in zip(node.output, node.shape):
             extents.setdefault(label, set()).add(extent)
-        candidates = sorted(label for label in extents if label not in node.unshardable)
+        dynamic = {label for d, label in enumerate(node.output) if d in node.dynamic}
+        for operand, labels in zip(node.operands, node.labels):
+            dynamic |= {label for d, label in enumerate(labels)
+                        if d in self.nodes[operand].dynamic}
+        candidates = sorted(label for label in extents
+                            if label not in node.unshardable and label not in dynamic)
         produced = set(node.output)
         reductions = frozenset(label for labels in node.labels for label in labels
                                if label not in produced)
@@ -270,13 +295,37 @@ class ShardGraph:
         local = _local_shape(node.shape, strategy.out, tuple(self.mesh_shape))
         return math.prod(local) * node.itemsize
 
+    def state_nodes(self) -> set[int]:
+        """The state inputs and the results that return them: their bytes count once, as state."""
+        return set(self.state) | set(self.state.values())
+
     # ------------------------------------------------------------ repeated layers
     def separate_layers(self) -> None:
         """Give every node its own choice again (when rules treat layers differently)."""
         self.classes = list(range(len(self.nodes)))
         self.layers = 0
 
+    def _layer_of_call_sites(self) -> list[int | None] | None:
+        """Per node, its call site (a parameter: its users' one call site), or None."""
+        sites = [CALL_SITE_PATTERN.search(n.name) if n.kind == "op" else None
+                 for n in self.nodes]
+        if not any(sites):
+            return None
+        layer: list[int | None] = [int(m.group(1)) if m else None for m in sites]
+        users: dict[int, set] = {}
+        for index, node in enumerate(self.nodes):
+            for operand in node.operands:
+                users.setdefault(operand, set()).add(layer[index])
+        for index, node in enumerate(self.nodes):
+            found = users.get(index, set())
+            if node.kind == "param" and len(found) == 1:
+                layer[index] = next(iter(found))
+        return layer
+
     def _layer_of_nodes(self) -> list[int | None]:
+        by_site = self._layer_of_call_sites()
+        if by_site is not None:
+            return by_site
         layer: list[int | None] = []
         for node in self.nodes:
             if node.kind == "param":

@@ -15,9 +15,13 @@ The program (Alpa's formulation, with the redistributions shared per value):
   the cost, the planner's bytes over the bandwidth plus the start-up of each
   message (:func:`tvm_distx.autoshard.costs.step_messages`), plus the local
   packing a collective on an inner dimension needs (:func:`planner_reshard`);
-* **memory**: at every program point, the weights plus the live activations
-  on one device stay under ``memory_per_rank`` (equal constraints of repeated
-  layers are kept once);
+* **memory**: at every program point, the weights, the state (a key-value
+  cache: ``ShardGraph.state``, counted once for the whole call, its new value
+  included) and the live activations on one device stay under
+  ``memory_per_rank`` (equal constraints of repeated layers are kept once);
+* **state**: a state input and the result returning it have one placement,
+  and no collective moves either (the attention that writes the cache reads it
+  where it is held);
 * **objective**: ``"latency"`` minimises compute + communication of one call,
   each message paying its start-up; ``"throughput"`` leaves the start-up out
   (with batches in flight it overlaps other work) and counts arithmetic and
@@ -101,7 +105,7 @@ class Solution:
     weight_bytes : int
         Parameter bytes held per rank.
     peak_bytes : int
-        Weights plus the largest set of live activations, per rank.
+        Weights, state and the largest set of live activations, per rank.
     objective : float
         The objective's value (seconds).
     status : str
@@ -127,6 +131,13 @@ class Solution:
     moves: list = field(default_factory=list)
     variables: int = 0
     raw_choice: list = field(default_factory=list)
+    #: state bytes held per rank (the key-value cache)
+    state_bytes: int = 0
+
+    @property
+    def activation_bytes(self) -> int:
+        """The largest set of live activations per rank (the peak less weights and state)."""
+        return self.peak_bytes - self.weight_bytes - self.state_bytes
 
 
 class _Builder:
@@ -184,6 +195,20 @@ def _users(graph: ShardGraph) -> list[list[tuple[int, int]]]:
     return users
 
 
+#: The steps a value with a run-time extent may take (the legalizer moves no symbolic
+#: extent between ranks; partial sums are completed in place).
+SYMBOLIC_MOVES = frozenset({"local_slice", "all_reduce"})
+
+
+def _collective(node, src: str, dst: str, mesh: tuple, reshard: Reshard,
+                allowed: frozenset = frozenset({"local_slice"})) -> bool:
+    """Whether moving ``node`` from ``src`` to ``dst`` takes a step not in ``allowed``."""
+    if src == dst:
+        return False
+    steps = reshard(node.shape, node.dtype, src, dst, mesh)[1]
+    return any(kind not in allowed for kind, _ in steps)
+
+
 def _last_use(graph: ShardGraph, users) -> list[int]:
     last = [max([u for u, _ in users[i]] + [i]) for i in range(len(graph.nodes))]
     for out in graph.outputs:
@@ -208,7 +233,7 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
     profile : CostProfile
     objective : {"latency", "throughput"}
     memory_per_rank : int, optional
-        Bytes per device for weights and live activations.
+        Bytes per device for weights, state and live activations.
     fixed : mapping of node id to placement text, optional
         Hard constraints: these nodes' results have these placements.
     exclude : list of dict
@@ -263,6 +288,25 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
         bad = [x[c][s] for s, st in enumerate(graph.strategies[c]) if "P" in st.out]
         if bad:
             b.row({col: 1.0 for col in bad}, 0.0, 0.0)
+    for value, new in graph.state.items():  # the new value where the next call reads it
+        if value == new:
+            continue
+        a, c = classes[value], classes[new]
+        texts = {st.out for st in graph.strategies[a]} | {st.out for st in graph.strategies[c]}
+        for text in texts:
+            row = {x[a][s]: 1.0 for s, st in enumerate(graph.strategies[a]) if st.out == text}
+            for s, st in enumerate(graph.strategies[c]):
+                if st.out == text:
+                    row[x[c][s]] = row.get(x[c][s], 0.0) - 1.0
+            b.row(row, 0.0, 0.0)
+    untouched = graph.state_nodes()
+    for index, node in enumerate(graph.nodes):  # and the views of it (a head axis added)
+        if node.view and any(o in untouched for o in node.operands):
+            untouched.add(index)
+    state_classes = {classes[i] for i in untouched}
+    # a run-time extent is kept by a kernel, never moved between layouts (partial sums
+    # are completed in place)
+    dynamic_classes = {classes[i] for i, node in enumerate(graph.nodes) if node.dynamic}
     for plan in exclude:
         picked = {x[classes[n]][s] for n, s in plan.items()}  # one column per class
         b.row({col: 1.0 for col in picked}, -np.inf, len(picked) - 1.0)
@@ -293,6 +337,11 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
                     row[col] = row.get(col, 0.0) - 1.0
                 b.row(row, 0.0, 0.0)
             for (p, q), col in e.items():
+                if c in state_classes and _collective(node, p, q, mesh, reshard) or \
+                        c in dynamic_classes and _collective(node, p, q, mesh, reshard,
+                                                             SYMBOLIC_MOVES):
+                    b.upper[col] = 0.0  # no collective touches the cache or a run-time extent
+                    continue
                 seconds = _move_seconds(node, p, q, mesh, profile, objective, reshard)
                 if seconds <= 0:
                     continue
@@ -304,10 +353,11 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
                     comm_terms[shared[p, q]] = n * seconds
                 b.row({shared[p, q]: 1.0, col: -1.0}, 0.0, np.inf)
 
-    # memory: weights + live activations at every program point
+    # memory: weights + state + live activations at every program point
     weight_row: dict[int, float] = {}
+    state = graph.state_nodes()
     for index, node in enumerate(graph.nodes):
-        if node.kind == "param":
+        if node.kind == "param" or index in graph.state:
             c = classes[index]
             for s, st in enumerate(graph.strategies[c]):
                 col = x[c][s]
@@ -317,7 +367,7 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
         seen: set = set()
         live: set[int] = set()
         for point, node in enumerate(graph.nodes):
-            if node.kind != "param" and not node.view:
+            if node.kind != "param" and not node.view and point not in state:
                 live.add(point)
             live = {v for v in live if last[v] >= point}
             if node.kind != "op":
@@ -342,18 +392,22 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
             f"auto_shard: no plan found within the time limit of {time_limit} s on a {mesh} "
             "mesh", hint="raise time_limit", cli_hint="raise --time-limit")
     if res.x is None:
+        priced = ", ".join(f"{k}={v}" for k, v in graph.sizes.items())
         raise MemoryBudgetError(
             f"auto_shard: no plan fits {memory_per_rank} bytes per rank on a {mesh} mesh "
-            f"({res.message})",
-            hint="raise memory_per_rank, use a larger mesh, or relax the rules",
-            cli_hint="raise --memory, use a larger --mesh, or relax --rules")
+            f"({res.message})" + (f", run-time extents priced at {priced}" if priced else ""),
+            hint="raise memory_per_rank, use a larger mesh, or relax the rules"
+            + (f", or price the run-time extents at smaller sizes (sizes={{...}})"
+               if priced else ""),
+            cli_hint="raise --memory, use a larger --mesh, or relax --rules"
+            + (", or give smaller --size NAME=INT" if priced else ""))
     values = res.x
     choice = [0] * len(graph.nodes)
     for index in range(len(graph.nodes)):
         cols = x[classes[index]]
         choice[index] = int(np.argmax([values[col] for col in cols]))
     raw_choice = list(choice)
-    _hold_less(graph, choice, users, fixed, reshard)
+    _hold_less(graph, choice, users, {**fixed, **dict.fromkeys(state, "")}, reshard)
     solution = evaluate(graph, choice, profile=profile, objective=objective, users=users,
                         reshard=reshard)
     solution.raw_choice = raw_choice
@@ -456,14 +510,16 @@ def evaluate(graph: ShardGraph, choice: list[int], *, profile: CostProfile = DEF
             nbytes += size
     weights = sum(graph.local_bytes(i, strategies[i])
                   for i, node in enumerate(graph.nodes) if node.kind == "param")
-    peak = weights
+    state = graph.state_nodes()
+    held = sum(graph.local_bytes(i, strategies[i]) for i in graph.state)
+    peak = weights + held
     last = _last_use(graph, users)
     live: dict[int, int] = {}
     for point, node in enumerate(graph.nodes):
-        if node.kind != "param" and not node.view:
+        if node.kind != "param" and not node.view and point not in state:
             live[point] = graph.local_bytes(point, strategies[point])
         for value in [v for v in live if last[v] < point]:
             del live[value]
-        peak = max(peak, weights + sum(live.values()))
+        peak = max(peak, weights + held + sum(live.values()))
     return Solution(list(choice), compute, comm, nbytes, weights, peak, compute + comm,
-                    moves=moves)
+                    moves=moves, state_bytes=held)
