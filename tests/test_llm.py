@@ -65,24 +65,54 @@ def test_a_prompt_too_long_for_the_cache_is_refused_before_any_call(llama):
         lm.generate(prompt_ids(30, seed=4), max_new_tokens=7)
 
 
-def test_a_generation_bundle_serves_the_same_tokens_from_the_command_line(llama, tmp_path):
+@pytest.fixture(scope="module")
+def bundle(llama, tmp_path_factory):
+    """The Llama fixture exported as a generation bundle (2 ranks)."""
+    return llama[1].export(tmp_path_factory.mktemp("bundle") / "llama")
+
+
+def _generate_cli(*argv: str, timeout: float = 300):
     import subprocess
 
-    model, lm = llama
-    bundle = lm.export(tmp_path / "llama")
+    return subprocess.run([sys.executable, "-m", "tvm_distx", "generate", *map(str, argv)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_generation_bundle_serves_the_same_tokens_from_the_command_line(
+        llama, bundle, tmp_path):
+    model, _ = llama
     prompt = prompt_ids(4, seed=5)
-    done = subprocess.run([sys.executable, "-m", "tvm_distx", "generate", str(bundle),
-                           "--ids", *map(str, prompt), "--max-new-tokens", "6",
-                           "-o", str(tmp_path / "out.npy")],
-                          capture_output=True, text=True, timeout=300)
+    done = _generate_cli(bundle, "--ids", *prompt, "--max-new-tokens", "6",
+                         "-o", tmp_path / "out.npy")
     assert done.returncode == 0, done.stderr
     want = greedy(model, prompt, 6)
     assert done.stdout.split() == [str(t) for t in want]
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), want[None, :])
-    bad = subprocess.run([sys.executable, "-m", "tvm_distx", "generate", str(tmp_path),
-                          "--ids", "1"], capture_output=True, text=True, timeout=120)
+    bad = _generate_cli(tmp_path, "--ids", "1", timeout=120)
     assert bad.returncode == 2 and "is not a generation bundle" in bad.stderr
     assert "Traceback" not in bad.stderr and "CausalLM.from_hf(model).export" in bad.stderr
+
+
+@pytest.mark.parametrize("backend", ["disco", "emulate"])
+def test_the_command_line_generates_the_same_tokens_on_every_backend(llama, bundle, backend):
+    model, _ = llama
+    prompt = prompt_ids(4, seed=5)
+    done = _generate_cli(bundle, "--ids", *prompt, "--max-new-tokens", "6",
+                         "--backend", backend, "--ranks", "2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(t) for t in greedy(model, prompt, 6)]
+
+
+@pytest.mark.parametrize("argv, message, hint", [
+    (("--backend", "gpu"), "unknown session backend 'gpu'",
+     "hint: --backend mpi | --backend disco | --backend emulate"),
+    (("--ranks", "3"), "generate --ranks 3: the bundle", "hint: --ranks 2, or leave --ranks out"),
+])
+def test_a_bad_backend_or_rank_count_is_one_line_with_a_flag_hint(bundle, argv, message, hint):
+    done = _generate_cli(bundle, "--ids", "1", "2", *argv, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and hint in done.stderr
+    assert "Traceback" not in done.stderr and "from_bundle(" not in done.stderr
 
 
 def test_a_rank_killed_mid_generation_ends_it_naming_the_rank(llama):

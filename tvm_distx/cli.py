@@ -12,6 +12,8 @@ subcommand      what it does
                 bundle
 ``bundle``      as ``compile``, and for ``--target rvv`` every kernel is checked under qemu
 ``run``         ``BUNDLE -n N [--backend mpi|disco] [-i X.npy ...] [-o OUT]`` -> results
+``generate``    ``BUNDLE --ids 1 15 22 [--backend mpi|disco|emulate] [-n N]`` -> greedy
+                tokens from a generation bundle (``CausalLM.export``)
 ==============  ===========================================================================
 
 ``--split-fused`` runs :class:`tvm_distx.passes.SplitFusedProjections` on the
@@ -481,6 +483,22 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_rank_count(bundle: Path, ranks: int | None) -> None:
+    """Refuse ``--ranks`` other than the bundle's own count, in flags (before any rank starts)."""
+    from .bundle import read_manifest
+    from .errors import BundleError
+
+    if ranks is None:
+        return
+    try:
+        built = read_manifest(bundle).num_ranks
+    except BundleError:
+        return  # not a bundle: CausalLM.from_bundle says so, with its own hint
+    if ranks != built:
+        raise ArgumentError(f"generate --ranks {ranks}: the bundle {bundle} holds the shards "
+                            f"of {built} ranks", hint=f"--ranks {built}, or leave --ranks out")
+
+
 def _generate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -500,9 +518,11 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         raise ArgumentError("generate needs a prompt", hint="give token ids: --ids 1 15 22, "
                             "or --input prompt.npy")
+    _check_rank_count(args.bundle, args.ranks)
     console = Console(stderr=True)
-    with _progress(f"starting the ranks of {args.bundle}"):
-        lm = CausalLM.from_bundle(args.bundle, timeout=args.timeout)
+    with _progress(f"starting the ranks of {args.bundle} ({args.backend})"):
+        lm = CausalLM.from_bundle(args.bundle, backend=args.backend, num_ranks=args.ranks,
+                                  timeout=args.timeout)
     with lm, Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[rate]}"), console=console, transient=True,
                       disable=not console.is_terminal) as progress:
@@ -643,6 +663,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ids", type=int, nargs="+", help="the prompt's token ids")
     p.add_argument("--input", type=Path, help="the prompt's token ids as a .npy array")
     p.add_argument("--max-new-tokens", type=_positive(int), default=32)
+    p.add_argument("--backend", default="mpi", metavar="mpi|disco|emulate",
+                   help="where the ranks run: MPI processes (default), disco worker "
+                   "processes on this host, or threads of this process")
+    p.add_argument("-n", "--ranks", type=_positive(int), default=None,
+                   help="the rank count; the bundle fixes it, so this only checks it")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="stop at the model's end token (kept in the output)")
     p.add_argument("-o", "--output", type=Path,

@@ -264,8 +264,8 @@ class CausalLM:
         return Path(root)
 
     @classmethod
-    def from_bundle(cls, directory, *, backend: str = "mpi", timeout: float = 300.0,
-                    **options) -> "CausalLM":
+    def from_bundle(cls, directory, *, backend: str = "mpi", num_ranks: int | None = None,
+                    timeout: float = 300.0, **options) -> "CausalLM":
         """Serve a bundle written by :meth:`export` on its ranks (a session).
 
         Parameters
@@ -274,6 +274,8 @@ class CausalLM:
             The bundle.
         backend : {"mpi", "disco", "emulate"}
             Where the ranks run (as for :meth:`from_hf`).
+        num_ranks : int, optional
+            The bundle fixes its rank count; when given, it must be that count.
         timeout : float
             Seconds for the ranks to start and for each call.
         **options
@@ -283,6 +285,8 @@ class CausalLM:
         ------
         BundleError
             If the directory is not a generation bundle.
+        ArgumentError
+            For an unknown backend, or a ``num_ranks`` the bundle was not built for.
         """
         from .errors import BundleError
         from .kv_export import KVCacheLayout
@@ -302,6 +306,16 @@ class CausalLM:
                               hint="write one with CausalLM.from_hf(model).export(directory)",
                               cli_hint="write one in Python: CausalLM.from_hf(model)"
                               ".export(directory)") from None
+        if num_ranks is not None:
+            from .bundle import read_manifest
+
+            built = read_manifest(directory).num_ranks
+            if num_ranks != built:
+                raise ArgumentError(
+                    f"CausalLM.from_bundle(num_ranks={num_ranks}): the bundle {directory} "
+                    f"holds the shards of {built} ranks",
+                    hint=f"CausalLM.from_bundle(directory, num_ranks={built}), or leave "
+                    "num_ranks out", cli_hint=f"--ranks {built}, or leave --ranks out")
         session = open_session(directory, backend=backend, timeout=timeout, **options)
         return cls(cache, session, eos_token_id=data.get("eos_token_id"),
                    bytes_per_token=int(data.get("bytes_per_token") or 0))
