@@ -84,9 +84,13 @@ class CausalLM:
     """
 
     def __init__(self, cache, session, *, exe=None, weights=None, eos_token_id=None,
-                 bytes_per_token: int = 0) -> None:
+                 bytes_per_token: int = 0, batch_cache=None, pad_token_id=None) -> None:
         #: the key-value cache's layout (:class:`tvm_distx.kv_export.KVCacheLayout`)
         self.cache = cache
+        #: the batched functions' cache layout, None when they were not exported
+        self.batch_cache = batch_cache
+        #: the token fed to rows of a batch that have ended (and to their padding)
+        self.pad_token_id = pad_token_id
         self.exe = exe
         self.weights = weights
         self.session = session
@@ -96,7 +100,8 @@ class CausalLM:
     @classmethod
     def from_hf(cls, model, num_ranks: int = 2, *, backend: str = "mpi", plan=None,
                 max_length: int = 256, prompt_length: int | None = None,
-                timeout: float = 300.0, **options) -> "CausalLM":
+                max_batch: int | None = None, timeout: float = 300.0,
+                **options) -> "CausalLM":
         """Export, shard, compile and launch ``model`` on ``num_ranks`` ranks.
 
         Parameters
@@ -117,6 +122,10 @@ class CausalLM:
         prompt_length : int, optional
             A static prompt length, for plans that cannot move a symbolic one
             (see :func:`tvm_distx.export_decoder`); prompts must then have it.
+        max_batch : int, optional
+            Also compile batched functions for up to ``max_batch`` prompts, so
+            that :meth:`generate` runs a batch as one prefill and one decode per
+            step (:mod:`tvm_distx.llm_batch`). None: prompts run one by one.
         timeout : float
             Seconds for the ranks to start and for each call.
         **options
@@ -129,14 +138,16 @@ class CausalLM:
         if num_ranks < 1:
             raise ArgumentError(f"CausalLM.from_hf(num_ranks={num_ranks}): need at least one "
                                 "rank", hint="CausalLM.from_hf(model, num_ranks=2)")
-        program = export_decoder(model, max_length=max_length, prompt_length=prompt_length)
+        program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
+                                 max_batch=max_batch)
         return cls._serve(model, program, program.weights, num_ranks, backend=backend,
                           plan=plan, timeout=timeout, **options)
 
     @classmethod
     def from_pretrained(cls, directory, num_ranks: int = 2, *, backend: str = "mpi",
                         plan=None, max_length: int = 256, prompt_length: int | None = None,
-                        timeout: float = 300.0, **options) -> "CausalLM":
+                        max_batch: int | None = None, timeout: float = 300.0,
+                        **options) -> "CausalLM":
         """Serve a Hugging Face checkpoint directory, each rank's weights read from it lazily.
 
         The model is built from ``config.json`` without initialising its
@@ -154,7 +165,7 @@ class CausalLM:
         directory : path
             Written by ``save_pretrained``: ``config.json`` and one or more
             ``*.safetensors`` files. Weights are served in float32.
-        num_ranks, backend, plan, max_length, prompt_length, timeout, **options
+        num_ranks, backend, plan, max_length, prompt_length, max_batch, timeout, **options
             As for :meth:`from_hf`.
 
         Raises
@@ -188,7 +199,7 @@ class CausalLM:
                 config, dtype=torch.float32).eval()
         model.tie_weights()  # skipped with the initialisation; ties are part of the graph
         program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
-                                 with_weights=False)
+                                 with_weights=False, max_batch=max_batch)
         # each program weight is a model tensor, known in the checkpoint under one of the
         # names it has in the model (tied weights have several)
         aliases: dict[int, list[str]] = {}
@@ -214,9 +225,10 @@ class CausalLM:
         del model  # the placeholders: only the traced program is kept
         lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
                         timeout=timeout, **options)
-        lm.eos_token_id = getattr(transformers.GenerationConfig.from_pretrained(root)
-                                  if (root / "generation_config.json").is_file() else config,
-                                  "eos_token_id", None)
+        generation = (transformers.GenerationConfig.from_pretrained(root)
+                      if (root / "generation_config.json").is_file() else config)
+        lm.eos_token_id = getattr(generation, "eos_token_id", None)
+        lm.pad_token_id = getattr(generation, "pad_token_id", None)
         return lm
 
     @classmethod
@@ -230,18 +242,22 @@ class CausalLM:
         max_length = program.cache.max_length
         preset = plan if plan is not None else presets.tensor_parallel()
         annotated = presets.with_meshes(program.mod, [(num_ranks,)])
-        for function in ("prefill", "decode"):
+        functions = _functions(program.batch_cache)
+        for function in functions:
             annotated = preset.apply(annotated, function)
         exe = compile_module(annotated)
         rows = comm_report(run_stages(annotated)["local_view"]).rows
         per_token = sum(r.bytes_per_rank for r in rows if r.function == "decode")
         session = exe.session(num_ranks, backend=backend, params=weights,
-                              function=("prefill", "decode"), timeout=timeout, **options)
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        logger.info("CausalLM: %s on %d ranks, up to %d tokens, %d bytes per rank per token",
-                    type(model).__name__, num_ranks, max_length, per_token)
+                              function=functions, timeout=timeout, **options)
+        generation = getattr(model, "generation_config", None)
+        logger.info("CausalLM: %s on %d ranks, up to %d tokens, %d bytes per rank per token%s",
+                    type(model).__name__, num_ranks, max_length, per_token,
+                    f", batches of {program.batch_cache.batch}" if program.batch_cache else "")
         return cls(program.cache, session, exe=exe, weights=weights,
-                   eos_token_id=eos, bytes_per_token=per_token)
+                   eos_token_id=getattr(generation, "eos_token_id", None),
+                   pad_token_id=getattr(generation, "pad_token_id", None),
+                   bytes_per_token=per_token, batch_cache=program.batch_cache)
 
     # ------------------------------------------------------------------ bundles
     def export(self, directory):
@@ -254,12 +270,13 @@ class CausalLM:
         if self.exe is None:
             raise ArgumentError("this CausalLM was opened from a bundle; it has nothing to "
                                 "export", hint="copy the bundle directory instead")
-        root = self.exe.export(directory, params=self.weights, function=("prefill", "decode"))
+        root = self.exe.export(directory, params=self.weights,
+                               function=_functions(self.batch_cache))
         (Path(root) / GENERATION_FILE).write_text(json.dumps({
-            "cache": {"names": list(self.cache.names),
-                      "shapes": [list(s) for s in self.cache.shapes],
-                      "dtype": self.cache.dtype, "max_length": self.cache.max_length},
-            "eos_token_id": self.eos_token_id, "bytes_per_token": self.stats.bytes_per_token,
+            "cache": _layout_json(self.cache),
+            "batch_cache": _layout_json(self.batch_cache) if self.batch_cache else None,
+            "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
+            "bytes_per_token": self.stats.bytes_per_token,
         }, indent=1) + "\n")
         return Path(root)
 
@@ -289,17 +306,15 @@ class CausalLM:
             For an unknown backend, or a ``num_ranks`` the bundle was not built for.
         """
         from .errors import BundleError
-        from .kv_export import KVCacheLayout
         from .runtime.session_base import check_backend, open_session
 
         check_backend(backend, options)
         path = Path(directory) / GENERATION_FILE
         try:
             data = json.loads(path.read_text())
-            layout = data["cache"]
-            cache = KVCacheLayout(tuple(layout["names"]),
-                                  tuple(tuple(int(d) for d in s) for s in layout["shapes"]),
-                                  str(layout["dtype"]), int(layout["max_length"]))
+            cache = _layout_from_json(data["cache"])
+            batch_cache = _layout_from_json(data["batch_cache"]) \
+                if data.get("batch_cache") else None
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise BundleError(f"{directory} is not a generation bundle ({path.name}: "
                               f"{type(err).__name__}: {err})",
@@ -318,7 +333,8 @@ class CausalLM:
                     "num_ranks out", cli_hint=f"--ranks {built}, or leave --ranks out")
         session = open_session(directory, backend=backend, timeout=timeout, **options)
         return cls(cache, session, eos_token_id=data.get("eos_token_id"),
-                   bytes_per_token=int(data.get("bytes_per_token") or 0))
+                   bytes_per_token=int(data.get("bytes_per_token") or 0),
+                   batch_cache=batch_cache, pad_token_id=data.get("pad_token_id"))
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids, max_new_tokens: int = 32, *,
@@ -328,8 +344,12 @@ class CausalLM:
         Parameters
         ----------
         input_ids : array of int, or sequence of them
-            One prompt ``(1, n)`` or ``(n,)``; a ``(b, n)`` array or a list of
-            prompts of different lengths runs them one after another.
+            One prompt ``(1, n)`` or ``(n,)``; or a ``(b, n)`` array or a list
+            of prompts of different lengths. With batched functions
+            (``max_batch=``) the prompts run as left-padded batches of up to
+            ``max_batch``, one prefill and one decode per step for each batch,
+            as transformers' ``generate`` runs a padded batch; else one after
+            another.
         max_new_tokens : int
             The most tokens to add to each prompt.
         eos_token_id : int or sequence of int, optional
@@ -344,10 +364,23 @@ class CausalLM:
         """
         prompts, single = _prompts(input_ids)
         self.stats = GenerationStats(bytes_per_token=self.stats.bytes_per_token)
-        rows = [np.concatenate([p, list(self.stream(p, max_new_tokens,
-                                                    eos_token_id=eos_token_id,
-                                                    _keep_stats=True))])
-                for p in prompts]
+        if len(prompts) > 1 and self.batch_cache is not None:
+            from .llm_batch import generate_batch
+
+            if max_new_tokens < 1 or min(len(p) for p in prompts) < 1:
+                raise ArgumentError(f"generate(max_new_tokens={max_new_tokens}) of prompts of "
+                                    f"{sorted({len(p) for p in prompts})} tokens: nothing to do",
+                                    hint="give prompts and max_new_tokens >= 1")
+            size, new = self.batch_cache.batch, []
+            for start in range(0, len(prompts), size):
+                new += generate_batch(self, prompts[start:start + size], max_new_tokens,
+                                      _stops(eos_token_id), self.pad_token_id)
+            rows = [np.concatenate([p, n]) for p, n in zip(prompts, new)]
+        else:
+            rows = [np.concatenate([p, list(self.stream(p, max_new_tokens,
+                                                        eos_token_id=eos_token_id,
+                                                        _keep_stats=True))])
+                    for p in prompts]
         if single:
             return rows[0][None, :]
         if len({len(r) for r in rows}) == 1:
@@ -372,8 +405,7 @@ class CausalLM:
                                 f"{length + max_new_tokens - 1} cache positions; the model was "
                                 f"exported for {limit}",
                                 hint=f"CausalLM.from_hf(model, max_length={length + max_new_tokens})")
-        stops = set() if eos_token_id is None else (
-            {int(eos_token_id)} if np.isscalar(eos_token_id) else {int(t) for t in eos_token_id})
+        stops = _stops(eos_token_id)
         if not _keep_stats:
             self.stats = GenerationStats(bytes_per_token=self.stats.bytes_per_token)
         started = time.perf_counter()
@@ -410,6 +442,34 @@ class CausalLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _functions(batch_cache) -> tuple[str, ...]:
+    """The public functions of a generation program: the batched ones when exported."""
+    from .kv_export import BATCH_SUFFIX, FUNCTIONS
+
+    return FUNCTIONS + (tuple(f + BATCH_SUFFIX for f in FUNCTIONS) if batch_cache else ())
+
+
+def _layout_json(layout) -> dict:
+    return {"names": list(layout.names), "shapes": [list(s) for s in layout.shapes],
+            "dtype": layout.dtype, "max_length": layout.max_length, "masked": layout.masked}
+
+
+def _layout_from_json(data: dict):
+    from .kv_export import KVCacheLayout
+
+    return KVCacheLayout(tuple(data["names"]), tuple(tuple(int(d) for d in s)
+                                                     for s in data["shapes"]),
+                         str(data["dtype"]), int(data["max_length"]),
+                         bool(data.get("masked", False)))
+
+
+def _stops(eos_token_id) -> set[int]:
+    """The end tokens as a set."""
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if np.isscalar(eos_token_id) else {int(t) for t in eos_token_id}
 
 
 def _prompts(input_ids) -> tuple[list[np.ndarray], bool]:

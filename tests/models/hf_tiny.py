@@ -93,3 +93,28 @@ def greedy(model, ids: np.ndarray, new_tokens: int) -> np.ndarray:
         out = model.generate(torch.from_numpy(ids[None, :]), max_new_tokens=new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0].numpy()
+
+
+def greedy_batch(model, prompts, new_tokens: int, eos_token_id=None,
+                 pad_token_id: int = 0) -> list[np.ndarray]:
+    """transformers' greedy ``generate`` of a left-padded batch: each row's new tokens.
+
+    The prompts (1-D arrays of different lengths) are padded on the left with
+    ``pad_token_id`` and given with their ``attention_mask``; a row's tokens
+    end at its first ``eos_token_id`` (kept), as transformers pads after it.
+    """
+    longest = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), longest), pad_token_id, np.int64)
+    mask = np.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt):] = prompt
+        mask[row, longest - len(prompt):] = 1
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                             max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    rows = []
+    for row in out[:, longest:].numpy():
+        ends = [i for i, t in enumerate(row) if eos_token_id is not None and t == eos_token_id]
+        rows.append(row[:ends[0] + 1] if ends else row)
+    return rows
