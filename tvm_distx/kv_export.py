@@ -185,9 +185,10 @@ def _step_module(model, layers: int, masked: bool = False):
                 mask, caches = None, inputs
             cache = Cache(layers=[layer_class(caches[2 * i], caches[2 * i + 1], cache_position)
                                   for i in range(layers)])
-            out = self.model(input_ids=input_ids, past_key_values=cache, attention_mask=mask,
+            extra = {"attention_mask": mask} if masked else {}
+            out = self.model(input_ids=input_ids, past_key_values=cache,
                              cache_position=cache_position, position_ids=positions,
-                             use_cache=True)
+                             use_cache=True, **extra)
             result = [out.logits]
             for layer in cache.layers:
                 result += [layer.keys, layer.values]

@@ -13,13 +13,14 @@ import transformers
 VOCAB = 128
 
 
-def build(family: str, layers: int = 2):
+def build(family: str, layers: int = 2, init: float | None = None):
     """A tiny random ``family`` model.
 
     ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``mixtral``, ``qwen2_moe``, ``phi3``
     (fused q|k|v and gate|up), ``gemma`` (tied head), ``qwen3`` (q/k norms), ``opt``
     (tied head, learned positions) or ``deepseek_v3`` (multi-head latent attention and
-    routed experts beside a shared one, from the first layer on).
+    routed experts beside a shared one, from the first layer on). ``init``: GPT-2's
+    ``initializer_range`` (0.5 gives varied greedy tokens; the default 0.02 repeats one).
     """
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
@@ -27,7 +28,8 @@ def build(family: str, layers: int = 2):
                   max_position_embeddings=64, tie_word_embeddings=False)
     if family == "gpt2":  # GPT-2 ties its LM head to the token embedding
         config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4,
-                                         n_positions=64, bos_token_id=0, eos_token_id=0)
+                                         n_positions=64, bos_token_id=0, eos_token_id=0,
+                                         initializer_range=init or 0.02)
         return transformers.GPT2LMHeadModel(config).eval()
     if family == "mixtral":
         config = transformers.MixtralConfig(**common, num_local_experts=4,
