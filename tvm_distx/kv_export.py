@@ -21,6 +21,13 @@ functions of the same form::
   of one static length (``prompt_length=``); ``decode`` takes one token
   (``(batch, 1)``).
 
+``max_batch=b`` adds ``prefill_batch`` and ``decode_batch``, for left-padded
+batches of ``b`` prompts of different lengths as transformers' ``generate`` runs
+them: after ``cache_position`` they take ``position_ids`` ``(b, seq)`` (each row's
+own positions) and ``attention_mask`` ``(b, max_length)`` (0 on a row's padding),
+and their caches have ``b`` rows. The batch-1 functions are unchanged. A model
+whose masks do not export keeps only those, with a logged reason.
+
 The mechanism is general, with no knowledge of model families: the model is
 called with a transformers :class:`~transformers.cache_utils.Cache` whose layers
 hold the cache tensors given as inputs and write into them out of place

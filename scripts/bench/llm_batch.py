@@ -15,7 +15,7 @@ Both must give the same tokens. Reported: wall time, new tokens per second
 (all rows), and the decode steps' tokens per second. The batch-1 path of a
 ``CausalLM`` built without ``max_batch`` is timed too (one prompt), to show
 the batched functions leave it as it was. Medians of ``--repeats`` runs after
-a warm-up.
+a warm-up each, the runs taking turns.
 
 Usage::
 
@@ -45,16 +45,24 @@ def _model(layers: int):
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def _timed(lm, prompts, new_tokens: int, repeats: int):
-    """Median wall seconds and decode tokens/s of ``lm.generate(prompts)``; its rows."""
-    rows = lm.generate(prompts, max_new_tokens=new_tokens)  # warm-up
-    walls, rates = [], []
+def _timed(runs: dict, new_tokens: int, repeats: int) -> dict:
+    """Per run name ``(lm, prompts)``: median wall seconds, median decode tokens/s, rows.
+
+    One warm-up each, then the runs take turns, so that a change in the host's load
+    falls on all of them.
+    """
+    walls = {name: [] for name in runs}
+    rates = {name: [] for name in runs}
+    rows = {name: lm.generate(prompts, max_new_tokens=new_tokens)
+            for name, (lm, prompts) in runs.items()}
     for _ in range(repeats):
-        started = time.perf_counter()
-        rows = lm.generate(prompts, max_new_tokens=new_tokens)
-        walls.append(time.perf_counter() - started)
-        rates.append(lm.stats.decode_tokens_per_second)
-    return statistics.median(walls), statistics.median(rates), rows
+        for name, (lm, prompts) in runs.items():
+            started = time.perf_counter()
+            rows[name] = lm.generate(prompts, max_new_tokens=new_tokens)
+            walls[name].append(time.perf_counter() - started)
+            rates[name].append(lm.stats.decode_tokens_per_second)
+    return {name: (statistics.median(walls[name]), statistics.median(rates[name]), rows[name])
+            for name in runs}
 
 
 def main() -> int:
@@ -70,15 +78,16 @@ def main() -> int:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 8000, n, dtype=np.int64) for n in (12, 16, 9, 14)]
     total = len(prompts) * args.new_tokens
+    # one session at a time: waiting ranks of another session could take CPU
     with CausalLM.from_hf(model, num_ranks=args.ranks, max_length=64, max_batch=4) as lm:
-        batched = _timed(lm, prompts, args.new_tokens, args.repeats)
-        sequential = _timed(CausalLM(lm.cache, lm.session), prompts, args.new_tokens,
-                            args.repeats)
-        one = _timed(CausalLM(lm.cache, lm.session), prompts[:1], args.new_tokens,
-                     args.repeats)
-    same = all(np.array_equal(a, b) for a, b in zip(batched[2], sequential[2]))
+        one_by_one = CausalLM(lm.cache, lm.session)  # the batch-1 functions only
+        times = _timed({"batched": (lm, prompts), "sequential": (one_by_one, prompts),
+                        "one": (one_by_one, prompts[:1])}, args.new_tokens, args.repeats)
     with CausalLM.from_hf(model, num_ranks=args.ranks, max_length=64) as plain:
-        alone = _timed(plain, prompts[:1], args.new_tokens, args.repeats)
+        times.update(_timed({"alone": (plain, prompts[:1])}, args.new_tokens, args.repeats))
+    batched, sequential, one, alone = (times[k] for k in ("batched", "sequential", "one",
+                                                          "alone"))
+    same = all(np.array_equal(a, b) for a, b in zip(batched[2], sequential[2]))
     out = sys.stdout
     out.write(f"Llama {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
               f"{args.ranks} MPI ranks, 4 prompts of {[len(p) for p in prompts]} tokens, "
