@@ -134,6 +134,31 @@ def test_a_model_whose_masks_do_not_export_falls_back_to_one_prompt_at_a_time(ca
         in caplog.text
 
 
+def test_batched_functions_that_do_not_shard_fall_back_to_one_prompt_at_a_time(caplog):
+    from tvm_distx import presets
+
+    class NoBatches:
+        """The tensor-parallel plan, refusing the batched functions."""
+
+        def apply(self, mod, function):
+            if function.endswith("_batch"):
+                raise td.RuleError(f"NoBatches does not shard {function}",
+                                   hint="a test plan")
+            return presets.tensor_parallel().apply(mod, function)
+
+    model = build("llama", layers=1)
+    with caplog.at_level("WARNING", logger="tvm_distx.llm"):
+        lm = CausalLM.from_hf(model, num_ranks=2, backend="emulate", max_length=12,
+                              max_batch=2, plan=NoBatches())
+    with lm:
+        assert lm.batch_cache is None and "do not shard or compile" in caplog.text
+        assert "NoBatches does not shard prefill_batch" in caplog.text
+        rows = lm.generate(BATCH[:2], max_new_tokens=4)
+        assert lm.session.calls == 2 * 4  # one prompt after another
+    for prompt, row in zip(BATCH, rows):
+        np.testing.assert_array_equal(row, greedy(model, prompt, 4))
+
+
 def test_a_prompt_too_long_for_the_cache_is_refused_before_any_call(llama):
     _, lm = llama
     with pytest.raises(td.ArgumentError, match="need 36 cache positions; the model was "

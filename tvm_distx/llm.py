@@ -129,7 +129,9 @@ class CausalLM:
         max_batch : int, optional
             Also compile batched functions for up to ``max_batch`` prompts, so
             that :meth:`generate` runs a batch as one prefill and one decode per
-            step (:mod:`tvm_distx.llm_batch`). None: prompts run one by one.
+            step (:mod:`tvm_distx.llm_batch`). None: prompts run one by one; so
+            they do, with a logged reason, when the model's masks do not export
+            or its batched functions do not shard or compile.
         timeout : float
             Seconds for the ranks to start and for each call.
         **options
@@ -243,13 +245,29 @@ class CausalLM:
         from . import compile as compile_module
         from .pipeline import run_stages
 
+        from .errors import DistxError
+
         max_length = program.cache.max_length
         preset = plan if plan is not None else presets.tensor_parallel()
-        annotated = presets.with_meshes(program.mod, [(num_ranks,)])
-        functions = _functions(program.batch_cache)
-        for function in functions:
-            annotated = preset.apply(annotated, function)
-        exe = compile_module(annotated)
+        batch_cache = program.batch_cache
+
+        def sharded(mod, functions):
+            annotated = presets.with_meshes(mod, [(num_ranks,)])
+            for function in functions:
+                annotated = preset.apply(annotated, function)
+            return annotated, compile_module(annotated)
+
+        functions = _functions(batch_cache)
+        try:
+            annotated, exe = sharded(program.mod, functions)
+        except DistxError as err:
+            if batch_cache is None:
+                raise
+            logger.warning("%s: the batched functions do not shard or compile (%s); batches of "
+                           "prompts run one prompt after another", type(model).__name__,
+                           str(err).splitlines()[0])
+            batch_cache, functions = None, _functions(None)
+            annotated, exe = sharded(_only(program.mod, functions), functions)
         rows = comm_report(run_stages(annotated)["local_view"]).rows
         per_token = sum(r.bytes_per_rank for r in rows if r.function == "decode")
         session = exe.session(num_ranks, backend=backend, params=weights,
@@ -257,11 +275,11 @@ class CausalLM:
         generation = getattr(model, "generation_config", None)
         logger.info("CausalLM: %s on %d ranks, up to %d tokens, %d bytes per rank per token%s",
                     type(model).__name__, num_ranks, max_length, per_token,
-                    f", batches of {program.batch_cache.batch}" if program.batch_cache else "")
+                    f", batches of {batch_cache.batch}" if batch_cache else "")
         return cls(program.cache, session, exe=exe, weights=weights,
                    eos_token_id=getattr(generation, "eos_token_id", None),
                    pad_token_id=getattr(generation, "pad_token_id", None),
-                   bytes_per_token=per_token, batch_cache=program.batch_cache)
+                   bytes_per_token=per_token, batch_cache=batch_cache)
 
     # ------------------------------------------------------------------ bundles
     def export(self, directory):
@@ -453,6 +471,15 @@ def _functions(batch_cache) -> tuple[str, ...]:
     from .kv_export import BATCH_SUFFIX, FUNCTIONS
 
     return FUNCTIONS + (tuple(f + BATCH_SUFFIX for f in FUNCTIONS) if batch_cache else ())
+
+
+def _only(mod, functions):
+    """``mod`` without the public functions not in ``functions``."""
+    import tvm
+
+    return tvm.IRModule({gv: func for gv, func in mod.functions.items()
+                         if func.attrs is None or "global_symbol" not in func.attrs
+                         or gv.name_hint in functions})
 
 
 def _layout_json(layout) -> dict:

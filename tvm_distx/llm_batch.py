@@ -18,7 +18,8 @@ see :mod:`tvm_distx.kv_export`). The batch runs the way transformers'
 
 A batch of fewer prompts than the exported ``max_batch`` is filled up with
 copies of its last prompt, whose tokens are dropped; more prompts run in
-chunks of ``max_batch``.
+chunks of ``max_batch``. A model exported for one static prompt length
+(``prompt_length=``) pads every prompt to that length.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ RESIDENT_PREFIX = "batch_"
 
 
 def left_padded(prompts: Sequence[np.ndarray], batch: int, max_length: int,
-                pad_token_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The prefill inputs of ``prompts`` padded on the left to the longest.
+                pad_token_id: int, length: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The prefill inputs of ``prompts`` padded on the left to the longest (or ``length``).
 
     Returns
     -------
@@ -54,7 +56,7 @@ def left_padded(prompts: Sequence[np.ndarray], batch: int, max_length: int,
     Rows past ``len(prompts)`` repeat the last prompt.
     """
     rows = list(prompts) + [prompts[-1]] * (batch - len(prompts))
-    longest = max(len(p) for p in rows)
+    longest = length or max(len(p) for p in rows)
     ids = np.full((batch, longest), pad_token_id, np.int64)
     mask = np.ones((batch, max_length), np.int64)
     for index, prompt in enumerate(rows):
@@ -79,7 +81,13 @@ def generate_batch(lm, prompts: Sequence[np.ndarray], max_new_tokens: int,
         raise ArgumentError(f"generate_batch got {len(prompts)} prompts for a batch of {batch}",
                             hint="report this as a bug (CausalLM.generate splits batches)")
     pad = int(pad_token_id if pad_token_id is not None else 0)
-    ids, positions, mask = left_padded(prompts, batch, limit, pad)
+    static = _static_prompt_length(lm)
+    if static is not None and max(len(p) for p in prompts) > static:
+        raise ArgumentError(f"a prompt of {max(len(p) for p in prompts)} tokens; "
+                            f"prefill_batch was exported for prompts of {static}",
+                            hint="CausalLM.from_hf(model, prompt_length=None) takes any "
+                            "length, or give shorter prompts")
+    ids, positions, mask = left_padded(prompts, batch, limit, pad, length=static)
     longest = ids.shape[1]
     if longest + max_new_tokens - 1 > limit:
         raise ArgumentError(f"a batch padded to {longest} tokens and {max_new_tokens} new tokens "
@@ -112,6 +120,12 @@ def generate_batch(lm, prompts: Sequence[np.ndarray], max_new_tokens: int,
     logger.debug("batch of %d prompts (padded to %d): %s new tokens", count, longest,
                  [len(n) for n in new])
     return [np.asarray(n, np.int64) for n in new]
+
+
+def _static_prompt_length(lm) -> int | None:
+    """The prompt length ``prefill_batch`` was exported for, None for any (symbolic)."""
+    spec = lm.session.manifest.function("prefill_batch").params[0]
+    return spec.shape[1] if isinstance(spec.shape[1], int) else None
 
 
 def _step(lm, function: str, ids, cache_position, positions, mask) -> np.ndarray:
