@@ -243,31 +243,30 @@ class CausalLM:
         """Shard and compile ``program``, and launch its session with ``weights``."""
         from . import comm_report, presets
         from . import compile as compile_module
-        from .pipeline import run_stages
-
         from .errors import DistxError
+        from .pipeline import run_stages
 
         max_length = program.cache.max_length
         preset = plan if plan is not None else presets.tensor_parallel()
-        batch_cache = program.batch_cache
-
-        def sharded(mod, functions):
-            annotated = presets.with_meshes(mod, [(num_ranks,)])
-            for function in functions:
-                annotated = preset.apply(annotated, function)
-            return annotated, compile_module(annotated)
-
-        functions = _functions(batch_cache)
-        try:
-            annotated, exe = sharded(program.mod, functions)
-        except DistxError as err:
-            if batch_cache is None:
-                raise
-            logger.warning("%s: the batched functions do not shard or compile (%s); batches of "
-                           "prompts run one prompt after another", type(model).__name__,
-                           str(err).splitlines()[0])
-            batch_cache, functions = None, _functions(None)
-            annotated, exe = sharded(_only(program.mod, functions), functions)
+        batch_cache, functions = program.batch_cache, _functions(program.batch_cache)
+        annotated = presets.with_meshes(program.mod, [(num_ranks,)])
+        for function in _functions(None):  # a failure here is the model's, not the batch's
+            annotated = preset.apply(annotated, function)
+        exe = None
+        if batch_cache is not None:
+            try:
+                batched = annotated
+                for function in functions[len(_functions(None)):]:
+                    batched = preset.apply(batched, function)
+                exe, annotated = compile_module(batched), batched
+            except DistxError as err:
+                logger.warning("%s: the batched functions do not shard or compile (%s); "
+                               "batches of prompts run one prompt after another",
+                               type(model).__name__, str(err).splitlines()[0])
+                batch_cache, functions = None, _functions(None)
+                annotated = _only(annotated, functions)
+        if exe is None:
+            exe = compile_module(annotated)
         rows = comm_report(run_stages(annotated)["local_view"]).rows
         per_token = sum(r.bytes_per_rank for r in rows if r.function == "decode")
         session = exe.session(num_ranks, backend=backend, params=weights,
