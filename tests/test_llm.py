@@ -173,6 +173,11 @@ def test_a_prompt_too_long_for_the_cache_is_refused_before_any_call(llama):
     with pytest.raises(td.ArgumentError, match="need 36 cache positions; the model was "
                                                "exported for 32"):
         lm.generate(prompt_ids(30, seed=4), max_new_tokens=7)
+    calls = lm.session.calls
+    with pytest.raises(td.ArgumentError, match="a batch padded to 30 tokens needs 36 cache "
+                                               "positions; the model was exported for 32"):
+        lm.generate(BATCH + [prompt_ids(30, seed=4)], max_new_tokens=7)  # the second chunk's
+    assert lm.session.calls == calls
 
 
 @pytest.fixture(scope="module")

@@ -388,14 +388,8 @@ class CausalLM:
         if len(prompts) > 1 and self.batch_cache is not None:
             from .llm_batch import generate_batch
 
-            if max_new_tokens < 1 or min(len(p) for p in prompts) < 1:
-                raise ArgumentError(f"generate(max_new_tokens={max_new_tokens}) of prompts of "
-                                    f"{sorted({len(p) for p in prompts})} tokens: nothing to do",
-                                    hint="give prompts and max_new_tokens >= 1")
-            size, new = self.batch_cache.batch, []
-            for start in range(0, len(prompts), size):
-                new += generate_batch(self, prompts[start:start + size], max_new_tokens,
-                                      _stops(eos_token_id), self.pad_token_id)
+            new = generate_batch(self, prompts, max_new_tokens, _stops(eos_token_id),
+                                 self.pad_token_id)
             rows = [np.concatenate([p, n]) for p, n in zip(prompts, new)]
         else:
             rows = [np.concatenate([p, list(self.stream(p, max_new_tokens,

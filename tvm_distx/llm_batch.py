@@ -71,29 +71,48 @@ def generate_batch(lm, prompts: Sequence[np.ndarray], max_new_tokens: int,
                    stops: set[int], pad_token_id: int | None) -> list[np.ndarray]:
     """Greedy generation of ``prompts`` on ``lm``'s batched functions; each row's new tokens.
 
-    ``len(prompts)`` must be at most the exported batch (``lm.batch_cache.batch``).
-    Statistics go to ``lm.stats`` (one prefill; one decode per step, counting the
-    tokens of the rows still running).
+    The prompts run in chunks of the exported batch (``lm.batch_cache.batch``),
+    all checked before the first call. Statistics go to ``lm.stats`` (one
+    prefill per chunk; one decode per step, counting the tokens of the rows
+    still running).
+
+    Raises
+    ------
+    ArgumentError
+        If the padded prompts and the new tokens do not fit the cache, or a
+        prompt is longer than a static prompt length.
     """
-    layout = lm.batch_cache
-    batch, limit = layout.batch, layout.max_length
-    if len(prompts) > batch:
-        raise ArgumentError(f"generate_batch got {len(prompts)} prompts for a batch of {batch}",
-                            hint="report this as a bug (CausalLM.generate splits batches)")
-    pad = int(pad_token_id if pad_token_id is not None else 0)
+    limit = lm.batch_cache.max_length
+    longest = max(len(p) for p in prompts)
+    if max_new_tokens < 1 or min(len(p) for p in prompts) < 1:
+        raise ArgumentError(f"generate(max_new_tokens={max_new_tokens}) of prompts of "
+                            f"{sorted({len(p) for p in prompts})} tokens: nothing to do",
+                            hint="give prompts and max_new_tokens >= 1")
     static = _static_prompt_length(lm)
-    if static is not None and max(len(p) for p in prompts) > static:
-        raise ArgumentError(f"a prompt of {max(len(p) for p in prompts)} tokens; "
-                            f"prefill_batch was exported for prompts of {static}",
+    if static is not None and longest > static:
+        raise ArgumentError(f"generate() got a prompt of {longest} tokens; prefill_batch was "
+                            f"exported for prompts of {static}",
                             hint="CausalLM.from_hf(model, prompt_length=None) takes any "
                             "length, or give shorter prompts")
+    padded = static or longest
+    if padded + max_new_tokens - 1 > limit:
+        raise ArgumentError(f"generate(max_new_tokens={max_new_tokens}) of a batch padded to "
+                            f"{padded} tokens needs {padded + max_new_tokens - 1} cache "
+                            f"positions; the model was exported for {limit}",
+                            hint=f"CausalLM.from_hf(model, max_length={padded + max_new_tokens})")
+    pad = int(pad_token_id if pad_token_id is not None else 0)
+    size, new = lm.batch_cache.batch, []
+    for start in range(0, len(prompts), size):
+        new += _chunk(lm, prompts[start:start + size], max_new_tokens, stops, pad, static)
+    return new
+
+
+def _chunk(lm, prompts: Sequence[np.ndarray], max_new_tokens: int, stops: set[int],
+           pad: int, static: int | None) -> list[np.ndarray]:
+    """:func:`generate_batch` of at most one batch of prompts (checked)."""
+    batch, limit = lm.batch_cache.batch, lm.batch_cache.max_length
     ids, positions, mask = left_padded(prompts, batch, limit, pad, length=static)
     longest = ids.shape[1]
-    if longest + max_new_tokens - 1 > limit:
-        raise ArgumentError(f"a batch padded to {longest} tokens and {max_new_tokens} new tokens "
-                            f"need {longest + max_new_tokens - 1} cache positions; the model "
-                            f"was exported for {limit}",
-                            hint=f"CausalLM.from_hf(model, max_length={longest + max_new_tokens})")
     count = len(prompts)
     lengths = np.array([len(p) for p in prompts] + [len(prompts[-1])] * (batch - count))
     new: list[list[int]] = [[] for _ in range(count)]
