@@ -284,9 +284,10 @@ class CausalLM:
     def export(self, directory):
         """Write a bundle that ``tvm-distx generate`` (or :meth:`from_bundle`) serves.
 
-        The bundle holds ``prefill`` and ``decode``, each rank's weight shards
-        once, and ``generation.json``: the cache's layout and the model's end
-        token. Returns the bundle's path.
+        The bundle holds ``prefill`` and ``decode`` (and ``prefill_batch`` and
+        ``decode_batch`` when compiled), each rank's weight shards once, and
+        ``generation.json``: the caches' layouts and the model's end and pad
+        tokens. Returns the bundle's path.
         """
         if self.exe is None:
             raise ArgumentError("this CausalLM was opened from a bundle; it has nothing to "
