@@ -100,6 +100,18 @@ def test_a_batch_is_one_prefill_and_one_decode_per_step_with_transformers_tokens
     assert lm.stats.new_tokens == 7 * size and lm.stats.prefill_seconds > 0
 
 
+def test_left_padding_gives_transformers_positions_and_a_mask_over_the_whole_cache():
+    from tvm_distx.llm_batch import left_padded
+
+    ids, positions, mask = left_padded([np.array([5, 6]), np.array([7, 8, 9])], batch=3,
+                                       max_length=6, pad_token_id=0, length=4)
+    np.testing.assert_array_equal(ids, [[0, 0, 5, 6], [0, 7, 8, 9], [0, 7, 8, 9]])  # filler
+    np.testing.assert_array_equal(mask, [[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1],
+                                         [0, 1, 1, 1, 1, 1]])
+    # transformers: cumsum(attention_mask) - 1, and 0 on the padding
+    np.testing.assert_array_equal(positions, [[0, 0, 0, 1], [0, 0, 1, 2], [0, 0, 1, 2]])
+
+
 def test_rows_of_a_batch_stop_at_their_end_token_and_big_batches_run_in_chunks(
         gpt2, monkeypatch):
     model, lm = gpt2
