@@ -193,7 +193,11 @@ class _Rewriter(PyExprMutator):
         table3 = self.builder_.emit(relax.op.reshape(table, (blocks, rows, hidden)),
                                     name_hint=f"{table.name}_blocks")
         ids_shape = list(ids.ty.shape)
-        kernel = _kernel(blocks, rows, hidden, ids_shape, str(ids.ty.dtype),
+        # the kernel binds each extent from its buffer: an extent that is an expression
+        # (3 * seq, from flattening a batch of symbolic length) becomes a fresh variable
+        kernel_shape = [d if isinstance(d, (tirx.IntImm, tirx.Var)) else
+                        tirx.Var(f"n{axis}", "int64") for axis, d in enumerate(ids_shape)]
+        kernel = _kernel(blocks, rows, hidden, kernel_shape, str(ids.ty.dtype),
                          str(table.ty.dtype))
         gv = self.builder_.add_func(kernel, "vocab_parallel_lookup")
         out_ty = relax.TensorType([*ids_shape, hidden], table.ty.dtype)

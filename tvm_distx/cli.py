@@ -12,6 +12,8 @@ subcommand      what it does
                 bundle
 ``bundle``      as ``compile``, and for ``--target rvv`` every kernel is checked under qemu
 ``run``         ``BUNDLE -n N [--backend mpi|disco] [-i X.npy ...] [-o OUT]`` -> results
+``generate``    ``BUNDLE --ids 1 15 22 [--backend mpi|disco|emulate] [-n N]`` -> greedy
+                tokens from a generation bundle (``CausalLM.export``)
 ==============  ===========================================================================
 
 ``--split-fused`` runs :class:`tvm_distx.passes.SplitFusedProjections` on the
@@ -428,44 +430,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from .cli_generate import generate
 
-    from .llm import CausalLM
-
-    _writable_file(args.output, "-o")
-    if args.ids:
-        prompt = np.asarray(args.ids, np.int64)
-    elif args.input is not None:
-        _input_file(args.input, "--input file")
-        try:
-            prompt = np.load(args.input, allow_pickle=False).astype(np.int64).reshape(-1)
-        except ValueError as err:
-            raise ArgumentError(f"--input file {args.input} is not a .npy array ({err})") \
-                from None
-    else:
-        raise ArgumentError("generate needs a prompt", hint="give token ids: --ids 1 15 22, "
-                            "or --input prompt.npy")
-    console = Console(stderr=True)
-    with _progress(f"starting the ranks of {args.bundle}"):
-        lm = CausalLM.from_bundle(args.bundle, timeout=args.timeout)
-    with lm, Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("{task.fields[rate]}"), console=console, transient=True,
-                      disable=not console.is_terminal) as progress:
-        task = progress.add_task("tokens", total=args.max_new_tokens, rate="")
-        tokens = []
-        for token in lm.stream(prompt, args.max_new_tokens, eos_token_id=(
-                lm.eos_token_id if args.stop_at_eos else None)):
-            tokens.append(token)
-            progress.update(task, advance=1,
-                            rate=f"{lm.stats.decode_tokens_per_second:.1f} tokens/s")
-    out = np.concatenate([prompt, np.asarray(tokens, np.int64)])
-    if args.output is not None:
-        np.save(args.output, out[None, :])
-    sys.stdout.write(" ".join(str(t) for t in out) + "\n")
-    logger.info("generated %d tokens: prefill %.3f s, decode %.1f tokens/s", len(tokens),
-                lm.stats.prefill_seconds, lm.stats.decode_tokens_per_second)
-    return EXIT_OK
+    return generate(args)
 
 
 # ---------------------------------------------------------------------- parser
@@ -594,6 +561,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ids", type=int, nargs="+", help="the prompt's token ids")
     p.add_argument("--input", type=Path, help="the prompt's token ids as a .npy array")
     p.add_argument("--max-new-tokens", type=_positive(int), default=32)
+    p.add_argument("--backend", default="mpi", metavar="mpi|disco|emulate",
+                   help="where the ranks run: MPI processes (default), disco worker "
+                   "processes on this host, or threads of this process")
+    p.add_argument("-n", "--ranks", type=_positive(int), default=None,
+                   help="the rank count; the bundle fixes it, so this only checks it")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="stop at the model's end token (kept in the output)")
     p.add_argument("-o", "--output", type=Path,

@@ -21,6 +21,13 @@ functions of the same form::
   of one static length (``prompt_length=``); ``decode`` takes one token
   (``(batch, 1)``).
 
+``max_batch=b`` adds ``prefill_batch`` and ``decode_batch``, for left-padded
+batches of ``b`` prompts of different lengths as transformers' ``generate`` runs
+them: after ``cache_position`` they take ``position_ids`` ``(b, seq)`` (each row's
+own positions) and ``attention_mask`` ``(b, max_length)`` (0 on a row's padding),
+and their caches have ``b`` rows. The batch-1 functions are unchanged. A model
+whose masks do not export keeps only those, with a logged reason.
+
 The mechanism is general, with no knowledge of model families: the model is
 called with a transformers :class:`~transformers.cache_utils.Cache` whose layers
 hold the cache tensors given as inputs and write into them out of place
@@ -51,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 #: The public functions :func:`export_decoder` writes.
 FUNCTIONS = ("prefill", "decode")
+#: The suffix of the batched functions (``prefill_batch``, ``decode_batch``).
+BATCH_SUFFIX = "_batch"
 
 
 @dataclass(frozen=True)
@@ -69,12 +78,21 @@ class KVCacheLayout:
         Their element type.
     max_length : int
         The static maximum number of tokens (prompt plus generated ones).
+    masked : bool
+        Whether the functions also take ``position_ids`` and ``attention_mask``
+        after ``cache_position`` (the batched ones, for left-padded prompts).
     """
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: str
     max_length: int
+    masked: bool = False
+
+    @property
+    def batch(self) -> int:
+        """The sequences the cache holds (its first axis)."""
+        return int(self.shapes[0][0])
 
     def zeros(self) -> list[np.ndarray]:
         """An empty cache (the state before a prompt), one array per name."""
@@ -99,11 +117,15 @@ class DecoderProgram:
         The weights by parameter name.
     cache : KVCacheLayout
         The cache's parameters and shapes.
+    batch_cache : KVCacheLayout or None
+        The cache of ``prefill_batch`` and ``decode_batch``, when exported
+        (``max_batch=``).
     """
 
     mod: tvm.IRModule
     weights: dict
     cache: KVCacheLayout
+    batch_cache: KVCacheLayout | None = None
 
     def __iter__(self):
         return iter((self.mod, self.weights, self.cache))
@@ -146,8 +168,12 @@ def _cache_layer_class():
     return ExplicitLayer
 
 
-def _step_module(model, layers: int):
-    """``model`` as a module ``(input_ids, cache_position, *caches) -> (logits, *caches)``."""
+def _step_module(model, layers: int, masked: bool = False):
+    """``model`` as a module ``(input_ids, cache_position, *caches) -> (logits, *caches)``.
+
+    ``masked``: ``(input_ids, cache_position, position_ids, attention_mask, *caches)``,
+    for left-padded batches (``attention_mask`` of shape ``(batch, max_length)``).
+    """
     import torch
     from transformers.cache_utils import Cache
 
@@ -158,13 +184,18 @@ def _step_module(model, layers: int):
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids, cache_position, *caches):
+        def forward(self, input_ids, cache_position, *inputs):
+            if masked:
+                positions, mask, caches = inputs[0], inputs[1], inputs[2:]
+            else:
+                positions = cache_position.unsqueeze(0).expand(input_ids.shape[0], -1)
+                mask, caches = None, inputs
             cache = Cache(layers=[layer_class(caches[2 * i], caches[2 * i + 1], cache_position)
                                   for i in range(layers)])
-            positions = cache_position.unsqueeze(0).expand(input_ids.shape[0], -1)
+            extra = {"attention_mask": mask} if masked else {}
             out = self.model(input_ids=input_ids, past_key_values=cache,
                              cache_position=cache_position, position_ids=positions,
-                             use_cache=True)
+                             use_cache=True, **extra)
             result = [out.logits]
             for layer in cache.layers:
                 result += [layer.keys, layer.values]
@@ -209,8 +240,8 @@ def _cache_geometry(model, batch: int) -> list[tuple[tuple[int, ...], tuple[int,
 
 # ---------------------------------------------------------------------------- the export
 def export_decoder(model, max_length: int, *, batch_size: int = 1,
-                   prompt_length: int | None = None,
-                   with_weights: bool = True) -> DecoderProgram:
+                   prompt_length: int | None = None, with_weights: bool = True,
+                   max_batch: int | None = None) -> DecoderProgram:
     """Import ``model`` as ``prefill`` and ``decode`` with its key-value cache as explicit state.
 
     Parameters
@@ -230,6 +261,11 @@ def export_decoder(model, max_length: int, *, batch_size: int = 1,
         ``False`` reads no weight: ``weights`` then holds each one's
         :class:`tvm_distx.frontend.WeightSpec` (see
         :meth:`tvm_distx.llm.CausalLM.from_pretrained`).
+    max_batch : int, optional
+        Also export ``prefill_batch`` and ``decode_batch`` for left-padded
+        batches of ``max_batch`` prompts (see the module doc). If the model's
+        masks cannot be exported, they are left out with a logged reason
+        (``batch_cache`` is then None).
 
     Returns
     -------
@@ -251,8 +287,6 @@ def export_decoder(model, max_length: int, *, batch_size: int = 1,
     >>> out = exe.run(ids, np.arange(n), *cache.zeros(), params=weights,
     ...               function="prefill")                              # doctest: +SKIP
     """
-    import torch
-
     traced = min(4, max_length) if prompt_length is None else prompt_length
     if max_length < 2 or not 2 <= traced <= max_length or batch_size < 1:
         raise ArgumentError(
@@ -260,33 +294,71 @@ def export_decoder(model, max_length: int, *, batch_size: int = 1,
             f"prompt_length={prompt_length}): lengths out of range",
             hint="export_decoder(model, max_length=64) with 2 <= prompt_length "
             "<= max_length and batch_size >= 1")
+    if max_batch is not None and max_batch < 2:
+        raise ArgumentError(f"export_decoder(max_batch={max_batch}): a batch needs 2 or more "
+                            "prompts", hint="export_decoder(model, max_length=64, max_batch=4), "
+                            "or leave max_batch out")
     model = model.eval()
     geometry = _cache_geometry(model, batch_size)
     layers = len(geometry)
+    cache = _layout(geometry, batch_size, max_length)
+    functions = _pair(model, layers, cache, traced, prompt_length, with_weights,
+                      masked=False, suffix="")
+    batch_cache = None
+    if max_batch is not None:
+        batch_cache = _layout(geometry, max_batch, max_length, masked=True)
+        try:
+            functions.update(_pair(model, layers, batch_cache, traced, prompt_length,
+                                   with_weights, masked=True, suffix=BATCH_SUFFIX))
+        except (ArgumentError, UnsupportedProgramError) as err:
+            logger.warning("%s: no batched prefill and decode (%s); batches of prompts run one "
+                           "prompt after another", type(model).__name__,
+                           str(err).splitlines()[0])
+            batch_cache = None
+    mod, weights = _merge(functions)
+    logger.info("exported %s for generation: %d layers, cache %s x %s (%d bytes), %d weights%s",
+                type(model).__name__, layers, cache.shapes[0], len(cache.shapes), cache.nbytes(),
+                len(weights), f", batches of {max_batch}" if batch_cache else "")
+    return DecoderProgram(mod, weights, cache, batch_cache)
+
+
+def _layout(geometry, batch: int, max_length: int, masked: bool = False) -> KVCacheLayout:
+    """The cache of ``batch`` sequences from the per-layer geometry of one token."""
     names, shapes = [], []
     for index, (key, value, _) in enumerate(geometry):
         names += [f"key_{index}", f"value_{index}"]
-        shapes += [(key[0], key[1], max_length, key[3]),
-                   (value[0], value[1], max_length, value[3])]
-    dtype = geometry[0][2]
-    cache = KVCacheLayout(tuple(names), tuple(shapes), dtype, max_length)
-    step = _step_module(model, layers)
-    caches = tuple(torch.zeros(s, dtype=getattr(torch, dtype)) for s in shapes)
+        shapes += [(batch, key[1], max_length, key[3]), (batch, value[1], max_length, value[3])]
+    return KVCacheLayout(tuple(names), tuple(shapes), geometry[0][2], max_length, masked)
+
+
+def _pair(model, layers: int, cache: KVCacheLayout, traced: int, prompt_length: int | None,
+          with_weights: bool, *, masked: bool, suffix: str) -> dict:
+    """``prefill`` and ``decode`` (names + ``suffix``) over ``cache``, imported."""
+    import torch
+
+    step = _step_module(model, layers, masked)
+    batch, max_length = cache.shapes[0][0], cache.max_length
+    caches = tuple(torch.zeros(s, dtype=getattr(torch, cache.dtype)) for s in cache.shapes)
     seq = torch.export.Dim("seq", min=1, max=max_length)
-    prompt_dims = ({1: seq}, {0: seq}) if prompt_length is None else (None, None)
+    prompt = prompt_length is None
     functions = {}
-    for name, length, dims in (("prefill", traced, prompt_dims),
-                               ("decode", 1, (None, None))):
-        ids = torch.zeros((batch_size, length), dtype=torch.long)
+    for name, length in (("prefill", traced), ("decode", 1)):
+        symbolic = prompt and name == "prefill"
+        ids = torch.zeros((batch, length), dtype=torch.long)
         positions = torch.arange(length, dtype=torch.long)
-        functions[name] = _import(step, (ids, positions, *caches),
-                                  (*dims, tuple(None for _ in caches)), name,
-                                  ["input_ids", "cache_position", *names], with_weights)
-    mod, weights = _merge(functions)
-    logger.info("exported %s for generation: %d layers, cache %s x %s (%d bytes), %d weights",
-                type(model).__name__, layers, shapes[0], len(shapes), cache.nbytes(),
-                len(weights))
-    return DecoderProgram(mod, weights, cache)
+        example, dims = [ids, positions], [{1: seq} if symbolic else None,
+                                           {0: seq} if symbolic else None]
+        inputs = ["input_ids", "cache_position"]
+        if masked:
+            example += [positions.unsqueeze(0).expand(batch, -1).contiguous(),
+                        torch.ones((batch, max_length), dtype=torch.long)]
+            dims += [{1: seq} if symbolic else None, None]
+            inputs += ["position_ids", "attention_mask"]
+        functions[name + suffix] = _import(
+            step, (*example, *caches), (*dims[:2], (*dims[2:], *(None for _ in caches))),
+            name + suffix,
+            [*inputs, *cache.names], with_weights)
+    return functions
 
 
 def _import(step, example: tuple, dynamic_shapes: tuple, function: str,

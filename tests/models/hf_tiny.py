@@ -13,13 +13,14 @@ import transformers
 VOCAB = 128
 
 
-def build(family: str, layers: int = 2):
+def build(family: str, layers: int = 2, init: float | None = None):
     """A tiny random ``family`` model.
 
     ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``mixtral``, ``qwen2_moe``, ``phi3``
     (fused q|k|v and gate|up), ``gemma`` (tied head), ``qwen3`` (q/k norms), ``opt``
     (tied head, learned positions) or ``deepseek_v3`` (multi-head latent attention and
-    routed experts beside a shared one, from the first layer on).
+    routed experts beside a shared one, from the first layer on). ``init``: GPT-2's
+    ``initializer_range`` (0.5 gives varied greedy tokens; the default 0.02 repeats one).
     """
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
@@ -27,7 +28,8 @@ def build(family: str, layers: int = 2):
                   max_position_embeddings=64, tie_word_embeddings=False)
     if family == "gpt2":  # GPT-2 ties its LM head to the token embedding
         config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4,
-                                         n_positions=64, bos_token_id=0, eos_token_id=0)
+                                         n_positions=64, bos_token_id=0, eos_token_id=0,
+                                         initializer_range=init or 0.02)
         return transformers.GPT2LMHeadModel(config).eval()
     if family == "mixtral":
         config = transformers.MixtralConfig(**common, num_local_experts=4,
@@ -93,3 +95,28 @@ def greedy(model, ids: np.ndarray, new_tokens: int) -> np.ndarray:
         out = model.generate(torch.from_numpy(ids[None, :]), max_new_tokens=new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0].numpy()
+
+
+def greedy_batch(model, prompts, new_tokens: int, eos_token_id=None,
+                 pad_token_id: int = 0) -> list[np.ndarray]:
+    """transformers' greedy ``generate`` of a left-padded batch: each row's new tokens.
+
+    The prompts (1-D arrays of different lengths) are padded on the left with
+    ``pad_token_id`` and given with their ``attention_mask``; a row's tokens
+    end at its first ``eos_token_id`` (kept), as transformers pads after it.
+    """
+    longest = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), longest), pad_token_id, np.int64)
+    mask = np.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt):] = prompt
+        mask[row, longest - len(prompt):] = 1
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                             max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    rows = []
+    for row in out[:, longest:].numpy():
+        ends = [i for i, t in enumerate(row) if eos_token_id is not None and t == eos_token_id]
+        rows.append(row[:ends[0] + 1] if ends else row)
+    return rows

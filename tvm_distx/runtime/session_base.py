@@ -54,7 +54,8 @@ def check_backend(backend: str, options: Mapping) -> None:
     """
     if backend not in SESSION_BACKENDS:
         raise ArgumentError(f"unknown session backend {backend!r}",
-                            hint=f"use one of {', '.join(SESSION_BACKENDS)}")
+                            hint=f"use one of {', '.join(SESSION_BACKENDS)}",
+                            cli_hint="--backend " + " | --backend ".join(SESSION_BACKENDS))
     if backend != "mpi" and options:
         raise ArgumentError(f"a {backend} session takes no option {', '.join(sorted(options))}",
                             hint='hosts=, mpiexec= and env= are for backend="mpi"')
