@@ -272,7 +272,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _autoshard(args: argparse.Namespace) -> int:
-    from ._cli_autoshard import autoshard
+    from .cli_autoshard import autoshard
 
     return autoshard(args)
 
