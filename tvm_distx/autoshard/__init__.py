@@ -10,6 +10,8 @@ module                                 what it does
 :mod:`~tvm_distx.autoshard.ilp`        the integer program (HiGHS via scipy), the
                                        exact cost of a plan
 :mod:`~tvm_distx.autoshard.extract`    a Relax function read into the problem
+:mod:`~tvm_distx.autoshard.inline`     calls to private functions inlined, to plan
+                                       through them (call site ``k`` = layer ``k``)
 :mod:`~tvm_distx.autoshard.api`        ``auto_shard``, ``plan_cost``, the report
 :mod:`~tvm_distx.autoshard.measure`    ``profile``: the profile measured on MPI ranks
 =====================================  ==============================================

@@ -22,6 +22,7 @@ from ..rules import ShardingRule, rules_for
 from .costs import DEFAULT_PROFILE, CostProfile
 from .graph import ShardGraph
 from .ilp import Solution, kernel_seconds, solve
+from .inline import inline_calls
 
 __all__ = ["AutoShardReport", "auto_shard", "plan_cost"]
 
@@ -247,67 +248,6 @@ def _split_fused(mod: tvm.IRModule, function: str) -> tvm.IRModule:
     return SplitFusedProjections()(mod)
 
 
-#: What the planner's inlining appends to a callee's value names at call site ``k``
-#: (:data:`tvm_distx.autoshard.graph.CALL_SITE_PATTERN` reads it back).
-CALL_SITE = "__call"
-
-
-def _inline_calls(mod: tvm.IRModule, function: str) -> tvm.IRModule:
-    """``mod`` with the private Relax functions ``function`` calls inlined, to plan through them.
-
-    Propagation carries placements into a callee's parameters; the planner
-    must see the callee's operators at each call site. Each call site is
-    costed on its own operands, and its values are named ``<name>__call<k>``
-    for the ``k``-th call: repeated call sites of one callee are then solved
-    once, as repeated layers (:class:`~tvm_distx.autoshard.graph.ShardGraph`).
-    """
-    from tvm import relax
-    from tvm.relax.expr_functor import PyExprMutator, mutator
-
-    callees = {gv for gv, f in mod.functions.items()
-               if isinstance(f, relax.Function) and gv.name_hint != function
-               and (f.attrs is None or "global_symbol" not in f.attrs)}
-    if not callees:
-        return mod
-
-    sites = [0]
-
-    @mutator
-    class Inline(PyExprMutator):
-        def visit_var_binding_(self, binding) -> None:
-            value = binding.value
-            if not (isinstance(value, relax.Call) and value.op in callees):
-                super().visit_var_binding_(binding)
-                return
-            site = sites[0]
-            sites[0] += 1
-            fresh = relax.utils.copy_with_new_vars(mod[value.op])
-            for param, arg in zip(fresh.params, value.args):
-                arg = self.visit_expr(arg)
-                if not isinstance(arg, relax.Var):  # a constant operand
-                    arg = self.builder_.emit(arg)
-                self.set_var_remap(param, arg)
-            body = fresh.body
-            for block in body.blocks:
-                for inner in block.bindings:
-                    new = self.builder_.emit(self.visit_expr(inner.value),
-                                             name_hint=f"{inner.var.name}{CALL_SITE}{site}")
-                    self.set_var_remap(inner.var, new)
-            result = self.visit_expr(body.body)
-            self.builder_.emit_normalized(relax.VarBinding(binding.var, result))
-
-    inlined = Inline(mod).visit_expr(mod[function])
-    if not sites[0]:
-        return mod
-    logger.info("auto_shard: %s calls %s at %d sites; planned through the calls (inlined)",
-                function, ", ".join(sorted(gv.name_hint for gv in callees)), sites[0])
-    out = mod.clone()
-    out[mod.get_global_var(function)] = inlined
-    public = [gv.name_hint for gv, f in out.functions.items()
-              if isinstance(f, relax.Function) and gv not in callees]
-    return relax.transform.DeadCodeElimination(public)(out)  # callees no longer called
-
-
 def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
                memory_per_rank: int | None = None, objective: str = "latency",
                rules: Sequence[ShardingRule] = (), profile: CostProfile | None = None,
@@ -393,7 +333,7 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     from ..pipeline import legalize_ops
 
     meshed = _split_fused(_with_mesh(mod, mesh_shape), function)
-    legal = legalize_ops(_inline_calls(meshed, function))
+    legal = legalize_ops(inline_calls(meshed, function))
     graph = extract(legal, mesh_shape, function, legalized=True, sizes=sizes)
     fixed = _fixed_from_rules(graph, rules, meshed, function)
     options = dict(profile=profile, objective=objective, memory_per_rank=memory_per_rank,

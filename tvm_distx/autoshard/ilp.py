@@ -397,7 +397,7 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
             f"auto_shard: no plan fits {memory_per_rank} bytes per rank on a {mesh} mesh "
             f"({res.message})" + (f", run-time extents priced at {priced}" if priced else ""),
             hint="raise memory_per_rank, use a larger mesh, or relax the rules"
-            + (f", or price the run-time extents at smaller sizes (sizes={{...}})"
+            + (", or price the run-time extents at smaller sizes (sizes={...})"
                if priced else ""),
             cli_hint="raise --memory, use a larger --mesh, or relax --rules"
             + (", or give smaller --size NAME=INT" if priced else ""))
