@@ -202,7 +202,7 @@ def argv(case: Case, workdir: Path) -> list[str]:
 def _module(case: Case):
     import tvm_distx as td
     from tvm_distx import ShardingRule
-    from tvm_distx.cli import _rule_fields
+    from tvm_distx.cli_inputs import _rule_fields
     from tvm_distx.passes import AnnotateSharding
 
     mod = td.load_module(case.path)

@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import (EXIT_OK, _input_file, _load_plain, _progress, _read_rules, _with_mesh,
-                  _writable_file)
+from .cli_inputs import (EXIT_OK, _input_file, _load_plain, _progress, _read_rules,
+                         _with_mesh, _writable_file)
 from .errors import ArgumentError
 
 __all__ = ["autoshard"]

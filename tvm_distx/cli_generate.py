@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli import EXIT_OK, _input_file, _progress, _writable_file
+from .cli_inputs import EXIT_OK, _input_file, _progress, _writable_file
 from .errors import ArgumentError
 
 __all__ = ["generate"]
