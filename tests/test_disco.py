@@ -24,6 +24,8 @@ from tvm_distx.runtime.disco import run_disco
 from tvm_distx.runtime.disco_shm import Layout, ShmComm
 from tvm_distx.layout import TensorSharding
 
+from proc_tools import children  # tests/ is on the path
+
 DATA = Path(__file__).parent / "data"
 TARGET = tvm.target.Target({"kind": "llvm"})
 SHAPE = (8, 12, 4)
@@ -52,13 +54,7 @@ def leftovers() -> list[str]:
             continue
         if "memfd:" in target or target.startswith("/dev/shm"):
             found.append(target)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
-            found.append(f"child process {pid}")
+    found += [f"child process {pid}" for pid in sorted(children())]
     return found
 
 

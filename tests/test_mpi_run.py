@@ -25,6 +25,7 @@ from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime.launcher import launch
 
 from reference import mlp_twice  # noqa: E402
+from proc_tools import parents  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 
@@ -136,13 +137,7 @@ def worker_processes() -> list[str]:
 
 def descendants() -> int:
     """How many processes descend from this one (mpiexec, its proxies, the ranks)."""
-    parent = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        parent[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
+    parent = parents()
     count = 0
     for pid in parent:
         up = parent.get(pid)

@@ -30,23 +30,13 @@ from tvm_distx.runtime.session_base import open_session  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 from hf_tiny import build, greedy, prompt_ids  # noqa: E402
+import proc_tools  # noqa: E402
 from test_session import Accumulate  # noqa: E402
 
 NEW_TOKENS = 32
 PROMPT = 6
 
 
-def _children() -> set[int]:
-    """The processes this process started that still exist."""
-    found = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
-            found.add(int(pid))
-    return found
 
 
 def _segments() -> set[str]:
@@ -164,7 +154,7 @@ def test_a_second_generation_neither_relaunches_workers_nor_reloads_weights(llam
 
 def test_a_worker_killed_mid_decode_ends_the_session_naming_it(llama):
     _, lm = llama
-    children, segments = _children(), _segments()
+    children, segments = proc_tools.children(), _segments()
     session, doomed = _session(lm, "disco")
     stream = doomed.stream(prompt_ids(5, 11), max_new_tokens=10)
     next(stream), next(stream)  # the prefill and one decode step ran
@@ -176,7 +166,7 @@ def test_a_worker_killed_mid_decode_ends_the_session_naming_it(llama):
             pass
     assert time.monotonic() - started < 30
     assert info.value.rank == 1
-    assert _gone([worker]) and _children() == children  # no orphan worker
+    assert _gone([worker]) and proc_tools.children() == children  # no orphan worker
     assert _segments() == segments  # the segment is closed
     assert session.closed
     with pytest.raises(td.ArgumentError, match="the session is closed"):
@@ -191,7 +181,7 @@ def test_state_stays_on_the_ranks_and_bad_calls_leave_the_session_usable(backend
     exe = accumulate
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal((8, 16), dtype="float32") for _ in range(3)]
-    children = _children()
+    children = proc_tools.children()
     with pytest.raises(KeyboardInterrupt), exe.session(backend=backend) as session:
         for step in range(3):
             (total,) = session.run(xs[step], state={"acc": "acc"}, keep={1: "acc"})
@@ -209,7 +199,7 @@ def test_state_stays_on_the_ranks_and_bad_calls_leave_the_session_usable(backend
         assert session.calls == 5
         raise KeyboardInterrupt
     assert session.closed and _gone([p.pid for p in session.ranks if p.pid != os.getpid()])
-    assert _children() == children
+    assert proc_tools.children() == children
     with pytest.raises(td.ArgumentError, match="the session is closed"):
         session.run(xs[0], xs[1])
 
@@ -223,13 +213,13 @@ def test_a_rank_that_raises_or_hangs_ends_the_disco_session_naming_it(
 
     monkeypatch.setattr(disco_session, "_GRACE", 1.0)
     monkeypatch.setenv("TVM_DISTX_FAULT", f"1:{fault}")  # the workers start with it
-    children, segments = _children(), _segments()
+    children, segments = proc_tools.children(), _segments()
     session = accumulate.session(backend="disco")
     started = time.monotonic()
     with pytest.raises(td.LaunchError, match=message) as info:
         session.run(np.ones((8, 16), "float32"), np.ones((8, 16), "float32"), timeout=1.0)
     assert info.value.rank == 1 and time.monotonic() - started < 15
-    assert session.closed and _gone([session.ranks[1].pid]) and _children() == children
+    assert session.closed and _gone([session.ranks[1].pid]) and proc_tools.children() == children
     assert _segments() == segments
 
 
