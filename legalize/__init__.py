@@ -14,11 +14,11 @@
   shard each reduction.
 """
 
-from .legalize_redistribute import LegalizeRedistribute
-from .local_view import LowerGlobalViewToLocalView
-from .lower_distir import CollectiveGroup, LowerDistIR
-from .merge_allreduce import MergeAllReduces
-from .planner import Collective, RedistPlan, RedistStep, lower_bound_bytes, plan_redistribute
+from tvm_distx.legalize.legalize_redistribute import LegalizeRedistribute
+from tvm_distx.legalize.local_view import LowerGlobalViewToLocalView
+from tvm_distx.legalize.lower_distir import CollectiveGroup, LowerDistIR
+from tvm_distx.legalize.merge_allreduce import MergeAllReduces
+from tvm_distx.legalize.planner import Collective, RedistPlan, RedistStep, lower_bound_bytes, plan_redistribute
 
 __all__ = [
     "LegalizeRedistribute",

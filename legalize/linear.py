@@ -25,8 +25,8 @@ import tvm
 from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from tvm_distx import _ir
-from tvm_distx._pass import module_pass
+from tvm_distx.ir import helpers as _ir
+from tvm_distx.ir.module_pass import module_pass
 
 __all__ = ["LegalizeLinear"]
 

@@ -48,13 +48,13 @@ from tvm.relax.distributed import DTensorType
 from tvm.relax.distributed import transform as dist_transform
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from tvm_distx import _ir
-from tvm_distx._pass import module_pass
+from tvm_distx.ir import helpers as _ir
+from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.layout import Placement, Replicate, TensorSharding
 
-from .merge_allreduce import MergeAllReduces
-from .split_extents import bind_split_extents
+from tvm_distx.legalize.merge_allreduce import MergeAllReduces
+from tvm_distx.legalize.split_extents import bind_split_extents
 
 __all__ = ["LowerGlobalViewToLocalView", "split_once"]
 

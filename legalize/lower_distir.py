@@ -47,16 +47,17 @@ import tvm
 from tvm import relax
 from tvm.relax.distributed import DTensorType
 
-from tvm_distx import _ir, ccl
-from tvm_distx._pass import module_pass
-from tvm_distx._rewrite import FunctionRewriter
+from tvm_distx import ccl
+from tvm_distx.ir import helpers as _ir
+from tvm_distx.ir.module_pass import module_pass
+from tvm_distx.ir.rewriter import FunctionRewriter
 from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.ccl import REDUCE_KINDS, CollectiveGroup
-from tvm_distx.mesh import DeviceMesh
+from tvm_distx.layout.mesh import DeviceMesh
 from tvm_distx.layout import TensorSharding
 
-from .partial_sums import partial_sum
-from .split_extents import drop_extents_param
+from tvm_distx.legalize.partial_sums import partial_sum
+from tvm_distx.legalize.split_extents import drop_extents_param
 
 __all__ = ["LowerDistIR", "CollectiveGroup", "ENTRIES_ATTR", "local_type", "rank_entry",
            "fed_from_worker0", "module_devices", "function_meshes", "rank_sets"]
@@ -116,7 +117,7 @@ def fed_from_worker0(mod: tvm.IRModule, function: str) -> bool:
 
     TVM's ``LowerDistIR`` keeps every parameter's global type and broadcasts
     or scatters it from worker 0 at entry (the ``"worker0"`` feed of
-    :mod:`tvm_distx.signature`); ours takes each rank's shard. The sign is a
+    :mod:`tvm_distx.bundle.manifest.signature`); ours takes each rank's shard. The sign is a
     parameter (or a field of one) passed straight to
     ``R.ccl.broadcast_from_worker0`` or ``R.ccl.scatter_from_worker0`` (or
     to their ``runtime.disco.*`` packed forms).
@@ -206,7 +207,7 @@ def _is_public(func: relax.Function) -> bool:
 
 def module_devices(mod: tvm.IRModule) -> list[int]:
     """The global device ids of a module: ``0 .. device_num - 1``, or up to its last mesh's."""
-    from tvm_distx.mesh import module_meshes
+    from tvm_distx.layout.mesh import module_meshes
 
     count = 0
     if mod.attrs is not None and "device_num" in mod.attrs:

@@ -37,12 +37,12 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from tvm_distx import _ir
-from tvm_distx._pass import module_pass
+from tvm_distx.ir import helpers as _ir
+from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.layout import TensorSharding
 
-from .linearity import linear_in
-from .partial_sums import ALLREDUCE_OP, partial_sum, true_sharding
+from tvm_distx.legalize.linearity import linear_in
+from tvm_distx.legalize.partial_sums import ALLREDUCE_OP, partial_sum, true_sharding
 
 __all__ = ["MergeAllReduces"]
 

@@ -21,7 +21,7 @@ axis. This module is the one place that reads that convention back:
 * :func:`fold_targets` finds the all-reduces whose only use is a redistribute
   that splits the sum on its own mesh axis, which
   :class:`~tvm_distx.legalize.LegalizeRedistribute` emits as one reduce-scatter
-  and :func:`tvm_distx.comm_report` reports as one.
+  and :func:`tvm_distx.reports.comm_report` reports as one.
 
 ``LegalizeRedistribute``, ``LowerDistIR`` and the comm report all ask these
 functions; none of them reverse-engineers the all-reduce itself.
@@ -35,10 +35,10 @@ from typing import Mapping
 
 from tvm import relax
 
-from tvm_distx import _ir
+from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout import Partial, Placement, Replicate, TensorSharding
 
-from .planner import Collective, RedistPlan, plan_redistribute
+from tvm_distx.legalize.planner import Collective, RedistPlan, plan_redistribute
 
 __all__ = ["PartialSum", "completed", "partial_sum", "true_sharding", "reduced_axes", "plan_completion",
            "fold_targets", "ALLREDUCE_OP"]

@@ -16,7 +16,7 @@ its operands' shapes (``PrimFunc.specialize``), so its loops run to
 rank programs then take ``n_local`` from the shapes of their inputs, and one
 compile serves every size. That the run-time ``n`` is divisible is checked
 from the actual inputs before any rank starts
-(:meth:`tvm_distx.signature.FunctionSignature.bind_sizes`).
+(:meth:`tvm_distx.bundle.manifest.signature.FunctionSignature.bind_sizes`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tvm import relax, tirx
 from tvm.relax.distributed import DTensorType
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from tvm_distx import _ir
+from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout import TensorSharding
 
 __all__ = ["bind_split_extents", "drop_extents_param", "split_factors"]

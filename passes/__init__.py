@@ -14,12 +14,12 @@ rules of :mod:`.relax_op_rules` and :mod:`.tir_access`, registered on import
 here; :mod:`.sharding_solver` decides the shardings from them.
 """
 
-from . import dist_type_rules, relax_op_rules, tir_access  # noqa: F401 - register the built-in rules
-from .annotate_sharding import AnnotateSharding
-from .propagate_sharding import PropagateSharding, propagate
-from .grouped_attention import GroupedQueryAttention
-from .split_fused import SplitFusedProjections, derivations_of
-from .vocab_parallel import VocabParallelEmbedding, vocab_lookups
+from tvm_distx.passes import dist_type_rules, relax_op_rules, tir_access  # noqa: F401 - register the built-in rules
+from tvm_distx.passes.annotate_sharding import AnnotateSharding
+from tvm_distx.passes.propagate_sharding import PropagateSharding, propagate
+from tvm_distx.passes.grouped_attention import GroupedQueryAttention
+from tvm_distx.passes.split_fused import SplitFusedProjections, derivations_of
+from tvm_distx.passes.vocab_parallel import VocabParallelEmbedding, vocab_lookups
 
 __all__ = ["AnnotateSharding", "GroupedQueryAttention", "PropagateSharding", "SplitFusedProjections",
            "VocabParallelEmbedding", "derivations_of", "propagate", "vocab_lookups"]

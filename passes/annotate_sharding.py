@@ -40,8 +40,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
 
-from tvm_distx import _ir
-from tvm_distx._pass import module_pass
+from tvm_distx.ir import helpers as _ir
+from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.errors import (
     ShardingConflictError,
     ShardingError,
@@ -49,9 +49,9 @@ from tvm_distx.errors import (
     UnmatchedRuleError,
     UnsupportedValueError,
 )
-from tvm_distx.mesh import DeviceMesh, resolve_mesh
+from tvm_distx.layout.mesh import DeviceMesh, resolve_mesh
 from tvm_distx.layout import MeshTable, Placement
-from tvm_distx.rules import ShardingRule
+from tvm_distx.layout.rules import ShardingRule
 
 __all__ = ["AnnotateSharding"]
 

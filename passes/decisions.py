@@ -25,9 +25,9 @@ from typing import Sequence
 
 from tvm_distx.errors import ShardingConflictError
 from tvm_distx.layout import Partial, Placement, Replicate, Shard, TensorSharding, replicated
-from tvm_distx.mesh import DeviceMesh
+from tvm_distx.layout.mesh import DeviceMesh
 
-from .op_signatures import OpSignature
+from tvm_distx.passes.op_signatures import OpSignature
 
 __all__ = [
     "Strength",

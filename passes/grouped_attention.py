@@ -31,7 +31,7 @@ so the caller passes the number of ranks that split the heads
 (``heads_divisor``) and products whose ``h`` it does not divide are left as
 they are. Only products whose query length ``s`` is static are rewritten (a
 decoded token: merging a run-time length into ``g * s`` is not a layout
-propagation can keep split). :meth:`tvm_distx.presets.TensorParallelPlan.prepare`
+propagation can keep split). :meth:`tvm_distx.plans.presets.TensorParallelPlan.prepare`
 runs it.
 """
 
@@ -45,7 +45,7 @@ from tvm import relax
 from tvm.ir.transform import module_pass
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from tvm_distx import _ir
+from tvm_distx.ir import helpers as _ir
 from tvm_distx.errors import ArgumentError
 
 __all__ = ["GroupedQueryAttention", "repeated_heads"]

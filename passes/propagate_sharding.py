@@ -26,14 +26,14 @@ import tvm
 from tvm import relax
 from tvm.relax.distributed import DTensorType
 
-from tvm_distx import _ir
-from tvm_distx._pass import module_pass
-from tvm_distx._rewrite import FunctionRewriter
+from tvm_distx.ir import helpers as _ir
+from tvm_distx.ir.module_pass import module_pass
+from tvm_distx.ir.rewriter import FunctionRewriter
 from tvm_distx.errors import ShardingError, UnsupportedProgramError
 from tvm_distx.layout import MeshTable, TensorSharding, replicated
 
-from .decisions import Decision, Strength, decide_operands, replicated_plan
-from .sharding_solver import FunctionAnalysis, ProgramAnalysis, _field_type, call_site
+from tvm_distx.passes.decisions import Decision, Strength, decide_operands, replicated_plan
+from tvm_distx.passes.sharding_solver import FunctionAnalysis, ProgramAnalysis, _field_type, call_site
 
 __all__ = ["PropagateSharding", "PropagationResult", "propagate"]
 
@@ -54,7 +54,7 @@ class _Version:
 
 @dataclass
 class PropagationResult:
-    """The propagated module and the analyses behind it (see :func:`tvm_distx.explain`).
+    """The propagated module and the analyses behind it (see :func:`tvm_distx.reports.explain`).
 
     Attributes
     ----------

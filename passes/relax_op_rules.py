@@ -21,7 +21,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from .op_signatures import (Labels, OpSignature, is_tensor, output_types, register_signature,
+from tvm_distx.passes.op_signatures import (Labels, OpSignature, is_tensor, output_types, register_signature,
                             static_int, tensor_ndim, tensor_type)
 
 __all__: list[str] = []  # the rules are found through the registry

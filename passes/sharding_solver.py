@@ -7,7 +7,7 @@ Model
 -----
 Every tensor value has a :class:`~tvm_distx.passes.decisions.Decision`: a
 sharding, how strongly it is held
-(:class:`~tvm_distx.passes.decisions.Strength`) and why (a sentence shown by :func:`tvm_distx.explain`).
+(:class:`~tvm_distx.passes.decisions.Strength`) and why (a sentence shown by :func:`tvm_distx.reports.explain`).
 A value with no decision is unknown; unknown is never read as replicated.
 
 Sources are ``R.dist.annotate_sharding`` and ``R.dist.redistribute`` results,
@@ -21,7 +21,7 @@ until nothing changes (a worklist over bindings, in program order):
   Equally strong operands that shard different labels are a choice, made by
   modelled cost: the elements moved per rank (gathers, exchanges, the
   all-reduce of a partial result), then the elements held per rank; the choice
-  and both costs go into the reason :func:`tvm_distx.explain` shows. Replicated
+  and both costs go into the reason :func:`tvm_distx.reports.explain` shows. Replicated
   operands never decide, because a replicated operand can always be sliced
   locally: a call that only replicated values reached waits until nothing else
   is left to do, so that a split arriving later (a pipeline stage's annotation
@@ -69,12 +69,12 @@ from typing import Iterator, Sequence
 import tvm
 from tvm import relax
 
-from tvm_distx import _ir
+from tvm_distx.ir import helpers as _ir
 from tvm_distx.errors import CallGraphError, UnsupportedProgramError
 from tvm_distx.layout import MeshTable, Placement, Replicate, TensorSharding, replicated
-from tvm_distx.mesh import DeviceMesh
+from tvm_distx.layout.mesh import DeviceMesh
 
-from .decisions import (
+from tvm_distx.passes.decisions import (
     Decision,
     Strength,
     check_single_home,
@@ -85,7 +85,7 @@ from .decisions import (
     relayout_strength,
     replicated_plan,
 )
-from .op_signatures import OpSignature, op_signature
+from tvm_distx.passes.op_signatures import OpSignature, op_signature
 
 __all__ = ["FunctionAnalysis", "ProgramAnalysis", "CallSummary", "call_site"]
 

@@ -25,7 +25,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
-from .op_signatures import (Labels, OpSignature, is_tensor, output_types, register_signature,
+from tvm_distx.passes.op_signatures import (Labels, OpSignature, is_tensor, output_types, register_signature,
                             static_int)
 
 __all__ = ["prim_func_signature"]

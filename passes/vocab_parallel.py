@@ -40,8 +40,8 @@ indices, which TVM's build (``RewriteDataflowReshape``) turns back into a view
 of each rank's rows.
 
 Which tables are split is the caller's choice (``tables``);
-:func:`tvm_distx.presets.tensor_parallel` and :func:`tvm_distx.presets.from_hf`
-decide it (see :mod:`tvm_distx.vocab_plan`). A rewritten lookup is recognised by
+:func:`tvm_distx.plans.presets.tensor_parallel` and :func:`tvm_distx.plans.presets.from_hf`
+decide it (see :mod:`tvm_distx.plans.vocab`). A rewritten lookup is recognised by
 :func:`vocab_lookups`. The offsets are recorded as a derived parameter in the
 module attribute :data:`tvm_distx.passes.split_fused.ATTR`, so ``run``,
 ``export`` and bundles add them to the user's weights.
@@ -57,12 +57,12 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from tvm_distx import _ir
-from tvm_distx._pass import module_pass
+from tvm_distx.ir import helpers as _ir
+from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.errors import RuleError
 from tvm_distx.layout.derived import BlockOffsets, Derivations
 
-from .split_fused import ATTR, derivations_of
+from tvm_distx.passes.split_fused import ATTR, derivations_of
 
 __all__ = ["KERNEL_ATTR", "VocabParallelEmbedding", "embedding_lookups", "offsets_name",
            "vocab_lookups"]

@@ -202,7 +202,7 @@ def argv(case: Case, workdir: Path) -> list[str]:
 def _module(case: Case):
     import tvm_distx as td
     from tvm_distx import ShardingRule
-    from tvm_distx.cli_inputs import _rule_fields
+    from tvm_distx.cli.inputs import _rule_fields
     from tvm_distx.passes import AnnotateSharding
 
     mod = td.load_module(case.path)
@@ -213,7 +213,7 @@ def _module(case: Case):
 
 def _run_cli(arguments: list[str]) -> None:
     """The CLI's parsing and handler, in this process, so that the error's class is seen."""
-    from tvm_distx import cli
+    from tvm_distx.cli import main as cli
 
     args = cli._parser().parse_args(arguments)
     code = args.handler(args)
@@ -282,7 +282,7 @@ def _call(case: Case, workdir: Path) -> None:
         if isinstance(v, str) and v.startswith("array:"):
             return spec_array(v[6:])
         if isinstance(v, str) and v.startswith("sharding:"):  # sharding:(2,2):S[0]R
-            from tvm_distx.mesh import DeviceMesh
+            from tvm_distx.layout.mesh import DeviceMesh
             from tvm_distx.layout import Placement, TensorSharding
 
             shape, placement = v[9:].rsplit(":", 1)
@@ -323,7 +323,7 @@ def serve() -> None:
     import time
 
     import tvm_distx  # noqa: F401  (what every case needs, imported once)
-    import tvm_distx.cli  # noqa: F401
+    import tvm_distx.cli.main  # noqa: F401
     import tvm_distx.legalize  # noqa: F401
     import tvm_distx.passes  # noqa: F401
     import tvm_distx.runtime.launcher  # noqa: F401

@@ -23,7 +23,7 @@ from tvm import relax
 
 from tvm_distx import ccl
 from tvm_distx.ccl import CollectiveGroup
-from tvm_distx.mesh import DeviceMesh
+from tvm_distx.layout.mesh import DeviceMesh
 
 REDUCE = {"sum": lambda a: np.sum(a, axis=0), "prod": lambda a: np.prod(a, axis=0),
           "min": lambda a: np.min(a, axis=0), "max": lambda a: np.max(a, axis=0),

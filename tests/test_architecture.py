@@ -36,7 +36,7 @@ def test_rank_entry_points_do_not_import_the_compiler():
 
 
 def test_ccl_and_views_do_not_import_the_compiler():
-    loaded = _loaded_after_importing("tvm_distx.ccl", "tvm_distx.views", "tvm_distx.layout",
+    loaded = _loaded_after_importing("tvm_distx.ccl", "tvm_distx.reports.views", "tvm_distx.layout",
                                      "tvm_distx.runtime")
     assert [m for m in loaded if m.startswith(COMPILER)] == []
 
@@ -45,7 +45,8 @@ def test_no_runtime_module_imports_the_compiler_even_lazily():
     # ccl -> legalize.planner -> legalize/__init__ -> lower_distir -> ccl was a cycle,
     # hidden by imports inside functions; those count here too
     package = Path(tvm_distx.__file__).parent
-    sources = [package / "ccl.py", package / "views.py", *sorted((package / "runtime").glob("*.py")),
+    sources = [package / "ccl.py", package / "reports" / "views.py",
+               *sorted((package / "runtime").glob("*.py")), *sorted((package / "bundle").glob("*.py")),
                *sorted((package / "layout").glob("*.py"))]
     for source in sources:
         for node in ast.walk(ast.parse(source.read_text())):
@@ -71,9 +72,9 @@ def test_the_package_loads_the_frontend_and_the_compiler_only_on_first_use():
     code = (
         "import json, sys, tvm_distx\n"
         "before = sorted(m for m in sys.modules if m.startswith(\n"
-        "    ('tvm_distx.passes', 'tvm_distx.legalize', 'tvm_distx.frontend')))\n"
+        "    ('tvm_distx.passes', 'tvm_distx.legalize', 'tvm_distx.frontend.pytorch')))\n"
         "from tvm_distx import from_torch\n"
-        "from tvm_distx.frontend import from_torch as original\n"
+        "from tvm_distx.frontend.pytorch import from_torch as original\n"
         "print(json.dumps([before, from_torch is original]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

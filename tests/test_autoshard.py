@@ -18,12 +18,13 @@ import pytest
 import torch
 
 import tvm_distx as td
-from tvm_distx import ShardingRule, presets
+from tvm_distx import ShardingRule
+from tvm_distx.plans import presets
 from tvm_distx.autoshard import CostProfile, auto_shard, plan_cost
 from tvm_distx.autoshard.graph import Node, ShardGraph
 from tvm_distx.autoshard.ilp import solve
 from tvm_distx.errors import MemoryBudgetError, RuleError
-from tvm_distx.pipeline import run_stages
+from tvm_distx.build.pipeline import run_stages
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 from transformer import Transformer  # noqa: E402
@@ -367,7 +368,7 @@ def test_the_ilp_alone_on_a_two_layer_mlp():
 def test_the_cli_writes_the_rules_it_chose(tmp_path, capsys):
     import yaml
 
-    from tvm_distx.cli import main
+    from tvm_distx.cli.main import main
 
     mod, weight_bytes = _relax_transformer(2)
     (tmp_path / "model.py").write_text(mod.script())

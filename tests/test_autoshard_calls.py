@@ -59,7 +59,7 @@ def _lowered(exe) -> Counter:
 
 @pytest.fixture(scope="module")
 def problem(tmp_path_factory):
-    from tvm_distx.script import load_module
+    from tvm_distx.frontend.script import load_module
 
     path = tmp_path_factory.mktemp("calls") / "model.py"
     path.write_text(SCRIPT)

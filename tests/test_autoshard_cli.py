@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tvm_distx.cli import main
+from tvm_distx.cli.main import main
 
 HIDDEN, WIDE = 64, 1024
 

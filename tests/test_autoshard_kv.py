@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tvm_distx import presets
+from tvm_distx.plans import presets
 from tvm_distx.autoshard import auto_shard, plan_cost
 
 pytest.importorskip("transformers")
@@ -28,7 +28,7 @@ CACHES = ("key_0", "value_0", "key_1", "value_1")
 
 @pytest.fixture(scope="module")
 def decoder():
-    from tvm_distx.kv_export import export_decoder
+    from tvm_distx.frontend.decoder import export_decoder
 
     model = build("llama")
     program = export_decoder(model, max_length=MAX_LENGTH)
@@ -91,7 +91,7 @@ def test_a_budget_below_weights_and_cache_splits_both(decoder, tight):
 
 
 def test_the_rules_generate_like_transformers_on_mpi(decoder, tight):
-    from tvm_distx.llm import CausalLM
+    from tvm_distx.llm.causal_lm import CausalLM
 
     model, _, _, _ = decoder
     _, report = tight
@@ -148,7 +148,7 @@ def test_a_symbolic_prompt_length_is_priced_at_a_size_and_runs_at_any(decoder):
 
 def test_the_prefill_plan_serves_generation_at_any_prompt_length_on_mpi(decoder):
     """Rules of ``prefill`` planned at seq=64 serve ``decode`` too, prompts of run-time length."""
-    from tvm_distx.llm import CausalLM
+    from tvm_distx.llm.causal_lm import CausalLM
 
     model, program, _, _ = decoder
     mod = _prefill_only(program)
@@ -187,7 +187,7 @@ class Module:
 
 def test_caches_returned_as_is_or_written_count_once(tmp_path):
     """``key`` is returned as is (an alias), ``value`` written by a ``where``: each counts once."""
-    from tvm_distx.script import load_module
+    from tvm_distx.frontend.script import load_module
 
     path = tmp_path / "step.py"
     path.write_text(ALIASED)

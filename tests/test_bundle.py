@@ -13,8 +13,8 @@ import tvm_distx as td
 from tvm_distx import ShardingRule
 from safetensors.numpy import load_file, save_file
 
-from tvm_distx.bundle import check_weights, read_manifest, sha256_file
-from tvm_distx.cli import main as cli
+from tvm_distx.bundle.manifest import check_weights, read_manifest, sha256_file
+from tvm_distx.cli.main import main as cli
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime.launcher import launch
 
@@ -155,7 +155,7 @@ def test_a_tampered_missing_or_misshapen_weight_is_refused_before_any_rank_runs(
 
 
 def test_a_bundle_can_link_a_checkpoint_that_each_rank_reads_itself(exe, data, tmp_path):
-    from tvm_distx.runtime.checkpoint import open_checkpoint
+    from tvm_distx.bundle.checkpoint import open_checkpoint
 
     x, A, B = data
     save_file({"A": A, "B": B}, tmp_path / "model.safetensors")

@@ -12,8 +12,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from tvm_distx import ArgumentError  # noqa: E402
-from tvm_distx.runtime import checkpoint  # noqa: E402
-from tvm_distx.runtime.checkpoint import LazyTensor, open_checkpoint  # noqa: E402
+from tvm_distx.bundle import checkpoint  # noqa: E402
+from tvm_distx.bundle.checkpoint import LazyTensor, open_checkpoint  # noqa: E402
 
 
 def test_a_lazy_tensor_reads_the_block_its_slices_name(tmp_path):
@@ -66,7 +66,7 @@ def saved_llama(tmp_path_factory):
 
 def test_from_pretrained_generates_transformers_tokens_each_rank_reading_its_own_blocks(
         saved_llama, monkeypatch):
-    from tvm_distx.llm import CausalLM
+    from tvm_distx.llm.causal_lm import CausalLM
 
     model, directory = saved_llama
     reads = []
@@ -111,7 +111,7 @@ def test_from_pretrained_generates_transformers_tokens_each_rank_reading_its_own
 
 
 def test_from_pretrained_refuses_a_checkpoint_that_lacks_a_weight(saved_llama, tmp_path):
-    from tvm_distx.llm import CausalLM
+    from tvm_distx.llm.causal_lm import CausalLM
 
     model, directory = saved_llama
     tensors = {k: np.asarray(v) for k, v in open_checkpoint(directory).items()

@@ -13,7 +13,7 @@ import tvm
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
-from tvm_distx.cli import main as cli
+from tvm_distx.cli.main import main as cli
 from tvm_distx.passes import AnnotateSharding, PropagateSharding
 
 from rvv_tools import require_tools

@@ -9,7 +9,7 @@ from pathlib import Path
 import tvm
 
 import tvm_distx as td
-from tvm_distx.demo import EXAMPLES
+from tvm_distx.cli.demo import EXAMPLES
 from tvm_distx.passes import AnnotateSharding, PropagateSharding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ def _script(section: str):
 
 def test_demo_prints_each_example_annotated_propagated_and_explained():
     out = subprocess.run(
-        [sys.executable, "-m", "tvm_distx.demo"], cwd=ROOT, check=True,
+        [sys.executable, "-m", "tvm_distx.cli.demo"], cwd=ROOT, check=True,
         capture_output=True, text=True,
     ).stdout
     sections = out.split("# ---- ")[1:]

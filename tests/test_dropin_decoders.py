@@ -25,11 +25,11 @@ from tvm.script import relax as R
 
 import dropin_decoders as dec
 import tvm_distx as td
-from tvm_distx import _ir
+from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout import TensorSharding
 from tvm_distx.passes import PropagateSharding
 from tvm_distx.legalize import LowerGlobalViewToLocalView
-from tvm_distx.pipeline import legalize_ops, run_stages
+from tvm_distx.build.pipeline import legalize_ops, run_stages
 
 LENGTHS = [8, "n"]
 

@@ -28,7 +28,7 @@ from tvm_distx.errors import (
     UnsupportedProgramError,
     UnsupportedValueError,
 )
-from tvm_distx.script import ScriptError
+from tvm_distx.frontend.script import ScriptError
 
 ALL_ERRORS = [getattr(errors, name) for name in errors.__all__]
 
@@ -239,7 +239,7 @@ class TestArchitecture:
         names = {m.__name__ for m in modules}
         # the walk reaches the subpackages installed from other directories, and the entry points
         assert {"tvm_distx.__main__", "tvm_distx.runtime.worker", "tvm_distx.passes.tir_access",
-                "tvm_distx.legalize.planner", "tvm_distx.schedule.matmul"} <= names
+                "tvm_distx.legalize.planner", "tvm_distx.build.schedule.matmul"} <= names
         defined = {obj for m in modules for obj in vars(m).values()
                    if inspect.isclass(obj) and issubclass(obj, BaseException)
                    and obj.__module__.startswith("tvm_distx")}
@@ -250,8 +250,8 @@ class TestArchitecture:
             assert cls.__module__ == "tvm_distx.errors", cls
 
     @pytest.mark.parametrize("module, name, bases", [
-        ("tvm_distx.script", "ScriptError", (ShardingError,)),
-        ("tvm_distx.rvv", "QemuError", (RuntimeError,)),
+        ("tvm_distx.frontend.script", "ScriptError", (ShardingError,)),
+        ("tvm_distx.build.rvv", "QemuError", (RuntimeError,)),
         ("tvm_distx.runtime.mpi_ccl", "CollectiveGroupError", (RuntimeError,)),
         ("tvm_distx.runtime.disco_shm", "PeerFailedError", (RuntimeError,)),
     ])

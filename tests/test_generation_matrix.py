@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tvm_distx.llm import CausalLM  # noqa: E402
+from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 from hf_tiny import VOCAB, build  # noqa: E402

@@ -30,10 +30,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
-from tvm_distx import presets  # noqa: E402
+from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.errors import RuleError  # noqa: E402
-from tvm_distx.moe_dispatch import experts_calls  # noqa: E402
-from tvm_distx.pipeline import run_stages  # noqa: E402
+from tvm_distx.plans.moe_dispatch import experts_calls  # noqa: E402
+from tvm_distx.build.pipeline import run_stages  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 from hf_tiny import build, logits, tokens  # noqa: E402

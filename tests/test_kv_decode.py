@@ -20,12 +20,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
-from tvm_distx import presets  # noqa: E402
+from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.errors import ArgumentError  # noqa: E402
 from tvm_distx.layout import Replicate, Shard  # noqa: E402
-from tvm_distx.pipeline import run_stages  # noqa: E402
+from tvm_distx.build.pipeline import run_stages  # noqa: E402
 from tvm_distx.runtime.launcher import launch  # noqa: E402
-from tvm_distx.signature import FunctionSignature  # noqa: E402
+from tvm_distx.bundle.signature import FunctionSignature  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 from hf_tiny import VOCAB, build, tokens as random_ids  # noqa: E402
@@ -105,7 +105,7 @@ def _generate_in_session(case, prompt: np.ndarray, new_tokens: int) -> list[int]
     """Greedy tokens on ranks launched once, the caches kept on them between calls.
 
     Result ``i + 1`` of both functions is the new value of cache parameter ``i``
-    (:class:`tvm_distx.kv_export.KVCacheLayout`): each rank keeps its shard of
+    (:class:`tvm_distx.frontend.decoder.KVCacheLayout`): each rank keeps its shard of
     it, and the next call takes it from there; only the logits come back.
     """
     exe, weights, cache = case["exe"], case["weights"], case["cache"]

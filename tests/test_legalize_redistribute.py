@@ -187,7 +187,7 @@ def test_every_transition_on_a_2x2_mesh_is_right():
 
 
 def test_a_relay_across_two_mesh_axes_is_one_send_recv_at_the_lower_bound():
-    from tvm_distx.comm_report import comm_report
+    from tvm_distx.reports.comm_report import comm_report
     from tvm_distx.legalize import lower_bound_bytes
 
     propagated, legal, lowered = pipeline(moved("S[0]S[1]", "S[1]S[0]", (2, 2)))

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
-from tvm_distx.llm import CausalLM  # noqa: E402
+from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 from hf_tiny import build, greedy, greedy_batch, prompt_ids  # noqa: E402
@@ -101,7 +101,7 @@ def test_a_batch_is_one_prefill_and_one_decode_per_step_with_transformers_tokens
 
 
 def test_left_padding_gives_transformers_positions_and_a_mask_over_the_whole_cache():
-    from tvm_distx.llm_batch import left_padded
+    from tvm_distx.llm.batch import left_padded
 
     ids, positions, mask = left_padded([np.array([5, 6]), np.array([7, 8, 9])], batch=3,
                                        max_length=6, pad_token_id=0, length=4)
@@ -137,7 +137,7 @@ def test_a_model_whose_masks_do_not_export_falls_back_to_one_prompt_at_a_time(ca
             return super().forward(*args, **kwargs)
 
     model = NoPadding(build("llama", layers=1).config).eval()
-    with caplog.at_level("WARNING", logger="tvm_distx.kv_export"):
+    with caplog.at_level("WARNING", logger="tvm_distx.frontend.decoder"):
         program = td.export_decoder(model, max_length=16, max_batch=2)
     assert program.batch_cache is None
     assert {gv.name_hint for gv in program.mod.functions} >= {"prefill", "decode"}
@@ -153,7 +153,7 @@ def test_batched_functions_that_do_not_shard_fall_back_to_the_batch_1_ones(
     The compile is stopped where it starts, to keep the test fast: what matters is
     the module it is given.
     """
-    from tvm_distx import presets
+    from tvm_distx.plans import presets
 
     class NoBatches:
         def apply(self, mod, function):
@@ -172,7 +172,7 @@ def test_batched_functions_that_do_not_shard_fall_back_to_the_batch_1_ones(
         raise Stop
 
     monkeypatch.setattr(td, "compile", stop)
-    with caplog.at_level("WARNING", logger="tvm_distx.llm"), pytest.raises(Stop):
+    with caplog.at_level("WARNING", logger="tvm_distx.llm.causal_lm"), pytest.raises(Stop):
         CausalLM.from_hf(build("llama", layers=1), num_ranks=2, backend="emulate",
                          max_length=12, max_batch=2, plan=NoBatches())
     assert compiled == [["decode", "prefill"]]
@@ -223,7 +223,7 @@ def test_a_generation_bundle_serves_the_same_tokens_from_the_command_line(
 @pytest.mark.parametrize("backend", ["disco", "emulate"])
 def test_the_command_line_generates_the_same_tokens_on_every_backend(
         llama, bundle, backend, capsys):
-    from tvm_distx.cli import main
+    from tvm_distx.cli.main import main
 
     model, _ = llama
     prompt = prompt_ids(4, seed=5)

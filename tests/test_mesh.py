@@ -1,4 +1,4 @@
-"""Unit tests for tvm_distx.mesh: DeviceMesh, MeshRef, module_meshes, resolve_mesh.
+"""Unit tests for tvm_distx.layout.mesh: DeviceMesh, MeshRef, module_meshes, resolve_mesh.
 
 TVM's DeviceMesh objects are compared through ``.shape`` and ``.device_ids`` as
 Python lists: ``same_as`` / ``==`` on them recurse without end in this TVM build.
@@ -17,7 +17,7 @@ from tvm.script import relax as R
 import tvm_distx as td
 from tvm_distx import DeviceMesh, MeshError, MeshRef, ShardingError, UnknownMeshError
 from tvm_distx.layout import MeshTable, TensorSharding
-from tvm_distx.mesh import module_meshes, resolve_mesh
+from tvm_distx.layout.mesh import module_meshes, resolve_mesh
 
 DATA = Path(__file__).parent / "data"
 

@@ -38,8 +38,9 @@ from tvm.script import relax as R
 import dropin_decoders as dec
 import tvm_distx as td
 from reference import mlp_twice
-from tvm_distx import legalize, pipeline
-from tvm_distx.bundle import read_manifest
+from tvm_distx import legalize
+from tvm_distx.build import pipeline
+from tvm_distx.bundle.manifest import read_manifest
 from tvm_distx.errors import ArgumentError, BundleError, UnsupportedProgramError
 from tvm_distx.passes import PropagateSharding
 from tvm_distx.runtime.launcher import launch

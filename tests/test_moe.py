@@ -10,13 +10,13 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
-from tvm_distx import moe  # noqa: E402
+from tvm_distx.plans import moe  # noqa: E402
 from tvm_distx.errors import RuleError  # noqa: E402
-from tvm_distx.frontend import from_torch  # noqa: E402
-from tvm_distx.pipeline import run_stages  # noqa: E402
-from tvm_distx.presets import megatron, with_meshes  # noqa: E402
-from tvm_distx.runtime.arrays import shard_array  # noqa: E402
-from tvm_distx.torch_moe import find_experts, static_experts  # noqa: E402
+from tvm_distx.frontend.pytorch import from_torch  # noqa: E402
+from tvm_distx.build.pipeline import run_stages  # noqa: E402
+from tvm_distx.plans.presets import megatron, with_meshes  # noqa: E402
+from tvm_distx.layout.arrays import shard_array  # noqa: E402
+from tvm_distx.frontend.torch_moe import find_experts, static_experts  # noqa: E402
 
 TOKENS, HIDDEN = 8, 64
 

@@ -21,7 +21,7 @@ from tvm.script import relax as R
 import tvm_distx as td
 from tvm_distx.layout import TensorSharding
 from tvm_distx.legalize import LowerGlobalViewToLocalView
-from tvm_distx.pipeline import legalize_ops, run_stages
+from tvm_distx.build.pipeline import legalize_ops, run_stages
 
 
 @I.ir_module

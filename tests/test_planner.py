@@ -41,7 +41,7 @@ from tvm_distx.legalize.planner import (
     lower_bound_bytes,
     plan_redistribute,
 )
-from tvm_distx.mesh import DeviceMesh
+from tvm_distx.layout.mesh import DeviceMesh
 from tvm_distx.layout.geometry import encode_placement, same_blocks_code
 
 # Every sharded dim divides by 8, the largest split ("S[k]S[k]" on a 2x4 mesh);

@@ -38,7 +38,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, note, settings, strategies as st
 
 import tvm_distx as td
-from tvm_distx.runtime.arrays import assemble_results, shard_array
+from tvm_distx.layout.arrays import assemble_results, shard_array
 from tvm_distx.runtime.launcher import mpiexec_path
 
 from randprog import (HypothesisDrawer, SeededDrawer, build_module, compare, generate,

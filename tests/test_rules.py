@@ -1,4 +1,4 @@
-"""Unit tests for tvm_distx.rules.ShardingRule: validation, normalisation, repr, cycling."""
+"""Unit tests for tvm_distx.layout.rules.ShardingRule: validation, normalisation, repr, cycling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import doctest
 
 import pytest
 
-import tvm_distx.rules as rules_module
+import tvm_distx.layout.rules as rules_module
 from tvm_distx import MeshRef, Placement, Replicate, RuleError, Shard, ShardingError, ShardingRule
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import tvm_distx as td
-from tvm_distx import ShardingRule, rvv
+from tvm_distx import ShardingRule
+from tvm_distx.build import rvv
 from tvm_distx.passes import AnnotateSharding
 
 from rvv_tools import require_tools

@@ -15,7 +15,7 @@ import tvm_distx as td
 from tvm_distx import ShardingRule
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime import emulate, shard_array
-from tvm_distx.schedule import (
+from tvm_distx.build.schedule import (
     RULE_ATTR, SCHEDULED_ATTR, CPUTraits, MatmulRule, Rule, ScheduleCPU, schedule_module,
     schedule_primfunc, x86_target)
 from tvm_distx.layout import TensorSharding
@@ -194,7 +194,7 @@ def _prefix_sum(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
 
 def test_an_unmatched_kernel_keeps_the_default_lowering_and_is_logged(caplog):
     mod = tvm.IRModule({"prefix_sum": _prefix_sum})
-    with caplog.at_level(logging.INFO, logger="tvm_distx.schedule"):
+    with caplog.at_level(logging.INFO, logger="tvm_distx.build.schedule"):
         out = ScheduleCPU(TARGET)(mod)
     assert "no rule matches prefix_sum" in caplog.text
     tvm.ir.assert_structural_equal(out["prefix_sum"], _prefix_sum)
@@ -221,7 +221,7 @@ class _VectorizeTheReduction(Rule):
 
 def test_a_failing_recipe_falls_back_and_is_logged(caplog):
     (func,) = kernels(legalized(lambda x: relax.op.sum(x, axis=[1]), (8, 32))).values()
-    with caplog.at_level(logging.INFO, logger="tvm_distx.schedule"):
+    with caplog.at_level(logging.INFO, logger="tvm_distx.build.schedule"):
         assert schedule_primfunc(func, TARGET, name="sum", rules=[_VectorizeTheReduction()]) is None
     assert "the broken recipe failed on sum" in caplog.text
 
@@ -283,7 +283,7 @@ def test_scheduled_tensor_parallel_mlp_equals_numpy_on_two_emulated_ranks(tmp_pa
 # --------------------------------------------------------------------------- matvec
 def _linear_module(rows, depth, width, bias: bool):
     """``silu(x @ w.T (+ b))`` with ``w`` stored (out, in), legalized as compile does."""
-    from tvm_distx.pipeline import legalize_ops
+    from tvm_distx.build.pipeline import legalize_ops
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((rows, depth), "float32"))
@@ -319,7 +319,7 @@ def test_a_few_rows_times_an_out_in_weight_read_once_in_parallel(rows, depth, wi
 
 def _attention_module(heads, length, dim):
     """One decoded query against a cache: ``softmax(q @ k^T * s, masked) @ v``, legalized."""
-    from tvm_distx.pipeline import legalize_ops
+    from tvm_distx.build.pipeline import legalize_ops
 
     bb = relax.BlockBuilder()
     q = relax.Var("q", relax.TensorType((1, heads, 1, dim), "float32"))

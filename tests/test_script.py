@@ -1,4 +1,4 @@
-"""Unit tests for tvm_distx.script.load_module and ScriptError."""
+"""Unit tests for tvm_distx.frontend.script.load_module and ScriptError."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tvm
 
 import tvm_distx as td
 from tvm_distx import ShardingError, module_meshes
-from tvm_distx.script import ScriptError, load_module
+from tvm_distx.frontend.script import ScriptError, load_module
 
 DATA = Path(__file__).parent / "data"
 

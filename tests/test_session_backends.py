@@ -24,8 +24,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
-from tvm_distx.bundle import Manifest  # noqa: E402
-from tvm_distx.llm import CausalLM  # noqa: E402
+from tvm_distx.bundle.manifest import Manifest  # noqa: E402
+from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
 from tvm_distx.runtime.session_base import open_session  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))

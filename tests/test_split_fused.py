@@ -231,7 +231,7 @@ def test_what_cannot_be_split_per_segment_is_left_alone(mod):
 
 def test_an_annotated_weight_is_left_whole():
     # a fused weight the user placed already keeps that placement (run the pass first)
-    from tvm_distx.presets import Preset, with_meshes
+    from tvm_distx.plans.presets import Preset, with_meshes
 
     annotated = Preset((("w", "S[0]", None),)).apply(with_meshes(GateUp, [(2,)]))
     tvm.ir.assert_structural_equal(SplitFusedProjections()(annotated), annotated)
@@ -286,14 +286,14 @@ torch = pytest.importorskip("torch")
 
 def _column_per_segment(mod, column: dict[str, str], row: dict[str, str], parts: int):
     """``mod`` on a ``parts``-device mesh with the given column/row placements by glob."""
-    from tvm_distx.presets import Preset, with_meshes
+    from tvm_distx.plans.presets import Preset, with_meshes
 
     patterns = tuple((glob, placement, None) for glob, placement in {**column, **row}.items())
     return Preset(patterns).apply(with_meshes(mod, [(parts,)]))
 
 
 def _collectives(annotated) -> list[str]:
-    from tvm_distx.pipeline import run_stages
+    from tvm_distx.build.pipeline import run_stages
 
     return [r.collective for r in td.comm_report(run_stages(annotated)["local_view"]).rows]
 
@@ -313,7 +313,7 @@ class GatedMLP(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def gated_mlp():
-    from tvm_distx.frontend import from_torch
+    from tvm_distx.frontend.pytorch import from_torch
 
     torch.manual_seed(0)
     net = GatedMLP().eval()
@@ -345,7 +345,7 @@ def test_a_fused_gate_up_runs_on_two_mpi_ranks_with_one_all_reduce(gated_mlp):
 
 
 def test_a_bundle_takes_the_fused_weight_at_export_and_at_launch(gated_mlp, tmp_path):
-    from tvm_distx.bundle import read_manifest
+    from tvm_distx.bundle.manifest import read_manifest
     from tvm_distx.runtime.launcher import launch
 
     _, exe, weights, x, want = gated_mlp
@@ -382,7 +382,7 @@ class FusedExperts(torch.nn.Module):
 
 
 def test_fused_3d_expert_tensors_are_split_per_segment():
-    from tvm_distx.frontend import from_torch
+    from tvm_distx.frontend.pytorch import from_torch
 
     torch.manual_seed(1)
     net = FusedExperts().eval()

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm_distx as td
-from tvm_distx.signature import FunctionSignature
+from tvm_distx.bundle.signature import FunctionSignature
 
 BACKENDS = ("emulate", "mpi")
 
@@ -293,7 +293,7 @@ def test_redistributing_a_symbolic_tensor_is_refused_clearly(tmp_path):
 
 
 def test_the_manifest_records_symbolic_dimensions(dp_exe, tmp_path):
-    from tvm_distx.bundle import read_manifest
+    from tvm_distx.bundle.manifest import read_manifest
 
     p, exe = dp_exe
     exe.export(tmp_path / "bundle")

@@ -17,9 +17,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
-from tvm_distx import presets  # noqa: E402
+from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.errors import RuleError  # noqa: E402
-from tvm_distx.pipeline import run_stages  # noqa: E402
+from tvm_distx.build.pipeline import run_stages  # noqa: E402
 from tvm_distx.runtime import shard_array  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))

@@ -194,7 +194,7 @@ def test_a_corrupt_or_foreign_library_is_refused_before_launch(journey):
     header[16:20] = (3).to_bytes(2, "little") + (0xF3).to_bytes(2, "little")  # ET_DYN, RISC-V
     (foreign / "lib.so").write_bytes(bytes(header))
     manifest = json.loads((foreign / "manifest.json").read_text())
-    from tvm_distx.bundle import sha256_file
+    from tvm_distx.bundle.manifest import sha256_file
 
     manifest["library_sha256"] = sha256_file(foreign / "lib.so")
     (foreign / "manifest.json").write_text(json.dumps(manifest))

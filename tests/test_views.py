@@ -11,7 +11,7 @@ import tvm_distx as td
 from tvm_distx import DeviceMesh, Placement, ShardingRule
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.layout import TensorSharding
-from tvm_distx.views import (comm_table, plot_tensor_sharding, plot_value, sharding_tables,
+from tvm_distx.reports.views import (comm_table, plot_tensor_sharding, plot_value, sharding_tables,
                              show_tensor_sharding, show_value, tensor_blocks)
 
 DATA = Path(__file__).parent / "data"

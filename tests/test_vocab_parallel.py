@@ -22,16 +22,16 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import tvm_distx as td
-from tvm_distx import presets
-from tvm_distx.bundle import read_manifest
-from tvm_distx._ir import dtensor_sharding
+from tvm_distx.plans import presets
+from tvm_distx.bundle.manifest import read_manifest
+from tvm_distx.ir.helpers import dtensor_sharding
 from tvm_distx.errors import RuleError
 from tvm_distx.layout.derived import BlockOffsets, Derivations
 from tvm_distx.passes import AnnotateSharding, VocabParallelEmbedding, derivations_of
 from tvm_distx.passes.vocab_parallel import KERNEL_ATTR, vocab_lookups
-from tvm_distx.pipeline import run_stages
-from tvm_distx.rules import ShardingRule
-from tvm_distx.vocab_plan import embedding_roles
+from tvm_distx.build.pipeline import run_stages
+from tvm_distx.layout.rules import ShardingRule
+from tvm_distx.plans.vocab import embedding_roles
 
 
 def _lookup_module(vocab: int = 16, tokens: int = 4, tied: bool = False,

@@ -21,7 +21,7 @@ import sys
 def _quiet_ctrl_c_while_the_command_line_starts() -> None:
     """Make Ctrl-C during the ``tvm-distx`` command's own start-up one line and exit 130.
 
-    The command line catches Ctrl-C once :func:`tvm_distx.cli.main` runs, but the
+    The command line catches Ctrl-C once :func:`tvm_distx.cli.main.main` runs, but the
     imports before it (this package, numpy) take a noticeable moment, during which
     Python would print a ``KeyboardInterrupt`` traceback. Only the command (the
     ``tvm-distx`` script or ``python -m tvm_distx``) gets this handler, and
@@ -44,7 +44,7 @@ def _quiet_ctrl_c_while_the_command_line_starts() -> None:
 
 _quiet_ctrl_c_while_the_command_line_starts()
 
-from .errors import (
+from tvm_distx.errors import (
     ArgumentError,
     SymbolicExtentError,
     BundleError,
@@ -70,36 +70,34 @@ from .errors import (
     UnmatchedRuleError,
     UnsupportedValueError,
 )
-from .mesh import DeviceMesh, MeshRef, module_meshes
-from .layout import Partial, Placement, Replicate, Shard, TensorSharding
-from .rules import ShardingRule
-from .script import load_module
-# explain and comm_report load the compiler inside the functions; imported here,
-# the package attributes are the functions, not their modules.
-from .explain import explain
-from .comm_report import comm_report
+from tvm_distx.layout.mesh import DeviceMesh, MeshRef, module_meshes
+from tvm_distx.layout import Partial, Placement, Replicate, Shard, TensorSharding
+from tvm_distx.layout.rules import ShardingRule
 
 #: Public names loaded on first use (they import the compiler): name -> module.
 _LAZY = {
-    "distribute": ".pipeline",
-    "compile": ".pipeline",
-    "DistExecutable": ".executable",
-    "from_torch": ".frontend",  # imports torch
-    "export_decoder": ".kv_export",  # imports torch and transformers
-    "auto_shard": ".autoshard",  # imports scipy
-    "profile": ".autoshard",
-    "CostProfile": ".autoshard",
+    "load_module": "tvm_distx.frontend.script",
+    "explain": "tvm_distx.reports.explain",
+    "comm_report": "tvm_distx.reports.comm_report",
+    "distribute": "tvm_distx.build.pipeline",
+    "compile": "tvm_distx.build.pipeline",
+    "DistExecutable": "tvm_distx.build.executable",
+    "from_torch": "tvm_distx.frontend.pytorch",  # imports torch
+    "export_decoder": "tvm_distx.frontend.decoder",  # imports torch and transformers
+    "auto_shard": "tvm_distx.autoshard",  # imports scipy
+    "profile": "tvm_distx.autoshard",
+    "CostProfile": "tvm_distx.autoshard",
 }
 
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
-        # a submodule not imported yet (``tvm_distx.pipeline``), as before lazy loading
+        # a submodule not imported yet (``tvm_distx.build.pipeline``), as before lazy loading
         if importlib.util.find_spec(f"{__name__}.{name}") is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         return importlib.import_module(f".{name}", __name__)
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

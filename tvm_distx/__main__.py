@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli import main
+from tvm_distx.cli.main import main
 
 if __name__ == "__main__":  # importing the module (as the architecture tests do) runs nothing
     sys.exit(main())

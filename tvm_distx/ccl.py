@@ -72,7 +72,7 @@ session without worker groups.
 
 from __future__ import annotations
 
-from .layout.abi import CollectiveGroup, Piece, SendRecvSpec
+from tvm_distx.layout.abi import CollectiveGroup, Piece, SendRecvSpec
 
 __all__ = [
     "ALLREDUCE",

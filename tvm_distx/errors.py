@@ -54,7 +54,7 @@ def latest_error() -> "ShardingError | None":
 
     When an error crosses TVM's FFI (a Python pass or visitor called from C++),
     only its type and text come back; this finds the original object, with its
-    fields, again (see :mod:`tvm_distx._pass`).
+    fields, again (see :mod:`tvm_distx.ir.module_pass`).
     """
     return getattr(_latest, "error", None)
 
@@ -320,7 +320,7 @@ class LaunchError(_RuntimeErrorBase, RuntimeError):
 
 
 class QemuError(_RuntimeErrorBase, RuntimeError):
-    """A RISC-V kernel could not be built or run under qemu (:mod:`tvm_distx.rvv`)."""
+    """A RISC-V kernel could not be built or run under qemu (:mod:`tvm_distx.build.rvv`)."""
 
     rule = "qemu"
 

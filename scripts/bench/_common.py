@@ -130,7 +130,7 @@ def bundle_rank_call(bundle: str, inputs: dict, comm, *, with_signature: bool = 
     import tvm
     from tvm import relax
 
-    from tvm_distx.bundle import read_manifest
+    from tvm_distx.bundle.manifest.manifest import read_manifest
     from tvm_distx.runtime import mpi_ccl, shard_array
 
     rank = comm.Get_rank()

@@ -33,9 +33,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "models"))
 
 import tvm_distx as td  # noqa: E402
-from tvm_distx import ShardingRule, presets  # noqa: E402
+from tvm_distx import ShardingRule
+from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.autoshard import CostProfile, auto_shard, plan_cost  # noqa: E402
-from tvm_distx.pipeline import run_stages  # noqa: E402
+from tvm_distx.build.pipeline import run_stages  # noqa: E402
 from transformer import Transformer  # noqa: E402
 
 

@@ -74,7 +74,7 @@ from _common import fmt_bytes, table  # noqa: E402 - the path above comes first
 
 from tvm_distx.legalize import lower_bound_bytes, plan_redistribute  # noqa: E402
 from tvm_distx.legalize.partial_sums import PartialSum, plan_completion  # noqa: E402
-from tvm_distx.mesh import DeviceMesh  # noqa: E402
+from tvm_distx.layout.mesh import DeviceMesh  # noqa: E402
 from tvm_distx.layout import Partial, Placement, Replicate, Shard, TensorSharding  # noqa: E402
 
 MESHES = [(2,), (4,), (2, 2), (2, 4), (2, 2, 2)]
@@ -327,9 +327,9 @@ def model_rows() -> list[list]:
     import torch
 
     import tvm_distx as td
-    from tvm_distx.frontend import from_torch
-    from tvm_distx.pipeline import run_stages
-    from tvm_distx.presets import megatron, with_meshes
+    from tvm_distx.frontend.pytorch.pytorch import from_torch
+    from tvm_distx.build.pipeline import run_stages
+    from tvm_distx.plans.presets import megatron, with_meshes
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "models"))
     from transformer import Transformer

@@ -1,13 +1,13 @@
 """Benchmark our scheduled x86 matmul against numpy, side by side in one run.
 
 For every shape it builds ``R.matmul`` through ``LegalizeOps`` and
-:class:`tvm_distx.schedule.ScheduleCPU`, compiles the kernel with
+:class:`tvm_distx.build.schedule.ScheduleCPU`, compiles the kernel with
 ``tvm.compile`` for the host CPU, checks it against numpy, then times both in
 alternating rounds and prints a markdown table of GFLOP/s (medians over the
 rounds) and their ratio.
 
 Both sides run on every core: numpy through its multithreaded BLAS, TVM
-through its own thread pool (sized by :func:`tvm_distx.schedule.use_cpu_threads`,
+through its own thread pool (sized by :func:`tvm_distx.build.schedule.use_cpu_threads`,
 since TVM would otherwise take half the cores on x86). Only the kernel is
 timed, with preallocated outputs on both sides (``np.matmul(..., out=)``).
 The two thread pools spin for a while after each call, so the script pauses
@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tvm_distx.schedule import (  # noqa: E402 - the path above comes first
+from tvm_distx.build.schedule import (  # noqa: E402 - the path above comes first
     DEFAULT_RULES, MatmulRule, ScheduleCPU, use_cpu_threads, x86_target)
 
 import numpy as np  # noqa: E402

@@ -11,7 +11,7 @@ and loading are not timed):
 
 * **ours, p ranks, MPI** (p = 1, 2, 4): the model imported with
   :func:`tvm_distx.from_torch`, made tensor parallel with
-  :func:`tvm_distx.presets.tensor_parallel` on a ``(p,)`` mesh, compiled with
+  :func:`tvm_distx.plans.presets.tensor_parallel` on a ``(p,)`` mesh, compiled with
   :func:`tvm_distx.compile` and exported as a bundle; ``mpiexec -n p`` runs
   this script's rank job, which reads the bundle as our worker does and times
   ``vm[entry](...)`` and the gather of the logits to rank 0 (transformers'
@@ -82,7 +82,7 @@ def build(folder: Path, config: dict, tokens: int, ranks: list[int]) -> None:
     import transformers
 
     import tvm_distx as td
-    from tvm_distx import presets
+    from tvm_distx.plans import presets
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -114,7 +114,7 @@ def ours_job(bundle: str, data: str, out: str, samples: int, calls: int) -> None
     """A rank of ours: load the bundle like our MPI worker, then time ``vm[entry]``."""
     from mpi4py import MPI
 
-    from tvm_distx.runtime.arrays import assemble_results
+    from tvm_distx.layout.arrays import assemble_results
 
     comm = MPI.COMM_WORLD
     name = json.loads((Path(data) / "inputs.json").read_text())["ids"]

@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from tvm_distx import ccl
 from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
-from tvm_distx.mesh import DeviceMesh
+from tvm_distx.layout.mesh import DeviceMesh
 from tvm_distx.layout import Placement, TensorSharding
 from tvm_distx.runtime import mpi_ccl, shard_array
 

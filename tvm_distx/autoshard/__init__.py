@@ -17,8 +17,8 @@ module                                 what it does
 =====================================  ==============================================
 """
 
-from .api import AutoShardReport, auto_shard, plan_cost
-from .costs import DEFAULT_PROFILE, CostProfile
+from tvm_distx.autoshard.api import AutoShardReport, auto_shard, plan_cost
+from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
 
 __all__ = ["AutoShardReport", "CostProfile", "DEFAULT_PROFILE", "auto_shard", "plan_cost",
            "profile"]
@@ -26,6 +26,6 @@ __all__ = ["AutoShardReport", "CostProfile", "DEFAULT_PROFILE", "auto_shard", "p
 
 def profile(num_ranks: int = 2, backend: str = "mpi", **kwargs) -> CostProfile:
     """Measure the cost profile on ``num_ranks`` ranks (see :mod:`.measure`)."""
-    from .measure import measure_profile
+    from tvm_distx.autoshard.measure import measure_profile
 
     return measure_profile(num_ranks, backend, **kwargs)

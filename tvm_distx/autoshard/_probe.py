@@ -96,7 +96,7 @@ def _numpy() -> dict:
 def main(out: str, kernels: str | None = None) -> None:
     from mpi4py import MPI
 
-    from ..runtime.worker import _threads_per_rank
+    from tvm_distx.runtime.worker import _threads_per_rank
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

@@ -29,7 +29,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, fields
 
-from ..errors import ArgumentError
+from tvm_distx.errors import ArgumentError
 
 __all__ = ["CostProfile", "DEFAULT_PROFILE", "step_messages"]
 

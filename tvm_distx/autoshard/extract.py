@@ -2,7 +2,7 @@
 
 This is the only part of automatic sharding that reads TVM. The module is
 first legalized as :func:`tvm_distx.compile` legalizes it
-(:func:`tvm_distx.pipeline.legalize_ops`), so the problem sees the kernels
+(:func:`tvm_distx.build.pipeline.legalize_ops`), so the problem sees the kernels
 propagation sees. Each binding of ``main`` becomes a
 :class:`~tvm_distx.autoshard.graph.Node` with the labels of its operator rule
 (:func:`tvm_distx.passes.op_signatures.op_signature`; for a ``call_tir``, the
@@ -24,9 +24,9 @@ from typing import Mapping
 import tvm
 from tvm import relax
 
-from .. import _ir
-from ..errors import SymbolicExtentError, UnsupportedProgramError
-from .graph import Node, ShardGraph
+from tvm_distx.ir import helpers as _ir
+from tvm_distx.errors import SymbolicExtentError, UnsupportedProgramError
+from tvm_distx.autoshard.graph import Node, ShardGraph
 
 __all__ = ["check_sizes", "extract", "VIEW_OPS", "WRITE_KERNELS"]
 
@@ -108,7 +108,7 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
             legalized: bool = False, sizes: Mapping[str, int] | None = None) -> ShardGraph:
     """The sharding problem of ``mod[function]`` on a mesh of ``mesh_shape``.
 
-    With ``legalized`` the module is taken as :func:`tvm_distx.pipeline.legalize_ops`
+    With ``legalized`` the module is taken as :func:`tvm_distx.build.pipeline.legalize_ops`
     left it. The graph's ``variables`` are the Relax variables of its nodes.
 
     A symbolic extent (``seq``) is priced at ``sizes[name]``, or at the
@@ -125,9 +125,9 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
     SymbolicExtentError
         When a run-time extent has neither a size in ``sizes`` nor an upper bound.
     """
-    from .. import passes  # noqa: F401  (registers the operator rules)
-    from ..passes.op_signatures import op_signature
-    from ..pipeline import legalize_ops
+    from tvm_distx import passes  # noqa: F401  (registers the operator rules)
+    from tvm_distx.passes.op_signatures import op_signature
+    from tvm_distx.build.pipeline import legalize_ops
 
     if not legalized:
         mod = legalize_ops(mod)

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..layout import TensorSharding
-from ..mesh import DeviceMesh
+from tvm_distx.layout import TensorSharding
+from tvm_distx.layout.mesh import DeviceMesh
 
 __all__ = ["Node", "Strategy", "ShardGraph", "placement_text", "LAYER_PATTERN"]
 

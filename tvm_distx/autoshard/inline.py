@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .graph import CALL_SITE
+from tvm_distx.autoshard.graph import CALL_SITE
 
 __all__ = ["inline_calls"]
 

@@ -21,8 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..errors import ArgumentError, LaunchError
-from .costs import DEFAULT_PROFILE, CostProfile
+from tvm_distx.errors import ArgumentError, LaunchError
+from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
 
 __all__ = ["measure_profile"]
 
@@ -54,7 +54,7 @@ def measure_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: float 
         When the ranks fail or time out.
     """
     if backend == "local":
-        from . import _probe
+        from tvm_distx.autoshard import _probe
 
         with tempfile.TemporaryDirectory() as tmp:
             found = _probe._kernels(str(build_kernels(Path(tmp))))
@@ -65,8 +65,8 @@ def measure_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: float 
         if num_ranks < 2:
             raise ArgumentError(f"profile(num_ranks={num_ranks}): messages need 2 ranks",
                                 hint="profile(2, backend='mpi')")
-        from ..runtime.launcher import mpiexec_path
-        from ..runtime.rank_env import rank_environment
+        from tvm_distx.runtime.launcher import mpiexec_path
+        from tvm_distx.runtime.rank_env import rank_environment
 
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "profile.json"
@@ -104,10 +104,10 @@ def build_kernels(folder: Path, target="x86") -> Path:
     from tvm import relax
     from tvm.relax.op import add, matmul, permute_dims
 
-    from ..pipeline import legalize_ops
-    from ..schedule import schedule_module
-    from ..targets import resolve_target
-    from ._probe import ELEMENTWISE, MATMUL
+    from tvm_distx.build.pipeline import legalize_ops
+    from tvm_distx.build.schedule import schedule_module
+    from tvm_distx.build.targets import resolve_target
+    from tvm_distx.autoshard._probe import ELEMENTWISE, MATMUL
 
     m, k, n = MATMUL
     bb = relax.BlockBuilder()

@@ -24,7 +24,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..layout import Placement
+from tvm_distx.layout import Placement
 
 __all__ = ["pin_values"]
 

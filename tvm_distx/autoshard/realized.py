@@ -21,8 +21,8 @@ import logging
 import tvm
 from tvm import relax
 
-from ..layout import TensorSharding
-from .graph import ShardGraph
+from tvm_distx.layout import TensorSharding
+from tvm_distx.autoshard.graph import ShardGraph
 
 __all__ = ["realized_choice", "propagated_placements"]
 

@@ -10,7 +10,7 @@ module                                    owns
                                           the per-axis vocabulary and its text form
 :mod:`~tvm_distx.layout.sharding`         ``TensorSharding`` (checked at construction), its
                                           local shape; ``UNKNOWN``, ``replicated``
-:mod:`~tvm_distx.layout.meshes`           ``MeshTable``: a module's meshes by identity
+:mod:`~tvm_distx.layout.mesh_table`           ``MeshTable``: a module's meshes by identity
 :mod:`~tvm_distx.layout.geometry`         placement codes, each device's box
                                           (``shard_bounds``), the copies between two
                                           shardings (``send_recv_transfers``)
@@ -23,13 +23,13 @@ module                                    owns
 
 The package imports no TVM at import time and no compiler module
 (``tvm_distx.passes``, ``tvm_distx.legalize``) ever: rank processes use it.
-:class:`~tvm_distx.DeviceMesh` itself lives in :mod:`tvm_distx.mesh`.
+:class:`~tvm_distx.DeviceMesh` itself lives in :mod:`tvm_distx.layout.mesh`.
 """
 
-from ..mesh import DeviceMesh, MeshRef
-from .abi import CollectiveGroup, Piece, SendRecvSpec
-from .derived import BlockOffsets, DerivedParam, Derivations
-from .geometry import (
+from tvm_distx.layout.mesh import DeviceMesh, MeshRef
+from tvm_distx.layout.abi import CollectiveGroup, Piece, SendRecvSpec
+from tvm_distx.layout.derived import BlockOffsets, DerivedParam, Derivations
+from tvm_distx.layout.geometry import (
     PARTIAL,
     REPLICATE,
     Transfer,
@@ -39,9 +39,9 @@ from .geometry import (
     send_recv_transfers,
     shard_bounds,
 )
-from .meshes import MeshTable
-from .placement import Partial, Placement, PlacementLike, Replicate, Shard, as_placement
-from .sharding import UNKNOWN, Sharding, TensorSharding, Unknown, replicated
+from tvm_distx.layout.mesh_table import MeshTable
+from tvm_distx.layout.placement import Partial, Placement, PlacementLike, Replicate, Shard, as_placement
+from tvm_distx.layout.sharding import UNKNOWN, Sharding, TensorSharding, Unknown, replicated
 
 __all__ = [
     "DeviceMesh",

@@ -15,10 +15,10 @@ from typing import Iterable
 
 import numpy as np
 
-from ..errors import ShardingError
-from ..mesh import DeviceMesh
-from .geometry import decode_placement, encode_placement, send_recv_transfers, shard_bounds
-from .sharding import TensorSharding
+from tvm_distx.errors import ShardingError
+from tvm_distx.layout.mesh import DeviceMesh
+from tvm_distx.layout.geometry import decode_placement, encode_placement, send_recv_transfers, shard_bounds
+from tvm_distx.layout.sharding import TensorSharding
 
 __all__ = ["CollectiveGroup", "SendRecvSpec", "Piece"]
 

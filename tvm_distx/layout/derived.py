@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..errors import ArgumentError
+from tvm_distx.errors import ArgumentError
 
 __all__ = ["BlockOffsets", "DerivedParam", "Derivations", "block_starts", "host_array",
            "is_deferred"]
@@ -303,7 +303,7 @@ def host_array(value) -> Any:
 
     torch tensors become numpy arrays (no copy when they can share memory);
     a value marked ``__distx_deferred__`` (a
-    :class:`tvm_distx.runtime.checkpoint.LazyTensor`: it has ``shape``, ``dtype``
+    :class:`tvm_distx.bundle.checkpoint.LazyTensor`: it has ``shape``, ``dtype``
     and basic slicing, and is read only by ``np.asarray``) is returned
     untouched, so that cutting it into shards reads one shard at a time;
     anything else goes through ``np.asarray``.

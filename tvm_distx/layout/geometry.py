@@ -30,10 +30,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import ShardingError, UnsupportedValueError
-from ..mesh import DeviceMesh
-from .placement import Partial, Placement, Replicate, Shard
-from .sharding import TensorSharding
+from tvm_distx.errors import ShardingError, UnsupportedValueError
+from tvm_distx.layout.mesh import DeviceMesh
+from tvm_distx.layout.placement import Partial, Placement, Replicate, Shard
+from tvm_distx.layout.sharding import TensorSharding
 
 __all__ = [
     "Code",

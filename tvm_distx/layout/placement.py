@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence, Union
 
-from ..errors import (
+from tvm_distx.errors import (
     IndivisibleShardError,
     PlacementRankError,
     PlacementSyntaxError,
@@ -41,7 +41,7 @@ from ..errors import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..mesh import DeviceMesh
+    from tvm_distx.layout.mesh import DeviceMesh
 
 __all__ = ["Replicate", "Shard", "Partial", "Placement", "PlacementLike", "as_placement",
            "PARTIAL_OPS"]

@@ -14,9 +14,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Union
 
-from ..errors import UnsupportedValueError
-from ..mesh import DeviceMesh
-from .placement import Placement, Replicate, as_placement
+from tvm_distx.errors import UnsupportedValueError
+from tvm_distx.layout.mesh import DeviceMesh
+from tvm_distx.layout.placement import Placement, Replicate, as_placement
 
 __all__ = ["TensorSharding", "Unknown", "UNKNOWN", "Sharding", "replicated"]
 

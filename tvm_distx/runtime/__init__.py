@@ -12,7 +12,7 @@
   :class:`~tvm_distx.runtime.session_worker.RankState` (rank).
 """
 
-from .arrays import assemble_array, shard_array
-from .emulator import emulate
+from tvm_distx.layout.arrays import assemble_array, shard_array
+from tvm_distx.runtime.emulator import emulate
 
 __all__ = ["emulate", "shard_array", "assemble_array"]

@@ -18,7 +18,7 @@ two calls of :mod:`tvm_distx.runtime.disco_worker`
 (already cut into each rank's shards here), the results and every rank's
 status go through the segment. The segment grows when a call's inputs need
 more room. Each rank keeps its virtual machine, its stored weights (read once
-through :meth:`tvm_distx.bundle.Manifest.read_weight`) and its resident values
+through :meth:`tvm_distx.bundle.manifest.Manifest.read_weight`) and its resident values
 (``state``/``keep``) between calls, as MPI ranks do
 (:class:`~tvm_distx.runtime.session_worker.RankState`).
 

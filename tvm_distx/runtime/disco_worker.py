@@ -253,7 +253,7 @@ def _open(job: dict, comm: ShmComm) -> None:
     import tvm
     from tvm import relax
 
-    from tvm_distx.bundle import check_weights, read_manifest
+    from tvm_distx.bundle.manifest import check_weights, read_manifest
     from tvm_distx.runtime.session_worker import RankState
 
     rank = comm.rank

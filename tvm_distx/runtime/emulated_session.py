@@ -9,7 +9,7 @@ The emulated backend (:mod:`tvm_distx.runtime.emulator`) as a session::
 It serves a bundle like the other sessions, and with the same rank code
 (:class:`~tvm_distx.runtime.session_worker.RankState`): each rank keeps its
 virtual machine over the bundle's library, its stored weights (read once
-through :meth:`tvm_distx.bundle.Manifest.read_weight`) and its resident values
+through :meth:`tvm_distx.bundle.manifest.Manifest.read_weight`) and its resident values
 (``state``/``keep``). Each call runs every rank in a thread of its own, with
 the collectives of :class:`~tvm_distx.runtime.emulator.EmulatedCollectives`;
 nothing leaves the process, so it is the fast way to test what a session does.
@@ -35,7 +35,7 @@ from tvm_distx.runtime.collectives import register
 from tvm_distx.runtime.emulator import EmulatedCollectives, _Exchange
 from tvm_distx.runtime.session_base import Call, RankProcess, Session
 from tvm_distx.runtime.session_worker import RankState, assemble_reply
-from tvm_distx.signature import WORKER0
+from tvm_distx.bundle.signature import WORKER0
 
 __all__ = ["EmulatedSession"]
 

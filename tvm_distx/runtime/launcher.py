@@ -2,10 +2,10 @@
 
 :func:`launch` reads only the bundle's manifest to set everything up. Before
 any rank starts it checks the rank count and every weight file (see
-:func:`tvm_distx.bundle.check_weights`), cuts the global inputs into each
+:func:`tvm_distx.bundle.manifest.check_weights`), cuts the global inputs into each
 rank's shards in a private job directory (``tempfile``; for a function lowered
 by TVM's ``LowerDistIR``, whose feed is ``"worker0"``, rank 0 gets the global
-inputs and the other ranks none, see :mod:`tvm_distx.signature`), and then runs
+inputs and the other ranks none, see :mod:`tvm_distx.bundle.signature`), and then runs
 ``mpiexec`` from the ``mpich`` wheel (or ``mpiexec=``). Across hosts the same
 call takes ``hosts=["node0", "node1"]``, which becomes ``mpiexec -hosts
 node0,node1``; the bundle and the job directory must then be on a shared
@@ -48,9 +48,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from tvm_distx.bundle import Manifest, check_library, check_weights, read_manifest
+from tvm_distx.bundle.manifest import Manifest, check_library, check_weights, read_manifest
 from tvm_distx.errors import ArgumentError, BundleError, LaunchError
-from tvm_distx.runtime.arrays import assemble_array
+from tvm_distx.layout.arrays import assemble_array
 from tvm_distx.runtime.rank_env import rank_environment
 
 __all__ = ["bind_inputs", "launch", "mpiexec_path"]
@@ -187,7 +187,7 @@ def bind_inputs(manifest: Manifest, function: str, inputs: Sequence, params: Map
 
 
 def _run_disco(manifest: Manifest, signature, specs, values, timeout: float):
-    from tvm_distx.runtime.arrays import assemble_results
+    from tvm_distx.layout.arrays import assemble_results
     from tvm_distx.runtime.disco import run_disco
 
     given = {spec.name: value for spec, value in zip(specs, values)}

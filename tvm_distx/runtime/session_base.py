@@ -30,10 +30,10 @@ from typing import Mapping
 
 import numpy as np
 
-from tvm_distx.bundle import Manifest, check_library, check_weights, read_manifest
+from tvm_distx.bundle.manifest import Manifest, check_library, check_weights, read_manifest
 from tvm_distx.errors import ArgumentError
 from tvm_distx.runtime.launcher import bind_inputs
-from tvm_distx.signature import WORKER0
+from tvm_distx.bundle.signature import WORKER0
 
 __all__ = ["Session", "RankProcess", "Call", "open_session", "check_backend",
            "SESSION_BACKENDS"]
@@ -166,7 +166,7 @@ class Session:
 
     Attributes
     ----------
-    manifest : tvm_distx.bundle.Manifest
+    manifest : tvm_distx.bundle.manifest.Manifest
         The bundle's manifest.
     ranks : tuple of RankProcess
         The ranks, once started.

@@ -87,7 +87,7 @@ def _serve(bundle: Path, address: str, comm, rank: int) -> None:
     import tvm
     from tvm import relax
 
-    from tvm_distx.bundle import check_weights, read_manifest
+    from tvm_distx.bundle.manifest import check_weights, read_manifest
     from tvm_distx.errors import BundleError
     from tvm_distx.runtime import mpi_ccl
     from tvm_distx.runtime.worker import _threads_per_rank
@@ -132,7 +132,7 @@ class RankState:
 
     Parameters
     ----------
-    manifest : tvm_distx.bundle.Manifest
+    manifest : tvm_distx.bundle.manifest.Manifest
         The bundle the session serves.
     rank : int
         This rank.
@@ -145,7 +145,7 @@ class RankState:
     loaded : dict of str to tvm.runtime.Tensor
         The stored weights this rank has loaded, each the first time a
         function needs it (read only through
-        :meth:`tvm_distx.bundle.Manifest.read_weight`).
+        :meth:`tvm_distx.bundle.manifest.Manifest.read_weight`).
     resident : dict of str to tvm.runtime.Tensor
         The values kept on this rank between calls, by name (``state``/``keep``).
     """
@@ -181,7 +181,7 @@ class RankState:
         """
         import tvm
 
-        from tvm_distx.runtime.arrays import first_holder
+        from tvm_distx.layout.arrays import first_holder
 
         manifest, rank = self.manifest, self.rank
         signature = manifest.function(function)
@@ -234,7 +234,7 @@ def assemble_reply(manifest, function: str, sizes: dict, keep: dict,
     Returns the results not kept, in order: a tuple for a tuple-returning
     function, else the one array.
     """
-    from tvm_distx.runtime.arrays import assemble_array
+    from tvm_distx.layout.arrays import assemble_array
 
     signature = manifest.function(function)
     if signature.symbolic:

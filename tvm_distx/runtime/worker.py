@@ -10,7 +10,7 @@ Rank ``r`` (its rank in ``MPI.COMM_WORLD``) is device ``r``. It:
 3. runs its entry of the function with its weights from the bundle and its
    input shards from ``JOB/rank<r>/in/<name>.npy`` (for a function lowered by
    TVM's ``LowerDistIR``, the ``"worker0"`` feed of
-   :mod:`tvm_distx.signature`: rank 0 the global inputs, the other ranks
+   :mod:`tvm_distx.bundle.signature`: rank 0 the global inputs, the other ranks
    placeholders of the same shapes);
 4. writes the result blocks it is the first to hold to ``JOB/rank<r>/out<i>.npy``.
 
@@ -119,9 +119,9 @@ def run(bundle: Path, job: Path, function: str) -> None:
 
 
 def _run(bundle: Path, folder: Path, function: str, comm, rank: int) -> None:
-    from tvm_distx.bundle import check_weights, read_manifest
+    from tvm_distx.bundle.manifest import check_weights, read_manifest
     from tvm_distx.errors import BundleError
-    from tvm_distx.runtime.arrays import first_holder
+    from tvm_distx.layout.arrays import first_holder
 
     _threads_per_rank(comm)
     manifest = read_manifest(bundle)

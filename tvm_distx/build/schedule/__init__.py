@@ -1,0 +1,236 @@
+"""CPU schedules for the rank-local kernels that ``distribute`` produces.
+
+After :func:`tvm_distx.distribute` every operator is a TIR ``PrimFunc`` written
+by ``relax.transform.LegalizeOps`` (possibly fused by ``FuseOps``/``FuseTIR``)
+and called with ``R.call_tir``. TVM's default CPU pipeline builds those loop
+nests as they are, so a matmul runs as three naive loops, about 80x slower than
+numpy. :class:`ScheduleCPU` gives each kernel a hand-written
+``tvm.s_tir.Schedule`` recipe, chosen by the kernel's block structure:
+
+:class:`MatvecRule`
+    A matrix-vector product (a handful of rows, one decoded token) with a
+    weight stored ``(out, in)``: each weight row is read once, contiguously,
+    into a vector accumulator (``rfactor`` over the lanes), the output
+    columns in parallel, no packing.
+:class:`MatmulRule`
+    One reduction block ``C[b.., i, j] += A[.., i, k] * B[.., k, j]`` (either
+    operand layout, optional batch axes), with injective prologue blocks
+    (inlined) and epilogue blocks (``relu``, bias ``add``, ...). The recipe is
+    a register-blocked micro-kernel: an ``mr x nr`` tile of ``C`` accumulates
+    in a ``local`` buffer that LLVM keeps in vector registers, the ``k`` loop
+    runs around the unrolled ``mr`` and vectorized ``nr`` loops, each ``nr``
+    wide panel of ``B`` is first packed into a contiguous ``[k, nr]`` buffer by
+    the thread that owns the panel, and the epilogue runs on the tile while it
+    is still in registers.
+:class:`InjectiveRule`
+    Only spatial blocks (elementwise, broadcast, transpose, ...). Producers are
+    inlined; each remaining block's loops are fused, the inner part is
+    vectorized and the outer part parallelized when the kernel is big enough.
+:class:`ReductionRule`
+    Reductions that are not matmuls (``sum``, ``max``, the pieces of
+    ``softmax`` or ``layer_norm``). A reduction over a contiguous innermost
+    axis is vectorized through ``rfactor``. When every block works row by row
+    on the rows of the output block, all blocks are computed per row inside one
+    parallel loop; otherwise every block is scheduled on its own.
+
+A kernel that no rule matches keeps TVM's default lowering, with an INFO log
+line naming it. A rule whose recipe raises a :class:`tvm.s_tir.ScheduleError`
+is abandoned the same way. Schedule primitives check their own legality, so a
+recipe either yields an equivalent program or fails loudly.
+
+TVM's runtime thread pool sizes itself to *half* the hardware threads on x86
+(it assumes hyper-threading), so on a machine without SMT the parallel loops
+use half the cores. Call :func:`use_cpu_threads` before the first kernel runs.
+
+This module dispatches: :func:`schedule_primfunc` tries :data:`DEFAULT_RULES`
+in order, :class:`ScheduleCPU` and :func:`schedule_module` apply it to a
+module. Each kernel family has its own module (:mod:`.matvec`, :mod:`.matmul`,
+:mod:`.injective`, :mod:`.reduction`), and :mod:`.base` holds what they share:
+the target's traits, the blocks of a kernel as rules see them, the
+:class:`Rule` interface and the loop primitives. A new family is a
+:class:`Rule` subclass in a module of its own, added to :data:`DEFAULT_RULES`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import tvm
+from tvm import relax, tirx
+from tvm.s_tir import Schedule
+
+from tvm_distx.ir.module_pass import module_pass
+from tvm_distx.build.targets import x86_target
+from tvm_distx.build.schedule.base import (MIN_PARALLEL_ELEMENTS, SCHEDULE_ERRORS, Block, CPUTraits,  # noqa: F401
+                   Rule, describe_blocks, first_line, use_cpu_threads)
+from tvm_distx.build.schedule.injective import InjectiveRule
+from tvm_distx.build.schedule.matmul import MatmulRule
+from tvm_distx.build.schedule.matvec import MatvecRule
+from tvm_distx.build.schedule.reduction import ReductionRule
+
+__all__ = [
+    "Block",
+    "CPUTraits",
+    "DEFAULT_RULES",
+    "RULE_ATTR",
+    "fuse_kernels",
+    "SCHEDULED_ATTR",
+    "InjectiveRule",
+    "MatmulRule",
+    "MatvecRule",
+    "ReductionRule",
+    "Rule",
+    "ScheduleCPU",
+    "describe_blocks",
+    "schedule_module",
+    "schedule_primfunc",
+    "use_cpu_threads",
+    "x86_target",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Function attribute marking a kernel as scheduled (the one dlight also honours).
+SCHEDULED_ATTR = "tirx.is_scheduled"
+
+#: Function attribute naming the rule that scheduled a kernel.
+RULE_ATTR = "tvm_distx.schedule_rule"
+
+_OP_PATTERN_OPAQUE = 8  # OpPatternKind::kOpaque: FuseOps leaves the kernel alone
+
+
+#: The rules, tried in order; the first that matches schedules the kernel.
+DEFAULT_RULES: tuple[Rule, ...] = (MatvecRule(), MatmulRule(), InjectiveRule(), ReductionRule())
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def schedule_primfunc(func: tirx.PrimFunc, target: tvm.target.Target | None = None, *,
+                      name: str = "kernel",
+                      rules: Sequence[Rule] = DEFAULT_RULES) -> tirx.PrimFunc | None:
+    """Schedule one kernel with the first rule that matches it.
+
+    Parameters
+    ----------
+    func : tvm.tirx.PrimFunc
+        A kernel with a root block, as ``LegalizeOps`` writes them.
+    target : tvm.target.Target, optional
+        The LLVM CPU target; :func:`x86_target` by default.
+    name : str
+        The kernel's name, for log lines.
+    rules : sequence of Rule
+        Tried in order.
+
+    Returns
+    -------
+    tvm.tirx.PrimFunc or None
+        The scheduled kernel, marked ``tirx.is_scheduled`` and with the rule's
+        name as ``tvm_distx.schedule_rule``; ``None`` when no
+        rule matches or the matching rule's recipe fails (both logged at INFO).
+    """
+    cpu = CPUTraits.of(target if target is not None else x86_target())
+    try:
+        sch = Schedule(func)
+        blocks = describe_blocks(sch)
+    except SCHEDULE_ERRORS as err:
+        logger.info("schedule: %s has no block structure the rules read; keeping TVM's "
+                    "default lowering (%s)", name, first_line(err))
+        return None
+    for rule in rules:
+        found = rule.match(blocks)
+        if found is None:
+            continue
+        try:
+            sch = rule.apply(sch, found, cpu)
+        except SCHEDULE_ERRORS as err:
+            logger.info("schedule: the %s recipe failed on %s; keeping TVM's default lowering "
+                        "(%s)", rule.name, name, first_line(err))
+            return None
+        except Exception:  # noqa: BLE001 - a bug in a recipe must not break the build
+            logger.warning("schedule: the %s recipe crashed on %s (a bug, please report it); "
+                           "keeping TVM's default lowering", rule.name, name, exc_info=True)
+            return None
+        logger.debug("schedule: %s scheduled by the %s rule", name, rule.name)
+        return sch.mod["main"].with_attrs({SCHEDULED_ATTR: True, RULE_ATTR: rule.name})
+    logger.info("schedule: no rule matches %s; keeping TVM's default lowering", name)
+    return None
+
+
+@module_pass("tvm_distx.ScheduleCPU")
+class ScheduleCPU:
+    """Give every TIR kernel of a module a hand-written CPU schedule.
+
+    Kernels already marked ``tirx.is_scheduled`` are skipped. Scheduled kernels
+    get that mark and the opaque operator pattern, so that a later ``FuseOps``
+    (the one inside ``tvm.compile``, say) does not merge them into kernels
+    nobody scheduled. Fuse first if fusion is wanted (:func:`schedule_module`).
+
+    Parameters
+    ----------
+    target : tvm.target.Target, optional
+        The LLVM CPU target; :func:`x86_target` by default.
+    rules : sequence of Rule, optional
+        Tried in order for each kernel; :data:`DEFAULT_RULES` by default.
+    """
+
+    def __init__(self, target: tvm.target.Target | None = None,
+                 rules: Sequence[Rule] = DEFAULT_RULES) -> None:
+        self.target = target if target is not None else x86_target()
+        self.rules = tuple(rules)
+
+    def transform_module(self, mod: tvm.IRModule,
+                         _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        scheduled = {}
+        for gvar, func in mod.functions.items():
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            if func.attrs is not None and bool(func.attrs.get(SCHEDULED_ATTR, False)):
+                logger.debug("schedule: %s is scheduled already", gvar.name_hint)
+                continue
+            new = schedule_primfunc(func, self.target, name=gvar.name_hint, rules=self.rules)
+            if new is not None:
+                scheduled[gvar] = new.with_attr("op_pattern", _OP_PATTERN_OPAQUE)
+        if not scheduled:
+            return mod
+        mod = mod.clone()  # never update the caller's module in place
+        for gvar, func in scheduled.items():
+            mod.update_func(gvar, func)
+        return mod
+
+
+def schedule_module(mod: tvm.IRModule, target: tvm.target.Target | None = None, *,
+                    fuse: bool = True) -> tvm.IRModule:
+    """Fuse the kernels of a lowered module, then schedule them for the CPU.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        A module whose operators are TIR kernels called with ``R.call_tir``,
+        such as the output of :func:`tvm_distx.distribute`.
+    target : tvm.target.Target, optional
+        The LLVM CPU target; :func:`x86_target` by default.
+    fuse : bool, default True
+        First run ``AnnotateTIROpPattern``, ``FuseOps`` and ``FuseTIR``, so that
+        a matmul and its elementwise consumers become one kernel whose epilogue
+        runs on the register tile.
+
+    Returns
+    -------
+    tvm.IRModule
+        The module with scheduled kernels, ready for ``tvm.compile``.
+    """
+    if fuse:
+        mod = fuse_kernels(mod)
+    return ScheduleCPU(target)(mod)
+
+
+def fuse_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with each kernel fused with its elementwise consumers (TVM's FuseOps and FuseTIR)."""
+    if not any(isinstance(func, relax.Function) for func in mod.functions.values()):
+        return mod
+    return tvm.transform.Sequential([relax.transform.AnnotateTIROpPattern(),
+                                     relax.transform.FuseOps(),
+                                     relax.transform.FuseTIR(),
+                                     relax.transform.DeadCodeElimination()])(mod)

@@ -1,0 +1,219 @@
+"""The matmul recipe: a register-blocked micro-kernel with packed panels.
+
+:class:`MatmulRule` matches one reduction block ``C[b.., i, j] += A[.., i, k] *
+B[.., k, j]`` (either operand layout, optional batch axes) with injective
+prologue and epilogue blocks; :mod:`tvm_distx.build.schedule` describes the recipe.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad
+from tvm.s_tir import Schedule, ScheduleError
+
+from tvm_distx.build.schedule.base import (Block, CPUTraits, Rule, decompose_init, first_divisor, index_positions,
+                   loop_extent, schedule_flat, trip_count, vectorize_innermost)
+
+__all__ = ["MatmulMatch", "MatmulRule"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MatmulMatch:
+    """A matmul block with the role of each variable and operand."""
+
+    block: Block
+    prologue: list[Block]
+    epilogue: list[Block]
+    i: tirx.Var
+    j: tirx.Var
+    k: tirx.Var
+    lhs: TensorLoad
+    rhs: TensorLoad
+    #: blocks after the matmul that do not read its result (an epilogue's other
+    #: operand, such as a broadcast bias); they are inlined into their consumers
+    side: list[Block] = field(default_factory=list)
+
+
+class MatmulRule(Rule):
+    """Matmul and batch matmul, with injective prologues and epilogues.
+
+    Parameters
+    ----------
+    rows : int, optional
+        Rows ``mr`` of the register tile.
+    vectors : int, optional
+        Columns ``nr`` of the register tile, in vector registers. By default
+        the tile is 4 x 4 registers with AVX-512 (16 of the 32 vector
+        registers accumulate; only four rows of ``A`` are streamed, which
+        avoids cache-set conflicts at power-of-two row strides) and 6 x 2
+        otherwise (12 of 16).
+    pack : bool, default True
+        Pack each ``nr``-wide panel of the right operand contiguously before
+        the micro-kernel reads it. It removes the strided panel reads whose
+        cache-set conflicts halve the speed of large matmuls.
+    """
+
+    name = "matmul"
+
+    #: The most spatial axes (batch axes, rows, columns) of a matmul block the rule takes.
+    max_spatial = 3
+
+    def __init__(self, rows: int | None = None, vectors: int | None = None,
+                 pack: bool = True) -> None:
+        self.rows = rows
+        self.vectors = vectors
+        self.pack = pack
+
+    def __repr__(self) -> str:
+        return f"MatmulRule(rows={self.rows}, vectors={self.vectors}, pack={self.pack})"
+
+    def match(self, blocks: list[Block]) -> MatmulMatch | None:
+        reductions = [b for b in blocks if not b.is_spatial]
+        if len(reductions) != 1:
+            return None
+        mm = reductions[0]
+        if mm.store is None or not mm.trivial_binding or len(mm.reduce) != 1:
+            return None
+        if not 2 <= len(mm.spatial) <= self.max_spatial or mm.leading_spatial != len(mm.spatial):
+            return None
+        if not isinstance(mm.store.value, tirx.Add):
+            return None
+        others = [b for b in blocks if b is not mm]
+        if any(b.store is None or b.reads_own_output() for b in others):
+            return None
+        out = mm.store.indices
+        if len(out) != len(mm.spatial) or any(
+                not (isinstance(index, tirx.Var) and index.same_as(var))
+                for index, var in zip(out, mm.spatial)):
+            return None
+        i, j = mm.spatial[-2:]
+        (k,) = mm.reduce
+        operands = [load for load in mm.loads if not load.source.same_as(mm.output)]
+        if len(operands) != 2 or not all(isinstance(index, (tirx.Var, tirx.IntImm))
+                                         for load in operands for index in load.indices):
+            return None
+
+        def shape(load: TensorLoad) -> tuple[int, int, int]:
+            return tuple(len(index_positions(load.indices, v)) for v in (i, j, k))
+
+        lhs = [op for op in operands if shape(op) == (1, 0, 1)]
+        rhs = [op for op in operands if shape(op) == (0, 1, 1)]
+        if len(lhs) != 1 or len(rhs) != 1:
+            return None
+        at = blocks.index(mm)
+        # An epilogue block reads the matmul's result, directly or through another
+        # epilogue block. A block that does not is a side producer: computed at the
+        # tile loop it would cover every tile (all batches), and its consumers with it.
+        derived, epilogue, side = {mm.output}, [], []
+        for block in blocks[at + 1:]:
+            if any(any(load.source.same_as(buf) for buf in derived) for load in block.loads):
+                epilogue.append(block)
+                derived.add(block.output)
+            else:
+                side.append(block)
+        return MatmulMatch(mm, blocks[:at], epilogue, i, j, k, lhs[0], rhs[0], side)
+
+    def tile(self, m: int, n: int, cpu: CPUTraits, dtype: str) -> tuple[int, int]:
+        """The register tile ``(mr, nr)`` for an ``m x n`` output.
+
+        The largest preferred sizes that divide the output, so that no loop
+        needs a predicated tail.
+        """
+        lanes = cpu.lanes(dtype)
+        wide = cpu.vector_bits >= 512
+        rows = self.rows or (4 if wide else 6)
+        mr = first_divisor(m, [rows] + [r for r in (8, 6, 4, 3, 2) if r < rows])
+        cols = (self.vectors or (4 if wide else 2)) * lanes
+        nr = first_divisor(n, [cols] + [c for c in (4 * lanes, 2 * lanes, lanes, lanes // 2,
+                                                     lanes // 4) if c < cols])
+        return mr, nr
+
+    def apply(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits) -> Schedule:
+        mm = found.block.rv
+        dtype = found.block.output.dtype
+        for producer in found.prologue:
+            try:
+                sch.compute_inline(producer.rv)
+            except ScheduleError:
+                logger.debug("matmul: prologue %s stays a loop nest of its own", producer.name)
+                schedule_flat(sch, producer, cpu)
+        for producer in found.side:
+            # raises ScheduleError when it cannot be inlined: the recipe is abandoned
+            sch.compute_inline(producer.rv)
+        # The accumulator tile; the epilogue then reads it instead of memory.
+        acc_store = sch.cache_write(mm, 0, "local")
+        # Inline the epilogue into the tile store while it is a chain: a value that a
+        # later block reads too (silu's x * sigmoid(x)) must stay in memory, and TVM's
+        # reverse_compute_inline does not check that (it leaves a read of a buffer
+        # that nothing writes any more).
+        separate = []
+        tail = found.block.output
+        for consumer in found.epilogue:
+            readers = [b for b in found.epilogue
+                       if any(load.source.same_as(tail) for load in b.loads)]
+            if separate or len(readers) != 1 or readers[0] is not consumer:
+                separate.append(consumer)
+                continue
+            try:
+                sch.reverse_compute_inline(consumer.rv)
+                tail = consumer.output
+            except ScheduleError:
+                separate.append(consumer)
+
+        *batch, i, j, k = sch.get_loops(mm)
+        m, n = loop_extent(sch, i), loop_extent(sch, j)
+        if n is None:
+            raise ScheduleError("matmul: the recipe needs a static number of columns")
+        # A symbolic row count (tokens, say) gets one-row tiles: no tail to predicate.
+        mr, nr = self.tile(m if m is not None else 1, n, cpu, dtype)
+        io, ii = sch.split(i, [None, mr]) if mr > 1 else (i, None)
+        jo, ji = sch.split(j, [None, nr])
+        sch.reorder(*batch, jo, io, k, *([ii] if ii is not None else []), ji)
+
+        # The packed panel sits between jo and io, so jo (with the batch) is then
+        # the parallel loop: pack only when it has work for every core.
+        panels = (n // nr) * (trip_count(sch, batch) or 1)
+        pack = self.pack and nr > 1 and panels >= cpu.cores
+        if pack:
+            self._pack_panel(sch, found, nr, jo)
+        sch.reverse_compute_at(acc_store, io)
+        vectorize_innermost(sch, acc_store, cpu.lanes(dtype))
+        for consumer in separate:
+            sch.reverse_compute_at(consumer.rv, io)
+            vectorize_innermost(sch, consumer.rv, cpu.lanes(consumer.output.dtype))
+        outer = sch.fuse(*batch, jo) if batch else jo
+        if not pack:
+            outer = sch.fuse(outer, io)
+        if cpu.cores > 1:
+            sch.parallel(outer)
+        if ii is not None:
+            sch.unroll(ii)
+        if nr > 1:
+            sch.vectorize(ji)
+        decompose_init(sch, mm)
+        return sch
+
+    @staticmethod
+    def _pack_panel(sch: Schedule, found: MatmulMatch, nr: int,
+                    panel_loop: s_tir.schedule.LoopRV) -> None:
+        """Copy the right operand into ``[.., n / nr, k, nr]``, one panel per ``jo``."""
+        rhs = found.rhs
+        (j_at,) = index_positions(rhs.indices, found.j)
+        (k_at,) = index_positions(rhs.indices, found.k)
+        rest = [d for d in range(len(rhs.indices)) if d not in (j_at, k_at)]
+
+        def packed(*index):
+            return [index[d] for d in rest] + [index[j_at] // nr, index[k_at], index[j_at] % nr]
+
+        pack = sch.cache_read(found.block.rv, rhs.source.name, "global")
+        sch.transform_layout(pack, ("write", 0),
+                             tirx.IndexMap.from_func(packed, ndim=len(rhs.indices)))
+        sch.compute_at(pack, panel_loop)
+        inner = sch.get_loops(pack)[-1]
+        if loop_extent(sch, inner) == nr:
+            sch.vectorize(inner)

@@ -1,0 +1,215 @@
+"""The matrix-vector recipe: one token (or a few) times a weight stored ``(out, in)``.
+
+Decoding one token multiplies a few rows of activations by every weight once:
+``C[i, j] = sum_k A[i, k] * W[j, k]`` with ``i`` tiny. The work is bound by
+reading ``W``, so the recipe reads ``W`` once, **as one sequential stream**,
+with no packing (packing would write ``W`` again on every call, tripling the
+traffic):
+
+* the output columns ``j`` are the outer loop (parallel), and each weight row
+  is read whole, front to back, before the next one. The hardware prefetchers
+  then see one stream through the whole weight. Reading a group of rows side
+  by side (one accumulator per row) makes as many streams, each restarting at
+  every row; rows of 4 KiB (``in = 1024``) then run at about half the speed;
+* ``k`` is split into ``unroll`` vectors of the register width and the sum is
+  *rfactored* over them: each row accumulates in ``unroll`` independent
+  vector registers (the unrolled loop hides the latency of the fused
+  multiply-add), and the rows of ``A`` (batch axes) share each load of ``W``;
+* the accumulators are summed (the rfactor's second block) and the epilogue
+  applied per group of columns, while they are still in cache.
+
+:class:`MatvecRule` matches what :class:`~tvm_distx.build.schedule.matmul.MatmulRule`
+matches, restricted to a static handful of rows and a right operand whose
+reduction axis is innermost (``torch.nn.Linear``'s layout, which
+:class:`tvm_distx.legalize.linear.LegalizeLinear` keeps); otherwise the matmul
+recipe applies.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tvm import tirx
+from tvm.s_tir import Schedule
+
+from tvm.s_tir.schedule import LoopRV
+
+from tvm_distx.build.schedule.base import (REDUCE, Block, CPUTraits, block_binding, decompose_init, first_divisor,
+                   index_positions, loop_extent, loops_over, uses_var,
+                   vectorize_innermost)
+from tvm_distx.build.schedule.matmul import MatmulMatch, MatmulRule
+
+__all__ = ["MatvecRule"]
+
+logger = logging.getLogger(__name__)
+
+
+class MatvecRule(MatmulRule):
+    """Matrix-vector products (a few rows) with ``(out, in)`` weights.
+
+    Parameters
+    ----------
+    max_rows : int, default 4
+        The most rows of ``A`` (batch axes included) the recipe takes; more rows
+        are a matrix product.
+    rows : int, default 1
+        Output columns per parallel task (their accumulators are summed, and
+        the epilogue applied, together).
+    unroll : int, default 4
+        Vector accumulators per row of ``A`` and output column (short rows).
+    long_row : int, default 16384
+        Weight rows of at least this many bytes are long: ``interleave`` of
+        them are read side by side, one vector accumulator each (several
+        long streams keep more loads in flight than one).
+    interleave : int, default 4
+        Long rows read side by side.
+    """
+
+    name = "matvec"
+
+    def __init__(self, max_rows: int = 4, rows: int = 1, unroll: int = 4,
+                 long_row: int = 16384, interleave: int = 4) -> None:
+        super().__init__()
+        self.max_rows = max_rows
+        self.group = rows
+        self.unroll = unroll
+        self.long_row = long_row
+        self.interleave = interleave
+
+    def __repr__(self) -> str:
+        return (f"MatvecRule(max_rows={self.max_rows}, rows={self.group}, unroll={self.unroll}, "
+                f"long_row={self.long_row}, interleave={self.interleave})")
+
+    #: Attention products have two batch axes (sequence, head) besides rows and columns.
+    max_spatial = 4
+
+    def match(self, blocks: list[Block]) -> MatmulMatch | None:
+        found = super().match(blocks)
+        if found is None:
+            return None
+        extents = {iv.var: iv.dom.extent for iv in found.block.stmt.iter_vars}
+        static = {var: int(e) for var, e in extents.items() if isinstance(e, tirx.IntImm)}
+        if len(static) != len(extents):
+            return None  # a symbolic row count (a prompt) is a matrix product
+        last = len(found.rhs.indices) - 1
+        if _columns_contiguous(found):
+            # (in, out): every row of A is its own product; only A's own axes are rows
+            rows = 1
+            for var in found.block.spatial[:-1]:
+                if not index_positions(found.rhs.indices, var):
+                    rows *= static[var]
+            if rows > self.max_rows or static[found.j] % _MIN_LANES:
+                return None
+            return found
+        if index_positions(found.rhs.indices, found.k) != [last]:
+            return None  # the weight's reduction axis is not contiguous
+        if len(found.block.spatial) > MatmulRule.max_spatial:
+            return None
+        rows = 1
+        for var in found.block.spatial[:-1]:
+            rows *= static[var]
+        if rows > self.max_rows or static[found.k] % _MIN_LANES:
+            return None
+        return found
+
+    def apply(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits) -> Schedule:
+        mm = found.block.rv
+        for producer in found.prologue:
+            sch.compute_inline(producer.rv)  # raises: the recipe is abandoned
+        for producer in found.side:
+            sch.compute_inline(producer.rv)
+        if _columns_contiguous(found):
+            return self._apply_columns(sch, found, cpu)
+        *_, j, k = sch.get_loops(mm)
+        n, depth = loop_extent(sch, j), loop_extent(sch, k)
+        full = cpu.lanes(found.block.output.dtype)
+        lanes = first_divisor(depth, [full, full // 2, full // 4, _MIN_LANES])
+        # long rows: a few side by side, one accumulator each; short rows: one after the other
+        side_by_side = depth * found.block.output.dtype.bits // 8 >= self.long_row
+        group = first_divisor(n, [self.interleave, 2, 1] if side_by_side else [self.group, 2, 1])
+        unroll = 1 if side_by_side else first_divisor(depth // lanes, [self.unroll, 2, 1])
+
+        ko, kv = sch.split(k, [None, unroll * lanes])
+        partial = sch.rfactor(kv, factor_axis=len(found.block.spatial))
+        *p_batch, p_j, p_ko, p_kv = sch.get_loops(partial)
+        jo, ji = sch.split(p_j, [None, group])
+        ku, kl = sch.split(p_kv, [unroll, lanes])
+        # the rows of A share each vector of W
+        if side_by_side:
+            sch.reorder(jo, p_ko, *p_batch, ji, ku, kl)
+        else:
+            sch.reorder(jo, ji, p_ko, *p_batch, ku, kl)
+        sch.vectorize(kl)
+        for loop in (*p_batch, ku) + ((ji,) if side_by_side else ()):
+            sch.unroll(loop)
+        # the accumulators are summed, and the epilogue applied, per group of columns:
+        # first as vectors, then one vector's lanes
+        summed = None
+        if unroll > 1:
+            *_, lane = sch.get_loops(mm)
+            _, s_lane = sch.split(lane, [unroll, lanes])
+            summed = sch.rfactor(s_lane, factor_axis=len(found.block.spatial))
+            sch.reverse_compute_at(summed, jo)
+        sch.reverse_compute_at(mm, jo)
+        for consumer in found.epilogue:
+            sch.reverse_compute_at(consumer.rv, jo)
+        sch.set_scope(partial, 0, "local")
+        if summed is not None:
+            s_lane, (s_unroll,) = _lane_loop(sch, summed), loops_over(sch, summed, REDUCE)
+            sch.reorder(s_unroll, s_lane)
+            sch.vectorize(s_lane)
+            sch.set_scope(summed, 0, "local")
+        if cpu.cores > 1 and n // group > 1:
+            sch.parallel(jo)
+        decompose_init(sch, partial)
+        return sch
+
+    def _apply_columns(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits) -> Schedule:
+        """A right operand stored ``(in, out)`` (attention's ``q @ k^T`` and ``p @ v``).
+
+        Each row of it is read front to back and added, scaled by one element
+        of ``A``, into a tile of up to four vector accumulators: one stream
+        through the operand, no reduction across lanes. The other axes
+        (batch, heads, rows) and the tiles are the parallel loop.
+        """
+        mm = found.block.rv
+        *others, j, k = sch.get_loops(mm)
+        n = loop_extent(sch, j)
+        full = cpu.lanes(found.block.output.dtype)
+        lanes = first_divisor(n, [full, full // 2, full // 4, _MIN_LANES])
+        tile = first_divisor(n // lanes, [4, 2, 1])
+        jo, jt, jv = sch.split(j, [None, tile, lanes])
+        sch.reorder(*others, jo, k, jt, jv)
+        outer = sch.fuse(*others, jo) if others else jo
+        local = sch.cache_write(mm, 0, "local")
+        sch.reverse_compute_at(local, outer)
+        for consumer in found.epilogue:
+            sch.reverse_compute_at(consumer.rv, outer)
+        sch.vectorize(jv)
+        sch.unroll(jt)
+        for block in (local, *(c.rv for c in found.epilogue)):
+            vectorize_innermost(sch, block, full)
+        if cpu.cores > 1 and (loop_extent(sch, outer) or 1) > 1:
+            sch.parallel(outer)
+        decompose_init(sch, mm)
+        return sch
+
+
+def _columns_contiguous(found: MatmulMatch) -> bool:
+    """Whether the right operand is stored ``(.., in, out)``: its columns innermost."""
+    last = len(found.rhs.indices) - 1
+    return (index_positions(found.rhs.indices, found.j) == [last]
+            and index_positions(found.rhs.indices, found.k) != [last])
+
+
+def _lane_loop(sch: Schedule, block) -> LoopRV:
+    """The loop over the last axis of the buffer ``block`` writes (its vector lanes)."""
+    stmt = sch.get(block)
+    lane = stmt.writes[0].region[-1].min
+    value = next(v for iv, v in zip(stmt.iter_vars, block_binding(sch, block))
+                 if iv.var.same_as(lane))
+    return next(loop for loop in sch.get_loops(block) if uses_var(value, sch.get(loop).loop_var))
+
+
+#: The narrowest vector the recipe uses (four float32 lanes: SSE, NEON, RVV at VLEN 128).
+_MIN_LANES = 4

@@ -1,0 +1,150 @@
+"""What every ``tvm-distx`` subcommand shares: exit codes, checked inputs and outputs, progress.
+
+:mod:`tvm_distx.cli.main` (the parser and most subcommands), :mod:`tvm_distx.cli.autoshard`
+and :mod:`tvm_distx.cli.generate` import from here. Every check refuses a bad
+input or output before any work, with a hint in terms of the command's flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+
+from tvm_distx.errors import ArgumentError
+
+__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _read_rules(path: Path | None) -> list:
+    from tvm_distx.layout.rules import ShardingRule
+
+    if path is None:
+        return []
+    import yaml
+
+    _input_file(path, "--rules file")
+    hint = ('give --rules a JSON or YAML list such as [{"param": "A", "result": "S[1]", '
+            '"function": "mlp"}]')
+    try:
+        text = Path(path).read_text()
+        if Path(path).suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ArgumentError(f"cannot read rules from {path}: YAML {problem}{where}",
+                            hint=hint) from None
+    except (OSError, ValueError) as err:  # JSON errors are ValueErrors
+        raise ArgumentError(f"cannot read rules from {path}: {err}", hint=hint) from None
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise ArgumentError(f"rules in {path} must be a list of objects",
+                            hint='for example [{"callee": "mlp", "args": {"0": "R"}}]')
+    rules = []
+    for index, fields in enumerate(data):
+        try:
+            rules.append(ShardingRule(**_rule_fields(fields)))
+        except TypeError as err:
+            raise ArgumentError(f"rule {index} in {path}: {err}",
+                                hint="fields are callee, op, param, args, result, function, "
+                                "meshes") from None
+    return rules
+
+
+def _rule_fields(fields: dict) -> dict:
+    """A rule's fields as read from JSON or YAML, with ``args`` keyed by position."""
+    fields = dict(fields)
+    if isinstance(fields.get("args"), dict):  # JSON keys are text: "0" is position 0
+        fields["args"] = {_position(k): v for k, v in fields["args"].items()}
+    return fields
+
+
+def _position(key):
+    """An argument position from a JSON or YAML key; anything else is left for the rule to refuse."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
+
+
+def _input_file(path: Path, what: str) -> None:
+    """Refuse, before any work, an input that is missing or is a directory."""
+    if Path(path).is_dir():
+        raise ArgumentError(f"{what} {path} is a directory, not a file",
+                            hint=f"give the {what} itself, for example {Path(path) / 'model.py'}"
+                            if what == "module file" else f"give the {what} itself")
+    if not Path(path).is_file():
+        raise ArgumentError(f"{what} {path} does not exist")
+
+
+def _writable_file(path: Path | None, option: str) -> None:
+    """Refuse, before any work, an output file whose directory does not exist."""
+    if path is not None and not Path(path).parent.is_dir():
+        raise ArgumentError(f"cannot write {option} {path}: {Path(path).parent} is not a directory",
+                            hint=f"give {option} a path in an existing directory")
+
+
+def _output_directory(path: Path, option: str) -> None:
+    """Refuse, before any work, an output directory that cannot be written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ArgumentError(f"{option} {path} is not a directory (it is an existing file)",
+                            hint=f"give {option} a new or existing directory")
+    # the results must not be lost after the work is done: write a probe now, into the
+    # directory or its nearest existing ancestor (nothing is created before the run)
+    probe = next(p for p in [path, *path.absolute().parents] if p.exists())
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        raise ArgumentError(f"cannot write {option} {path}: {err.strerror}",
+                            hint=f"give {option} a directory you can write") from None
+
+
+def _with_mesh(mod, text: str | None):
+    """``mod`` with the mesh of --mesh (``2``, ``2x2``) when it has none."""
+    if text is None:
+        return mod
+    try:
+        shape = tuple(int(n) for n in text.lower().split("x"))
+        if not shape or any(n <= 0 for n in shape):
+            raise ValueError(text)
+    except ValueError:
+        raise ArgumentError(f"--mesh {text!r} is not a mesh shape",
+                            hint="give --mesh a device count or a shape: --mesh 2, --mesh 2x2") \
+            from None
+    if mod.global_infos and mod.global_infos.get("mesh"):
+        raise ArgumentError(f"--mesh {text}: the module already has its meshes",
+                            hint="drop --mesh, or remove the module's I.module_global_infos")
+    from tvm_distx.plans.presets import with_meshes
+
+    return with_meshes(mod, [shape])
+
+
+@contextlib.contextmanager
+def _progress(description: str):
+    """A spinner with elapsed time on a terminal; silent when stderr is not one."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True,
+                  disable=not console.is_terminal) as progress:
+        progress.add_task(description, total=None)
+        yield
+
+
+def _load_plain(args: argparse.Namespace):
+    from tvm_distx.frontend.script import load_module
+
+    _input_file(args.module, "module file")
+    return load_module(args.module)

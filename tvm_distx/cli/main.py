@@ -1,0 +1,478 @@
+"""The ``tvm-distx`` command line (also ``python -m tvm_distx``).
+
+==============  ===========================================================================
+subcommand      what it does
+==============  ===========================================================================
+``annotate``    ``MODULE.py --rules R`` -> the module with ``annotate_sharding`` calls
+``propagate``   ``MODULE.py [--rules R]`` -> every tensor typed ``R.DTensor``
+``explain``     ``MODULE.py [--rules R] [--value F:V] [--png P]`` -> the sharding tables,
+                the comm report, and optionally how one value is cut across the ranks
+``plan``        ``MODULE.py [--rules R]`` -> the comm report: every collective, bytes/rank
+``compile``     ``MODULE.py [--rules R] [--weights W.npz] --target x86|rvv -o DIR`` -> a
+                bundle
+``bundle``      as ``compile``, and for ``--target rvv`` every kernel is checked under qemu
+``run``         ``BUNDLE -n N [--backend mpi|disco] [-i X.npy ...] [-o OUT]`` -> results
+``generate``    ``BUNDLE --ids 1 15 22 [--backend mpi|disco|emulate] [-n N]`` -> greedy
+                tokens from a generation bundle (``CausalLM.export``)
+==============  ===========================================================================
+
+``--split-fused`` runs :class:`tvm_distx.passes.SplitFusedProjections` on the
+module before the rules, so that rules can place each segment's weight.
+
+``MODULE.py`` is a TVMScript file. Rules are a JSON or YAML list of
+:class:`tvm_distx.ShardingRule` fields, for example
+``[{"param": "A", "result": "S[1]", "function": "mlp"}]``. ``annotate`` and
+``propagate`` print TVMScript, or write it with ``-o``.
+
+Errors are one readable line and a hint on stderr; the traceback only with
+``--verbose``. Long steps show progress on a terminal, and nothing when the
+output is not one. Exit codes: 0 success, 1 a run that failed, 2 bad usage or
+input, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, _input_file,
+                         _load_plain, _output_directory, _progress, _read_rules, _with_mesh,
+                         _writable_file)
+from tvm_distx.errors import ArgumentError, DistxError, LaunchError
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+
+def _load(args: argparse.Namespace):
+    from tvm_distx.passes import AnnotateSharding
+    from tvm_distx.frontend.script import load_module
+
+    _input_file(args.module, "module file")
+    mod = _with_mesh(load_module(args.module), getattr(args, "mesh", None))
+    preset = _preset(args)
+    if preset is not None:
+        return preset.apply(mod)
+    if getattr(args, "split_fused", False):
+        from tvm_distx.passes import SplitFusedProjections
+
+        mod = SplitFusedProjections()(mod)
+    rules = _read_rules(getattr(args, "rules", None))
+    return AnnotateSharding(rules)(mod) if rules else mod
+
+
+def _preset(args: argparse.Namespace):
+    """The preset --preset names (None without one); --rules and --preset exclude each other."""
+    name = getattr(args, "preset", None)
+    if name is None:
+        return None
+    if getattr(args, "rules", None) is not None:
+        raise ArgumentError("--rules and --preset both say how to shard",
+                            hint="give one of them: --rules FILE, or --preset tensor-parallel")
+    from tvm_distx.plans.presets import tensor_parallel
+
+    return tensor_parallel()
+
+
+def _write_module(mod, output: Path | None) -> None:
+    text = mod.script(show_meta=False)
+    if output is None:
+        sys.stdout.write(text + "\n")
+        return
+    try:
+        Path(output).write_text(text + "\n")
+    except OSError as err:
+        with contextlib.suppress(OSError):  # no half-written file
+            Path(output).unlink()
+        raise ArgumentError(f"cannot write {output}: {err.strerror}",
+                            hint="give -o a path in an existing, writable directory") from None
+    sys.stderr.write(f"wrote {output}\n")
+
+
+# ---------------------------------------------------------------------- subcommands
+def _annotate(args: argparse.Namespace) -> int:
+    _writable_file(args.output, "-o")
+    if args.rules is None and args.preset is None:
+        raise ArgumentError("annotate needs --rules or --preset", hint="tvm-distx annotate "
+                            "model.py --rules rules.json, or --preset tensor-parallel")
+    _write_module(_load(args), args.output)
+    return EXIT_OK
+
+
+def _propagate(args: argparse.Namespace) -> int:
+    from tvm_distx.passes import PropagateSharding
+
+    _writable_file(args.output, "-o")
+    mod = _load(args)
+    if args.legalize:
+        from tvm_distx.build.pipeline import legalize_ops
+
+        mod = legalize_ops(mod)
+    _write_module(PropagateSharding(require_legalized=args.legalize)(mod), args.output)
+    return EXIT_OK
+
+
+def _propagated(args: argparse.Namespace):
+    from tvm_distx.build.pipeline import run_stages
+
+    with _progress("propagating and lowering"):
+        return run_stages(_load(args))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tvm_distx.reports.comm_report import comm_report
+    from tvm_distx.reports.views import comm_table
+
+    preset = _preset(args)
+    if preset is not None:  # the plan per layer, against the ideal
+        mod = _with_mesh(_load_plain(args), args.mesh)
+        with _progress("planning, propagating and lowering"):
+            summary = preset.layers(mod)
+        sys.stdout.write(str(summary) + "\n")
+        return EXIT_OK
+    report = comm_report(_propagated(args)["local_view"])
+    Console().print(comm_table(report))
+    return EXIT_OK
+
+
+def _autoshard(args: argparse.Namespace) -> int:
+    from tvm_distx.cli.autoshard import autoshard
+
+    return autoshard(args)
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tvm_distx.reports.comm_report import comm_report
+    from tvm_distx.build.pipeline import legalize_ops, run_stages
+    from tvm_distx.reports.views import comm_table, plot_value, sharding_tables, show_value
+
+    # legalized first, as compile does: TVM types few high-level operators on DTensors
+    _writable_file(args.png, "--png")
+    annotated = legalize_ops(_load(args))
+    with _progress("propagating and lowering"):
+        stages = run_stages(annotated)
+    console = Console()
+    for table in sharding_tables(annotated):
+        console.print(table)
+    console.print(comm_table(comm_report(stages["local_view"])))
+    if args.value:
+        function, _, value = args.value.partition(":")
+        if not value:
+            raise ArgumentError(f"--value takes FUNCTION:VALUE, got {args.value!r}",
+                                hint="for example --value mlp:A")
+        show_value(annotated, function, value, console=console)
+        if args.png:
+            try:
+                plot_value(annotated, function, value, path=args.png)
+            except OSError as err:
+                raise ArgumentError(f"cannot write --png {args.png}: {err.strerror}") from None
+            console.print(f"wrote {args.png}")
+    return EXIT_OK
+
+
+def _check_weights_complete(mod, function: str, weights: dict, path: Path) -> None:
+    """Refuse a ``--weights`` archive that leaves out some of the function's weights.
+
+    The weights are the parameters after the run-time inputs: the first
+    ``num_input`` parameters when the function says so (modules imported from
+    PyTorch do), otherwise every parameter from the first one the archive names.
+    A fused weight cut by ``--split-fused`` counts as given when its source is.
+    """
+    from tvm_distx.passes import derivations_of
+
+    if function not in [gv.name_hint for gv in mod.functions]:
+        return  # the compile itself names the missing function
+    func = mod[function]
+    names = [p.name for p in func.params]
+    derived = derivations_of(mod).get(function)
+    given = set(weights)
+    if derived:
+        given |= {p.name for p in derived.params if p.source in weights}
+    attrs = func.attrs
+    if attrs is not None and "num_input" in attrs:
+        expected = names[int(attrs["num_input"]):]
+    else:
+        first = next((i for i, n in enumerate(names) if n in given), len(names))
+        expected = names[first:]
+    missing = [n for n in expected if n not in given]
+    if missing:
+        inputs = [n for n in names if n not in expected]
+        raise ArgumentError(
+            f"{path} has no weight {', '.join(repr(n) for n in missing)} for '{function}', "
+            f"whose weights are {', '.join(expected)}"
+            + (f" (its run-time inputs: {', '.join(inputs)})" if inputs else ""),
+            hint=f"add {' and '.join(missing)} to {path.name} (numpy.savez), or leave "
+            "--weights out and pass every parameter with -i at run time")
+
+
+def _compile(args: argparse.Namespace, check: bool = False) -> int:
+    from tvm_distx import compile as compile_module
+
+    _output_directory(args.output, "-o")
+    mod = _load(args)
+    weights = {}
+    if args.weights:
+        try:
+            loaded = np.load(args.weights, allow_pickle=False)
+            if not hasattr(loaded, "files"):  # a .npy: one array, no names
+                raise ValueError("it holds one array, not arrays named by parameter")
+            with loaded as archive:
+                weights = {name: archive[name] for name in archive.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+            raise ArgumentError(f"cannot read weights from {args.weights}: {err}",
+                                hint="give an .npz of global weights keyed by parameter "
+                                "name (numpy.savez)") from None
+    if weights:
+        _check_weights_complete(mod, args.function, weights, args.weights)
+    options = {"vlen": args.vlen} if args.vlen else {}
+    with _progress(f"compiling for {args.target}"):
+        exe = compile_module(mod, target=args.target, **options)
+    with _progress(f"exporting {exe.num_ranks} ranks' weight shards"):
+        out = exe.export(args.output, params=weights, function=args.function)
+    if (check or args.check) and exe.target.is_riscv:
+        from tvm_distx.build.rvv import check_kernels
+
+        with _progress("checking every kernel under qemu"):
+            checks = check_kernels(out / "kernels", vlen=args.vlen or 128)
+        for c in checks:
+            sys.stdout.write(f"kernel {c.name}: max |error| {c.max_error:g} under qemu, "
+                             f"vector code {'ran' if c.vector_ran else 'absent'}\n")
+    sys.stdout.write(f"wrote the {exe.target.name} bundle for {exe.num_ranks} ranks to {out}\n")
+    return EXIT_OK
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    return _compile(args, check=True)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tvm_distx.runtime.launcher import launch
+
+    _output_directory(args.output, "-o")  # before any rank starts, not after the run
+    inputs, named = [], {}
+    for item in args.inputs:
+        # "-i x.npy" is the next input in parameter order; "-i A=A.npy" names its parameter
+        name, sep, path = str(item).partition("=")
+        if not sep or Path(item).is_file() or not name.isidentifier():
+            name, path = None, Path(item)
+        _input_file(Path(path), "input file")
+        try:
+            value = np.load(path, allow_pickle=False)
+        except ValueError as err:
+            raise ArgumentError(f"input file {path} is not a .npy array ({err})") from None
+        if name is None:
+            if named:
+                raise ArgumentError(f"input {item} comes after named inputs",
+                                    hint="give the inputs in order first, then NAME=PATH ones")
+            inputs.append(value)
+        elif name in named:
+            raise ArgumentError(f"input '{name}' is given twice", hint="give each input once")
+        else:
+            named[name] = value
+    hosts = [h for h in args.hosts.split(",") if h] if args.hosts else None
+    with _progress(f"running {args.n} ranks ({args.backend})"):
+        results = launch(args.bundle, inputs, params=named, num_ranks=args.n,
+                         function=args.function,
+                         timeout=args.timeout, backend=args.backend,
+                         **({"hosts": hosts} if hosts else {}))
+    results = results if isinstance(results, tuple) else (results,)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    for index, value in enumerate(results):
+        np.save(out / f"out{index}.npy", value)
+    sys.stdout.write(f"wrote {len(results)} result(s) to {out}\n")
+    return EXIT_OK
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tvm_distx.cli.generate import generate
+
+    return generate(args)
+
+
+# ---------------------------------------------------------------------- parser
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`ArgumentError` on bad usage instead of exiting."""
+
+    def error(self, message: str):
+        raise ArgumentError(message, hint=f"see {self.prog} --help")
+
+
+def _positive(kind):
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = False) -> None:
+    parser.add_argument("module", type=Path, help="a TVMScript file")
+    parser.add_argument("--rules", type=Path, required=rules_required,
+                        help="sharding rules: a JSON or YAML list of ShardingRule fields")
+    parser.add_argument("--preset", choices=["tensor-parallel"], default=None,
+                        help="instead of --rules: the tensor-parallel plan found from the "
+                        "graph's structure (presets.tensor_parallel())")
+    parser.add_argument("--mesh", default=None, metavar="N or AxB",
+                        help="the device mesh to add when the module has none (2, 2x2)")
+    parser.add_argument("--split-fused", action="store_true",
+                        help="first give each segment of a fused projection (q|k|v, gate|up) "
+                        "its own weight, <weight>_seg<j>, for the rules to place; --weights "
+                        "and run-time weights stay the fused ones")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tvm-distx",
+                                     description="Sharding, lowering and multi-rank execution "
+                                     "for TVM Relax's distributed IR.")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="log progress and show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("annotate", help="add sharding annotations from rules")
+    _module_arguments(p)
+    p.add_argument("-o", "--output", type=Path, help="write TVMScript here (default stdout)")
+    p.set_defaults(handler=_annotate)
+
+    p = sub.add_parser("propagate", help="propagate sharding through the whole module")
+    _module_arguments(p)
+    p.add_argument("--legalize", action="store_true",
+                   help="run LegalizeOps first (what compile does)")
+    p.add_argument("-o", "--output", type=Path, help="write TVMScript here (default stdout)")
+    p.set_defaults(handler=_propagate)
+
+    p = sub.add_parser("explain", help="sharding tables, comm report, one value's layout")
+    _module_arguments(p)
+    p.add_argument("--value", help="FUNCTION:VALUE to draw across the mesh")
+    p.add_argument("--png", type=Path, help="also draw --value into this PNG")
+    p.set_defaults(handler=_explain)
+
+    p = sub.add_parser("plan", help="the comm report: every collective with bytes per rank")
+    _module_arguments(p)
+    p.set_defaults(handler=_plan)
+
+    for name, handler, text in (("compile", _compile, "compile into a bundle"),
+                                ("bundle", _bundle, "compile into a bundle; for rvv, check "
+                                 "every kernel under qemu")):
+        p = sub.add_parser(name, help=text)
+        _module_arguments(p)
+        p.add_argument("--weights", type=Path, help="an .npz of global weights by parameter")
+        p.add_argument("--target", default="x86", choices=["x86", "rvv"])
+        p.add_argument("--vlen", type=_positive(int), default=None,
+                       help="RVV vector length in bits")
+        p.add_argument("--function", default="main")
+        p.add_argument("--check", action="store_true",
+                       help="for rvv: run every kernel under qemu against this host")
+        p.add_argument("-o", "--output", type=Path, required=True)
+        p.set_defaults(handler=handler)
+
+    p = sub.add_parser("autoshard", help="choose every placement by cost under a memory "
+                       "budget, and write them as editable rules")
+    p.add_argument("module", type=Path, help="a TVMScript file")
+    p.add_argument("--mesh", default=None, metavar="N or AxB", help="the device mesh (2, 2x2)")
+    p.add_argument("--memory", default=None, metavar="SIZE",
+                   help="bytes per rank for weights and activations (1GiB, 512MiB)")
+    p.add_argument("--objective", choices=["latency", "throughput"], default="latency")
+    p.add_argument("--rules", type=Path, default=None,
+                   help="parameter rules the plan must keep (JSON or YAML)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="a cost profile (JSON, from tvm_distx.profile(...).save(path))")
+    p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS",
+                   help="the solver's time limit (the report gives the optimality gap)")
+    p.add_argument("--function", default="main",
+                   help="the function to plan (decode, prefill; default main)")
+    p.add_argument("--size", action="append", default=[], metavar="NAME=INT",
+                   help="the example size of a symbolic extent to price the plan at "
+                   "(--size seq=128; repeatable); the rules serve every size")
+    p.add_argument("-o", "--output", type=Path,
+                   help="write the rules here, YAML or .json (default YAML on stdout)")
+    p.set_defaults(handler=_autoshard)
+
+    p = sub.add_parser("run", help="run a bundle on N ranks")
+    p.add_argument("bundle", type=Path, help="a directory written by compile or bundle")
+    p.add_argument("-n", type=_positive(int), required=True, help="the number of ranks")
+    p.add_argument("--backend", default="mpi", choices=["mpi", "disco"])
+    p.add_argument("--function", default="main")
+    p.add_argument("-i", "--inputs", nargs="+", action="extend", default=[], metavar="NPY",
+                   help="global inputs, in parameter order (-i a.npy b.npy, or -i a.npy -i b.npy); "
+                   "NAME=PATH gives a parameter by name (-i x=x.npy)")
+    p.add_argument("-o", "--output", default="out", help="directory for the results")
+    p.add_argument("--timeout", type=_positive(float), default=300.0,
+                   help="seconds before a stuck run is stopped")
+    p.add_argument("--hosts", default=None,
+                   help="comma-separated hosts for mpiexec -hosts (the bundle must be at the "
+                   "same path on each)")
+    p.set_defaults(handler=_run)
+
+    p = sub.add_parser("generate", help="greedy tokens from a generation bundle "
+                       "(CausalLM.export), on its ranks")
+    p.add_argument("bundle", type=Path, help="a directory written by CausalLM.export")
+    p.add_argument("--ids", type=int, nargs="+", help="the prompt's token ids")
+    p.add_argument("--input", type=Path, help="the prompt's token ids as a .npy array")
+    p.add_argument("--max-new-tokens", type=_positive(int), default=32)
+    p.add_argument("--backend", default="mpi", metavar="mpi|disco|emulate",
+                   help="where the ranks run: MPI processes (default), disco worker "
+                   "processes on this host, or threads of this process")
+    p.add_argument("-n", "--ranks", type=_positive(int), default=None,
+                   help="the rank count; the bundle fixes it, so this only checks it")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="stop at the model's end token (kept in the output)")
+    p.add_argument("-o", "--output", type=Path,
+                   help="also save the prompt and the new tokens as a (1, n) .npy")
+    p.add_argument("--timeout", type=_positive(float), default=300.0,
+                   help="seconds for the ranks to start and for each step")
+    p.set_defaults(handler=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
+        # from here on Ctrl-C raises KeyboardInterrupt, caught below after cleaning up
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        parser = _parser()
+        args = parser.parse_args(argv)
+    except ArgumentError as err:  # bad usage: argparse's conventional exit, our message
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"tvm-distx: error: {err}\n")
+        raise SystemExit(EXIT_USAGE) from None
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return EXIT_INTERRUPTED
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return EXIT_INTERRUPTED
+    except DistxError as err:
+        if args.verbose:
+            logger.exception("tvm-distx failed")
+        sys.stderr.write(f"tvm-distx: error: {err.for_cli()}\n")
+        return EXIT_FAILED if isinstance(err, LaunchError) else EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Importing PyTorch models: ``from_torch`` wraps ``torch.export`` and TVM's frontend.
+
+The module's parameters stay named inputs of ``main`` (so that presets can
+shard them by name) and come back as a dict of numpy arrays. TVM's frontend
+names a parameter ``p_`` followed by its dotted PyTorch name with dots turned
+into underscores: ``layers.0.mlp.fc1.weight`` becomes
+``p_layers_0_mlp_fc1_weight``.
+
+For token generation, :func:`export_decoder` (in :mod:`tvm_distx.frontend.decoder`)
+imports a causal LM as ``prefill`` and ``decode`` functions with the key-value
+cache as explicit inputs and outputs.
+
+A Hugging Face causal language model (a transformers ``PreTrainedModel``)
+imports as it is, with no wrapper: its forward is traced from ``input_ids``
+with ``use_cache=False``, so the program returns the logits alone (no key-value
+cache object), and its parameter names are the model's own. Operators TVM's
+frontend lacks are translated by :mod:`tvm_distx.frontend.torch_ops`.
+
+``dynamic_shapes`` is torch.export's own argument: a dimension marked
+``torch.export.Dim`` becomes a symbolic dimension of the Relax program, so one
+import (and one :func:`tvm_distx.compile`) serves every size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator, NamedTuple
+
+import numpy as np
+import tvm
+
+from tvm_distx.errors import ArgumentError, UnsupportedProgramError
+
+__all__ = ["from_torch", "is_hf_causal_lm", "relax_name"]
+
+logger = logging.getLogger(__name__)
+
+
+def relax_name(torch_name: str) -> str:
+    """The name of a PyTorch parameter in the imported module (``a.b.weight`` -> ``p_a_b_weight``)."""
+    return "p_" + torch_name.replace(".", "_")
+
+
+def is_hf_causal_lm(module) -> bool:
+    """Whether ``module`` is a transformers model (checked without importing transformers)."""
+    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
+               for cls in type(module).__mro__)
+
+
+def _export_arguments(module, example_inputs: tuple, dynamic_shapes):
+    """``(args, kwargs, dynamic_shapes)`` for ``torch.export.export`` of ``module``.
+
+    A transformers model is called as ``model(input_ids=..., use_cache=False)``,
+    so that its output holds the logits only; ``dynamic_shapes`` given for the
+    positional ``example_inputs`` is keyed by name to match.
+    """
+    if not is_hf_causal_lm(module):
+        return example_inputs, {}, dynamic_shapes
+    if len(example_inputs) != 1:
+        raise ArgumentError(
+            f"a Hugging Face {type(module).__name__} is imported from input_ids alone, "
+            f"not {len(example_inputs)} example inputs",
+            hint="from_torch(model, (input_ids,)) with input_ids of shape (batch, sequence)")
+    if dynamic_shapes is not None and isinstance(dynamic_shapes, (tuple, list)):
+        dynamic_shapes = {"input_ids": dynamic_shapes[0]}
+    return (), {"input_ids": example_inputs[0]}, dynamic_shapes
+
+
+@contextlib.contextmanager
+def _without_cache(module) -> Iterator[None]:
+    """A transformers model's config set not to build a key-value cache, for the export.
+
+    Passing ``use_cache=False`` as an argument would make it an input of the
+    exported program; the config's default is read at trace time instead.
+    """
+    config = getattr(module, "config", None) if is_hf_causal_lm(module) else None
+    if config is None or not hasattr(config, "use_cache"):
+        yield
+        return
+    saved = config.use_cache
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = saved
+
+
+def _writes_into_views(exported) -> bool:
+    """Whether an exported graph has an in-place operator whose target is a view.
+
+    Writing into a fresh value (``x.div_(s)``) is handled by our converters;
+    writing through a view (``slice``, ``select``, ...) is not.
+    """
+    views = set()
+    for node in exported.graph.nodes:
+        if node.op != "call_function":
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            continue
+        if any(a.alias_info is not None and not a.alias_info.is_write for a in schema.returns):
+            views.add(node)
+        if schema.is_mutable and node.args and node.args[0] in views:
+            return True
+    return False
+
+
+class WeightSpec(NamedTuple):
+    """A weight's shape and dtype, where its values were not copied (``with_weights=False``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
+               unwrap_single_result: bool = True, decompose: bool = False,
+               with_weights: bool = True) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
+    """Import a PyTorch module as a Relax module whose weights are named parameters of ``main``.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model, in eval mode.
+    example_inputs : tuple of torch.Tensor
+        Inputs of the traced forward (for a Hugging Face model: ``(input_ids,)``).
+    dynamic_shapes : optional
+        torch.export's ``dynamic_shapes`` for ``example_inputs``, e.g.
+        ``({1: torch.export.Dim("seq", max=512)},)``: those dimensions become
+        symbolic in the Relax program.
+    unwrap_single_result : bool
+        Return a tensor, not a 1-tuple, when the model returns one tensor.
+    decompose : bool
+        Run torch.export's decompositions first. Off by default: they turn a
+        4-D attention matmul into a reshape that merges batch and heads and a
+        3-D batch matmul, across which a split of the heads cannot be kept
+        (the heads would be all-gathered); the 4-D matmul keeps them split.
+    with_weights : bool
+        Copy the weights out of the module. ``False`` gives each weight's
+        :class:`WeightSpec` instead and reads no weight: for a module whose
+        weights are placeholders (built without initialisation, to be read
+        from a checkpoint later).
+
+    Returns
+    -------
+    (tvm.IRModule, dict of str to numpy.ndarray)
+        The module (``main`` takes the inputs, then the weights) and the
+        weights by parameter name (see :func:`relax_name`).
+
+    Raises
+    ------
+    ArgumentError
+        If ``torch.export`` cannot trace the module.
+    UnsupportedProgramError
+        If TVM's frontend cannot translate an operator.
+    """
+    import torch
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from tvm_distx.frontend.torch_moe import static_experts
+    from tvm_distx.frontend.torch_ops import CONVERTERS
+
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    args, kwargs, dynamic_shapes = _export_arguments(module, example_inputs, dynamic_shapes)
+    try:
+        with torch.no_grad(), _without_cache(module), static_experts(module):
+            exported = torch.export.export(module.eval(), args, kwargs,
+                                           dynamic_shapes=dynamic_shapes)
+        if _writes_into_views(exported):
+            # ``y[..., :8].copy_(x)`` writes into a view of y; TVM's frontend would
+            # copy into a temporary. Functionalising (no decomposition) turns such
+            # writes into slice_scatter and the like.
+            exported = exported.run_decompositions({})
+    except Exception as err:  # torch raises many types while tracing
+        raise ArgumentError(f"torch.export could not trace {type(module).__name__}: "
+                            f"{type(err).__name__}: {str(err).splitlines()[0]}",
+                            hint="make forward traceable (no data-dependent Python control "
+                            "flow) or export it yourself") from None
+    try:
+        mod = from_exported_program(exported, keep_params_as_input=True,
+                                    unwrap_unit_return_tuple=unwrap_single_result,
+                                    run_ep_decomposition=decompose,
+                                    custom_convert_map=dict(CONVERTERS))
+    except Exception as err:  # the frontend raises assertion and key errors
+        raise UnsupportedProgramError(
+            f"TVM's PyTorch frontend cannot translate {type(module).__name__}: "
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+            hint="replace the operator with supported ones, or pass the module through "
+            "tvm.relax.frontend.torch with a custom_convert_map",
+        ) from None
+    mod, detached = relax.frontend.detach_params(mod)
+    main = mod["main"]
+    count = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else 0
+    names = [p.name for p in main.params[count:]]
+    values = detached.get("main", [])
+    if with_weights:
+        weights = {name: value.numpy() for name, value in zip(names, values)}
+    else:  # shapes and dtypes only: the placeholders' memory is never touched
+        weights = {name: WeightSpec(tuple(int(d) for d in value.shape), str(value.dtype))
+                   for name, value in zip(names, values)}
+    logger.info("imported %s: %d inputs, %d weights", type(module).__name__, count, len(weights))
+    return mod, weights

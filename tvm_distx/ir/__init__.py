@@ -1,0 +1,6 @@
+"""Helpers over Relax IR shared by the compiler's passes (internal).
+
+- :mod:`~tvm_distx.ir.helpers`: small questions about Relax expressions and types;
+- :mod:`~tvm_distx.ir.module_pass`: TVM's module-pass decorator, keeping our errors intact;
+- :mod:`~tvm_distx.ir.rewriter`: re-emitting a Relax function binding by binding.
+"""

@@ -1,0 +1,154 @@
+"""Small helpers over Relax IR shared by the passes (internal)."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Iterator
+
+import tvm
+from tvm import relax
+from tvm.relax.distributed import DTensorType
+
+from tvm_distx.layout import Placement
+from tvm_distx.layout.mesh import DeviceMesh
+
+
+@lru_cache(maxsize=None)
+def op(name: str) -> tvm.ir.Op:
+    """Look a Relax operator up once."""
+    return tvm.ir.Op.get(name)
+
+
+def is_call_to(expr, op_name: str) -> bool:
+    """True when ``expr`` is a call of the operator ``op_name``."""
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and (
+        expr.op.name == op_name
+    )
+
+
+def callee_name(call: relax.Call) -> str | None:
+    """The name of the Relax function a call targets (None for operator calls)."""
+    if isinstance(call.op, tvm.ir.GlobalVar):
+        return call.op.name_hint
+    return None
+
+
+def static_shape(ty) -> tuple[int | None, ...] | None:
+    """The shape of a tensor type, ``None`` per dynamic dimension; ``None`` if unknown rank."""
+    if isinstance(ty, DTensorType):
+        ty = ty.tensor_ty
+    if not isinstance(ty, relax.TensorType) or ty.ndim < 0:
+        return None
+    shape = ty.shape
+    if not isinstance(shape, relax.ShapeExpr):
+        return (None,) * ty.ndim
+    return tuple(int(v.value) if isinstance(v, tvm.tirx.IntImm) else None for v in shape.values)
+
+
+def is_tensor_type(ty) -> bool:
+    """True for ``R.Tensor`` and ``R.DTensor`` types."""
+    return isinstance(ty, (relax.TensorType, DTensorType))
+
+
+def dtensor_sharding(ty) -> tuple[DeviceMesh, Placement] | None:
+    """The (mesh, placement) a ``R.DTensor`` type carries, None for other types."""
+    if not isinstance(ty, DTensorType):
+        return None
+    return DeviceMesh.from_tvm(ty.device_mesh), Placement.from_tvm(ty.placement)
+
+
+def operand_vars(expr) -> list:
+    """The variables an expression reads directly: a call's arguments (tuples opened),
+    a tuple's fields, a tuple item's tuple, or the variable itself."""
+    if isinstance(expr, relax.Call):
+        out = []
+        for arg in expr.args:
+            out.extend(operand_vars(arg) if isinstance(arg, relax.Tuple) else
+                       [arg] if isinstance(arg, relax.Var) else [])
+        return out
+    if isinstance(expr, relax.Tuple):
+        return [f for f in expr.fields if isinstance(f, relax.Var)]
+    if isinstance(expr, relax.TupleGetItem):
+        return operand_vars(expr.tuple_value)
+    return [expr] if isinstance(expr, relax.Var) else []
+
+
+def relax_functions(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, relax.Function]]:
+    """The module's Relax functions in program order.
+
+    Program order is: public functions (those with a ``global_symbol``) first,
+    then private ones, each group sorted by name. It is deterministic and does
+    not depend on how the module was built.
+    """
+    funcs = [(gv, f) for gv, f in mod.functions.items() if isinstance(f, relax.Function)]
+
+    def key(item):
+        gv, func = item
+        public = func.attrs is not None and "global_symbol" in func.attrs
+        return (0 if public else 1, gv.name_hint)
+
+    return iter(sorted(funcs, key=key))
+
+
+def tvm_error_reason(err: Exception) -> str:
+    """The last line of a TVM error, with printed operators shortened to their names.
+
+    TVM prints an operator in a message as its whole ``ir.Op(...)`` object
+    (description, arguments, attributes); the name is what a user needs.
+    """
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    line = text.splitlines()[-1]
+    out, start = [], 0
+    while (begin := line.find("ir.Op(", start)) >= 0:
+        depth, end = 0, begin + len("ir.Op")
+        for end in range(begin + len("ir.Op"), len(line)):
+            depth += {"(": 1, ")": -1}.get(line[end], 0)
+            if depth == 0:
+                break
+        name = re.search(r'name="([^"]+)"', line[begin:end])
+        out.append(line[start:begin] + (name.group(1) if name else "an operator"))
+        start = end + 1
+    return "".join(out) + line[start:]
+
+
+# --------------------------------------------------------------------------- KV-cache builtins
+#: TVM's attention KV-cache builtins, by role: the plain name (global view before
+#: propagation, and each rank's program after lowering) and the distributed name
+#: that TVM's ``PropagateSharding`` gives a call on sharded values. The cache
+#: object holds what was written into it; each rank's cache holds its own shard.
+#: ``create`` (initial data, reserved shape, fill count) has no distributed name
+#: in TVM; it keeps its name, and lowering gives it the local reserved shape.
+KV_BUILTINS = {
+    "create": ("vm.builtin.attention_kv_cache_create", "vm.builtin.attention_kv_cache_create"),
+    "append": ("vm.builtin.attention_kv_cache_append",
+               "vm.builtin.distributed.attention_kv_cache_append"),
+    "view": ("vm.builtin.attention_kv_cache_view",
+             "vm.builtin.distributed.attention_kv_cache_view"),
+}
+
+
+def kv_builtin(expr) -> tuple[str, bool] | None:
+    """``(role, distributed)`` for a call of a KV-cache builtin (plain or distributed), else None.
+
+    ``role`` is ``"create"`` (arguments: initial data, reserved shape, fill
+    count), ``"append"`` (arguments: cache, value) or ``"view"`` (arguments:
+    cache, shape; the result type is the call's ``ty_args``).
+    """
+    if not (isinstance(expr, relax.Call) and isinstance(expr.op, relax.ExternFunc)):
+        return None
+    symbol = str(expr.op.global_symbol)
+    for role, names in KV_BUILTINS.items():
+        if symbol in names:
+            return role, symbol == names[1]
+    return None
+
+
+def kv_renamed(call: relax.Call, distributed: bool, args=None, ty_args=None) -> relax.Call:
+    """The same KV-cache builtin call under its plain or distributed name."""
+    role, _ = kv_builtin(call)
+    name = KV_BUILTINS[role][1 if distributed else 0]
+    return relax.Call(relax.ExternFunc(name), list(call.args if args is None else args),
+                      call.attrs, list(call.ty_args if ty_args is None else ty_args), call.span)

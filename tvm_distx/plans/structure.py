@@ -1,0 +1,253 @@
+"""A model's structure as the plans read it: its linears, their heads, and each weight's role.
+
+:class:`ModelGraph` reads one dataflow function of a module as
+:func:`tvm_distx.from_torch` imports it (before ``LegalizeOps``): its bindings,
+their users, and every *linear* (a ``matmul`` of an activation with a weight
+parameter, with an optional bias). The plans of this package ask it which
+linears write a residual branch, which read a block's input, and which are cut
+into attention heads; :class:`WeightRole` is the answer they record for each
+weight. It is pure analysis: nothing here changes the module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax
+
+from tvm_distx.ir import helpers as _ir
+
+__all__ = ["LinearSite", "ModelGraph", "WeightRole", "attention_heads", "linear_outputs",
+           "tied_weights"]
+
+
+#: Operators a row-parallel linear's result may pass before its residual ``add``: layout
+#: changes, and a scaling (a shared expert's per-token gate), which a sum over ranks
+#: passes too (:class:`tvm_distx.legalize.merge_allreduce.MergeAllReduces`).
+_BRANCH_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.astype",
+                         "relax.multiply"})
+
+
+@dataclass(frozen=True)
+class WeightRole:
+    """What the plan does with one weight.
+
+    Attributes
+    ----------
+    param : str
+        The parameter of ``main``.
+    role : str
+        ``"column"``, ``"row"``, ``"lm_head"``, ``"vocab"`` (a vocabulary-parallel
+        embedding table, or its offsets) or ``"replicated"``.
+    axis : int or None
+        The weight axis split on the model mesh axis (None when replicated).
+    reason : str
+        Why, in one line.
+    bias : bool
+        Whether the parameter is a linear's bias (or a table's offsets).
+    lookup : bool
+        Whether the weight is a vocabulary-parallel embedding table (an LM head
+        tied to one too): its lookups cost one all-reduce each.
+    """
+
+    param: str
+    role: str
+    axis: int | None
+    reason: str
+    bias: bool = False
+    lookup: bool = False
+
+
+@dataclass
+class LinearSite:
+    """A matmul of an activation with a weight parameter (internal, holds IR)."""
+
+    weight: str
+    out_axis: int       # the weight axis of the output features
+    bias: str | None
+    source: relax.Expr  # the activation operand
+    result: relax.Var   # after the bias
+    matmul: relax.Var   # the matmul itself
+
+
+class ModelGraph:
+    """Bindings, users and linears of one dataflow function."""
+
+    def __init__(self, func: relax.Function) -> None:
+        self.func = func
+        self.params = {p.name: p for p in func.params}
+        self.value: dict = {}
+        self.users: dict = {}
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                self.value[binding.var] = binding.value
+                for operand in _ir.operand_vars(binding.value):
+                    self.users.setdefault(operand, []).append(binding.var)
+        self.outputs = set(_ir.operand_vars(func.body.body)) | {func.body.body}
+        self.linears: dict = {}  # matmul var (and bias-add var) -> LinearSite
+        for var, value in self.value.items():
+            linear = self._linear(var, value)
+            if linear is not None:
+                self.linears[linear.result] = linear
+
+    def _param_name(self, expr) -> str | None:
+        if isinstance(expr, relax.Var) and expr.name in self.params and \
+                self.params[expr.name].same_as(expr) and _ir.static_shape(expr.ty) and \
+                len(_ir.static_shape(expr.ty)) == 2:
+            return expr.name
+        return None
+
+    def is_bias(self, expr) -> bool:
+        """A 1-D parameter (a bias)."""
+        return isinstance(expr, relax.Var) and expr.name in self.params and \
+            len(_ir.static_shape(expr.ty) or ()) == 1
+
+    def only_used_by(self, param: str, linear: LinearSite) -> bool:
+        """Whether the weight ``param`` feeds nothing but ``linear`` (it is not tied)."""
+        users = self.users.get(self.params[param], [])
+        return all(u is linear.matmul or (
+            _ir.is_call_to(self.value[u], "relax.permute_dims") and
+            self.users.get(u, []) == [linear.matmul]) for u in users)
+
+    def _linear(self, var, value) -> LinearSite | None:
+        if not _ir.is_call_to(value, "relax.matmul"):
+            return None
+        source, other = value.args
+        weight, out_axis = self._param_name(other), 1
+        if weight is None and isinstance(other, relax.Var) and \
+                _ir.is_call_to(self.value.get(other), "relax.permute_dims"):
+            transpose = self.value[other]
+            axes = transpose.attrs.axes
+            if axes is None or [int(a) for a in axes] == [1, 0]:
+                weight, out_axis = self._param_name(transpose.args[0]), 0
+        if weight is None:
+            return None
+        result, bias = var, None
+        users = self.users.get(var, [])
+        if len(users) == 1 and _ir.is_call_to(self.value[users[0]], "relax.add"):
+            add = self.value[users[0]]
+            other_operand = add.args[1] if add.args[0].same_as(var) else add.args[0]
+            name = (other_operand.name if isinstance(other_operand, relax.Var) and
+                    other_operand.name in self.params else None)
+            if name is not None and len(_ir.static_shape(other_operand.ty) or ()) == 1:
+                result, bias = users[0], name
+        return LinearSite(weight, out_axis, bias, source, result, var)
+
+    def is_output_projection(self, linear: LinearSite) -> bool:
+        """Whether the linear's result is the function's output (through layout ops)."""
+        return linear.result in self.outputs or self.forward_to(
+            linear.result, lambda u, _: u in self.outputs) is not None
+
+    def forward_to(self, var, stop) -> relax.Var | None:
+        """The first user of ``var`` (through layout ops) for which ``stop`` holds."""
+        seen = var
+        while True:
+            users = self.users.get(seen, [])
+            if len(users) != 1:
+                return None
+            user = users[0]
+            value = self.value[user]
+            if stop(user, value):
+                return user
+            if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and
+                    value.op.name in _BRANCH_OPS):
+                return None
+            seen = user
+
+    def reaches(self, var, op_name: str, depth: int = 6) -> bool:
+        """Whether a call to ``op_name`` uses ``var`` within ``depth`` bindings downstream."""
+        frontier, seen = [var], set()
+        for _ in range(depth):
+            following = []
+            for node in frontier:
+                for user in self.users.get(node, []):
+                    if user in seen:
+                        continue
+                    seen.add(user)
+                    if _ir.is_call_to(self.value[user], op_name):
+                        return True
+                    following.append(user)
+            frontier = following
+        return False
+
+    def linears_behind(self, expr) -> list[LinearSite]:
+        """The linears reached walking back from ``expr`` without crossing a linear."""
+        found, stack, seen = [], [expr], set()
+        while stack:
+            node = stack.pop()
+            if not isinstance(node, relax.Var) or node in seen:
+                continue
+            seen.add(node)
+            if node in self.linears:
+                found.append(self.linears[node])
+                continue
+            value = self.value.get(node)
+            if value is not None:
+                stack.extend(_ir.operand_vars(value))
+        return found
+
+    def heads_of(self, linear: LinearSite) -> tuple[int, int] | None:
+        """``(heads, head_dim)`` if the linear's result is reshaped to them, else None.
+
+        The heads reshape is the first one, through layout operators, that cuts
+        the last axis of what it reshapes in two, ``(..., width) -> (...,
+        heads, head_dim)``, the leading axes holding the same elements in any
+        arrangement (multi-head latent attention reshapes ``(batch, 1, seq,
+        width)`` to ``(batch, seq, heads, head_dim)``). A reshape that keeps
+        the last axis (unflattening ``(tokens, width)`` to ``(batch, seq,
+        width)``, whose leading extents may be 1 when one token is decoded) is
+        passed.
+        """
+        def is_heads_reshape(user, value):
+            if not _ir.is_call_to(value, "relax.reshape"):
+                return False
+            src, dst = _ir.static_shape(value.args[0].ty), _ir.static_shape(user.ty)
+            if src is None or dst is None or len(dst) < 2 or None in (src[-1], *dst[-2:]):
+                return False
+            if dst[-1] == src[-1] or dst[-2] * dst[-1] != src[-1]:
+                return False
+            if None in (*src[:-1], *dst[:-2]):  # a symbolic token count: one axis more
+                return len(dst) == len(src) + 1
+            return math.prod(dst[:-2]) == math.prod(src[:-1])
+
+        found = self.forward_to(linear.result, is_heads_reshape)
+        if found is None:
+            return None
+        dst = _ir.static_shape(found.ty)
+        return dst[-2], dst[-1]
+
+
+def attention_heads(mod: tvm.IRModule,
+                    function: str = "main") -> dict[str, tuple[int, str | None]]:
+    """Every linear whose result is reshaped into heads: weight -> ``(heads, bias)``.
+
+    Read from the graph (the reshape to ``(..., heads, head_dim)``), as
+    :func:`tensor_parallel` reads it; other plans ask it which projections
+    cannot be split by whole heads.
+    """
+    graph = ModelGraph(mod[function])
+    out = {}
+    for linear in graph.linears.values():
+        heads = graph.heads_of(linear)
+        if heads is not None:
+            out[linear.weight] = (heads[0], linear.bias)
+    return out
+
+
+def tied_weights(mod: tvm.IRModule, function: str = "main") -> set[str]:
+    """The linears' weights that something else reads too (an LM head tied to the embedding).
+
+    :func:`tensor_parallel` keeps such a weight whole, and :func:`tvm_distx.plans.presets.from_hf`
+    asks it which splits of transformers' plan to drop.
+    """
+    graph = ModelGraph(mod[function])
+    return {linear.weight for linear in graph.linears.values()
+            if not graph.only_used_by(linear.weight, linear)}
+
+
+def linear_outputs(mod: tvm.IRModule, function: str = "main") -> dict[str, str]:
+    """Every linear's weight -> the name of its matmul's result (names survive lowering)."""
+    graph = ModelGraph(mod[function])
+    return {linear.weight: linear.matmul.name for linear in graph.linears.values()}

@@ -1,0 +1,120 @@
+"""``explain``: for every value, its mesh, placement, local shape and why.
+
+Every sharding system is asked "why is this tensor sharded like that?". This
+module answers from the solver's own records: each decision carries the
+annotation or rule that made it. A partial sum shows as ``"P"`` on the mesh
+axes its summed dimension is split on (``"P"``, ``"S[0]P"``), with the reason
+saying how it is completed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tvm_distx.layout import TensorSharding
+
+if TYPE_CHECKING:  # TVM is loaded by the functions that use it (the CLI starts fast)
+    import tvm
+
+__all__ = ["ShardingRow", "ShardingReport", "explain"]
+
+
+@dataclass(frozen=True)
+class ShardingRow:
+    """One value of one function."""
+
+    function: str
+    value: str
+    global_shape: tuple
+    mesh: str
+    placement: str
+    local_shape: tuple
+    reason: str
+    #: the value's layout as its producer leaves it (``mesh`` and ``placement`` as objects)
+    sharding: TensorSharding
+
+
+@dataclass(frozen=True)
+class ShardingReport:
+    """The rows of :func:`explain`; ``str()`` renders them as a table."""
+
+    rows: tuple[ShardingRow, ...]
+
+    def for_function(self, name: str) -> tuple[ShardingRow, ...]:
+        """The rows of one function."""
+        return tuple(r for r in self.rows if r.function == name)
+
+    def row(self, function: str, value: str) -> ShardingRow:
+        """The row of one value; KeyError when there is none."""
+        for r in self.rows:
+            if (r.function, r.value) == (function, value):
+                return r
+        raise KeyError(f"{function}.{value}")
+
+    def __str__(self) -> str:
+        header = ("value", "global shape", "mesh", "placement", "local shape", "why")
+        lines: list[str] = []
+        functions = list(dict.fromkeys(r.function for r in self.rows))
+        for name in functions:
+            table = [header] + [
+                (r.value, _shape(r.global_shape), r.mesh, r.placement, _shape(r.local_shape),
+                 r.reason)
+                for r in self.for_function(name)
+            ]
+            widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+            lines.append(f"function {name}")
+            for row in table:
+                cells = [cell.ljust(width) for cell, width in zip(row, widths)] + [row[-1]]
+                lines.append("  " + "  ".join(cells).rstrip())
+            lines.append("")
+        return "\n".join(lines).rstrip() + "\n"
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+
+
+def explain(mod: tvm.IRModule) -> ShardingReport:
+    """Explain how :class:`tvm_distx.passes.PropagateSharding` shards ``mod``.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        The annotated module (before propagation).
+
+    Returns
+    -------
+    ShardingReport
+        One row per tensor value (parameters first, then bindings) of every
+        function that propagation writes, named as in the propagated module.
+    """
+    from tvm_distx.ir import helpers as _ir
+    from tvm_distx.passes.propagate_sharding import propagate
+
+    result = propagate(mod, warn_unlegalized=False)  # read, never lowered
+    rows = []
+    for name, analysis in result.analyses.items():
+        values = list(analysis.func.params) + [b.var for b in analysis.bindings]
+        for var in values:
+            for slot in range(analysis.tensor_slots(var)):
+                decision = analysis.get(var, slot)
+                if decision is None:
+                    continue
+                ty = var.ty.fields[slot] if analysis.tensor_slots(var) > 1 else var.ty
+                shape = _ir.static_shape(ty) or ()
+                label = var.name if analysis.tensor_slots(var) == 1 else f"{var.name}[{slot}]"
+                sharding = decision.sharding
+                rows.append(
+                    ShardingRow(
+                        function=name,
+                        value=label,
+                        global_shape=shape,
+                        mesh=sharding.mesh.name or str(sharding.mesh.shape),
+                        placement=str(decision.produced.placement),
+                        local_shape=sharding.local_shape(shape),
+                        reason=decision.reason,
+                        sharding=decision.produced,
+                    )
+                )
+    return ShardingReport(tuple(rows))
