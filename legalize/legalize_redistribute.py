@@ -43,18 +43,19 @@ from __future__ import annotations
 
 import logging
 
-import tvm
 from tvm import relax
+import tvm
 from tvm.relax.distributed import DTensorType
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvm_distx import ccl
+from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.ir.module_pass import module_pass
-from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.layout import TensorSharding
-
-from tvm_distx.legalize.partial_sums import completed, fold_targets, partial_sum, plan_completion, true_sharding
+from tvm_distx.legalize.lower_distir import module_devices
+from tvm_distx.legalize.partial_sums import (completed, fold_targets, partial_sum, plan_completion,
+                                             true_sharding)
 from tvm_distx.legalize.planner import Collective, plan_redistribute
 
 __all__ = ["LegalizeRedistribute", "RUNTIME_FUNCTIONS"]
@@ -222,7 +223,6 @@ class LegalizeRedistribute:
         self.tvm_forms = tvm_forms
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        from tvm_distx.legalize.lower_distir import module_devices
 
         world = len(module_devices(mod)) if self.tvm_forms else None
         out = mod.clone()

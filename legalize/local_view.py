@@ -42,17 +42,16 @@ from __future__ import annotations
 
 import logging
 
-import tvm
 from tvm import relax
-from tvm.relax.distributed import DTensorType
-from tvm.relax.distributed import transform as dist_transform
+import tvm
+from tvm.relax.distributed import DTensorType, transform as dist_transform
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.s_tir.transform import StmtSimplify
 
+from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.ir.module_pass import module_pass
-from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.layout import Placement, Replicate, TensorSharding
-
 from tvm_distx.legalize.merge_allreduce import MergeAllReduces
 from tvm_distx.legalize.split_extents import bind_split_extents
 
@@ -140,7 +139,6 @@ def _simplify_sharded_kernels(mod: tvm.IRModule) -> tuple[tvm.IRModule, set[str]
     fold the ``//`` and ``%`` a legalized reshape writes. The kernels compute
     the same values.
     """
-    from tvm.s_tir.transform import StmtSimplify
 
     out = mod.clone()
     done: set[str] = set()

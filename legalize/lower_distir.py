@@ -43,19 +43,18 @@ from __future__ import annotations
 
 import logging
 
-import tvm
 from tvm import relax
+import tvm
 from tvm.relax.distributed import DTensorType
 
 from tvm_distx import ccl
+from tvm_distx.ccl import REDUCE_KINDS, CollectiveGroup
+from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.ir.rewriter import FunctionRewriter
-from tvm_distx.errors import UnsupportedProgramError
-from tvm_distx.ccl import REDUCE_KINDS, CollectiveGroup
-from tvm_distx.layout.mesh import DeviceMesh
 from tvm_distx.layout import TensorSharding
-
+from tvm_distx.layout.mesh import DeviceMesh, module_meshes
 from tvm_distx.legalize.partial_sums import partial_sum
 from tvm_distx.legalize.split_extents import drop_extents_param
 
@@ -207,7 +206,6 @@ def _is_public(func: relax.Function) -> bool:
 
 def module_devices(mod: tvm.IRModule) -> list[int]:
     """The global device ids of a module: ``0 .. device_num - 1``, or up to its last mesh's."""
-    from tvm_distx.layout.mesh import module_meshes
 
     count = 0
     if mod.attrs is not None and "device_num" in mod.attrs:
@@ -498,7 +496,6 @@ def _send_recv_spec(value) -> ccl.SendRecvSpec | None:
 
 def _on_dtensors(var: relax.Var, call: relax.Call) -> bool:
     """Whether a call's result or a tensor argument is a DTensor (a plain one runs as it is)."""
-    from tvm.relax.distributed import DTensorType
 
     args = call.args[1].fields if len(call.args) > 1 and isinstance(call.args[1], relax.Tuple) \
         else call.args

@@ -1,14 +1,23 @@
-"""Layers point downward: a rank process loads the runtime and the layout core, not the compiler."""
+"""Layers point downward, declared as import-linter contracts and checked here.
+
+``[tool.importlinter]`` in pyproject.toml lists the layers; ``lint-imports`` checks them
+(with every import, those inside functions included), that no package has an import cycle
+between its modules, and that private modules stay in their package. The other tests check
+what the contracts cannot see: which imports may wait inside a function, and what a rank
+process or ``import tvm_distx`` actually loads.
+"""
 
 from __future__ import annotations
 
 import ast
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-import tvm_distx
 
 RANK_ENTRY_POINTS = ("tvm_distx.runtime.worker", "tvm_distx.runtime.disco_worker")
 COMPILER = ("tvm_distx.passes", "tvm_distx.legalize")
@@ -35,37 +44,9 @@ def test_rank_entry_points_do_not_import_the_compiler():
     assert compiler == [], f"a rank process imports compiler modules: {compiler}"
 
 
-def test_ccl_and_views_do_not_import_the_compiler():
-    loaded = _loaded_after_importing("tvm_distx.ccl", "tvm_distx.reports.views", "tvm_distx.layout",
-                                     "tvm_distx.runtime")
+def test_ccl_layout_and_runtime_do_not_import_the_compiler():
+    loaded = _loaded_after_importing("tvm_distx.ccl", "tvm_distx.layout", "tvm_distx.runtime")
     assert [m for m in loaded if m.startswith(COMPILER)] == []
-
-
-def test_no_runtime_module_imports_the_compiler_even_lazily():
-    # ccl -> legalize.planner -> legalize/__init__ -> lower_distir -> ccl was a cycle,
-    # hidden by imports inside functions; those count here too
-    package = Path(tvm_distx.__file__).parent
-    sources = [package / "ccl.py", package / "reports" / "views.py",
-               *sorted((package / "runtime").glob("*.py")), *sorted((package / "bundle").glob("*.py")),
-               *sorted((package / "layout").glob("*.py"))]
-    for source in sources:
-        for node in ast.walk(ast.parse(source.read_text())):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [_absolute(node, source, package)]
-            else:
-                continue
-            bad = [n for n in names if n.startswith(COMPILER)]
-            assert not bad, f"{source.name}:{node.lineno} imports {bad}"
-
-
-def _absolute(node: ast.ImportFrom, source: Path, package: Path) -> str:
-    if not node.level:
-        return node.module or ""
-    parts = ["tvm_distx", *source.parent.relative_to(package).parts]
-    parts = parts[: len(parts) - (node.level - 1)]
-    return ".".join(parts + ([node.module] if node.module else []))
 
 
 def test_the_package_loads_the_frontend_and_the_compiler_only_on_first_use():
@@ -82,3 +63,94 @@ def test_the_package_loads_the_frontend_and_the_compiler_only_on_first_use():
     before, same = json.loads(done.stdout.splitlines()[-1])
     assert before == []  # `import tvm_distx` alone loads neither the frontend nor the compiler
     assert same  # tvm_distx.from_torch is the frontend's, loaded on first use
+
+
+# ------------------------------------------------------------------ declared layers
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _installed_layout(dest: Path) -> Path:
+    """The package as it installs (passes/ and legalize/ inside tvm_distx/), copied to ``dest``.
+
+    ``lint-imports`` reads a package from its directory, and the repository keeps
+    ``passes/`` and ``legalize/`` beside ``tvm_distx/`` (setuptools' ``package-dir``).
+    """
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO / "tvm_distx", dest / "tvm_distx", ignore=ignore)
+    for sub in ("passes", "legalize"):
+        shutil.copytree(REPO / sub, dest / "tvm_distx" / sub, ignore=ignore)
+    return dest
+
+
+def test_the_layers_are_import_linter_contracts_and_they_hold(tmp_path):
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    contracts = config["contracts"]
+    assert {c["type"] for c in contracts} == {"layers", "acyclic_siblings", "private_modules"}
+    assert not any("ignore_imports" in c for c in contracts), "no import may be ignored"
+    layers = next(c for c in contracts if c["type"] == "layers")
+    assert layers["exhaustive"] is True  # every module of tvm_distx is in a layer
+    root = _installed_layout(tmp_path)
+    lint = Path(sys.executable).with_name("lint-imports")
+    done = subprocess.run([str(lint), str(REPO / "pyproject.toml"), "--no-cache"], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert f"{len(contracts)} kept, 0 broken" in done.stdout
+
+
+#: Modules a function may import when it runs rather than with its module: optional or heavy
+#: dependencies (torch, transformers and accelerate come with extras; scipy with the auto
+#: extra; matplotlib and safetensors only where a picture or a weight file is made), and
+#: mpi4py, whose import starts MPI.
+LAZY_ANYWHERE = {"torch", "transformers", "accelerate", "scipy", "safetensors", "sympy",
+                 "matplotlib", "mpi4py"}
+#: TVM takes about 3 s to import. The layers below the compiler (what ``import tvm_distx``,
+#: a rank's driver and the command line's start load) import it when a function needs it.
+LAZY_TVM_IN = ("tvm_distx/layout/", "tvm_distx/bundle/", "tvm_distx/runtime/",
+               "tvm_distx/errors.py", "tvm_distx/ccl.py")
+#: The command line's dispatch loads only what a subcommand needs.
+LAZY_ALL_IN = ("tvm_distx/cli/",)
+
+
+def _sources():
+    for folder in ("tvm_distx", "passes", "legalize"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            yield path.relative_to(REPO).as_posix(), path
+
+
+def _imports_inside_functions(tree: ast.AST):
+    for func in ast.walk(tree):
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(func):
+                if isinstance(node, ast.Import):
+                    yield node, [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    yield node, ["tvm_distx" if node.level else (node.module or "")]
+
+
+def test_imports_wait_inside_functions_only_where_the_house_allows():
+    offenders = set()
+    for rel, path in _sources():
+        if rel.startswith(LAZY_ALL_IN):
+            continue
+        for node, names in _imports_inside_functions(ast.parse(path.read_text())):
+            for name in names:
+                top = name.split(".")[0]
+                if top in LAZY_ANYWHERE:
+                    continue
+                if top in ("tvm", "tvm_ffi") and rel.startswith(LAZY_TVM_IN):
+                    continue
+                offenders.add(f"{rel}:{node.lineno} imports {name}")
+    assert not offenders, "move these imports to the top of their module:\n" + "\n".join(
+        sorted(offenders))
+
+
+def test_the_layout_core_and_the_bundle_format_import_without_tvm():
+    loaded = _loaded_after_importing("tvm_distx", "tvm_distx.layout", "tvm_distx.bundle.manifest",
+                                     "tvm_distx.ccl")
+    code = ("import sys, tvm_distx, tvm_distx.layout, tvm_distx.bundle.manifest, tvm_distx.ccl\n"
+            "print('tvm' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=True)
+    assert done.stdout.split()[-1] == "False"
+    assert not [m for m in loaded if m.startswith(COMPILER)]

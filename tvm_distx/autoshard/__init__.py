@@ -19,6 +19,7 @@ module                                 what it does
 
 from tvm_distx.autoshard.api import AutoShardReport, auto_shard, plan_cost
 from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
+from tvm_distx.autoshard.measure import measure_profile
 
 __all__ = ["AutoShardReport", "CostProfile", "DEFAULT_PROFILE", "auto_shard", "plan_cost",
            "profile"]
@@ -26,6 +27,5 @@ __all__ = ["AutoShardReport", "CostProfile", "DEFAULT_PROFILE", "auto_shard", "p
 
 def profile(num_ranks: int = 2, backend: str = "mpi", **kwargs) -> CostProfile:
     """Measure the cost profile on ``num_ranks`` ranks (see :mod:`.measure`)."""
-    from tvm_distx.autoshard.measure import measure_profile
 
     return measure_profile(num_ranks, backend, **kwargs)

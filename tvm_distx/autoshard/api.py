@@ -10,19 +10,27 @@ bytes, and the runner-up plans.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
+import logging
 from typing import Mapping, Sequence
 
 import tvm
 
-from tvm_distx.errors import RuleError
-from tvm_distx.layout.rules import ShardingRule, rules_for
 from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
+from tvm_distx.autoshard.extract import check_sizes, extract
 from tvm_distx.autoshard.graph import ShardGraph
-from tvm_distx.autoshard.ilp import Solution, kernel_seconds, solve
+from tvm_distx.autoshard.ilp import Solution, kernel_seconds, solve, evaluate
 from tvm_distx.autoshard.inline import inline_calls
+from tvm_distx.autoshard.pin import pin_values
+from tvm_distx.autoshard.realized import propagated_placements, realized_choice
+from tvm_distx.build.pipeline import legalize_ops
+from tvm_distx.errors import RuleError, MemoryBudgetError
+from tvm_distx.layout.rules import ShardingRule, rules_for
+from tvm_distx.passes import SplitFusedProjections, AnnotateSharding, PropagateSharding
+from tvm_distx.plans import moe
+from tvm_distx.plans.preset import Preset
+from tvm_distx.plans.presets import with_meshes
 
 __all__ = ["AutoShardReport", "auto_shard", "plan_cost"]
 
@@ -95,7 +103,6 @@ class AutoShardReport:
         It applies to every function with these parameter names: a plan of
         ``decode`` serves ``prefill`` (``CausalLM.from_hf(model, plan=report.preset())``).
         """
-        from tvm_distx.plans.preset import Preset
 
         return Preset(tuple((name, placement, None) for name, placement in
                             self.placements.items()))
@@ -219,7 +226,6 @@ def _fixed_from_rules(graph: ShardGraph, rules, mod: tvm.IRModule, function: str
 
 
 def _with_mesh(mod: tvm.IRModule, mesh_shape: tuple[int, ...]) -> tvm.IRModule:
-    from tvm_distx.plans.presets import with_meshes
 
     meshes = mod.global_infos.get("mesh") if mod.global_infos else None
     if meshes:
@@ -240,8 +246,6 @@ def _split_fused(mod: tvm.IRModule, function: str) -> tvm.IRModule:
     any other weight. The executable cuts the segments from the user's weight.
     Expert weights are left fused (their plan cuts them when it splits them).
     """
-    from tvm_distx.plans import moe
-    from tvm_distx.passes import SplitFusedProjections
 
     if moe.expert_weights(mod, function):
         return mod
@@ -319,8 +323,6 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     >>> annotated, report = auto_shard(mod, (2,), memory_per_rank=64 << 20)
     >>> print(report)
     """
-    from tvm_distx.passes import AnnotateSharding
-    from tvm_distx.autoshard.extract import check_sizes, extract
 
     profile = profile or DEFAULT_PROFILE
     mesh_shape = tuple(int(n) for n in mesh_shape)
@@ -330,7 +332,6 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
                             sorted(gv.name_hint for gv in mod.functions)),
                         cli_hint="pick one with --function")
     check_sizes(mod[function], function, sizes or {})
-    from tvm_distx.build.pipeline import legalize_ops
 
     meshed = _split_fused(_with_mesh(mod, mesh_shape), function)
     legal = legalize_ops(inline_calls(meshed, function))
@@ -369,7 +370,6 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     logger.info("%s", report)
     if not pin:
         return AnnotateSharding(report.rules(function))(meshed), report
-    from tvm_distx.autoshard.pin import pin_values
 
     pins, reads = {}, {}
     chosen = [graph.strategies[i][best.choice[i]] for i in range(len(graph.nodes))]
@@ -409,12 +409,6 @@ def plan_cost(mod: tvm.IRModule, mesh_shape: Sequence[int], rules, *,
         When the plan does not fit ``memory_per_rank`` (its weights plus the
         live activations at some point of the program exceed it).
     """
-    from tvm_distx.errors import MemoryBudgetError
-    from tvm_distx.passes import AnnotateSharding, PropagateSharding
-    from tvm_distx.build.pipeline import legalize_ops
-    from tvm_distx.autoshard.extract import extract
-    from tvm_distx.autoshard.ilp import evaluate
-    from tvm_distx.autoshard.realized import propagated_placements, realized_choice
 
     del time_limit  # nothing is solved: the program is read
     mesh_shape = tuple(int(n) for n in mesh_shape)

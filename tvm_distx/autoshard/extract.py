@@ -21,12 +21,15 @@ from __future__ import annotations
 import logging
 from typing import Mapping
 
+from tvm import relax, tirx
 import tvm
-from tvm import relax
 
-from tvm_distx.ir import helpers as _ir
-from tvm_distx.errors import SymbolicExtentError, UnsupportedProgramError
+from tvm_distx import passes  # noqa: F401  (registers the operator rules)
 from tvm_distx.autoshard.graph import Node, ShardGraph
+from tvm_distx.build.pipeline import legalize_ops
+from tvm_distx.errors import SymbolicExtentError, UnsupportedProgramError
+from tvm_distx.ir import helpers as _ir
+from tvm_distx.passes.op_signatures import op_signature
 
 __all__ = ["check_sizes", "extract", "VIEW_OPS", "WRITE_KERNELS"]
 
@@ -53,7 +56,6 @@ class _Sizes:
         self.used: dict[str, int] = {}
 
     def value(self, extent, var) -> int:
-        from tvm import tirx
 
         for free in tirx.analysis.undefined_vars(extent):
             name = str(free.name)
@@ -125,9 +127,6 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
     SymbolicExtentError
         When a run-time extent has neither a size in ``sizes`` nor an upper bound.
     """
-    from tvm_distx import passes  # noqa: F401  (registers the operator rules)
-    from tvm_distx.passes.op_signatures import op_signature
-    from tvm_distx.build.pipeline import legalize_ops
 
     if not legalized:
         mod = legalize_ops(mod)

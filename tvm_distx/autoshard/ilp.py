@@ -35,17 +35,20 @@ found and the optimality gap are returned.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
 
-from tvm_distx.errors import ArgumentError, MemoryBudgetError, RuleError, UnsupportedProgramError
 from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile, step_messages
 from tvm_distx.autoshard.graph import ShardGraph, itemsize
+from tvm_distx.errors import ArgumentError, MemoryBudgetError, RuleError, UnsupportedProgramError
+from tvm_distx.layout import TensorSharding
+from tvm_distx.layout.mesh import DeviceMesh
+from tvm_distx.legalize.planner import plan_redistribute
 
 __all__ = ["Reshard", "Solution", "evaluate", "kernel_seconds", "planner_reshard", "solve"]
 
@@ -67,9 +70,6 @@ def planner_reshard(shape: tuple, dtype: str, src: str, dst: str,
     before it packs or unpacks the whole local tensor once, and an all-to-all
     packs its input and unpacks its output. Those bytes are the third value.
     """
-    from tvm_distx.layout import TensorSharding
-    from tvm_distx.legalize.planner import plan_redistribute
-    from tvm_distx.layout.mesh import DeviceMesh
 
     mesh = DeviceMesh(tuple(mesh_shape), range(0, int(np.prod(mesh_shape))))
     plan = plan_redistribute(TensorSharding(mesh, src), TensorSharding(mesh, dst), shape, dtype)

@@ -13,18 +13,25 @@ loses its all-reduce.
 
 from __future__ import annotations
 
+from dataclasses import replace
 import logging
 import os
 from pathlib import Path
 
-import tvm
 from tvm import relax
+import tvm
 
-from tvm_distx.ir import helpers as _ir
-from tvm_distx.errors import CompilerStageError, DistxError, UnsupportedProgramError
 from tvm_distx.build.executable import DistExecutable
-from tvm_distx.bundle.signature import FunctionSignature
+from tvm_distx.build.schedule import SCHEDULED_ATTR, ScheduleCPU, fuse_kernels
+from tvm_distx.build.schedule.experts import SparseExperts
 from tvm_distx.build.targets import resolve_target
+from tvm_distx.bundle.signature import FunctionSignature, WORKER0
+from tvm_distx.errors import CompilerStageError, DistxError, UnsupportedProgramError
+from tvm_distx.ir import helpers as _ir
+from tvm_distx.legalize import LegalizeRedistribute, LowerDistIR, LowerGlobalViewToLocalView
+from tvm_distx.legalize.linear import LegalizeLinear
+from tvm_distx.legalize.lower_distir import fed_from_worker0, module_devices, rank_entry
+from tvm_distx.passes import PropagateSharding, derivations_of
 
 __all__ = ["STAGES", "compile", "distribute", "legalize_ops", "run_stages"]
 
@@ -32,8 +39,6 @@ logger = logging.getLogger(__name__)
 
 
 def _stages():
-    from tvm_distx.legalize import LegalizeRedistribute, LowerDistIR, LowerGlobalViewToLocalView
-    from tvm_distx.passes import PropagateSharding
 
     return [
         ("legalize_ops", legalize_ops),
@@ -54,7 +59,6 @@ def legalize_ops(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     Before both, :class:`~tvm_distx.legalize.linear.LegalizeLinear` reads
     ``(out, in)`` weights in place instead of transposing them on every call.
     """
-    from tvm_distx.legalize.linear import LegalizeLinear
 
     mod = LegalizeLinear()(mod)
     with tvm.target.Target({"kind": "llvm"}):
@@ -150,7 +154,6 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
     ShardingError
         From any stage, naming the function and the value.
     """
-    from tvm_distx.passes import derivations_of
 
     resolved = resolve_target(target, **target_options)
     derivations = derivations_of(mod)  # parameters cut from a user's fused weight
@@ -159,12 +162,10 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
     signatures = {gv.name_hint: FunctionSignature.from_function(gv.name_hint, func)
                   for gv, func in _ir.relax_functions(propagated)
                   if func.attrs is not None and "global_symbol" in func.attrs}
-    from tvm_distx.build.schedule.experts import SparseExperts
 
     # the experts kernels run as a sparse dispatch over each rank's own experts
     built = unscheduled = SparseExperts()(lowered)
     if schedule and resolved.schedulable:
-        from tvm_distx.build.schedule import ScheduleCPU, fuse_kernels
 
         unscheduled = fuse_kernels(unscheduled)
         built = ScheduleCPU(resolved.target)(unscheduled)
@@ -184,7 +185,6 @@ def _build(built: tvm.IRModule, unscheduled: tvm.IRModule, target):
     alone, those that fail are replaced by their unscheduled version (logged
     as a warning), and the module is built again.
     """
-    from tvm_distx.build.schedule import SCHEDULED_ATTR
 
     try:
         return tvm.compile(built, target=target), built
@@ -236,10 +236,7 @@ def _with_feeds(lowered: tvm.IRModule, signatures: dict[str, FunctionSignature],
     UnsupportedProgramError
         For a parameter of such a function on another mesh.
     """
-    from dataclasses import replace
 
-    from tvm_distx.legalize.lower_distir import fed_from_worker0
-    from tvm_distx.bundle.signature import WORKER0
 
     out = {}
     for name, signature in signatures.items():
@@ -260,7 +257,6 @@ def _with_feeds(lowered: tvm.IRModule, signatures: dict[str, FunctionSignature],
 
 def _rank_entries(lowered: tvm.IRModule, signatures) -> dict:
     """How many ranks the lowered program runs on, and the function each runs per public one."""
-    from tvm_distx.legalize.lower_distir import module_devices, rank_entry
 
     num_ranks = len(module_devices(lowered))
     return {"num_ranks": num_ranks,

@@ -17,20 +17,22 @@ TVMScript, and a JSON index of their arguments) into a bundle;
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import json
 import logging
 import os
+from pathlib import Path
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import tvm
 from tvm import relax, tirx
+import tvm
+import tvm_ffi
 
+from tvm_distx.build.targets import x86_target
 from tvm_distx.errors import QemuError
 
 __all__ = ["QemuError", "KernelArg", "Kernel", "KernelCheck", "write_kernels", "read_kernels",
@@ -155,7 +157,6 @@ def vector_instructions(folder: str | os.PathLike) -> dict[str, int]:
 
 def build_harness(folder: str | os.PathLike, cc: str = CROSS_CC) -> Path:
     """Compile ``rvv_harness.c`` for riscv64 into ``folder/harness``."""
-    import tvm_ffi
 
     out = Path(folder) / "harness"
     include = Path(tvm_ffi.__file__).parent / "include"
@@ -243,7 +244,6 @@ def check_kernels(folder: str | os.PathLike, *, vlen: int = 128, seed: int = 0,
     QemuError
         If a kernel's output differs from the host's, or a kernel fails.
     """
-    from tvm_distx.build.targets import x86_target
 
     folder = Path(folder)
     kernels = read_kernels(folder)

@@ -66,21 +66,23 @@ differs. It runs before any rank computes.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 import hashlib
 import json
 import logging
 import os
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
+import platform
 from typing import Sequence
 
 import numpy as np
 
+from tvm_distx.bundle.checkpoint import LazyTensor
+from tvm_distx.bundle.signature import FEEDS, SHARDS, FunctionSignature, TensorSpec
 from tvm_distx.errors import BundleError
 from tvm_distx.layout.derived import Derivations
 from tvm_distx.layout.mesh import DeviceMesh
-from tvm_distx.bundle.signature import FEEDS, SHARDS, FunctionSignature, TensorSpec
 
 __all__ = ["FORMAT", "VERSION", "Manifest", "WeightFile", "read_manifest", "check_weights",
            "sha256_file", "check_library", "write_rank_weights", "WeightLink"]
@@ -127,7 +129,6 @@ class WeightLink:
 
     def lazy(self):
         """The block as a :class:`tvm_distx.bundle.checkpoint.LazyTensor` (nothing read)."""
-        from tvm_distx.bundle.checkpoint import LazyTensor
 
         return LazyTensor(Path(self.checkpoint), self.tensor, tuple(zip(self.start, self.stop)),
                           np.dtype(self.dtype), self.stored_dtype)
@@ -394,7 +395,6 @@ def check_library(manifest: Manifest) -> None:
         If the library is not a shared library, differs from its sha256 in the
         manifest, or was built for another architecture than this host's.
     """
-    import platform
 
     path = manifest.library_path
     with open(path, "rb") as f:

@@ -37,6 +37,7 @@ import numpy as np
 
 from tvm_distx.errors import ArgumentError, SymbolicExtentError, UnsupportedProgramError
 from tvm_distx.layout import MeshTable, Placement, TensorSharding
+from tvm_distx.layout.arrays import shard_array
 from tvm_distx.layout.derived import host_array, is_deferred
 from tvm_distx.layout.mesh import DeviceMesh
 
@@ -168,7 +169,6 @@ class FunctionSignature:
         device 0's only). ``value`` is not read for a device that is not
         :meth:`fed`, and may then be None.
         """
-        from tvm_distx.layout.arrays import shard_array
 
         if not self.fed(spec, device):
             return np.zeros(self.input_shape(spec, device), spec.dtype)

@@ -44,13 +44,15 @@ with no collective on it.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+import logging
 
 import numpy as np
+from tvm import relax
 import tvm
 
 from tvm_distx.errors import ArgumentError, UnsupportedProgramError
+from tvm_distx.frontend.pytorch import from_torch
 
 __all__ = ["DecoderProgram", "KVCacheLayout", "export_decoder"]
 
@@ -367,7 +369,6 @@ def _import(step, example: tuple, dynamic_shapes: tuple, function: str,
     """One function of the decoder, its inputs renamed ``input_names``."""
     import torch
 
-    from tvm_distx.frontend.pytorch import from_torch
 
     with torch.no_grad():
         mod, weights = from_torch(step, example, dynamic_shapes=dynamic_shapes,
@@ -384,7 +385,6 @@ def _import(step, example: tuple, dynamic_shapes: tuple, function: str,
 
 def _with_input_names(mod: tvm.IRModule, names: list[str]) -> tvm.IRModule:
     """``mod`` with ``main``'s first inputs renamed (same types)."""
-    from tvm import relax
 
     main = mod["main"]
     renamed = {old: relax.Var(new, old.ty) for old, new in zip(main.params, names)}

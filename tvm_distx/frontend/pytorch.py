@@ -28,9 +28,13 @@ import logging
 from typing import Iterator, NamedTuple
 
 import numpy as np
+from tvm import relax
 import tvm
+from tvm.relax.frontend.torch import from_exported_program
 
 from tvm_distx.errors import ArgumentError, UnsupportedProgramError
+from tvm_distx.frontend.torch_moe import static_experts
+from tvm_distx.frontend.torch_ops import CONVERTERS
 
 __all__ = ["from_torch", "is_hf_causal_lm", "relax_name"]
 
@@ -155,11 +159,7 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
         If TVM's frontend cannot translate an operator.
     """
     import torch
-    from tvm import relax
-    from tvm.relax.frontend.torch import from_exported_program
 
-    from tvm_distx.frontend.torch_moe import static_experts
-    from tvm_distx.frontend.torch_ops import CONVERTERS
 
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import ast
 import os
-import re
 from pathlib import Path
+import re
+import types
 
-from tvm_distx.errors import ScriptError, ShardingError
+import tvm
+from tvm.script import ir as script_ir, relax as script_relax, tirx as script_tir
+
+from tvm_distx.errors import ScriptError, ShardingError, MeshError, PlacementSyntaxError
+from tvm_distx.layout import Placement
+from tvm_distx.layout.mesh import DeviceMesh, MeshRef, unknown_mesh_error
 
 __all__ = ["load_module", "ScriptError"]
 
@@ -41,8 +47,6 @@ def load_module(path: str | os.PathLike):
         When the literal placement of an ``R.dist.DTensor`` does not fit its mesh
         or shape.
     """
-    import tvm
-    from tvm.script import ir as script_ir, relax as script_relax, tirx as script_tir
 
     path = Path(path)
     try:
@@ -56,9 +60,9 @@ def load_module(path: str | os.PathLike):
     except SyntaxError as err:
         raise ScriptError(f"{path} is not valid Python: line {err.lineno}: {err.msg}") from None
 
-    script_relax = _relax_as_printed(script_relax)
-    modules = {"ir": script_ir, "relax": script_relax, "tirx": script_tir, "tir": script_tir}
-    names = {"I": script_ir, "R": script_relax, "T": script_tir}
+    relax_parser = _relax_as_printed(script_relax)
+    modules = {"ir": script_ir, "relax": relax_parser, "tirx": script_tir, "tir": script_tir}
+    names = {"I": script_ir, "R": relax_parser, "T": script_tir}
     classes = []
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module == "tvm.script":
@@ -108,7 +112,6 @@ def _relax_as_printed(relax_script):
     only as ``R.dist.DTensor`` and ``R.dist.device_mesh``; with these aliases a
     printed module (``mod.script()``, our stage dumps) loads back as it is.
     """
-    import types
 
     namespace = types.ModuleType(relax_script.__name__)
     namespace.__dict__.update(relax_script.__dict__)
@@ -140,7 +143,6 @@ def _global_meshes(cls: ast.ClassDef):
     Returns None when the module's global infos are not all literal (nothing is
     checked then), and an empty dict when the module declares none.
     """
-    from tvm_distx.layout.mesh import DeviceMesh
 
     calls = [n.value for n in cls.body if isinstance(n, ast.Expr)
              and isinstance(n.value, ast.Call) and _attr_name(n.value.func) == "module_global_infos"]
@@ -176,9 +178,6 @@ def _global_meshes(cls: ast.ClassDef):
 
 def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
     """Check every literal mesh reference and DTensor placement of a module class."""
-    from tvm_distx.errors import MeshError, PlacementSyntaxError
-    from tvm_distx.layout import Placement
-    from tvm_distx.layout.mesh import MeshRef, unknown_mesh_error
 
     meshes = _global_meshes(cls) if cls is not None else None
     if meshes is None:

@@ -51,6 +51,8 @@ import logging
 import types
 from typing import Iterator
 
+from tvm import relax
+
 from tvm_distx.errors import UnsupportedProgramError
 
 __all__ = ["static_experts", "find_experts", "dense_experts_forward", "CONVERTERS"]
@@ -209,7 +211,6 @@ def _topk_any_order(node, importer):
     Unsorted means "in any order", and the sorted order is one of them, so
     TVM's sorted ``topk`` is a correct translation.
     """
-    from tvm import relax
 
     args = importer.retrieve_args(node)
     names = ("input", "k", "dim", "largest", "sorted")
@@ -226,7 +227,6 @@ def _masked_fill(node, importer):
     TVM's converter materialises ``full_like(x, value)``, whose legalization
     fails for an infinite value (the group mask of a router fills with -inf).
     """
-    from tvm import relax
 
     x, mask, value = importer.retrieve_args(node)[:3]
     fill = relax.const(value, str(x.ty.dtype)) if isinstance(value, (int, float)) else value

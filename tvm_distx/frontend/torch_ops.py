@@ -30,8 +30,8 @@ import logging
 import math
 from typing import Callable
 
-import tvm
 from tvm import relax
+import tvm
 
 __all__ = ["CONVERTERS"]
 
@@ -82,7 +82,6 @@ def _diff(node, importer) -> relax.Var:
 
 def _repeat_interleave(node, importer) -> relax.Var:
     """``repeat_interleave(x, repeats: int, dim)``: each element ``repeats`` times along ``dim``."""
-    from tvm_distx.errors import UnsupportedProgramError
 
     x = importer.env[node.args[0]]
     repeats = _arg(node, 1, "repeats")
@@ -149,9 +148,7 @@ def _sdpa(node, importer) -> relax.Var:
     own masks do; grouped-query attention (``enable_gqa``) repeats each key and
     value head for its group of query heads.
     """
-    import numpy as np
 
-    from tvm_distx.errors import UnsupportedProgramError
 
     bb, env = importer.block_builder, importer.env
     q, k, v = (env[a] for a in node.args[:3])
@@ -244,7 +241,6 @@ def _filled(importer, shape, value, dtype: str) -> relax.Var:
     TVM's ``full`` fails in LegalizeOps on a non-finite value (a TypeError in
     its TOPI check of the dtype), so those broadcast a 0-d constant instead.
     """
-    import numpy as np
 
     bb = importer.block_builder
     if not _non_finite(value):
@@ -393,6 +389,8 @@ CONVERTERS: dict[str, Callable] = {
 # with a scalar, which also serves infinite fill values, ``topk(sorted=False)``) are kept
 # with the static expert dispatch that needs them, in :mod:`tvm_distx.frontend.torch_moe`.
 from tvm_distx.frontend.torch_moe import CONVERTERS as _MOE_CONVERTERS  # noqa: E402
+from tvm_distx.errors import UnsupportedProgramError
+import numpy as np
 
 CONVERTERS.update(_MOE_CONVERTERS)
 
@@ -417,7 +415,6 @@ def _index_copy(node, importer) -> relax.Var:
     broadcast along the indexed axis and selected where the index hits, one
     elementwise pass over ``x``.
     """
-    from tvm_distx.errors import UnsupportedProgramError
 
     bb, env = importer.block_builder, importer.env
     x, dim = env[node.args[0]], int(node.args[1])

@@ -54,16 +54,22 @@ the module, when the plan is read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 import fnmatch
 import logging
-from dataclasses import dataclass, replace
 
 import tvm
 
 from tvm_distx.errors import RuleError
 from tvm_distx.frontend.pytorch import relax_name
 from tvm_distx.layout.rules import ShardingRule, pattern_entries, rules_for
+from tvm_distx.passes import (derivations_of, GroupedQueryAttention, VocabParallelEmbedding,
+                              AnnotateSharding, SplitFusedProjections)
+from tvm_distx.passes.vocab_parallel import embedding_lookups, vocab_lookups
+from tvm_distx.plans import moe
 from tvm_distx.plans.preset import Preset
+from tvm_distx.plans.tensor_parallel import tied_weights, attention_heads
+from tvm_distx.plans.vocab import embedding_roles
 
 __all__ = ["HFPlan", "from_hf"]
 
@@ -143,7 +149,6 @@ class HFPlan:
 
     def placements(self, mod: tvm.IRModule, function: str = "main") -> dict[str, str]:
         """The placement of every parameter of ``mod`` the plan splits."""
-        from tvm_distx.passes import derivations_of
 
         params = {p.name: p for p in mod[function].params}
         derived = derivations_of(mod).get(function)
@@ -186,7 +191,6 @@ class HFPlan:
         whose lookups read the tied LM head's weight) and a vocabulary that does
         not divide by the ranks are left whole.
         """
-        from tvm_distx.passes.vocab_parallel import embedding_lookups, vocab_lookups
 
         ranks = self._ranks(mod)
         lookups = embedding_lookups(mod[function])
@@ -217,7 +221,6 @@ class HFPlan:
         (:class:`tvm_distx.passes.GroupedQueryAttention`); a module without a mesh
         is returned as it is.
         """
-        from tvm_distx.passes import GroupedQueryAttention
 
         ranks = self._ranks(mod)
         if ranks is None:
@@ -226,8 +229,6 @@ class HFPlan:
 
     def vocab_parallel(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` with the lookups of the tables the plan splits on the vocabulary rewritten."""
-        from tvm_distx.passes import VocabParallelEmbedding
-        from tvm_distx.passes.vocab_parallel import embedding_lookups
 
         ranks = self._ranks(mod)
         if ranks is None:
@@ -250,8 +251,6 @@ class HFPlan:
         otherwise the lookup would gather the table on every run, and the head
         stays whole.
         """
-        from tvm_distx.plans.tensor_parallel import tied_weights
-        from tvm_distx.plans.vocab import embedding_roles
 
         ranks = self._ranks(mod)
         tables = embedding_roles(mod, ranks, function) if ranks else {}
@@ -276,7 +275,6 @@ class HFPlan:
         :func:`tvm_distx.plans.presets.tensor_parallel` does, such a projection stays
         whole and each rank slices the heads its query heads need.
         """
-        from tvm_distx.plans.tensor_parallel import attention_heads
 
         meshes = mod.global_infos.get("mesh") if mod.global_infos else None
         if not meshes or len(meshes[0].shape) <= self.model_axis:
@@ -324,8 +322,6 @@ class HFPlan:
 
     def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` annotated with the plan (fused projections cut per segment first)."""
-        from tvm_distx.plans import moe
-        from tvm_distx.passes import AnnotateSharding, SplitFusedProjections
 
         if self.has_experts and moe.expert_weights(mod, function):
             # the experts' fused weights are cut by the tensor plan of moe_parallel

@@ -54,15 +54,21 @@ under expert parallelism too.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
+import logging
 from typing import TYPE_CHECKING
 
 import tvm
 
+from tvm_distx.build.pipeline import run_stages
+from tvm_distx.build.schedule.experts import EXPERTS_ATTR, ExpertsKernel, expert_mlp_flops
 from tvm_distx.errors import RuleError
+from tvm_distx.layout.mesh import module_meshes
 from tvm_distx.layout.rules import ShardingRule, pattern_entries, rules_for
+from tvm_distx.passes import AnnotateSharding, SplitFusedProjections
+from tvm_distx.plans.moe_dispatch import dense_dispatches, fuse_expert_dispatch
 from tvm_distx.plans.preset import Preset
+from tvm_distx.reports.comm_report import comm_report
 
 if TYPE_CHECKING:
     from tvm_distx.reports.comm_report import CommReport
@@ -168,7 +174,6 @@ def _expert_bias(add, roles, producers, params) -> ExpertWeight | None:
 def _kernel_experts(mod: tvm.IRModule, call, params) -> list[ExpertWeight]:
     """The expert weights an experts kernel (:mod:`tvm_distx.plans.moe_dispatch`) reads, if ``call``
     is one; its description says which axes they have."""
-    from tvm_distx.build.schedule.experts import EXPERTS_ATTR, ExpertsKernel
 
     callee = call.args[0]
     func = mod[callee] if isinstance(callee, tvm.ir.GlobalVar) else None
@@ -341,8 +346,6 @@ class MoePlan:
         as a sparse dispatch: each rank computes only the (token, expert) pairs
         routed to its experts.
         """
-        from tvm_distx.plans.moe_dispatch import fuse_expert_dispatch
-        from tvm_distx.passes import AnnotateSharding, SplitFusedProjections
 
         if self.strategy == "tensor":
             mod = SplitFusedProjections()(mod)
@@ -443,8 +446,6 @@ def expert_mlp_work(mod: tvm.IRModule, ranks: int,
     tuple of (float or None, float or None)
         See :class:`MoeComparison`; ``(None, None)`` without a dispatch read.
     """
-    from tvm_distx.plans.moe_dispatch import dense_dispatches
-    from tvm_distx.build.schedule.experts import expert_mlp_flops
 
     found = dense_dispatches(mod, function)
     if not found:
@@ -471,8 +472,6 @@ def compare(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: int = 
     -------
     MoeComparison
     """
-    from tvm_distx.reports.comm_report import comm_report
-    from tvm_distx.build.pipeline import run_stages
 
     reports = {}
     for strategy in ("expert", "tensor"):
@@ -480,7 +479,6 @@ def compare(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: int = 
         reports[strategy] = comm_report(run_stages(plan.apply(mod, function))["local_view"])
     cheaper = min(("expert", "tensor"), key=lambda s: (MoeComparison._cost(reports[s]),
                                                         s != "expert"))
-    from tvm_distx.layout.mesh import module_meshes
 
     meshes = list(module_meshes(mod).values())
     ranks = meshes[0].shape[model_axis] if meshes else 1

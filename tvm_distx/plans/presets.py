@@ -133,7 +133,6 @@ def with_meshes(mod: tvm.IRModule, shapes: Sequence[Sequence[int]]) -> tvm.IRMod
     ``with_meshes(mod, [(2,)])`` is one mesh of devices 0-1; ``[(1,), (1,)]`` two
     pipeline stages on devices 0 and 1.
     """
-    from tvm.relax.distributed import DeviceMesh
 
     meshes, first = [], 0
     for shape in shapes:
@@ -148,3 +147,4 @@ def with_meshes(mod: tvm.IRModule, shapes: Sequence[Sequence[int]]) -> tvm.IRMod
 from tvm_distx.plans.moe import expert_parallel, moe_parallel, tensor_parallel_experts  # noqa: E402,F401 (MoE plans)
 from tvm_distx.plans.tensor_parallel import TensorParallel, tensor_parallel  # noqa: E402,F401 (structure-found plans)
 from tvm_distx.plans.hf import HFPlan, from_hf  # noqa: E402,F401 (transformers' own plans)
+from tvm.relax.distributed import DeviceMesh

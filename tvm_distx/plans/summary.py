@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import tvm
 
-from tvm_distx.reports.comm_report import CommRow
+from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout import Placement
 from tvm_distx.plans.structure import attention_heads, linear_outputs
+from tvm_distx.reports.comm_report import CommRow
 
 __all__ = ["LayerSummary", "PlanSummary", "summarize_layers"]
 
@@ -124,7 +125,6 @@ def summarize_layers(mod: tvm.IRModule, annotated: tvm.IRModule, local_view: tvm
     function : str
         The planned function.
     """
-    from tvm_distx.ir import helpers as _ir
 
     heads = attention_heads(mod, function)
     outputs = linear_outputs(mod, function)
@@ -225,7 +225,6 @@ def _compute_sites(func, weights: set[str]) -> dict[str, int]:
     along; the site is the first binding that also reads something else. Any
     other parameter (an input, a table nobody planned) is placed at its first use.
     """
-    from tvm_distx.ir import helpers as _ir
 
     carried: dict = {p: {p.name} for p in func.params if p.name in weights}
     for p in func.params:
@@ -257,7 +256,6 @@ def _compute_sites(func, weights: set[str]) -> dict[str, int]:
 
 def _activation_products(func) -> list[int]:
     """Positions of matmuls of two activations (attention scores and their use of values)."""
-    from tvm_distx.ir import helpers as _ir
 
     params = {p for p in func.params}
     derived: set = set(params)
@@ -277,7 +275,6 @@ def _activation_products(func) -> list[int]:
 
 def _placements(func) -> dict[str, str]:
     """Parameter name -> the placement its annotation gives it."""
-    from tvm_distx.ir import helpers as _ir
 
     out = {}
     for block in func.body.blocks:

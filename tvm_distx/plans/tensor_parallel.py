@@ -51,18 +51,25 @@ region; ``str(plan)`` is the per-block summary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 import logging
 import os
-from dataclasses import dataclass, replace
 
 import tvm
 
-from tvm_distx.ir import helpers as _ir
+from tvm_distx.build.pipeline import run_stages
 from tvm_distx.errors import RuleError
+from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout.rules import ShardingRule, pattern_entries, rules_for
+from tvm_distx.passes import (SplitFusedProjections, GroupedQueryAttention, VocabParallelEmbedding,
+                              AnnotateSharding)
+from tvm_distx.plans import moe
 from tvm_distx.plans.preset import Preset
 from tvm_distx.plans.structure import (LinearSite, ModelGraph, WeightRole, attention_heads,
-                                        linear_outputs, tied_weights)
+                                       linear_outputs, tied_weights)
+from tvm_distx.plans.summary import summarize_layers
+from tvm_distx.plans.vocab import embedding_roles
+from tvm_distx.reports.comm_report import comm_report
 
 __all__ = ["ParallelBlock", "TensorParallel", "TensorParallelPlan", "WeightRole",
            "attention_heads", "linear_outputs", "tensor_parallel", "tied_weights"]
@@ -177,7 +184,6 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
     feeders = {f.matmul for block in blocks if block.kind != "replicated"
                for c in linears if c.weight in block.column
                for f in graph.linears_behind(c.source)}
-    from tvm_distx.plans.vocab import embedding_roles
 
     tables = embedding_roles(mod, ranks, function)
     for linear in linears:
@@ -341,8 +347,6 @@ class TensorParallel:
         other collective is listed with the value it moves, so a weight left
         whole or a gather between layers shows at once.
         """
-        from tvm_distx.reports.comm_report import comm_report
-        from tvm_distx.build.pipeline import run_stages
 
         meshed = self.prepare(mod, function)
         plan = self.plan(meshed, function)
@@ -366,9 +370,6 @@ class TensorParallel:
         ``str()`` is the table that ``tvm-distx plan --preset tensor-parallel``
         prints).
         """
-        from tvm_distx.reports.comm_report import comm_report
-        from tvm_distx.build.pipeline import run_stages
-        from tvm_distx.plans.summary import summarize_layers
 
         meshed = self.prepare(mod, function)
         plan = self.plan(meshed, function)
@@ -391,8 +392,6 @@ class TensorParallel:
         Not cut when ``split_fused`` is off, nor in a model with experts (whose
         fused expert weights the MoE plan cuts only when it splits them).
         """
-        from tvm_distx.plans import moe
-        from tvm_distx.passes import SplitFusedProjections
 
         if self.split_fused and not (self.experts and moe.expert_weights(mod, function)):
             mod = SplitFusedProjections()(mod)
@@ -405,7 +404,6 @@ class TensorParallel:
         repeated key-value heads are rewritten when the model axis divides the
         key-value heads. A module without a mesh is returned as it is.
         """
-        from tvm_distx.passes import GroupedQueryAttention
 
         meshes = mod.global_infos.get("mesh") if mod.global_infos else None
         if not meshes:
@@ -419,8 +417,6 @@ class TensorParallel:
         mesh, or
         with ``vocab=False``, is returned as it is.
         """
-        from tvm_distx.passes import VocabParallelEmbedding
-        from tvm_distx.plans.vocab import embedding_roles
 
         meshes = mod.global_infos.get("mesh") if mod.global_infos else None
         if not self.vocab or not meshes:
@@ -436,8 +432,6 @@ class TensorParallel:
         A model with experts gets :func:`tvm_distx.plans.moe.moe_parallel` for them,
         with this plan for every other weight.
         """
-        from tvm_distx.plans import moe
-        from tvm_distx.passes import AnnotateSharding
 
         if self.experts and moe.expert_weights(mod, function):
             # the experts' fused weights are cut, when needed, by the MoE tensor plan

@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import math
 
-import tvm
 from tvm import relax
+import tvm
 
 from tvm_distx.ir import helpers as _ir
+from tvm_distx.passes.vocab_parallel import embedding_lookups, vocab_lookups
 from tvm_distx.plans.structure import ModelGraph, WeightRole
 
 __all__ = ["embedding_roles"]
@@ -65,7 +66,6 @@ def embedding_roles(mod: tvm.IRModule, ranks: int,
     function : str
         The function whose tables are planned.
     """
-    from tvm_distx.passes.vocab_parallel import embedding_lookups, vocab_lookups
 
     graph = ModelGraph(mod[function])
     func = mod[function]

@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tvm_distx.errors import ArgumentError
+from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout import MeshTable, TensorSharding
+from tvm_distx.legalize.legalize_redistribute import ALLOW_SEND_RECV
+from tvm_distx.legalize.partial_sums import (ALLREDUCE_OP, fold_targets, partial_sum,
+                                             plan_completion, true_sharding)
+from tvm_distx.legalize.planner import plan_redistribute
 
 if TYPE_CHECKING:  # TVM is loaded by the functions that use it (the CLI starts fast)
     import tvm
@@ -112,11 +117,6 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
         If ``mod`` still has ``R.dist.annotate_sharding`` calls: it has not been
         propagated, and its communication is not decided yet.
     """
-    from tvm_distx.ir import helpers as _ir
-    from tvm_distx.legalize.legalize_redistribute import ALLOW_SEND_RECV
-    from tvm_distx.legalize.partial_sums import (ALLREDUCE_OP, fold_targets, partial_sum,
-                                                 plan_completion, true_sharding)
-    from tvm_distx.legalize.planner import plan_redistribute
 
     names = MeshTable(mod)
     rows: list[CommRow] = []
@@ -167,7 +167,6 @@ def _planned_shape(ty) -> tuple[tuple[int, ...], tuple[str, ...], int]:
     are linear in it, so dividing them by ``unit`` (that count to the power of
     the number of symbolic extents) gives the bytes per unit of the extents.
     """
-    from tvm_distx.ir import helpers as _ir
 
     shape = _ir.static_shape(ty)
     if shape is None or all(d is not None for d in shape):
@@ -181,7 +180,6 @@ def _planned_shape(ty) -> tuple[tuple[int, ...], tuple[str, ...], int]:
 
 def _check_propagated(function: str, func) -> None:
     """Refuse a function that still has annotations (its communication is not decided)."""
-    from tvm_distx.ir import helpers as _ir
 
     for block in func.body.blocks:
         for binding in block.bindings:

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout import TensorSharding
+from tvm_distx.passes.propagate_sharding import propagate
 
 if TYPE_CHECKING:  # TVM is loaded by the functions that use it (the CLI starts fast)
     import tvm
@@ -89,8 +91,6 @@ def explain(mod: tvm.IRModule) -> ShardingReport:
         One row per tensor value (parameters first, then bindings) of every
         function that propagation writes, named as in the propagated module.
     """
-    from tvm_distx.ir import helpers as _ir
-    from tvm_distx.passes.propagate_sharding import propagate
 
     result = propagate(mod, warn_unlegalized=False)  # read, never lowered
     rows = []

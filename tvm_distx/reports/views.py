@@ -16,12 +16,19 @@ The command line shows them with ``tvm-distx explain`` and ``tvm-distx plan``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import logging
 import os
-from dataclasses import dataclass
 from typing import Sequence
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from tvm_distx.errors import ArgumentError
 from tvm_distx.layout import TensorSharding, shard_bounds
+from tvm_distx.reports.explain import _shape, explain
 
 __all__ = ["Block", "tensor_blocks", "sharding_tables", "comm_table", "tensor_grid",
            "show_tensor_sharding", "plot_tensor_sharding", "value_sharding", "show_value",
@@ -83,9 +90,6 @@ def _devices(devices: Sequence[int]) -> str:
 def tensor_grid(sharding: TensorSharding, shape: Sequence[int],
                 dims: tuple[int, int] | None = None):
     """A rich table: one cell per block, naming its element ranges and the devices."""
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
 
     blocks = tensor_blocks(sharding, shape, dims)
     rows = sorted({b.rows for b in blocks})
@@ -110,7 +114,6 @@ def tensor_grid(sharding: TensorSharding, shape: Sequence[int],
 def show_tensor_sharding(sharding: TensorSharding, shape: Sequence[int], *,
                          dims: tuple[int, int] | None = None, console=None) -> None:
     """Print how a tensor is cut across the devices of its mesh (see :func:`tensor_grid`)."""
-    from rich.console import Console
 
     (console or Console()).print(tensor_grid(sharding, shape, dims))
 
@@ -172,9 +175,7 @@ def sharding_tables(mod) -> list:
     mod : tvm.IRModule
         The annotated module (before propagation), as :func:`tvm_distx.reports.explain` takes.
     """
-    from rich.table import Table
 
-    from tvm_distx.reports.explain import _shape, explain
 
     report = explain(mod)
     tables = []
@@ -201,7 +202,6 @@ def human_bytes(count: int) -> str:
 
 def comm_table(report):
     """The comm report as a rich table, with readable sizes and a total row."""
-    from rich.table import Table
 
     table = Table(title="communication (bytes received per rank)", title_justify="left",
                   show_footer=True)
@@ -228,8 +228,6 @@ def value_sharding(mod, function: str, value: str) -> tuple[TensorSharding, tupl
     tvm_distx.ArgumentError
         If the function has no such tensor value.
     """
-    from tvm_distx.errors import ArgumentError
-    from tvm_distx.reports.explain import explain
 
     report = explain(mod)
     try:
