@@ -43,6 +43,7 @@ from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visito
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.errors import (
+    ArgumentTypeError,
     ShardingConflictError,
     ShardingError,
     UnknownMeshError,
@@ -423,8 +424,9 @@ class AnnotateSharding:
         self.rules = list(rules)
         for rule in self.rules:
             if not isinstance(rule, ShardingRule):
-                raise TypeError(
-                    f"AnnotateSharding takes ShardingRule objects, got {type(rule).__name__}"
+                raise ArgumentTypeError(
+                    f"AnnotateSharding takes ShardingRule objects, got {type(rule).__name__}",
+                    hint="build each rule with tvm_distx.ShardingRule(...)",
                 )
         self.strict = strict
 

@@ -225,16 +225,20 @@ def _compile(args: argparse.Namespace, check: bool = False) -> int:
     mod = _load(args)
     weights = {}
     if args.weights:
+        problem = None
         try:
             loaded = np.load(args.weights, allow_pickle=False)
-            if not hasattr(loaded, "files"):  # a .npy: one array, no names
-                raise ValueError("it holds one array, not arrays named by parameter")
-            with loaded as archive:
-                weights = {name: archive[name] for name in archive.files}
+            if hasattr(loaded, "files"):
+                with loaded as archive:
+                    weights = {name: archive[name] for name in archive.files}
+            else:  # a .npy: one array, no names
+                problem = "it holds one array, not arrays named by parameter"
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-            raise ArgumentError(f"cannot read weights from {args.weights}: {err}",
+            problem = str(err)
+        if problem is not None:
+            raise ArgumentError(f"cannot read weights from {args.weights}: {problem}",
                                 hint="give an .npz of global weights keyed by parameter "
-                                "name (numpy.savez)") from None
+                                "name (numpy.savez)")
     if weights:
         _check_weights_complete(mod, args.function, weights, args.weights)
     options = {"vlen": args.vlen} if args.vlen else {}
