@@ -53,7 +53,7 @@ from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.ir.rewriter import FunctionRewriter
 from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.ccl import REDUCE_KINDS, CollectiveGroup
-from tvm_distx.layout.mesh import DeviceMesh
+from tvm_distx.layout.mesh import DeviceMesh, device_meshes
 from tvm_distx.layout import TensorSharding
 
 from tvm_distx.legalize.partial_sums import partial_sum
@@ -207,12 +207,10 @@ def _is_public(func: relax.Function) -> bool:
 
 def module_devices(mod: tvm.IRModule) -> list[int]:
     """The global device ids of a module: ``0 .. device_num - 1``, or up to its last mesh's."""
-    from tvm_distx.layout.mesh import module_meshes
-
     count = 0
     if mod.attrs is not None and "device_num" in mod.attrs:
         count = int(mod.attrs["device_num"])
-    for mesh in module_meshes(mod).values():
+    for mesh in device_meshes(mod).values():
         count = max(count, mesh.device_range.stop)
     return list(range(count))
 

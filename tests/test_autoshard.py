@@ -20,7 +20,7 @@ import torch
 import tvm_distx as td
 from tvm_distx import ShardingRule
 from tvm_distx.plans import presets
-from tvm_distx.autoshard import CostProfile, auto_shard, plan_cost
+from tvm_distx.autoshard import CostProfile, auto_shard, measure_cost_profile, plan_cost
 from tvm_distx.autoshard.graph import Node, ShardGraph
 from tvm_distx.autoshard.ilp import solve
 from tvm_distx.errors import MemoryBudgetError, RuleError
@@ -391,5 +391,5 @@ def test_a_profile_round_trips_through_json(tmp_path):
     (tmp_path / "bad.json").write_text('{"flops": 1}')
     with pytest.raises(td.ArgumentError, match="not a cost profile"):
         CostProfile.load(tmp_path / "bad.json")
-    measured = td.profile(1, backend="local")  # the arithmetic rate of this process
+    measured = measure_cost_profile(1, backend="local")  # the arithmetic rate of this process
     assert measured.flops_per_s > 1e6 and measured.name == "measured local"

@@ -194,7 +194,7 @@ def test_a_2x2_mesh_runs_alltoall_allgather_local_slice_and_send_recv(tmp_path, 
 def test_pipeline_stages_run_their_own_entries_with_send_and_recv(tmp_path, clean):
     mod = td.load_module(DATA / "seed_pipeline.py")
     rule = ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
-    ranks = td.distribute(AnnotateSharding([rule])(mod))
+    ranks = td.lower_to_ranks(AnnotateSharding([rule])(mod))
     entries = [rank_entry(ranks, "main", d) for d in (0, 1)]
     calls = packed_calls(ranks["main_rank0"]) + packed_calls(ranks["main_rank1"])
     assert {"tvm_distx.ccl.send", "tvm_distx.ccl.recv"} <= set(calls)

@@ -231,9 +231,9 @@ def test_what_cannot_be_split_per_segment_is_left_alone(mod):
 
 def test_an_annotated_weight_is_left_whole():
     # a fused weight the user placed already keeps that placement (run the pass first)
-    from tvm_distx.plans.presets import Preset, with_meshes
+    from tvm_distx.plans.presets import Preset, set_device_meshes
 
-    annotated = Preset((("w", "S[0]", None),)).apply(with_meshes(GateUp, [(2,)]))
+    annotated = Preset((("w", "S[0]", None),)).apply(set_device_meshes(GateUp, [(2,)]))
     tvm.ir.assert_structural_equal(SplitFusedProjections()(annotated), annotated)
 
 
@@ -286,10 +286,10 @@ torch = pytest.importorskip("torch")
 
 def _column_per_segment(mod, column: dict[str, str], row: dict[str, str], parts: int):
     """``mod`` on a ``parts``-device mesh with the given column/row placements by glob."""
-    from tvm_distx.plans.presets import Preset, with_meshes
+    from tvm_distx.plans.presets import Preset, set_device_meshes
 
     patterns = tuple((glob, placement, None) for glob, placement in {**column, **row}.items())
-    return Preset(patterns).apply(with_meshes(mod, [(parts,)]))
+    return Preset(patterns).apply(set_device_meshes(mod, [(parts,)]))
 
 
 def _collectives(annotated) -> list[str]:

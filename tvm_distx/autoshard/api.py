@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 import tvm
 
 from tvm_distx.errors import RuleError
+from tvm_distx.layout.mesh import set_device_meshes
 from tvm_distx.layout.rules import ShardingRule, rules_for
 from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
 from tvm_distx.autoshard.graph import ShardGraph
@@ -219,8 +220,6 @@ def _fixed_from_rules(graph: ShardGraph, rules, mod: tvm.IRModule, function: str
 
 
 def _with_mesh(mod: tvm.IRModule, mesh_shape: tuple[int, ...]) -> tvm.IRModule:
-    from tvm_distx.plans.presets import with_meshes
-
     meshes = mod.global_infos.get("mesh") if mod.global_infos else None
     if meshes:
         if len(meshes) != 1 or tuple(int(s) for s in meshes[0].shape) != tuple(mesh_shape):
@@ -228,7 +227,7 @@ def _with_mesh(mod: tvm.IRModule, mesh_shape: tuple[int, ...]) -> tvm.IRModule:
                             f"{tuple(mesh_shape)}",
                             hint="pass a module without meshes, or its one mesh's shape")
         return mod
-    return with_meshes(mod, [tuple(mesh_shape)])
+    return set_device_meshes(mod, [tuple(mesh_shape)])
 
 
 def _split_fused(mod: tvm.IRModule, function: str) -> tvm.IRModule:

@@ -399,7 +399,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rules", type=Path, default=None,
                    help="parameter rules the plan must keep (JSON or YAML)")
     p.add_argument("--profile", type=Path, default=None,
-                   help="a cost profile (JSON, from tvm_distx.profile(...).save(path))")
+                   help="a cost profile (JSON, from tvm_distx.autoshard.measure_cost_profile(...).save(path))")
     p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS",
                    help="the solver's time limit (the report gives the optimality gap)")
     p.add_argument("--function", default="main",

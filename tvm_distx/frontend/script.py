@@ -7,7 +7,9 @@ import os
 import re
 from pathlib import Path
 
-from tvm_distx.errors import ScriptError, ShardingError
+from tvm_distx.errors import MeshError, PlacementSyntaxError, ScriptError, ShardingError
+from tvm_distx.layout import Placement
+from tvm_distx.layout.mesh import MeshReference, unknown_mesh_error
 
 __all__ = ["load_module", "ScriptError"]
 
@@ -176,10 +178,6 @@ def _global_meshes(cls: ast.ClassDef):
 
 def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
     """Check every literal mesh reference and DTensor placement of a module class."""
-    from tvm_distx.errors import MeshError, PlacementSyntaxError
-    from tvm_distx.layout import Placement
-    from tvm_distx.layout.mesh import MeshRef, unknown_mesh_error
-
     meshes = _global_meshes(cls) if cls is not None else None
     if meshes is None:
         return
@@ -198,7 +196,7 @@ def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
                             function=function, var=var,
                             hint=f"count meshes from 0: {available or 'the module has none'}")
         if key not in meshes or index >= len(meshes[key]):
-            raise unknown_mesh_error(MeshRef(key, index), names, function=function, var=var)
+            raise unknown_mesh_error(MeshReference(key, index), names, function=function, var=var)
         return meshes[key][index]
 
     def check_call(call: ast.Call, function, var) -> None:

@@ -249,7 +249,7 @@ class CausalLM:
         max_length = program.cache.max_length
         preset = plan if plan is not None else presets.tensor_parallel()
         batch_cache, functions = program.batch_cache, _functions(program.batch_cache)
-        annotated = presets.with_meshes(program.mod, [(num_ranks,)])
+        annotated = presets.set_device_meshes(program.mod, [(num_ranks,)])
         for function in _functions(None):  # a failure here is the model's, not the batch's
             annotated = preset.apply(annotated, function)
         exe = None

@@ -21,7 +21,7 @@ style                                   our placement
 ``embedding_rowwise``                   the table ``S[0]``: a vocabulary-parallel lookup
                                         (:class:`tvm_distx.passes.VocabParallelEmbedding`),
                                         each rank's offset ``S[0]`` beside it
-expert styles (``moe_tp_experts``,      the experts by :func:`tvm_distx.plans.moe.moe_parallel`
+expert styles (``moe_tp_experts``,      the experts by :func:`tvm_distx.plans.moe.choose_expert_plan`
 ``grouped_gemm``, ...)                  (the cheaper of tensor and expert parallelism)
 ``replicate``, ``local_params``, ...    replicated (these only hook a module's forward)
 ======================================  ==============================================
@@ -328,10 +328,10 @@ class HFPlan:
         from tvm_distx.passes import AnnotateSharding, SplitFusedProjections
 
         if self.has_experts and moe.expert_weights(mod, function):
-            # the experts' fused weights are cut by the tensor plan of moe_parallel
+            # the experts' fused weights are cut by the tensor plan of choose_expert_plan
             mod = self.grouped_attention(self.vocab_parallel(mod, function), function)
-            plan = moe.moe_parallel(mod, self, model_axis=self.model_axis,
-                                    mesh_ndim=self.mesh_ndim, function=function)
+            plan = moe.choose_expert_plan(mod, self, model_axis=self.model_axis,
+                                          mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
         # fused projections are cut as tensor_parallel() cuts them; a segment no style
         # names stays whole, as its fused weight would
