@@ -34,7 +34,7 @@ the function itself on every device, the module attribute
 ``"tvm_distx.rank_entries"`` maps each public function to one entry name per
 device (``""`` for a device that runs nothing).
 
-Limits (raised as :class:`tvm_distx.UnsupportedProgramError`): a function
+Limits (raised as :class:`tvm_distx.errors.UnsupportedProgramError`): a function
 spanning several meshes must not be called by another function (inline it
 first), and ``R.dist.redistribute`` must already be legalized.
 """

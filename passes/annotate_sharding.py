@@ -27,7 +27,7 @@ use, dataflow outputs included, sees the annotated value.
 
 The pass is idempotent: a value that already carries the requested annotation
 (or already has that ``R.DTensor`` type) is left alone, and a different one is a
-:class:`tvm_distx.ShardingConflictError`.
+:class:`tvm_distx.errors.ShardingConflictError`.
 """
 
 from __future__ import annotations
@@ -404,7 +404,7 @@ class AnnotateSharding:
         The rules, applied together. Two rules that ask different shardings of
         the same site are a conflict.
     strict : bool, default True
-        Raise :class:`tvm_distx.UnmatchedRuleError` when a rule matches nothing
+        Raise :class:`tvm_distx.errors.UnmatchedRuleError` when a rule matches nothing
         (usually a typo in a name). With ``strict=False`` it is logged instead.
 
     Raises

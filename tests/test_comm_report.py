@@ -71,6 +71,6 @@ def test_a_kernel_on_a_nested_split_reports_the_all_gather_that_feeds_it():
 
 
 def test_a_module_not_yet_propagated_is_refused_not_reported_empty():
-    with pytest.raises(td.ArgumentError, match="needs a propagated module") as info:
+    with pytest.raises(td.errors.ArgumentError, match="needs a propagated module") as info:
         comm_report(moved("S[0]", "S[1]", (4,)))
     assert "'main'" in str(info.value) and "PropagateSharding" in info.value.hint

@@ -100,7 +100,7 @@ def test_a_kernel_whose_loops_tvm_cannot_shard_even_simplified_is_refused_by_nam
     from tvm_distx.legalize import local_view
 
     monkeypatch.setattr(local_view, "_simplify_sharded_kernels", lambda mod: (mod, {"reshape"}))
-    with pytest.raises(td.UnsupportedProgramError,
+    with pytest.raises(td.errors.UnsupportedProgramError,
                        match="cannot give the loops of kernel 'reshape' one sharding each") as err:
         td.lower_to_ranks(ReshapeOn2x4)
     assert err.value.function == "main" and err.value.var == "y"

@@ -82,7 +82,7 @@ def test_data_parallel_and_an_override(model):
 
 def test_a_preset_for_another_model_is_refused(model):
     mod, _, _, _ = model
-    with pytest.raises(td.RuleError, match="no parameter of 'main' matches"):
+    with pytest.raises(td.errors.RuleError, match="no parameter of 'main' matches"):
         megatron(column=("*wq",), column_bias=(), row=("*wo",)).rules(mod)
 
 
@@ -93,7 +93,7 @@ def test_from_torch_errors_name_the_cause():
                 return x
             return -x
 
-    with pytest.raises(td.ArgumentError, match="torch.export could not trace DataDependent"):
+    with pytest.raises(td.errors.ArgumentError, match="torch.export could not trace DataDependent"):
         from_torch(DataDependent(), (torch.randn(3),))
 
 

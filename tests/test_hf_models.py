@@ -176,7 +176,7 @@ def test_a_tvm_failure_inside_a_stage_is_a_compiler_stage_error(monkeypatch):
     stages = pipeline._stages()
     stages[2] = (stages[2][0], broken)
     monkeypatch.setattr(pipeline, "_stages", lambda: stages)
-    with pytest.raises(td.CompilerStageError, match="stage 'local_view'.*KeyError") as info:
+    with pytest.raises(td.errors.CompilerStageError, match="stage 'local_view'.*KeyError") as info:
         td.compile(annotated)
     assert "dump_dir" in str(info.value)
 

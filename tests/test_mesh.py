@@ -15,7 +15,9 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import tvm_distx as td
-from tvm_distx import DeviceMesh, MeshError, MeshReference, ShardingError, UnknownMeshError
+from tvm_distx import DeviceMesh
+from tvm_distx.errors import MeshError, ShardingError, UnknownMeshError
+from tvm_distx.layout.mesh import MeshReference
 from tvm_distx.layout import MeshTable, TensorSharding
 from tvm_distx.layout.mesh import device_meshes, resolve_mesh
 
@@ -262,8 +264,9 @@ class TestModuleMeshes:
     def test_non_mesh_global_infos_are_skipped(self, vdevice_module):
         assert device_meshes(vdevice_module) == {}
 
-    def test_exported_at_top_level(self):
-        assert td.device_meshes is device_meshes
+    def test_the_old_top_level_name_warns_and_is_device_meshes(self):
+        with pytest.warns(DeprecationWarning, match="use tvm_distx.layout.mesh.device_meshes"):
+            assert td.module_meshes is device_meshes
 
 
 class TestMeshTable:

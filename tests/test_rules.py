@@ -9,7 +9,9 @@ import doctest
 import pytest
 
 import tvm_distx.layout.rules as rules_module
-from tvm_distx import MeshReference, Placement, Replicate, RuleError, Shard, ShardingError, ShardingRule
+from tvm_distx import Placement, Replicate, Shard, ShardingRule
+from tvm_distx.errors import RuleError, ShardingError
+from tvm_distx.layout.mesh import MeshReference
 
 
 # ---------------------------------------------------------------------------- matchers

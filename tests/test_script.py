@@ -9,7 +9,8 @@ import pytest
 import tvm
 
 import tvm_distx as td
-from tvm_distx import ShardingError, device_meshes
+from tvm_distx.errors import ShardingError
+from tvm_distx.layout.mesh import device_meshes
 from tvm_distx.frontend.script import ScriptError, load_module
 
 DATA = Path(__file__).parent / "data"

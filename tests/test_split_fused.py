@@ -177,16 +177,16 @@ def test_the_derivations_say_how_each_parameter_is_cut_from_the_users_weight():
     assert bound["other"] == 1 and "w" not in bound
     # derived names pass through; a weight given twice or of another shape is refused
     assert found.bind({"w_seg0": w[:, :32]})["w_seg0"].shape == (16, 32)
-    with pytest.raises(td.ArgumentError, match="given both whole and as its segment"):
+    with pytest.raises(td.errors.ArgumentError, match="given both whole and as its segment"):
         found.bind({"w": w, "w_seg0": w[:, :32]})
-    with pytest.raises(td.ArgumentError, match=r"weight 'w' has shape \[16, 47\]"):
+    with pytest.raises(td.errors.ArgumentError, match=r"weight 'w' has shape \[16, 47\]"):
         found.bind({"w": w[:, :47]})
     assert Derivations.from_json(found.to_json()) == found
     # a segment of a segment is one slice of the user's weight
     again = found.merged([DerivedParam("w_seg0_a", "w_seg0", (16, 32), 1, 8, 24)])
     assert again.params[-1] == DerivedParam("w_seg0_a", "w", (16, 48), 1, 8, 24)
     assert "w_seg0" not in {p.name for p in again.params}
-    with pytest.raises(td.ArgumentError, match=r"\[4, 60\) is not a non-empty range"):
+    with pytest.raises(td.errors.ArgumentError, match=r"\[4, 60\) is not a non-empty range"):
         DerivedParam("w_seg9", "w", (16, 48), 1, 4, 60)
 
 

@@ -26,4 +26,4 @@ __all__ = ["AutoShardReport", "CostProfile", "DEFAULT_PROFILE", "auto_shard", "p
            "measure_cost_profile"]
 
 __getattr__ = deprecated_names(__name__, {
-    "profile": "tvm_distx.autoshard.measure.measure_cost_profile"})
+    "profile": "tvm_distx.autoshard.measure_cost_profile"})

@@ -128,4 +128,4 @@ def build_kernels(folder: Path, target="x86") -> Path:
 
 
 __getattr__ = deprecated_names(__name__, {
-    "measure_profile": "tvm_distx.autoshard.measure.measure_cost_profile"})
+    "measure_profile": "tvm_distx.autoshard.measure_cost_profile"})

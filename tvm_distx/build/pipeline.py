@@ -270,4 +270,4 @@ def _rank_entries(lowered: tvm.IRModule, signatures) -> dict:
                         for name in signatures}}
 
 
-__getattr__ = deprecated_names(__name__, {"distribute": "tvm_distx.build.pipeline.lower_to_ranks"})
+__getattr__ = deprecated_names(__name__, {"distribute": "tvm_distx.lower_to_ranks"})

@@ -48,7 +48,7 @@ empty, without the config naming it; :func:`from_hf` adds that entry too. A
 vocabulary that does not divide by the ranks stays whole (a warning says so).
 
 Styles we cannot honour (``sequence_parallel``, ``packed_rowwise``,
-``mla_kv_a_proj``) raise a :class:`~tvm_distx.RuleError` naming the style and
+``mla_kv_a_proj``) raise a :class:`~tvm_distx.errors.RuleError` naming the style and
 the module, when the plan is read.
 """
 

@@ -227,7 +227,7 @@ def value_sharding(mod, function: str, value: str) -> tuple[TensorSharding, tupl
 
     Raises
     ------
-    tvm_distx.ArgumentError
+    tvm_distx.errors.ArgumentError
         If the function has no such tensor value.
     """
     from tvm_distx.errors import ArgumentError
