@@ -12,10 +12,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tvm_distx._deprecated import deprecated_names
 from tvm_distx.errors import MeshError, UnknownMeshError
+
+if TYPE_CHECKING:
+    import tvm
 
 __all__ = ["DeviceMesh", "MeshReference", "device_meshes", "resolve_mesh", "set_device_meshes"]
 
@@ -209,7 +212,7 @@ def device_meshes(mod) -> dict[str, DeviceMesh]:
     return found
 
 
-def set_device_meshes(mod, shapes: Sequence[Sequence[int]]):
+def set_device_meshes(mod: "tvm.IRModule", shapes: Sequence[Sequence[int]]) -> "tvm.IRModule":
     """``mod`` with device meshes ``mesh[0]``, ``mesh[1]``, ... of these shapes, back to back.
 
     The meshes take consecutive devices: ``set_device_meshes(mod, [(2,)])`` is one mesh
