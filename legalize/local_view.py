@@ -29,7 +29,7 @@ sharding``. On that error the kernels with sharded operands are simplified
 (``s_tir.transform.StmtSimplify`` knows the block ranges, so
 ``x[((j * 2 + k) // 4 + i) % 4, (j * 2 + k) % 4]`` becomes ``x[i, j * 2 + k]``)
 and TVM's pass runs again. Only a module that still fails becomes an
-:class:`~tvm_distx.UnsupportedProgramError` naming the function and the
+:class:`~tvm_distx.errors.UnsupportedProgramError` naming the function and the
 kernel's result, found by lowering each sharded kernel alone. A module TVM
 lowers at once keeps its kernels exactly as written.
 

@@ -34,7 +34,7 @@ the function itself on every device, the module attribute
 ``"tvm_distx.rank_entries"`` maps each public function to one entry name per
 device (``""`` for a device that runs nothing).
 
-Limits (raised as :class:`tvm_distx.UnsupportedProgramError`): a function
+Limits (raised as :class:`tvm_distx.errors.UnsupportedProgramError`): a function
 spanning several meshes must not be called by another function (inline it
 first), and ``R.dist.redistribute`` must already be legalized.
 """
@@ -54,7 +54,7 @@ from tvm_distx.ir import helpers as _ir
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.ir.rewriter import FunctionRewriter
 from tvm_distx.layout import TensorSharding
-from tvm_distx.layout.mesh import DeviceMesh, module_meshes
+from tvm_distx.layout.mesh import DeviceMesh, device_meshes
 from tvm_distx.legalize.partial_sums import partial_sum
 from tvm_distx.legalize.split_extents import drop_extents_param
 
@@ -206,11 +206,10 @@ def _is_public(func: relax.Function) -> bool:
 
 def module_devices(mod: tvm.IRModule) -> list[int]:
     """The global device ids of a module: ``0 .. device_num - 1``, or up to its last mesh's."""
-
     count = 0
     if mod.attrs is not None and "device_num" in mod.attrs:
         count = int(mod.attrs["device_num"])
-    for mesh in module_meshes(mod).values():
+    for mesh in device_meshes(mod).values():
         count = max(count, mesh.device_range.stop)
     return list(range(count))
 

@@ -179,7 +179,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tvm_distx.errors import ShardingError
+from tvm_distx.errors import InternalError, ShardingError
 from tvm_distx.layout import TensorSharding
 from tvm_distx.layout.geometry import (
     PARTIAL,
@@ -552,7 +552,7 @@ def _search(mesh_shape: tuple[int, ...], src: Code, dst: Code, shape: tuple[int,
             key = (_KIND_ORDER[kind], axis, tensor_axes)
             heapq.heappush(heap, (cost + moved, nsteps + 1, keys + (key,), new,
                                   path + ((axis, kind, tensor_axes, new, moved),)))
-    raise AssertionError(f"no sequence of collectives from {src} to {dst}")  # pragma: no cover
+    raise InternalError(f"no sequence of collectives from {src} to {dst}")  # pragma: no cover
 
 
 # ---------------------------------------------------------------------- planning

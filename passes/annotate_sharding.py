@@ -27,7 +27,7 @@ use, dataflow outputs included, sees the annotated value.
 
 The pass is idempotent: a value that already carries the requested annotation
 (or already has that ``R.DTensor`` type) is left alone, and a different one is a
-:class:`tvm_distx.ShardingConflictError`.
+:class:`tvm_distx.errors.ShardingConflictError`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visito
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.errors import (
+    ArgumentTypeError,
     ShardingConflictError,
     ShardingError,
     UnknownMeshError,
@@ -403,7 +404,7 @@ class AnnotateSharding:
         The rules, applied together. Two rules that ask different shardings of
         the same site are a conflict.
     strict : bool, default True
-        Raise :class:`tvm_distx.UnmatchedRuleError` when a rule matches nothing
+        Raise :class:`tvm_distx.errors.UnmatchedRuleError` when a rule matches nothing
         (usually a typo in a name). With ``strict=False`` it is logged instead.
 
     Raises
@@ -423,8 +424,9 @@ class AnnotateSharding:
         self.rules = list(rules)
         for rule in self.rules:
             if not isinstance(rule, ShardingRule):
-                raise TypeError(
-                    f"AnnotateSharding takes ShardingRule objects, got {type(rule).__name__}"
+                raise ArgumentTypeError(
+                    f"AnnotateSharding takes ShardingRule objects, got {type(rule).__name__}",
+                    hint="build each rule with tvm_distx.ShardingRule(...)",
                 )
         self.strict = strict
 

@@ -48,6 +48,8 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.distributed import DTensorType
 
+from tvm_distx.errors import ArgumentError
+
 __all__ = [
     "Labels",
     "OpSignature",
@@ -149,7 +151,8 @@ def register_signature(*op_names: str) -> Callable[[SignatureRule], SignatureRul
     ...     ...
     """
     if not op_names:
-        raise ValueError("register_signature needs at least one operator name")
+        raise ArgumentError("register_signature needs at least one operator name",
+                            hint='name the operators: @register_signature("relax.add")')
 
     def decorator(rule: SignatureRule) -> SignatureRule:
         for name in op_names:

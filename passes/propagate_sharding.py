@@ -100,7 +100,7 @@ def propagate(mod: tvm.IRModule, *, require_legalized: bool = False,
             raise UnsupportedProgramError(
                 text, function=result.unlegalized[0][0], var=result.unlegalized[0][1],
                 hint="run relax.transform.LegalizeOps() before PropagateSharding "
-                "(tvm_distx.distribute does this for you)",
+                "(tvm_distx.lower_to_ranks does this for you)",
             )
         if warn_unlegalized:
             logger.warning("%s; run LegalizeOps before PropagateSharding", text)

@@ -21,6 +21,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from tvm_distx.errors import UnsupportedProgramError
 from tvm_distx.passes.op_signatures import (Labels, OpSignature, is_tensor, output_types, register_signature,
                             static_int, tensor_ndim, tensor_type)
 
@@ -47,14 +48,14 @@ def _same_extent(a, b) -> bool:
 def _axis(value, ndim: int) -> int:
     axis = int(value)
     if not -ndim <= axis < max(ndim, 1):
-        raise ValueError(f"axis {axis} out of range for rank {ndim}")
+        raise UnsupportedProgramError(f"axis {axis} out of range for rank {ndim}")
     return axis % ndim if ndim else 0
 
 
 def _axes(values, ndim: int) -> list[int]:
     axes = [_axis(v, ndim) for v in values]
     if len(set(axes)) != len(axes):
-        raise ValueError(f"repeated axes {axes}")
+        raise UnsupportedProgramError(f"repeated axes {axes}")
     return axes
 
 

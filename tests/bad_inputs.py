@@ -255,7 +255,7 @@ def execute(case: Case, workdir: Path) -> None:
 
         PropagateSharding(require_legalized=True)(relax.transform.LegalizeOps()(mod))
     elif case.run == "distribute":
-        td.distribute(mod)
+        td.lower_to_ranks(mod)
     elif case.run == "execute":
         exe = td.compile(mod, schedule=False)
         exe.run(*[spec_array(s) for s in case.inputs],

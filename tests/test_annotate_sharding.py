@@ -352,7 +352,7 @@ def test_tvm_propagation_agrees_with_hand_written_annotations():
 
 # --------------------------------------------------------------------------- conflicts
 def test_conflicting_rules_raise_and_name_the_site(seed):
-    with pytest.raises(td.ShardingConflictError) as info:
+    with pytest.raises(td.errors.ShardingConflictError) as info:
         annotate(
             seed,
             ShardingRule(callee="mlp", args={0: "R"}, meshes="mesh[0]"),
@@ -366,14 +366,14 @@ def test_conflicting_rules_raise_and_name_the_site(seed):
 
 def test_existing_annotation_with_another_sharding_is_a_conflict(seed):
     once = annotate(seed, ShardingRule(callee="mlp", args={0: "R"}, meshes="mesh[0]"))
-    with pytest.raises(td.ShardingConflictError, match="already annotated") as info:
+    with pytest.raises(td.errors.ShardingConflictError, match="already annotated") as info:
         annotate(once, ShardingRule(callee="mlp", args={0: "R"}, meshes="mesh[1]"))
     assert info.value.var == "x_ann"
 
 
 def test_existing_result_annotation_with_another_sharding_is_a_conflict():
     once = annotate(SingleMLP, ShardingRule(op="relax.nn.relu", result="S[0]"))
-    with pytest.raises(td.ShardingConflictError) as info:
+    with pytest.raises(td.errors.ShardingConflictError) as info:
         annotate(once, ShardingRule(op="relax.nn.relu", result="S[1]"))
     assert (info.value.function, info.value.var) == ("main", "lv1_raw")
 
@@ -396,33 +396,33 @@ def test_dtensor_value_with_the_same_sharding_is_left_alone():
 
 
 def test_dtensor_value_with_another_sharding_asks_for_redistribute():
-    with pytest.raises(td.ShardingConflictError, match="redistribute") as info:
+    with pytest.raises(td.errors.ShardingConflictError, match="redistribute") as info:
         annotate(AlreadyDistributed, ShardingRule(param="x", result="S[1]"))
     assert (info.value.function, info.value.var) == ("main", "x")
 
 
 # --------------------------------------------------------------------------- bad input
 def test_unknown_mesh_names_function_and_variable(seed):
-    with pytest.raises(td.UnknownMeshError) as info:
+    with pytest.raises(td.errors.UnknownMeshError) as info:
         annotate(seed, ShardingRule(callee="mlp", args={0: "R"}, meshes="mesh[7]"))
     assert (info.value.function, info.value.var) == ("main", "x")
     assert "mesh[0], mesh[1]" in str(info.value)
 
 
 def test_missing_mesh_with_several_meshes_in_module(seed):
-    with pytest.raises(td.UnknownMeshError, match="names no mesh") as info:
+    with pytest.raises(td.errors.UnknownMeshError, match="names no mesh") as info:
         annotate(seed, ShardingRule(callee="mlp", args={0: "R"}))
     assert info.value.function == "main"
 
 
 def test_placement_rank_mismatch_names_the_variable(seed):
-    with pytest.raises(td.PlacementRankError) as info:
+    with pytest.raises(td.errors.PlacementRankError) as info:
         annotate(seed, ShardingRule(param="B", result="S[0]R", function="mlp", meshes="mesh[0]"))
     assert (info.value.function, info.value.var, info.value.placement) == ("mlp", "B", "S[0]R")
 
 
 def test_sharded_dimension_out_of_range():
-    with pytest.raises(td.ShardDimError) as info:
+    with pytest.raises(td.errors.ShardDimError) as info:
         annotate(SingleMLP, ShardingRule(op="relax.nn.relu", args={0: "S[2]"}))
     assert (info.value.function, info.value.var) == ("main", "lv0")
 
@@ -438,7 +438,7 @@ class OddShape:
 
 
 def test_indivisible_shape():
-    with pytest.raises(td.IndivisibleShardError, match="extent 5") as info:
+    with pytest.raises(td.errors.IndivisibleShardError, match="extent 5") as info:
         annotate(OddShape, ShardingRule(param="x", result="S[0]"))
     assert info.value.var == "x"
     # the other dimension divides
@@ -456,19 +456,19 @@ class WithShapeArgument:
 
 
 def test_non_tensor_argument_is_rejected():
-    with pytest.raises(td.UnsupportedValueError, match="only tensors") as info:
+    with pytest.raises(td.errors.UnsupportedValueError, match="only tensors") as info:
         annotate(WithShapeArgument, ShardingRule(op="relax.reshape", args={1: "R"}))
     assert info.value.function == "main"
 
 
 def test_argument_index_out_of_range(seed):
-    with pytest.raises(td.ShardingError, match="has 3 arguments") as info:
+    with pytest.raises(td.errors.ShardingError, match="has 3 arguments") as info:
         annotate(seed, ShardingRule(callee="mlp", args={3: "R"}, meshes="mesh[0]"))
     assert info.value.function == "main"
 
 
 def test_unmatched_rule_is_an_error_in_strict_mode(seed):
-    with pytest.raises(td.UnmatchedRuleError, match="matched nothing") as info:
+    with pytest.raises(td.errors.UnmatchedRuleError, match="matched nothing") as info:
         annotate(seed, ShardingRule(callee="mlpp", args={0: "R"}, meshes="mesh[0]"))
     assert "main, mlp" in info.value.hint
 
@@ -487,12 +487,12 @@ def test_rules_must_be_sharding_rules():
 
 def test_error_type_and_fields_survive_a_sequential(seed):
     rule = ShardingRule(callee="mlp", args={0: "R"}, meshes="mesh[9]")
-    with pytest.raises(td.UnknownMeshError) as info:
+    with pytest.raises(td.errors.UnknownMeshError) as info:
         tvm.transform.Sequential([AnnotateSharding([rule])])(seed)
     assert "function 'main'" in str(info.value) and "mesh[9]" in str(info.value)
 
 
 def test_conflict_message_names_the_existing_mesh(seed):
     once = annotate(seed, ShardingRule(callee="mlp", args={0: "R"}, meshes="mesh[0]"))
-    with pytest.raises(td.ShardingConflictError, match=r'already annotated "R" on mesh "mesh\[0\]"'):
+    with pytest.raises(td.errors.ShardingConflictError, match=r'already annotated "R" on mesh "mesh\[0\]"'):
         annotate(once, ShardingRule(callee="mlp", args={0: "R"}, meshes="mesh[1]"))

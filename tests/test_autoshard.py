@@ -20,7 +20,7 @@ import torch
 import tvm_distx as td
 from tvm_distx import ShardingRule
 from tvm_distx.plans import presets
-from tvm_distx.autoshard import CostProfile, auto_shard, plan_cost
+from tvm_distx.autoshard import CostProfile, auto_shard, measure_cost_profile, plan_cost
 from tvm_distx.autoshard.graph import Node, ShardGraph
 from tvm_distx.autoshard.ilp import solve
 from tvm_distx.errors import MemoryBudgetError, RuleError
@@ -263,7 +263,7 @@ def test_throughput_on_2x2_data_and_model_parallel_under_a_budget(batch8):
     try:
         _, rushed = auto_shard(mod, (2, 2), objective="throughput", runner_ups=0, pin=False,
                                memory_per_rank=int(0.55 * total), time_limit=0.05)
-    except td.UnsupportedProgramError as err:
+    except td.errors.UnsupportedProgramError as err:
         assert "time limit" in str(err)
     else:
         assert rushed.solution.status in ("time limit", "optimal")
@@ -389,7 +389,7 @@ def test_a_profile_round_trips_through_json(tmp_path):
     profile.save(tmp_path / "p.json")
     assert CostProfile.load(tmp_path / "p.json") == profile
     (tmp_path / "bad.json").write_text('{"flops": 1}')
-    with pytest.raises(td.ArgumentError, match="not a cost profile"):
+    with pytest.raises(td.errors.ArgumentError, match="not a cost profile"):
         CostProfile.load(tmp_path / "bad.json")
-    measured = td.profile(1, backend="local")  # the arithmetic rate of this process
+    measured = measure_cost_profile(1, backend="local")  # the arithmetic rate of this process
     assert measured.flops_per_s > 1e6 and measured.name == "measured local"

@@ -120,11 +120,11 @@ def test_a_symbolic_prompt_length_is_priced_at_a_size_and_runs_at_any(decoder):
     model, program, weights, _ = decoder
     mod = _prefill_only(program)
     seq = str(mod["prefill"].params[0].ty.shape.values[1].name)
-    with pytest.raises(td.SymbolicExtentError, match=f"its symbolic extents: {seq}"):
+    with pytest.raises(td.errors.SymbolicExtentError, match=f"its symbolic extents: {seq}"):
         auto_shard(mod, (2,), function="prefill", sizes={"seq": 64}, runner_ups=0)
     unbounded = mod.clone()
     unbounded["prefill"] = mod["prefill"].without_attr("tir_var_upper_bound")
-    with pytest.raises(td.SymbolicExtentError, match=f"sizes=\\{{'{seq}': 128\\}}"):
+    with pytest.raises(td.errors.SymbolicExtentError, match=f"sizes=\\{{'{seq}': 128\\}}"):
         auto_shard(unbounded, (2,), function="prefill", runner_ups=0)
     annotated, report = auto_shard(mod, (2,), function="prefill", sizes={seq: 64},
                                    runner_ups=0)

@@ -120,7 +120,7 @@ def edit_manifest(bundle: Path, change) -> None:
 ], ids=["missing", "truncated", "no-version", "unknown-version", "format", "field", "entries"])
 def test_a_broken_manifest_is_refused(bundle, damage, message):
     damage(bundle)
-    with pytest.raises(td.BundleError, match=message):
+    with pytest.raises(td.errors.BundleError, match=message):
         launch(bundle, [np.zeros((128, 128), "float32")])
 
 
@@ -129,7 +129,7 @@ def test_a_tampered_missing_or_misshapen_weight_is_refused_before_any_rank_runs(
     original = path.read_bytes()
     shards = load_file(path)
     save_file({**shards, "A": np.ones((128, 64), "float32")}, path)
-    with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* does not match its sha256"):
+    with pytest.raises(td.errors.BundleError, match="weight 'A' of rank 1 .* does not match its sha256"):
         check_weights(read_manifest(bundle))
     path.write_bytes(original)
     check_weights(read_manifest(bundle))
@@ -142,15 +142,15 @@ def test_a_tampered_missing_or_misshapen_weight_is_refused_before_any_rank_runs(
         entry["weights"][0]["shape"] = [128, 32]
 
     edit_manifest(bundle, reshape)
-    with pytest.raises(td.BundleError, match="local shape \\[128, 64\\] on rank 1"):
+    with pytest.raises(td.errors.BundleError, match="local shape \\[128, 64\\] on rank 1"):
         check_weights(read_manifest(bundle))
     # a file that is no safetensors file, with its sha256 recorded
     path.write_bytes(b"\xff" * 64)
     edit_manifest(bundle, lambda d: d["weight_files"][1].update(sha256=sha256_file(path)))
-    with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* is not a valid safetensors"):
+    with pytest.raises(td.errors.BundleError, match="weight 'A' of rank 1 .* is not a valid safetensors"):
         check_weights(read_manifest(bundle))
     path.unlink()
-    with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* is missing"):
+    with pytest.raises(td.errors.BundleError, match="weight 'A' of rank 1 .* is missing"):
         launch(bundle, [np.zeros((128, 128), "float32")])
 
 
@@ -170,10 +170,10 @@ def test_a_bundle_can_link_a_checkpoint_that_each_rank_reads_itself(exe, data, t
                                atol=1e-5)
     # a block the checkpoint no longer has, and a checkpoint gone
     save_file({"A": A[:, :96], "B": B}, tmp_path / "model.safetensors")
-    with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* has no block"):
+    with pytest.raises(td.errors.BundleError, match="weight 'A' of rank 1 .* has no block"):
         check_weights(read_manifest(bundle))
     (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(td.BundleError, match="(?s)checkpoint file is missing.*same path on every"):
+    with pytest.raises(td.errors.BundleError, match="(?s)checkpoint file is missing.*same path on every"):
         launch(bundle, [x])
 
 
@@ -192,7 +192,7 @@ def test_a_bundle_can_link_a_checkpoint_that_each_rank_reads_itself(exe, data, t
         "other-architecture"])
 def test_a_library_that_cannot_run_here_is_refused_before_launching(bundle, damage, message):
     damage(bundle)
-    with pytest.raises(td.BundleError, match=message):
+    with pytest.raises(td.errors.BundleError, match=message):
         launch(bundle, [np.zeros((128, 128), "float32")])
 
 
@@ -202,7 +202,7 @@ def _elf_for_machine(library: bytes, machine: int) -> bytes:
 
 
 def test_a_wrong_rank_count_is_refused_before_launching(bundle):
-    with pytest.raises(td.BundleError, match="needs 2 ranks, not 4") as info:
+    with pytest.raises(td.errors.BundleError, match="needs 2 ranks, not 4") as info:
         launch(bundle, [np.zeros((128, 128), "float32")], num_ranks=4)
     assert "-n 2" in str(info.value)
 
@@ -218,13 +218,13 @@ def test_a_wrong_rank_count_is_refused_before_launching(bundle):
     ((np.zeros((128, 128), "float32"),) * 3, {"function": "mlp"}, "no public function 'mlp'"),
 ])
 def test_bad_run_arguments_name_the_parameter(exe, args, kwargs, message):
-    with pytest.raises(td.ArgumentError, match=message):
+    with pytest.raises(td.errors.ArgumentError, match=message):
         exe.run(*args, **{"backend": "emulate", **kwargs})
 
 
 def test_rvv_programs_are_refused_on_this_host():
     exe = td.compile(tensor_parallel(), target="rvv", schedule=False)
-    with pytest.raises(td.ArgumentError, match="cannot run on this host"):
+    with pytest.raises(td.errors.ArgumentError, match="cannot run on this host"):
         exe.run(*[np.zeros((128, 128), "float32")] * 3, backend="emulate")
 
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-from tvm_distx import ArgumentError  # noqa: E402
+from tvm_distx.errors import ArgumentError  # noqa: E402
 from tvm_distx.bundle import checkpoint  # noqa: E402
 from tvm_distx.bundle.checkpoint import LazyTensor, open_checkpoint  # noqa: E402
 

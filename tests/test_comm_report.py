@@ -11,6 +11,7 @@ from tvm.relax.distributed import transform as dist_transform
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
+from tvm_distx.build.pipeline import run_stages
 from tvm_distx.reports.comm_report import comm_report
 from tvm_distx.passes import AnnotateSharding, PropagateSharding
 
@@ -63,7 +64,7 @@ def test_moves_between_pipeline_stages_are_send_recv_rows_naming_both_meshes():
 def test_a_kernel_on_a_nested_split_reports_the_all_gather_that_feeds_it():
     # relu on "S[0]S[0]" runs on "S[0]R" after the local view: an all-gather along
     # mesh axis 1 of the 8x12x4 float32 tensor in, a local slice out.
-    stages = td.pipeline.run_stages(moved("S[0]S[0]", "S[0]S[0]", (2, 2)))
+    stages = run_stages(moved("S[0]S[0]", "S[0]S[0]", (2, 2)))
     report = comm_report(stages["local_view"])
     assert [(r.collective, r.mesh_axis, r.src, r.dst) for r in report.rows] == [
         ("all_gather", 1, "S[0]S[0]", "S[0]R"), ("local_slice", 1, "S[0]R", "S[0]S[0]")]
@@ -71,6 +72,6 @@ def test_a_kernel_on_a_nested_split_reports_the_all_gather_that_feeds_it():
 
 
 def test_a_module_not_yet_propagated_is_refused_not_reported_empty():
-    with pytest.raises(td.ArgumentError, match="needs a propagated module") as info:
+    with pytest.raises(td.errors.ArgumentError, match="needs a propagated module") as info:
         comm_report(moved("S[0]", "S[1]", (4,)))
     assert "'main'" in str(info.value) and "PropagateSharding" in info.value.hint

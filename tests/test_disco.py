@@ -106,7 +106,7 @@ def test_a_failing_rank_is_named_quickly_and_leaves_nothing_behind(tensor_parall
     library, _, shards, _, _ = tensor_parallel
     bad = [shards[0], [s[:64] for s in shards[1]]]  # wrong shapes on rank 1
     start = time.monotonic()
-    with pytest.raises(td.LaunchError, match=r"rank 1 failed: .*mismatch") as info:
+    with pytest.raises(td.errors.LaunchError, match=r"rank 1 failed: .*mismatch") as info:
         run_disco(library, ["main", "main"], bad, timeout=60)
     assert time.monotonic() - start < 10  # rank 0 stops waiting in its allreduce at once
     assert "Traceback" in str(info.value)
@@ -116,7 +116,7 @@ def test_a_killed_worker_is_named_and_the_run_stops(tensor_parallel, clean, monk
     library, _, shards, _, _ = tensor_parallel
     monkeypatch.setenv("TVM_DISTX_FAULT", "1:kill")
     start = time.monotonic()
-    with pytest.raises(td.LaunchError, match=r"rank 1 failed: .*exited with code -9") as info:
+    with pytest.raises(td.errors.LaunchError, match=r"rank 1 failed: .*exited with code -9") as info:
         run_disco(library, ["main", "main"], shards, timeout=60)
     assert info.value.rank == 1
     assert time.monotonic() - start < 15
@@ -133,7 +133,7 @@ def test_a_rank_that_waits_past_the_timeout_raises_timeout_error(tensor_parallel
     library, _, shards, _, _ = tensor_parallel
     # a worker process takes about a second to start: rank 0 gives up first
     start = time.monotonic()
-    with pytest.raises(td.LaunchError, match=r"rank 0 failed: .*timed out waiting for rank 1"):
+    with pytest.raises(td.errors.LaunchError, match=r"rank 0 failed: .*timed out waiting for rank 1"):
         run_disco(library, ["main", "main"], shards, timeout=0.2)
     assert time.monotonic() - start < 10
 
@@ -194,7 +194,7 @@ def test_a_2x2_mesh_runs_alltoall_allgather_local_slice_and_send_recv(tmp_path, 
 def test_pipeline_stages_run_their_own_entries_with_send_and_recv(tmp_path, clean):
     mod = td.load_module(DATA / "seed_pipeline.py")
     rule = ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
-    ranks = td.distribute(AnnotateSharding([rule])(mod))
+    ranks = td.lower_to_ranks(AnnotateSharding([rule])(mod))
     entries = [rank_entry(ranks, "main", d) for d in (0, 1)]
     calls = packed_calls(ranks["main_rank0"]) + packed_calls(ranks["main_rank1"])
     assert {"tvm_distx.ccl.send", "tvm_distx.ccl.recv"} <= set(calls)

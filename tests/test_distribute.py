@@ -1,4 +1,4 @@
-"""distribute(): the whole pipeline in the required order, with stage dumps."""
+"""lower_to_ranks(): the whole pipeline in the required order, with stage dumps."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def tensor_parallel():
 
 
 def test_distribute_runs_every_stage_and_the_program_equals_numpy(tensor_parallel, tmp_path):
-    ranks = td.distribute(tensor_parallel, dump_dir=tmp_path)
+    ranks = td.lower_to_ranks(tensor_parallel, dump_dir=tmp_path)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00_input.py"] + [f"{i:02d}_{n}.py" for i, n in enumerate(STAGES, 1)]
     propagated = tvm.script.from_source((tmp_path / "02_propagate_sharding.py").read_text())
@@ -56,7 +56,7 @@ def test_distribute_runs_every_stage_and_the_program_equals_numpy(tensor_paralle
 def test_distribute_lowers_the_seed_pipeline_to_one_program_per_stage():
     mod = td.load_module(DATA / "seed_pipeline.py")
     rule = ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
-    ranks = td.distribute(AnnotateSharding([rule])(mod))
+    ranks = td.lower_to_ranks(AnnotateSharding([rule])(mod))
     entries = [rank_entry(ranks, "main", d) for d in (0, 1)]
     assert entries == ["main_rank0", "main_rank1"]
     rng = np.random.default_rng(5)
@@ -100,8 +100,8 @@ def test_a_kernel_whose_loops_tvm_cannot_shard_even_simplified_is_refused_by_nam
     from tvm_distx.legalize import local_view
 
     monkeypatch.setattr(local_view, "_simplify_sharded_kernels", lambda mod: (mod, {"reshape"}))
-    with pytest.raises(td.UnsupportedProgramError,
+    with pytest.raises(td.errors.UnsupportedProgramError,
                        match="cannot give the loops of kernel 'reshape' one sharding each") as err:
-        td.distribute(ReshapeOn2x4)
+        td.lower_to_ranks(ReshapeOn2x4)
     assert err.value.function == "main" and err.value.var == "y"
     assert "S[1]S[0]" in str(err.value) and err.value.hint

@@ -130,7 +130,8 @@ class TestHierarchy:
 
     @pytest.mark.parametrize("cls", [c for c in ALL_ERRORS if c.rule not in
                                      ("tvm-distx", "bundle", "argument", "symbolic-extent",
-                                      "launch", "qemu", "collective-group", "peer-failed")])
+                                      "launch", "qemu", "collective-group", "peer-failed",
+                                      "internal")])
     def test_every_compiler_error_is_a_sharding_error(self, cls):
         assert issubclass(cls, ShardingError)
 
@@ -168,6 +169,24 @@ class TestHierarchy:
         assert isinstance(err, KeyError)
         assert isinstance(err, LookupError)
         assert not isinstance(err, ValueError)
+
+    @pytest.mark.parametrize("cls, builtin", [
+        (errors.ArgumentTypeError, TypeError),
+        (errors.ArgumentIndexError, IndexError),
+        (errors.ArgumentKeyError, KeyError),
+        (errors.InternalError, RuntimeError),
+    ])
+    def test_errors_that_stand_for_a_builtin_are_caught_as_it(self, cls, builtin):
+        with pytest.raises(builtin, match=r"^\[[a-z-]+\] the message\nhint: "):
+            raise cls("the message", hint="the hint")
+
+    def test_an_argument_key_error_shows_its_message_not_a_quoted_key(self):
+        err = errors.ArgumentKeyError("no value 'y' in function 'main'", hint="look")
+        assert str(err) == "[argument] no value 'y' in function 'main'\nhint: look"
+        assert isinstance(err, errors.ArgumentError) and isinstance(err, ValueError)
+
+    def test_an_internal_error_asks_for_a_report(self):
+        assert "please report it" in str(errors.InternalError("invariant broke"))
 
     def test_unsupported_value_is_a_type_error(self):
         assert isinstance(UnsupportedValueError("x"), TypeError)
@@ -209,8 +228,13 @@ class TestHierarchy:
         assert len(tags) == len(set(tags))
 
     def test_package_exports_the_errors(self):
+        """``DistxError`` at the top level; the others there for one release, with a warning."""
+        assert tvm_distx.DistxError is errors.DistxError and tvm_distx.errors is errors
         for name in errors.__all__:
-            assert getattr(tvm_distx, name) is getattr(errors, name)
+            if name == "DistxError":
+                continue
+            with pytest.warns(DeprecationWarning, match=f"use tvm_distx.errors.{name}$"):
+                assert getattr(tvm_distx, name) is getattr(errors, name)
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import torch
 
 import tvm_distx as td
 from tvm_distx.frontend.pytorch import from_torch, relax_name
-from tvm_distx.plans.presets import (data_and_model, data_parallel, megatron, pipeline_stages,
-                               with_meshes)
+from tvm_distx.plans.presets import (data_and_tensor_parallel, data_parallel, megatron, pipeline_stages,
+                               set_device_meshes)
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 from transformer import Transformer  # noqa: E402
@@ -40,7 +40,7 @@ def test_weights_keep_their_pytorch_names(model):
 @pytest.fixture(scope="module")
 def tensor_parallel(model):
     mod, _, _, _ = model
-    return td.compile(megatron().apply(with_meshes(mod, [(2,)])))
+    return td.compile(megatron().apply(set_device_meshes(mod, [(2,)])))
 
 
 def test_megatron_transformer_on_two_mpi_ranks_equals_pytorch(model, tensor_parallel):
@@ -53,7 +53,7 @@ def test_megatron_holds_half_of_each_split_weight_and_all_reduces_per_block(mode
     mod, weights, x, want = model
     from tvm import relax
 
-    annotated = megatron().apply(with_meshes(mod, [(2,)]))
+    annotated = megatron().apply(set_device_meshes(mod, [(2,)]))
     # TVM types layer_norm on DTensors only after LegalizeOps
     report = td.explain(relax.transform.LegalizeOps()(annotated))
     assert report.row("main", "p_layers_0_mlp_fc1_weight").local_shape == (512, 256)
@@ -70,7 +70,7 @@ def test_megatron_holds_half_of_each_split_weight_and_all_reduces_per_block(mode
 
 def test_data_parallel_and_an_override(model):
     mod, weights, x, want = model
-    exe = td.compile(data_parallel().apply(with_meshes(mod, [(2,)])))
+    exe = td.compile(data_parallel().apply(set_device_meshes(mod, [(2,)])))
     assert exe.signatures["main"].params[0].sharding.placement.entries[0].is_shard()
     np.testing.assert_allclose(exe.run(x, params=weights, backend="emulate"), want, atol=1e-4)
     # an override: keep the MLP's second layer replicated
@@ -82,7 +82,7 @@ def test_data_parallel_and_an_override(model):
 
 def test_a_preset_for_another_model_is_refused(model):
     mod, _, _, _ = model
-    with pytest.raises(td.RuleError, match="no parameter of 'main' matches"):
+    with pytest.raises(td.errors.RuleError, match="no parameter of 'main' matches"):
         megatron(column=("*wq",), column_bias=(), row=("*wo",)).rules(mod)
 
 
@@ -93,13 +93,13 @@ def test_from_torch_errors_name_the_cause():
                 return x
             return -x
 
-    with pytest.raises(td.ArgumentError, match="torch.export could not trace DataDependent"):
+    with pytest.raises(td.errors.ArgumentError, match="torch.export could not trace DataDependent"):
         from_torch(DataDependent(), (torch.randn(3),))
 
 
 def test_data_and_model_on_a_2x2_mesh(model):
     mod, weights, x, want = model
-    exe = td.compile(data_and_model().apply(with_meshes(mod, [(2, 2)])))
+    exe = td.compile(data_and_tensor_parallel().apply(set_device_meshes(mod, [(2, 2)])))
     assert exe.num_ranks == 4
     np.testing.assert_allclose(exe.run(x, params=weights, backend="emulate"), want, atol=1e-4)
 
@@ -107,7 +107,7 @@ def test_data_and_model_on_a_2x2_mesh(model):
 def test_pipeline_stages_run_one_layer_per_rank_on_mpi(model):
     mod, weights, x, want = model
     preset = pipeline_stages(2, ["mesh[0]", "mesh[1]"])
-    exe = td.compile(preset.apply(with_meshes(mod, [(1,), (1,)])))
+    exe = td.compile(preset.apply(set_device_meshes(mod, [(1,), (1,)])))
     assert exe.entries["main"] == ["main_rank0", "main_rank1"]
     # each stage program takes only its own layer's weights
     assert all("layers_1" not in p.name for p in exe.module["main_rank0"].params)
@@ -118,7 +118,7 @@ def test_pipeline_stages_run_one_layer_per_rank_on_mpi(model):
 @pytest.fixture(scope="module")
 def sequence_parallel(model):
     mod, _, _, _ = model
-    annotated = megatron(sequence_parallel=True).apply(with_meshes(mod, [(2,)]))
+    annotated = megatron(sequence_parallel=True).apply(set_device_meshes(mod, [(2,)]))
     return annotated, td.compile(annotated)
 
 

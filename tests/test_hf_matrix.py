@@ -111,7 +111,7 @@ def family(request):
 def test_tensor_parallel_and_the_hf_plan_run_equal_to_transformers(family, ranks,
                                                                    record_property, caplog):
     name, model, mod, weights = family
-    meshed = presets.with_meshes(mod, [(ranks,)])
+    meshed = presets.set_device_meshes(mod, [(ranks,)])
     annotated = presets.tensor_parallel().apply(meshed)
     if name in NO_HF_PLAN:
         with pytest.raises(RuleError, match="no base_model_tp_plan"):

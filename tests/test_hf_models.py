@@ -64,7 +64,7 @@ def test_a_hf_model_imports_with_no_wrapper_and_keeps_its_parameter_names(import
 def llama_tp(imported):
     """The Llama, Megatron tensor parallel on 2 ranks, compiled once."""
     _, mod, weights = imported["llama"]
-    annotated = LLAMA_TP.apply(presets.with_meshes(mod, [(2,)]))
+    annotated = LLAMA_TP.apply(presets.set_device_meshes(mod, [(2,)]))
     return annotated, td.compile(annotated)
 
 
@@ -77,7 +77,7 @@ def test_llama_tensor_parallel_has_one_all_reduce_per_attention_and_per_mlp(llam
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_llama_like_families_run_tensor_parallel_on_two_mpi_ranks(imported, family):
     model, mod, weights = imported[family]
-    exe = td.compile(LLAMA_TP.apply(presets.with_meshes(mod, [(2,)])))
+    exe = td.compile(LLAMA_TP.apply(presets.set_device_meshes(mod, [(2,)])))
     ids = tokens(8, seed=1)
     out = exe.run(ids, params=weights, backend="mpi")
     np.testing.assert_allclose(out, logits(model, ids), atol=1e-4, rtol=0)
@@ -97,7 +97,7 @@ def test_llama_on_four_ranks_with_fewer_kv_heads_than_ranks(imported):
     """2 KV heads on 4 ranks: the key/value projections stay replicated, queries split."""
     model, mod, weights = imported["llama"]
     preset = LLAMA_TP.override({"*k_proj_weight": "R", "*v_proj_weight": "R"})
-    exe = td.compile(preset.apply(presets.with_meshes(mod, [(4,)])))
+    exe = td.compile(preset.apply(presets.set_device_meshes(mod, [(4,)])))
     ids = tokens(8, seed=3)
     out = exe.run(ids, params=weights, backend="mpi")
     np.testing.assert_allclose(out, logits(model, ids), atol=1e-4, rtol=0)
@@ -109,7 +109,7 @@ def test_one_import_and_one_compile_serve_every_sequence_length():
     mod, weights = td.from_torch(model, (torch.from_numpy(tokens(8)),),
                                  dynamic_shapes=({1: seq},))
     assert not isinstance(mod["main"].params[0].ty.shape[1], int)  # symbolic
-    annotated = LLAMA_TP.apply(presets.with_meshes(mod, [(2,)]))
+    annotated = LLAMA_TP.apply(presets.set_device_meshes(mod, [(2,)]))
     report = td.comm_report(run_stages(annotated)["local_view"])
     assert [row.collective for row in report.rows] == ["all_reduce"] * 2  # as when static
     # each all-reduce moves (p-1)/p of the hidden state twice (ring), per token
@@ -135,7 +135,7 @@ def test_reference_style_llama_compiles_with_schedules_and_runs_on_two_ranks():
     preset = presets.megatron(column=("*wq_weight", "*wk_weight", "*wv_weight", "*w1_weight",
                                       "*w3_weight", "*output_weight"),
                               row=("*wo_weight", "*w2_weight"))
-    annotated = preset.apply(presets.with_meshes(mod, [(2,)]))
+    annotated = preset.apply(presets.set_device_meshes(mod, [(2,)]))
     report = td.comm_report(run_stages(annotated)["local_view"])
     assert [row.collective for row in report.rows] == ["all_reduce"] * 4
     exe = td.compile(annotated, schedule=True)
@@ -160,7 +160,7 @@ def _mlp_module():
     net = MLP().eval()
     x = torch.randn(4, 16)
     mod, weights = td.from_torch(net, (x,))
-    annotated = presets.megatron().apply(presets.with_meshes(mod, [(2,)]))
+    annotated = presets.megatron().apply(presets.set_device_meshes(mod, [(2,)]))
     with torch.no_grad():
         return annotated, weights, x.numpy(), net(x).numpy()
 
@@ -176,7 +176,7 @@ def test_a_tvm_failure_inside_a_stage_is_a_compiler_stage_error(monkeypatch):
     stages = pipeline._stages()
     stages[2] = (stages[2][0], broken)
     monkeypatch.setattr(pipeline, "_stages", lambda: stages)
-    with pytest.raises(td.CompilerStageError, match="stage 'local_view'.*KeyError") as info:
+    with pytest.raises(td.errors.CompilerStageError, match="stage 'local_view'.*KeyError") as info:
         td.compile(annotated)
     assert "dump_dir" in str(info.value)
 

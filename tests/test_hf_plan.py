@@ -24,7 +24,7 @@ from hf_tiny import build, logits, tokens  # noqa: E402
 def _imported(family: str, layers: int = 1):
     model = build(family, layers=layers)
     mod, weights = td.from_torch(model, (torch.from_numpy(tokens(8)),))
-    return model, presets.with_meshes(mod, [(2,)]), weights
+    return model, presets.set_device_meshes(mod, [(2,)]), weights
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])

@@ -45,7 +45,7 @@ def _gpt2():
 
 def _annotated(mod, ranks: int):
     preset = presets.tensor_parallel()
-    annotated = presets.with_meshes(mod, [(ranks,)])
+    annotated = presets.set_device_meshes(mod, [(ranks,)])
     for function in ("prefill", "decode"):
         annotated = preset.apply(annotated, function)
     return annotated
@@ -196,7 +196,7 @@ def test_decode_moves_only_one_all_reduce_per_block(case, blocks, lookups, reque
 
 def test_fewer_kv_heads_than_ranks_keep_the_cache_whole_where_kv_projections_are_whole(llama2):
     mod, cache = llama2["mod"], llama2["cache"]
-    plan = presets.tensor_parallel().plan(presets.with_meshes(mod, [(4,)]), "decode")
+    plan = presets.tensor_parallel().plan(presets.set_device_meshes(mod, [(4,)]), "decode")
     kv = [r for r in plan.roles if "k_proj" in r.param or "v_proj" in r.param]
     assert len(kv) == 4 and all(r.axis is None for r in kv)  # 2 key/value heads, 4 ranks
     stages = run_stages(_annotated(mod, 4))
@@ -229,7 +229,7 @@ def test_the_layout_gives_empty_caches_and_their_size(llama2):
 
 def test_a_public_function_left_unannotated_lowers_as_it_is(llama2):
     # prefill split, decode not annotated at all: decode runs whole on every rank
-    annotated = presets.tensor_parallel().apply(presets.with_meshes(llama2["mod"], [(2,)]),
+    annotated = presets.tensor_parallel().apply(presets.set_device_meshes(llama2["mod"], [(2,)]),
                                                 "prefill")
     lowered = run_stages(annotated)["lower_distir"]
     decode = lowered["decode"]

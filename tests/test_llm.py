@@ -158,7 +158,7 @@ def test_batched_functions_that_do_not_shard_fall_back_to_the_batch_1_ones(
     class NoBatches:
         def apply(self, mod, function):
             if function.endswith("_batch"):
-                raise td.RuleError(f"NoBatches does not shard {function}", hint="a test plan")
+                raise td.errors.RuleError(f"NoBatches does not shard {function}", hint="a test plan")
             return presets.tensor_parallel().apply(mod, function)
 
     class Stop(Exception):
@@ -182,11 +182,11 @@ def test_batched_functions_that_do_not_shard_fall_back_to_the_batch_1_ones(
 
 def test_a_prompt_too_long_for_the_cache_is_refused_before_any_call(llama):
     _, lm = llama
-    with pytest.raises(td.ArgumentError, match="need 36 cache positions; the model was "
+    with pytest.raises(td.errors.ArgumentError, match="need 36 cache positions; the model was "
                                                "exported for 32"):
         lm.generate(prompt_ids(30, seed=4), max_new_tokens=7)
     calls = lm.session.calls
-    with pytest.raises(td.ArgumentError, match="a batch padded to 30 tokens needs 36 cache "
+    with pytest.raises(td.errors.ArgumentError, match="a batch padded to 30 tokens needs 36 cache "
                                                "positions; the model was exported for 32"):
         lm.generate(BATCH + [prompt_ids(30, seed=4)], max_new_tokens=7)  # the second chunk's
     assert lm.session.calls == calls
@@ -241,7 +241,7 @@ def test_a_bundle_keeps_the_batched_functions(llama, bundle):
         rows = served.generate(BATCH[:2], max_new_tokens=4)
     for prompt, row in zip(BATCH, rows):
         np.testing.assert_array_equal(row, greedy(model, prompt, 4))
-    with pytest.raises(td.ArgumentError, match=r"from_bundle\(num_ranks=3\).*2 ranks"):
+    with pytest.raises(td.errors.ArgumentError, match=r"from_bundle\(num_ranks=3\).*2 ranks"):
         CausalLM.from_bundle(bundle, backend="emulate", num_ranks=3)
 
 
@@ -271,7 +271,7 @@ def test_a_rank_killed_mid_generation_ends_it_naming_the_rank(llama):
     pids = [p.pid for p in session.ranks]
     os.kill(pids[1], signal.SIGKILL)
     started = time.monotonic()
-    with pytest.raises(td.LaunchError, match="rank 1"):
+    with pytest.raises(td.errors.LaunchError, match="rank 1"):
         for _ in stream:
             pass
     assert time.monotonic() - started < 30

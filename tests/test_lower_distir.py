@@ -197,7 +197,7 @@ def test_a_function_spanning_meshes_called_by_another_is_refused():
     with bb.function("outer", params):
         out = bb.emit(relax.Call(lowered.get_global_var("main"), params))
         bb.emit_func_output(out)
-    with pytest.raises(td.UnsupportedProgramError, match="spans several meshes") as info:
+    with pytest.raises(td.errors.UnsupportedProgramError, match="spans several meshes") as info:
         LowerDistIR()(bb.get())
     assert info.value.function == "outer"
 
@@ -210,7 +210,7 @@ def test_unlegalized_redistribute_is_refused_with_the_function_named():
     legal = relax.transform.LegalizeOps()(AnnotateSharding(rules)(mod))
     propagated = PropagateSharding(require_legalized=True)(legal)
     local = dist_transform.LowerGlobalViewToLocalView()(propagated)
-    with pytest.raises(td.UnsupportedProgramError, match="redistribute") as info:
+    with pytest.raises(td.errors.UnsupportedProgramError, match="redistribute") as info:
         LowerDistIR()(local)
     # callees are lowered first: the version of mlp that takes a row-split x
     assert info.value.function == "mlp_1"

@@ -1,4 +1,4 @@
-"""Unit tests for tvm_distx.layout.mesh: DeviceMesh, MeshRef, module_meshes, resolve_mesh.
+"""Unit tests for tvm_distx.layout.mesh: DeviceMesh, MeshReference, device_meshes, resolve_mesh.
 
 TVM's DeviceMesh objects are compared through ``.shape`` and ``.device_ids`` as
 Python lists: ``same_as`` / ``==`` on them recurse without end in this TVM build.
@@ -15,9 +15,11 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import tvm_distx as td
-from tvm_distx import DeviceMesh, MeshError, MeshRef, ShardingError, UnknownMeshError
+from tvm_distx import DeviceMesh
+from tvm_distx.errors import MeshError, ShardingError, UnknownMeshError
+from tvm_distx.layout.mesh import MeshReference
 from tvm_distx.layout import MeshTable, TensorSharding
-from tvm_distx.layout.mesh import module_meshes, resolve_mesh
+from tvm_distx.layout.mesh import device_meshes, resolve_mesh
 
 DATA = Path(__file__).parent / "data"
 
@@ -200,7 +202,7 @@ class TestDeviceMeshTVM:
         assert "hint: renumber the devices" in text
 
 
-# ---------------------------------------------------------------------------- MeshRef
+# ---------------------------------------------------------------------------- MeshReference
 
 
 class TestMeshRef:
@@ -216,26 +218,26 @@ class TestMeshRef:
         ],
     )
     def test_parse(self, text, key, index):
-        ref = MeshRef.parse(text)
-        assert ref == MeshRef(key, index)
+        ref = MeshReference.parse(text)
+        assert ref == MeshReference(key, index)
         assert ref.key == key and ref.index == index
 
     def test_str(self):
-        assert str(MeshRef("mesh", 3)) == "mesh[3]"
-        assert str(MeshRef.parse(" mesh[ 02 ] ")) == "mesh[2]"
+        assert str(MeshReference("mesh", 3)) == "mesh[3]"
+        assert str(MeshReference.parse(" mesh[ 02 ] ")) == "mesh[2]"
 
     @pytest.mark.parametrize(
         "text", ["mesh", "mesh[x]", "mesh[]", "mesh[-1]", "[0]", "0mesh[0]", "mesh[0]x", "", 3, None]
     )
     def test_bad_references(self, text):
         with pytest.raises(MeshError) as info:
-            MeshRef.parse(text)  # type: ignore[arg-type]
+            MeshReference.parse(text)  # type: ignore[arg-type]
         text_out = str(info.value)
         assert f'a mesh reference looks like "mesh[0]", got {text!r}' in text_out
         assert "hint:" in text_out
 
     def test_hashable_value(self):
-        assert len({MeshRef("mesh", 0), MeshRef.parse("mesh[0]"), MeshRef("mesh", 1)}) == 2
+        assert len({MeshReference("mesh", 0), MeshReference.parse("mesh[0]"), MeshReference("mesh", 1)}) == 2
 
 
 # ---------------------------------------------------------------------------- modules
@@ -243,7 +245,7 @@ class TestMeshRef:
 
 class TestModuleMeshes:
     def test_pipeline_has_two_one_device_meshes(self, pipeline):
-        meshes = module_meshes(pipeline)
+        meshes = device_meshes(pipeline)
         assert list(meshes) == ["mesh[0]", "mesh[1]"]
         assert meshes["mesh[0]"] == DeviceMesh((1,), range(0, 1))
         assert meshes["mesh[1]"] == DeviceMesh((1,), range(1, 2))
@@ -251,19 +253,20 @@ class TestModuleMeshes:
         assert meshes["mesh[1]"].name == "mesh[1]"
 
     def test_2x2_module(self, mesh2x2):
-        meshes = module_meshes(mesh2x2)
+        meshes = device_meshes(mesh2x2)
         assert list(meshes) == ["mesh[0]"]
         assert meshes["mesh[0]"].shape == (2, 2)
         assert meshes["mesh[0]"].devices == (0, 1, 2, 3)
 
     def test_module_without_meshes(self, no_mesh_module):
-        assert module_meshes(no_mesh_module) == {}
+        assert device_meshes(no_mesh_module) == {}
 
     def test_non_mesh_global_infos_are_skipped(self, vdevice_module):
-        assert module_meshes(vdevice_module) == {}
+        assert device_meshes(vdevice_module) == {}
 
-    def test_exported_at_top_level(self):
-        assert td.module_meshes is module_meshes
+    def test_the_old_top_level_name_warns_and_is_device_meshes(self):
+        with pytest.warns(DeprecationWarning, match="use tvm_distx.layout.mesh.device_meshes"):
+            assert td.module_meshes is device_meshes
 
 
 class TestMeshTable:
@@ -279,7 +282,7 @@ class TestMeshTable:
                 return x
 
         table = MeshTable(Stages)
-        assert list(table) == ["mesh[0]", "mesh[1]"] and table.as_dict() == module_meshes(Stages)
+        assert list(table) == ["mesh[0]", "mesh[1]"] and table.as_dict() == device_meshes(Stages)
         x, y = Stages["main"].params
         # two equal meshes: an equality scan finds mesh[0] for both, identity does not
         assert table.lookup(x.ty.device_mesh) is table["mesh[1]"]
@@ -300,7 +303,7 @@ class TestMeshTable:
 
 
 class TestResolveMesh:
-    @pytest.mark.parametrize("ref", ["mesh[1]", MeshRef("mesh", 1), " mesh[ 1 ]"])
+    @pytest.mark.parametrize("ref", ["mesh[1]", MeshReference("mesh", 1), " mesh[ 1 ]"])
     def test_resolves_text_and_refs(self, pipeline, ref):
         ours, theirs = resolve_mesh(pipeline, ref)
         assert ours == DeviceMesh((1,), range(1, 2))

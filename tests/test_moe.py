@@ -14,7 +14,7 @@ from tvm_distx.plans import moe  # noqa: E402
 from tvm_distx.errors import RuleError  # noqa: E402
 from tvm_distx.frontend.pytorch import from_torch  # noqa: E402
 from tvm_distx.build.pipeline import run_stages  # noqa: E402
-from tvm_distx.plans.presets import megatron, with_meshes  # noqa: E402
+from tvm_distx.plans.presets import megatron, set_device_meshes  # noqa: E402
 from tvm_distx.layout.arrays import shard_array  # noqa: E402
 from tvm_distx.frontend.torch_moe import find_experts, static_experts  # noqa: E402
 
@@ -76,7 +76,7 @@ def _attention(ranks: int):
 def mixtral_expert_parallel(request, mixtral):
     mod, _, _, _ = mixtral
     plan = moe.expert_parallel(base=_attention(request.param))
-    annotated = plan.apply(with_meshes(mod, [(request.param,)]))
+    annotated = plan.apply(set_device_meshes(mod, [(request.param,)]))
     return request.param, annotated, td.compile(annotated)
 
 
@@ -130,10 +130,10 @@ def test_expert_weights_are_found_by_structure(mixtral_block):
                      "p_experts_down_proj": "S[0]"}
     assert {r.param: str(r.result) for r in plan.override({"*gate_weight": "R"}).rules(mod)}[
         "p_gate_weight"] == "R"
-    tensor = {r.param: str(r.result) for r in moe.tensor_parallel_experts().rules(mod)}
+    tensor = {r.param: str(r.result) for r in moe.expert_tensor_parallel().rules(mod)}
     assert tensor == {"p_experts_gate_up_proj": "S[1]", "p_experts_down_proj": "S[2]"}
     # applied, the fused gate|up weight is first split per segment, each cut within itself
-    annotated = moe.tensor_parallel_experts().apply(with_meshes(mod, [(2,)]))
+    annotated = moe.expert_tensor_parallel().apply(set_device_meshes(mod, [(2,)]))
     assert [p.name for p in annotated["main"].params][2:] == [
         "p_experts_gate_up_proj_seg0", "p_experts_gate_up_proj_seg1", "p_experts_down_proj"]
 
@@ -195,7 +195,7 @@ def test_one_expert_parallel_compile_serves_every_sequence_length():
     mod, weights = from_torch(model, (torch.randint(0, 128, (1, TOKENS)),),
                               dynamic_shapes=({1: seq},))
     # attention split by heads and the experts split, the sequence length symbolic
-    exe = td.compile(moe.expert_parallel(base=_attention(2)).apply(with_meshes(mod, [(2,)])))
+    exe = td.compile(moe.expert_parallel(base=_attention(2)).apply(set_device_meshes(mod, [(2,)])))
     for length in (1, 7, 32):
         ids = torch.randint(0, 128, (1, length))
         with torch.no_grad():
@@ -206,7 +206,7 @@ def test_one_expert_parallel_compile_serves_every_sequence_length():
 
 def test_the_comparison_prefers_expert_parallel(mixtral_block):
     mod, _, _, _ = mixtral_block
-    meshed = with_meshes(mod, [(2,)])
+    meshed = set_device_meshes(mod, [(2,)])
     comparison = moe.compare(meshed)
     assert comparison.chosen == "expert"
     expert = moe.MoeComparison.collectives(comparison.expert)
@@ -222,10 +222,10 @@ def test_the_comparison_prefers_expert_parallel(mixtral_block):
     assert comparison.expert_flops == 6 * HIDDEN * 96
     assert comparison.tensor_flops == 2 * 6 * HIDDEN * 96
     assert f"{6 * HIDDEN * 96:,}" in str(comparison).splitlines()[1]
-    assert moe.moe_parallel(meshed).strategy == "expert"
+    assert moe.choose_expert_plan(meshed).strategy == "expert"
     # the plan not chosen is correct too, from the fused weights as imported
     _, weights, x, want = mixtral_block
-    exe = td.compile(moe.tensor_parallel_experts().apply(meshed))
+    exe = td.compile(moe.expert_tensor_parallel().apply(meshed))
     np.testing.assert_allclose(exe.run(x, params=weights, backend="emulate"), want,
                                atol=1e-4, rtol=0)
 
@@ -241,7 +241,7 @@ def test_qwen2_moe_runs_expert_parallel_on_two_mpi_ranks():
     mod, weights = from_torch(model, (ids,))
     assert [w.name for w in moe.expert_weights(mod)] == [
         "p_model_layers_0_mlp_experts_gate_up_proj", "p_model_layers_0_mlp_experts_down_proj"]
-    annotated = moe.expert_parallel(base=_attention(2)).apply(with_meshes(mod, [(2,)]))
+    annotated = moe.expert_parallel(base=_attention(2)).apply(set_device_meshes(mod, [(2,)]))
     rows = [r for r in td.comm_report(run_stages(annotated)["local_view"]).rows
             if r.collective != "local_slice"]
     assert [r.collective for r in rows] == ["all_reduce"] * 2
@@ -257,7 +257,7 @@ def test_deepseek_v3_routing_converts_and_runs_expert_parallel():
     model, _ = _deepseek_v3()
     mod, weights, x, want = _import_block(model.eval().model.layers[1].mlp)
     assert [w.role for w in moe.expert_weights(mod)] == ["up", "down"]
-    exe = td.compile(moe.expert_parallel().apply(with_meshes(mod, [(2,)])))
+    exe = td.compile(moe.expert_parallel().apply(set_device_meshes(mod, [(2,)])))
     np.testing.assert_allclose(exe.run(x, params=weights, backend="emulate"), want,
                                atol=1e-4, rtol=0)
 
@@ -284,9 +284,9 @@ def test_transposed_biased_experts_run_expert_parallel():
         moe.ExpertWeight("p_experts_down_proj_bias", 4, expert_dim=0, intermediate_dim=None,
                          role="down_bias"),
     ]
-    tensor = {r.param: str(r.result) for r in moe.tensor_parallel_experts().rules(mod)}
+    tensor = {r.param: str(r.result) for r in moe.expert_tensor_parallel().rules(mod)}
     assert tensor["p_experts_down_proj_bias"] == "R"
-    exe = td.compile(moe.expert_parallel().apply(with_meshes(mod, [(2,)])))
+    exe = td.compile(moe.expert_parallel().apply(set_device_meshes(mod, [(2,)])))
     # every expert weight and bias is split on the expert dimension
     specs = {s.name: s for s in exe.signatures["main"].params}
     for weight in moe.expert_weights(mod):

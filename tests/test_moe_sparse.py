@@ -121,7 +121,7 @@ def test_expert_parallel_never_touches_unrouted_experts_on_two_mpi_ranks():
     from tvm_distx.plans import moe
     from tvm_distx.plans.moe_dispatch import experts_calls
     from tvm_distx.build.pipeline import run_stages
-    from tvm_distx.plans.presets import with_meshes
+    from tvm_distx.plans.presets import set_device_meshes
 
     torch.manual_seed(0)
     config = tf.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=48,
@@ -145,7 +145,7 @@ def test_expert_parallel_never_touches_unrouted_experts_on_two_mpi_ranks():
     want = (want[0] if isinstance(want, tuple) else want).numpy()
     assert np.isfinite(want).all()
 
-    annotated = moe.expert_parallel().apply(with_meshes(mod, [(2,)]))
+    annotated = moe.expert_parallel().apply(set_device_meshes(mod, [(2,)]))
     (_, _, kernel), = experts_calls(annotated)
     assert kernel == ExpertsKernel(8, 32, 48)
     rows = [r for r in td.comm_report(run_stages(annotated)["local_view"]).rows

@@ -7,7 +7,7 @@ Two kinds of run, each a subprocess of the venv's ``mpiexec`` with a timeout:
   each axis, send/recv within a mesh and between meshes, TVM's disco
   builtins, and the errors of a rank that is not in a group);
 * ``tests/mpi/run_programs.py`` runs compiled programs in a
-  ``relax.VirtualMachine`` per rank: ours (``td.distribute``: tensor
+  ``relax.VirtualMachine`` per rank: ours (``td.lower_to_ranks``: tensor
   parallelism, and two pipeline stages) and one lowered by TVM's own
   ``LowerDistIR`` (which calls ``runtime.disco.*``).
 """
@@ -109,12 +109,12 @@ def test_compiled_programs_run_on_two_mpi_ranks(tmp_path):
     rng = np.random.default_rng(11)
     programs = []
 
-    # ours: td.distribute of the seed, with the result redistributed to S[0]
+    # ours: td.lower_to_ranks of the seed, with the result redistributed to S[0]
     rules = [ShardingRule(param="A", result="S[1]", function="mlp"),
              ShardingRule(param="B", result="S[0]", function="mlp"),
              ShardingRule(callee="mlp", result="S[0]", function="main")]
     seed = td.load_module(HERE / "data" / "seed_tensor_parallel.py")
-    ranks = td.distribute(AnnotateSharding(rules)(seed), dump_dir=tmp_path / "stages")
+    ranks = td.lower_to_ranks(AnnotateSharding(rules)(seed), dump_dir=tmp_path / "stages")
     propagated = tvm.script.from_source(
         (tmp_path / "stages" / "02_propagate_sharding.py").read_text())["main"]
     x, A, B = (0.1 * rng.standard_normal((128, 128), dtype="float32") for _ in range(3))
@@ -128,7 +128,7 @@ def test_compiled_programs_run_on_two_mpi_ranks(tmp_path):
 
     # two pipeline stages: rank 0 sends (an impure call without output), rank 1 receives
     rule = ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
-    ranks = td.distribute(AnnotateSharding([rule])(td.load_module(HERE / "data" /
+    ranks = td.lower_to_ranks(AnnotateSharding([rule])(td.load_module(HERE / "data" /
                                                                   "seed_pipeline.py")))
     programs.append(save_program(tmp_path, "pipeline", ranks,
                                  [rank_entry(ranks, "main", d) for d in (0, 1)],

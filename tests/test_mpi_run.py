@@ -187,7 +187,7 @@ def test_a_failing_rank_stops_the_job_names_the_rank_and_leaves_nothing(
     target = request.getfixturevalue("bundle" if ranks == 2 else "grid_bundle")
     before = leftovers()
     started = time.monotonic()
-    with pytest.raises(td.LaunchError, match=message) as info:
+    with pytest.raises(td.errors.LaunchError, match=message) as info:
         launch(target, [weights[0]], timeout=15, env={"TVM_DISTX_FAULT": fault})
     elapsed = time.monotonic() - started
     assert info.value.reason == reason
@@ -204,6 +204,6 @@ def test_a_failing_rank_stops_the_job_names_the_rank_and_leaves_nothing(
 def test_a_missing_weight_shard_is_refused_before_any_rank_starts(bundle, weights):
     (bundle / "weights" / "rank1.safetensors").unlink()
     before = leftovers()
-    with pytest.raises(td.BundleError, match="weight 'A' of rank 1 .* is missing"):
+    with pytest.raises(td.errors.BundleError, match="weight 'A' of rank 1 .* is missing"):
         launch(bundle, [weights[0]])
     assert leftovers() == before

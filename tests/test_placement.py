@@ -8,14 +8,11 @@ import pytest
 from tvm.relax.distributed import Placement as TVMPlacement
 
 import tvm_distx.layout.placement as placement_module
-from tvm_distx import (
-    DeviceMesh,
+from tvm_distx import DeviceMesh, Placement, Replicate, Shard
+from tvm_distx.errors import (
     IndivisibleShardError,
-    Placement,
     PlacementRankError,
     PlacementSyntaxError,
-    Replicate,
-    Shard,
     ShardDimError,
     ShardingError,
     UnsupportedValueError,

@@ -30,7 +30,7 @@ def check_against_tvm(mod):
     except Exception:  # noqa: BLE001 - TVM fails with its own internal errors
         # Where TVM cannot type an operator on DTensors, ours fails too, but with
         # a tvm_distx error that says what to do.
-        with pytest.raises(td.ShardingError, match="LegalizeOps"):
+        with pytest.raises(td.errors.ShardingError, match="LegalizeOps"):
             PropagateSharding()(mod)
         return False
     tvm.ir.assert_structural_equal(PropagateSharding()(mod), expected)

@@ -352,7 +352,7 @@ def test_mutual_recursion_is_rejected_with_the_cycle():
     with pytest.raises(CallGraphError, match="f -> g -> f") as info:
         PropagateSharding()(Recursive)
     assert info.value.function == "g"
-    assert isinstance(info.value, td.ShardingError)
+    assert isinstance(info.value, td.errors.ShardingError)
 
 
 @I.ir_module
@@ -376,7 +376,7 @@ class TwoHomes:
 
 
 def test_call_with_annotated_arguments_on_two_meshes_is_ambiguous():
-    with pytest.raises(td.ShardingConflictError) as info:
+    with pytest.raises(td.errors.ShardingConflictError) as info:
         PropagateSharding()(TwoHomes)
     text = str(info.value)
     assert info.value.function == "main"

@@ -212,7 +212,7 @@ def test_an_annotation_written_in_the_ir_is_validated_against_its_mesh():
         bb.emit_func_output(bb.emit(relax.op.nn.relu(y)))
     mod = bb.get()
     mod.update_global_info("mesh", [mesh])
-    with pytest.raises(td.PlacementRankError, match="placement has 1 entries") as info:
+    with pytest.raises(td.errors.PlacementRankError, match="placement has 1 entries") as info:
         PropagateSharding()(mod)
     assert (info.value.function, info.value.var) == ("main", "y")
 

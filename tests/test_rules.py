@@ -9,7 +9,9 @@ import doctest
 import pytest
 
 import tvm_distx.layout.rules as rules_module
-from tvm_distx import MeshRef, Placement, Replicate, RuleError, Shard, ShardingError, ShardingRule
+from tvm_distx import Placement, Replicate, Shard, ShardingRule
+from tvm_distx.errors import RuleError, ShardingError
+from tvm_distx.layout.mesh import MeshReference
 
 
 # ---------------------------------------------------------------------------- matchers
@@ -169,12 +171,12 @@ class TestMeshes:
 
     def test_single_string_becomes_a_one_tuple(self):
         rule = ShardingRule(callee="mlp", result="R", meshes="mesh[1]")
-        assert rule.meshes == (MeshRef("mesh", 1),)
+        assert rule.meshes == (MeshReference("mesh", 1),)
         assert isinstance(rule.meshes, tuple)
 
     def test_list_is_parsed_in_order(self):
         rule = ShardingRule(callee="mlp", result="R", meshes=["mesh[1]", " mesh[0] "])
-        assert rule.meshes == (MeshRef("mesh", 1), MeshRef("mesh", 0))
+        assert rule.meshes == (MeshReference("mesh", 1), MeshReference("mesh", 0))
 
     def test_cycling_over_two_meshes(self):
         rule = ShardingRule(callee="mlp", args={0: "R"}, meshes=["mesh[0]", "mesh[1]"])
@@ -191,7 +193,7 @@ class TestMeshes:
 
     def test_one_mesh_serves_every_site(self):
         rule = ShardingRule(callee="mlp", result="R", meshes="mesh[0]")
-        assert {rule.mesh_for_site(i) for i in range(5)} == {MeshRef("mesh", 0)}
+        assert {rule.mesh_for_site(i) for i in range(5)} == {MeshReference("mesh", 0)}
 
     @pytest.mark.parametrize("bad", ["mesh", "mesh[x]", "mesh[-1]", ["mesh[0]", "mesh"], [0]])
     def test_bad_mesh_references(self, bad):

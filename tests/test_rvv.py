@@ -101,14 +101,14 @@ def test_every_kernel_of_tp_and_pipeline_bundles_matches_the_host_under_qemu(tp_
 
 
 def test_target_errors_name_the_fix(tmp_path, monkeypatch):
-    with pytest.raises(td.ArgumentError, match="unknown target 'arm'") as info:
+    with pytest.raises(td.errors.ArgumentError, match="unknown target 'arm'") as info:
         td.compile(AnnotateSharding(TP_RULES)(td.load_module(DATA / "seed_tensor_parallel.py")),
                    target="arm")
     assert '"x86", "rvv"' in str(info.value)
     exe = td.compile(AnnotateSharding(TP_RULES)(td.load_module(DATA / "seed_tensor_parallel.py")),
                      target="rvv", schedule=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # neither the cross compiler nor qemu
-    with pytest.raises(td.ArgumentError, match="riscv64-linux-gnu-gcc, which is not installed"
+    with pytest.raises(td.errors.ArgumentError, match="riscv64-linux-gnu-gcc, which is not installed"
                        ) as info:
         exe.export(tmp_path / "bundle")
     assert "apt-get install gcc-riscv64-linux-gnu" in str(info.value)

@@ -257,7 +257,7 @@ def test_scheduled_tensor_parallel_mlp_equals_numpy_on_two_emulated_ranks(tmp_pa
     rules = [ShardingRule(param="A", result="S[1]", function="mlp"),
              ShardingRule(param="B", result="S[0]", function="mlp"),
              ShardingRule(callee="mlp", result="S[0]", function="main")]
-    ranks = td.distribute(AnnotateSharding(rules)(mod), dump_dir=tmp_path)
+    ranks = td.lower_to_ranks(AnnotateSharding(rules)(mod), dump_dir=tmp_path)
     scheduled = schedule_module(ranks, TARGET)
     local = kernels(scheduled)
     assert local and all(f.attrs.get(SCHEDULED_ATTR, False) for f in local.values())

@@ -9,7 +9,8 @@ import pytest
 import tvm
 
 import tvm_distx as td
-from tvm_distx import ShardingError, module_meshes
+from tvm_distx.errors import ShardingError
+from tvm_distx.layout.mesh import device_meshes
 from tvm_distx.frontend.script import ScriptError, load_module
 
 DATA = Path(__file__).parent / "data"
@@ -44,13 +45,13 @@ class TestLoadsModules:
         mod = load_module(DATA / "seed_pipeline.py")
         assert isinstance(mod, tvm.IRModule)
         assert function_names(mod) == {"main", "mlp"}
-        assert list(module_meshes(mod)) == ["mesh[0]", "mesh[1]"]
+        assert list(device_meshes(mod)) == ["mesh[0]", "mesh[1]"]
         assert int(mod.attrs["device_num"]) == 2
 
     def test_seed_mesh2x2(self):
         mod = load_module(DATA / "seed_mesh2x2.py")
         assert function_names(mod) == {"main", "mlp"}
-        meshes = module_meshes(mod)
+        meshes = device_meshes(mod)
         assert meshes["mesh[0]"].shape == (2, 2)
         assert int(mod.attrs["device_num"]) == 4
 
@@ -71,7 +72,7 @@ class TestLoadsModules:
     def test_minimal_module(self, tmp_path):
         mod = load_module(write(tmp_path, "identity.py", HEADER + IDENTITY_CLASS))
         assert function_names(mod) == {"main"}
-        assert module_meshes(mod) == {}
+        assert device_meshes(mod) == {}
 
     def test_import_aliases_are_honoured(self, tmp_path):
         text = (

@@ -77,7 +77,7 @@ def test_calls_reuse_the_ranks_and_their_weights(tensor_parallel):
         assert session.calls == 3
         folder = session._dir
     assert _gone(pids) and not folder.exists()
-    with pytest.raises(td.ArgumentError, match="the session is closed"):
+    with pytest.raises(td.errors.ArgumentError, match="the session is closed"):
         session.run(x)
 
 
@@ -85,9 +85,9 @@ def test_a_bad_call_leaves_the_session_usable(tensor_parallel):
     exe, weights = tensor_parallel
     x = np.ones((128, 128), "float32")
     with exe.session(params=weights) as session:
-        with pytest.raises(td.ArgumentError, match="has shape \\(64, 128\\)"):
+        with pytest.raises(td.errors.ArgumentError, match="has shape \\(64, 128\\)"):
             session.run(np.ones((64, 128), "float32"))
-        with pytest.raises(td.ArgumentError, match="weights stored in the bundle"):
+        with pytest.raises(td.errors.ArgumentError, match="weights stored in the bundle"):
             session.run(x, params={"A": weights["A"]})
         np.testing.assert_allclose(session.run(x), _mlp_twice(x, weights), atol=1e-5)
 
@@ -110,11 +110,11 @@ def test_a_rank_killed_between_calls_ends_the_session_naming_it(tensor_parallel)
     folder = session._dir
     os.kill(pids[1], signal.SIGKILL)
     started = time.monotonic()
-    with pytest.raises(td.LaunchError, match="rank 1"):
+    with pytest.raises(td.errors.LaunchError, match="rank 1"):
         session.run(x)
     assert time.monotonic() - started < 30
     assert _gone(pids) and not folder.exists()
-    with pytest.raises(td.ArgumentError, match="the session is closed"):
+    with pytest.raises(td.errors.ArgumentError, match="the session is closed"):
         session.run(x)
 
 
@@ -129,7 +129,7 @@ def test_an_exception_in_the_caller_stops_the_ranks(tensor_parallel):
 
 def test_a_session_needs_the_programs_rank_count(tensor_parallel):
     exe, _ = tensor_parallel  # disco and emulated sessions: tests/test_session_backends.py
-    with pytest.raises(td.ArgumentError, match="needs 2 ranks, not 4"):
+    with pytest.raises(td.errors.ArgumentError, match="needs 2 ranks, not 4"):
         exe.session(4)
 
 
@@ -159,9 +159,9 @@ def test_state_stays_on_the_ranks_between_calls():
         for step in range(3):
             (total,) = session.run(xs[step], state={"acc": "acc"}, keep={1: "acc"})
             np.testing.assert_allclose(total, np.sum(xs[: step + 1]), rtol=1e-5, atol=1e-4)
-        with pytest.raises(td.ArgumentError, match="keep= keeps every result"):
+        with pytest.raises(td.errors.ArgumentError, match="keep= keeps every result"):
             session.run(xs[0], state={"acc": "acc"}, keep={0: "t", 1: "acc"})
-        with pytest.raises(td.ArgumentError, match="no parameter named accumulator"):
+        with pytest.raises(td.errors.ArgumentError, match="no parameter named accumulator"):
             session.run(xs[0], state={"accumulator": "acc"})
         # the state survived the refused calls
         (total,) = session.run(np.zeros((8, 16), "float32"), state={"acc": "acc"},
@@ -171,5 +171,5 @@ def test_state_stays_on_the_ranks_between_calls():
 
 def test_rank_0_must_run_on_this_host(tensor_parallel):
     exe, weights = tensor_parallel
-    with pytest.raises(td.ArgumentError, match="rank 0 would run on elsewhere.example"):
+    with pytest.raises(td.errors.ArgumentError, match="rank 0 would run on elsewhere.example"):
         exe.session(params=weights, hosts=["elsewhere.example", "localhost"])

@@ -161,7 +161,7 @@ def test_a_worker_killed_mid_decode_ends_the_session_naming_it(llama):
     worker = session.ranks[1].pid
     os.kill(worker, signal.SIGKILL)
     started = time.monotonic()
-    with pytest.raises(td.LaunchError, match="rank 1 died running 'decode'") as info:
+    with pytest.raises(td.errors.LaunchError, match="rank 1 died running 'decode'") as info:
         for _ in stream:
             pass
     assert time.monotonic() - started < 30
@@ -169,7 +169,7 @@ def test_a_worker_killed_mid_decode_ends_the_session_naming_it(llama):
     assert _gone([worker]) and proc_tools.children() == children  # no orphan worker
     assert _segments() == segments  # the segment is closed
     assert session.closed
-    with pytest.raises(td.ArgumentError, match="the session is closed"):
+    with pytest.raises(td.errors.ArgumentError, match="the session is closed"):
         doomed.generate(prompt_ids(3, 1), max_new_tokens=2)
     doomed.close()
 
@@ -186,9 +186,9 @@ def test_state_stays_on_the_ranks_and_bad_calls_leave_the_session_usable(backend
         for step in range(3):
             (total,) = session.run(xs[step], state={"acc": "acc"}, keep={1: "acc"})
             np.testing.assert_allclose(total, np.sum(xs[: step + 1]), rtol=1e-5, atol=1e-4)
-        with pytest.raises(td.ArgumentError, match="keep= keeps every result"):
+        with pytest.raises(td.errors.ArgumentError, match="keep= keeps every result"):
             session.run(xs[0], state={"acc": "acc"}, keep={0: "t", 1: "acc"})
-        with pytest.raises(td.ArgumentError, match="has shape \\(4, 16\\)"):
+        with pytest.raises(td.errors.ArgumentError, match="has shape \\(4, 16\\)"):
             session.run(xs[0][:4], state={"acc": "acc"}, keep={1: "acc"})
         (total,) = session.run(np.zeros((8, 16), "float32"), state={"acc": "acc"},
                                keep={1: "acc"})
@@ -200,7 +200,7 @@ def test_state_stays_on_the_ranks_and_bad_calls_leave_the_session_usable(backend
         raise KeyboardInterrupt
     assert session.closed and _gone([p.pid for p in session.ranks if p.pid != os.getpid()])
     assert proc_tools.children() == children
-    with pytest.raises(td.ArgumentError, match="the session is closed"):
+    with pytest.raises(td.errors.ArgumentError, match="the session is closed"):
         session.run(xs[0], xs[1])
 
 
@@ -216,7 +216,7 @@ def test_a_rank_that_raises_or_hangs_ends_the_disco_session_naming_it(
     children, segments = proc_tools.children(), _segments()
     session = accumulate.session(backend="disco")
     started = time.monotonic()
-    with pytest.raises(td.LaunchError, match=message) as info:
+    with pytest.raises(td.errors.LaunchError, match=message) as info:
         session.run(np.ones((8, 16), "float32"), np.ones((8, 16), "float32"), timeout=1.0)
     assert info.value.rank == 1 and time.monotonic() - started < 15
     assert session.closed and _gone([session.ranks[1].pid]) and proc_tools.children() == children
@@ -225,9 +225,9 @@ def test_a_rank_that_raises_or_hangs_ends_the_disco_session_naming_it(
 
 def test_sessions_refuse_an_unknown_backend_and_options_they_do_not_take(accumulate):
     exe = accumulate
-    with pytest.raises(td.ArgumentError, match="unknown session backend 'nccl'"):
+    with pytest.raises(td.errors.ArgumentError, match="unknown session backend 'nccl'"):
         exe.session(backend="nccl")
-    with pytest.raises(td.ArgumentError, match="a disco session takes no option hosts"):
+    with pytest.raises(td.errors.ArgumentError, match="a disco session takes no option hosts"):
         exe.session(backend="disco", hosts=["localhost"])
 
 

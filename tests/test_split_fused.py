@@ -177,16 +177,16 @@ def test_the_derivations_say_how_each_parameter_is_cut_from_the_users_weight():
     assert bound["other"] == 1 and "w" not in bound
     # derived names pass through; a weight given twice or of another shape is refused
     assert found.bind({"w_seg0": w[:, :32]})["w_seg0"].shape == (16, 32)
-    with pytest.raises(td.ArgumentError, match="given both whole and as its segment"):
+    with pytest.raises(td.errors.ArgumentError, match="given both whole and as its segment"):
         found.bind({"w": w, "w_seg0": w[:, :32]})
-    with pytest.raises(td.ArgumentError, match=r"weight 'w' has shape \[16, 47\]"):
+    with pytest.raises(td.errors.ArgumentError, match=r"weight 'w' has shape \[16, 47\]"):
         found.bind({"w": w[:, :47]})
     assert Derivations.from_json(found.to_json()) == found
     # a segment of a segment is one slice of the user's weight
     again = found.merged([DerivedParam("w_seg0_a", "w_seg0", (16, 32), 1, 8, 24)])
     assert again.params[-1] == DerivedParam("w_seg0_a", "w", (16, 48), 1, 8, 24)
     assert "w_seg0" not in {p.name for p in again.params}
-    with pytest.raises(td.ArgumentError, match=r"\[4, 60\) is not a non-empty range"):
+    with pytest.raises(td.errors.ArgumentError, match=r"\[4, 60\) is not a non-empty range"):
         DerivedParam("w_seg9", "w", (16, 48), 1, 4, 60)
 
 
@@ -231,9 +231,9 @@ def test_what_cannot_be_split_per_segment_is_left_alone(mod):
 
 def test_an_annotated_weight_is_left_whole():
     # a fused weight the user placed already keeps that placement (run the pass first)
-    from tvm_distx.plans.presets import Preset, with_meshes
+    from tvm_distx.plans.presets import Preset, set_device_meshes
 
-    annotated = Preset((("w", "S[0]", None),)).apply(with_meshes(GateUp, [(2,)]))
+    annotated = Preset((("w", "S[0]", None),)).apply(set_device_meshes(GateUp, [(2,)]))
     tvm.ir.assert_structural_equal(SplitFusedProjections()(annotated), annotated)
 
 
@@ -286,10 +286,10 @@ torch = pytest.importorskip("torch")
 
 def _column_per_segment(mod, column: dict[str, str], row: dict[str, str], parts: int):
     """``mod`` on a ``parts``-device mesh with the given column/row placements by glob."""
-    from tvm_distx.plans.presets import Preset, with_meshes
+    from tvm_distx.plans.presets import Preset, set_device_meshes
 
     patterns = tuple((glob, placement, None) for glob, placement in {**column, **row}.items())
-    return Preset(patterns).apply(with_meshes(mod, [(parts,)]))
+    return Preset(patterns).apply(set_device_meshes(mod, [(parts,)]))
 
 
 def _collectives(annotated) -> list[str]:

@@ -228,7 +228,7 @@ def test_data_parallel_split_symbolic_batch(dp_exe, backend):
 def test_indivisible_symbolic_batch_is_refused_before_launch(dp_exe, backend):
     p, exe = dp_exe
     x = np.zeros((p + 1, 64), "float32")
-    with pytest.raises(td.SymbolicExtentError) as err:
+    with pytest.raises(td.errors.SymbolicExtentError) as err:
         exe.run(x, params={"w": np.zeros((64, 32), "float32")}, backend=backend)
     text = str(err.value)
     for part in ("'main'", "'x'", "dimension 0", "'b'", f"size {p + 1}", "mesh axis 0",
@@ -241,7 +241,7 @@ def test_one_symbolic_variable_has_one_value(dp_exe):
     x = exe.signatures["main"].params[0]
     two = FunctionSignature("f", (x, dataclasses.replace(x, name="y")), (), False)
     assert two.sizes([np.zeros((8, 64)), np.zeros((8, 64))]) == {"b": 8}
-    with pytest.raises(td.SymbolicExtentError, match="'b' of 'f' is 8 in 'x'.* but 4 in 'y'"):
+    with pytest.raises(td.errors.SymbolicExtentError, match="'b' of 'f' is 8 in 'x'.* but 4 in 'y'"):
         two.sizes([np.zeros((8, 64)), np.zeros((4, 64))])
 
 
@@ -263,7 +263,7 @@ def test_2x2_mesh_split_batch_and_symbolic_sequence(mesh_exe, backend):
         x = _normal(rng, b, s, 32)
         out = mesh_exe.run(x, params={"w1": w1, "w2": w2}, backend=backend)
         np.testing.assert_allclose(out, _mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
-    with pytest.raises(td.SymbolicExtentError, match="mesh axis 0"):
+    with pytest.raises(td.errors.SymbolicExtentError, match="mesh axis 0"):
         mesh_exe.run(_normal(rng, 3, 2, 32), params={"w1": w1, "w2": w2}, backend=backend)
 
 
@@ -287,7 +287,7 @@ def test_redistributing_a_symbolic_tensor_is_refused_clearly(tmp_path):
         "placement=\"S[1]\")")
     path = tmp_path / "program.py"
     path.write_text(source)
-    with pytest.raises(td.UnsupportedProgramError,
+    with pytest.raises(td.errors.UnsupportedProgramError,
                        match=r"symbolic \(run-time\) dimension from \"S\[0\]\" to \"S\[1\]\""):
         td.compile(td.load_module(path))
 

@@ -55,7 +55,7 @@ def _per_rank_weight_bytes(exe, weights, ranks) -> list[int]:
 # ------------------------------------------------------------------------- the plan
 def test_llama_gets_megatron_placements_from_its_structure(llama):
     _, mod, _ = llama
-    plan = presets.tensor_parallel().plan(presets.with_meshes(mod, [(2,)]))
+    plan = presets.tensor_parallel().plan(presets.set_device_meshes(mod, [(2,)]))
     want = {}
     for layer in (0, 1):
         prefix = f"p_model_layers_{layer}_"
@@ -78,7 +78,7 @@ def test_llama_gets_megatron_placements_from_its_structure(llama):
 
 def test_kv_heads_fewer_than_ranks_stay_replicated_and_the_queries_split(llama):
     _, mod, _ = llama
-    plan = presets.tensor_parallel().plan(presets.with_meshes(mod, [(4,)]))
+    plan = presets.tensor_parallel().plan(presets.set_device_meshes(mod, [(4,)]))
     placements = plan.placements()
     assert placements["p_model_layers_0_self_attn_q_proj_weight"] == "S[0]"
     for name in ("k_proj", "v_proj"):
@@ -88,7 +88,7 @@ def test_kv_heads_fewer_than_ranks_stay_replicated_and_the_queries_split(llama):
 
 def test_an_attention_whose_heads_do_not_divide_stays_whole(llama):
     _, mod, _ = llama
-    plan = presets.tensor_parallel().plan(presets.with_meshes(mod, [(8,)]))
+    plan = presets.tensor_parallel().plan(presets.set_device_meshes(mod, [(8,)]))
     assert [b.kind for b in plan.blocks] == ["replicated", "mlp"] * 2  # 4 heads, 8 ranks
     assert plan.placements()["p_model_layers_0_mlp_down_proj_weight"] == "S[1]"
     assert "p_model_layers_0_self_attn_q_proj_weight" not in plan.placements()
@@ -97,7 +97,7 @@ def test_an_attention_whose_heads_do_not_divide_stays_whole(llama):
 def test_qwen2_biases_follow_their_linears():
     model = build("qwen2", layers=1)
     mod, _ = _import(model, tokens(8))
-    placements = presets.tensor_parallel().plan(presets.with_meshes(mod, [(2,)])).placements()
+    placements = presets.tensor_parallel().plan(presets.set_device_meshes(mod, [(2,)])).placements()
     for name in ("q_proj", "k_proj", "v_proj"):
         assert placements[f"p_model_layers_0_self_attn_{name}_bias"] == "S[0]"
     assert "p_model_layers_0_self_attn_o_proj_bias" not in placements  # o_proj has none
@@ -109,15 +109,15 @@ def test_the_preset_validates_its_mesh(llama):
         presets.tensor_parallel(model_axis=1)
     with pytest.raises(RuleError, match="no device mesh") as err:
         presets.tensor_parallel().apply(mod)
-    assert "with_meshes" in str(err.value)
+    assert "set_device_meshes" in str(err.value)
     with pytest.raises(RuleError, match="mesh_ndim=1"):
-        presets.tensor_parallel().apply(presets.with_meshes(mod, [(2, 2)]))
+        presets.tensor_parallel().apply(presets.set_device_meshes(mod, [(2, 2)]))
 
 
 def test_overrides_win(llama):
     _, mod, _ = llama
     preset = presets.tensor_parallel().override({"*lm_head_weight": "R"})
-    rules = {r.param: str(r.result) for r in preset.rules(presets.with_meshes(mod, [(2,)]))}
+    rules = {r.param: str(r.result) for r in preset.rules(presets.set_device_meshes(mod, [(2,)]))}
     assert rules["p_lm_head_weight"] == "R"
     assert rules["p_model_layers_0_mlp_down_proj_weight"] == "S[1]"
 
@@ -126,7 +126,7 @@ def test_overrides_win(llama):
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_llama_runs_with_ideal_collectives_and_a_pth_of_the_weights(llama, ranks):
     model, mod, weights = llama
-    annotated = presets.tensor_parallel().apply(presets.with_meshes(mod, [(ranks,)]))
+    annotated = presets.tensor_parallel().apply(presets.set_device_meshes(mod, [(ranks,)]))
     # the embedding's lookup, then one per attention and one per MLP
     assert _collectives(annotated) == ["all_reduce"] * 5
     exe = td.compile(annotated)
@@ -147,7 +147,7 @@ def test_llama_runs_with_ideal_collectives_and_a_pth_of_the_weights(llama, ranks
 def test_other_llama_families_run_tensor_parallel(family):
     model = build(family, layers=1)
     mod, weights = _import(model, tokens(8))
-    annotated = presets.tensor_parallel().apply(presets.with_meshes(mod, [(2,)]))
+    annotated = presets.tensor_parallel().apply(presets.set_device_meshes(mod, [(2,)]))
     assert _collectives(annotated) == ["all_reduce"] * 3  # with the embedding's
     ids = tokens(8, seed=7)
     backend = "disco" if family == "mistral" else "mpi"
@@ -159,13 +159,13 @@ def test_gpt2_fused_qkv_is_split_per_segment_and_its_tied_head_split_with_its_lo
     model = build("gpt2", layers=1)
     mod, weights = _import(model, tokens(8))
     preset = presets.tensor_parallel()
-    plan = preset.plan(preset.prepare(presets.with_meshes(mod, [(2,)])))
+    plan = preset.plan(preset.prepare(presets.set_device_meshes(mod, [(2,)])))
     head = plan.role("p_lm_head_weight")  # also the token embedding: one table, vocab split
     assert head.role == "lm_head" and head.axis == 0 and head.lookup and "tied" in head.reason
     assert plan.role("p_transformer_wpe_weight").role == "replicated"  # positions
     segments = [n for n, p in plan.placements().items() if "c_attn_weight_seg" in n]
     assert len(segments) == 3 and {plan.placements()[n] for n in segments} == {"S[1]"}
-    annotated = preset.apply(presets.with_meshes(mod, [(2,)]))
+    annotated = preset.apply(presets.set_device_meshes(mod, [(2,)]))
     assert _collectives(annotated) == ["all_reduce"] * 3  # the lookup's, attention's, MLP's
     ids = tokens(8, seed=8)
     np.testing.assert_allclose(td.compile(annotated).run(ids, params=weights, backend="mpi"),
@@ -176,7 +176,7 @@ def test_a_reference_llama_and_a_home_made_block_get_the_same_structure():
     torch.manual_seed(0)
     llama = ReferenceLlama(layers=1).eval()
     mod, weights = _import(llama, tokens(8))
-    plan = presets.tensor_parallel().plan(presets.with_meshes(mod, [(2,)]))
+    plan = presets.tensor_parallel().plan(presets.set_device_meshes(mod, [(2,)]))
     assert plan.placements() == {
         "p_layers_0_attention_wq_weight": "S[0]", "p_layers_0_attention_wk_weight": "S[0]",
         "p_layers_0_attention_wv_weight": "S[0]", "p_layers_0_attention_wo_weight": "S[1]",
@@ -186,7 +186,7 @@ def test_a_reference_llama_and_a_home_made_block_get_the_same_structure():
     block = Transformer(layers=1).eval()
     x = torch.randn(2, 16, 256)
     mod, weights = _import(block, x)
-    annotated = presets.tensor_parallel().apply(presets.with_meshes(mod, [(2,)]))
+    annotated = presets.tensor_parallel().apply(presets.set_device_meshes(mod, [(2,)]))
     assert _collectives(annotated) == ["all_reduce"] * 2
     with torch.no_grad():
         want = block(x).numpy()
@@ -198,7 +198,7 @@ def test_a_reference_llama_and_a_home_made_block_get_the_same_structure():
 def test_mixtral_gets_experts_split_by_the_moe_plan():
     model = build("mixtral", layers=1)
     mod, weights = _import(model, tokens(8))
-    annotated = presets.tensor_parallel().apply(presets.with_meshes(mod, [(2,)]))
+    annotated = presets.tensor_parallel().apply(presets.set_device_meshes(mod, [(2,)]))
     # the embedding's, the attention's and the experts'
     assert _collectives(annotated) == ["all_reduce"] * 3
     ids = tokens(8, seed=9)
@@ -208,7 +208,7 @@ def test_mixtral_gets_experts_split_by_the_moe_plan():
 
 def test_the_summary_counts_collectives_against_the_ideal(llama):
     _, mod, _ = llama
-    text = presets.tensor_parallel().summary(presets.with_meshes(mod, [(2,)]))
+    text = presets.tensor_parallel().summary(presets.set_device_meshes(mod, [(2,)]))
     assert ("collectives: 5 all-reduce for 4 split blocks and 1 vocabulary-parallel "
             "embedding(s) (ideal: one each)") in text
     assert "extra:" not in text
@@ -218,7 +218,7 @@ def test_the_summary_shows_what_an_even_split_of_fused_qkv_costs():
     """Without the per-segment cut, GPT-2's c_attn split evenly needs gathers: listed."""
     model = build("gpt2", layers=1)
     mod, _ = _import(model, tokens(8))
-    meshed = presets.with_meshes(mod, [(2,)])
+    meshed = presets.set_device_meshes(mod, [(2,)])
     text = presets.TensorParallel(split_fused=False).summary(meshed)
     assert "extra: all_gather" in text
     assert "extra:" not in presets.tensor_parallel().summary(meshed)
@@ -229,7 +229,7 @@ def test_the_per_layer_summary_places_weights_and_collectives_in_their_layers(ll
     all-reduces, the ideal, and the first also the embedding's lookup (split on its
     vocabulary, one all-reduce); the LM head is its own row."""
     _, mod, _ = llama
-    summary = presets.tensor_parallel().layers(presets.with_meshes(mod, [(2,)]))
+    summary = presets.tensor_parallel().layers(presets.set_device_meshes(mod, [(2,)]))
     assert [layer.name for layer in summary.layers] == ["layer 0", "layer 1", "head"]
     assert summary.ideal and [layer.all_reduces for layer in summary.layers] == [3, 2, 0]
     assert [layer.ideal for layer in summary.layers] == [3, 2, 0]
@@ -248,7 +248,7 @@ def test_the_per_layer_summary_flags_extra_collectives_in_the_layer_that_has_the
     """GPT-2 with c_attn split evenly (no per-segment cut): each layer gathers q|k|v."""
     model = build("gpt2", layers=2)
     mod, _ = _import(model, tokens(8))
-    meshed = presets.with_meshes(mod, [(2,)])
+    meshed = presets.set_device_meshes(mod, [(2,)])
     summary = presets.TensorParallel(split_fused=False).layers(meshed)
     assert not summary.ideal
     assert all(any(r.collective == "all_gather" for r in layer.extra)
@@ -260,7 +260,7 @@ def test_the_per_layer_summary_flags_extra_collectives_in_the_layer_that_has_the
 def test_a_moe_layer_counts_one_all_reduce_with_its_attention():
     model = build("mixtral", layers=2)
     mod, _ = _import(model, tokens(8))
-    summary = presets.tensor_parallel().layers(presets.with_meshes(mod, [(2,)]))
+    summary = presets.tensor_parallel().layers(presets.set_device_meshes(mod, [(2,)]))
     assert summary.ideal and [layer.ideal for layer in summary.layers] == [3, 2, 0]
     experts = [name for name, _, reason in summary.layers[1].split if "experts" in reason]
     assert experts and all("layers_1_" in name for name in experts)

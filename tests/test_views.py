@@ -77,7 +77,7 @@ def test_one_value_of_a_module_in_the_terminal_and_as_png(annotated, tmp_path):
     assert "[0:128, 0:64]" in text and "[0:128, 64:128]" in text
     plot_value(annotated, "mlp", "B", path=tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 0
-    with pytest.raises(td.ArgumentError, match="no tensor value 'Q'"):
+    with pytest.raises(td.errors.ArgumentError, match="no tensor value 'Q'"):
         show_value(annotated, "mlp", "Q")
 
 

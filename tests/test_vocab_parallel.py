@@ -57,7 +57,7 @@ def _lookup_module(vocab: int = 16, tokens: int = 4, tied: bool = False,
                 out = bb.emit(relax.op.add(out, relax.op.sum(table, axis=[0])))
             out = bb.emit_output(out)
         bb.emit_func_output(out)
-    return presets.with_meshes(bb.get(), [mesh])
+    return presets.set_device_meshes(bb.get(), [mesh])
 
 
 def _annotated(mod: tvm.IRModule, extra=()) -> tvm.IRModule:
@@ -185,9 +185,9 @@ def test_a_vocabulary_parallel_llama_equals_transformers_with_its_table_at_one_p
     model = build("llama", layers=1)
     mod, weights = td.from_torch(model, (torch.from_numpy(tokens(8)),))
     preset = presets.tensor_parallel()
-    annotated = preset.apply(presets.with_meshes(mod, [(2,)]))
+    annotated = preset.apply(presets.set_device_meshes(mod, [(2,)]))
     table = "p_model_embed_tokens_weight"
-    assert preset.plan(preset.prepare(presets.with_meshes(mod, [(2,)]))).role(table).role == \
+    assert preset.plan(preset.prepare(presets.set_device_meshes(mod, [(2,)]))).role(table).role == \
         "vocab"
     exe = td.compile(annotated)
     # the table's reshape into blocks is a view at run time (TVM's build rewrites the

@@ -1,14 +1,30 @@
 """tvm-distx: make Apache TVM Relax's distributed IR usable on real programs.
 
-The sharding vocabulary (from :mod:`tvm_distx.layout`) lives at the top level;
-passes live in :mod:`tvm_distx.passes` and redistribution legalization in
-:mod:`tvm_distx.legalize`.
+The top level holds what a user of the package needs (see ``__all__``):
 
-Only the errors, meshes and the layout vocabulary are imported with the
-package. The compiler's entry points (``distribute``, ``compile``,
-``DistExecutable``) are loaded on first use (PEP 562), so a rank process, which imports
-:mod:`tvm_distx.runtime`, never loads :mod:`tvm_distx.passes` or
-:mod:`tvm_distx.legalize`.
+- the layout vocabulary, as in PyTorch DTensor: :class:`DeviceMesh`,
+  :class:`Placement` (:class:`Shard`, :class:`Replicate`, :class:`Partial`),
+  :class:`TensorSharding`, and :func:`set_device_meshes` to give a module its meshes;
+- annotating and propagating: :class:`ShardingRule`, :class:`AnnotateSharding`,
+  :class:`PropagateSharding`;
+- importing: :func:`load_module` (TVMScript), :func:`from_torch`,
+  :func:`export_decoder` (a Hugging Face decoder with its KV cache);
+- compiling and running: :func:`compile`, :func:`lower_to_ranks` (the rank
+  programs, before building), :class:`DistExecutable`, :class:`CausalLM`;
+- choosing and reading plans: :func:`auto_shard`, :func:`explain`, :func:`comm_report`;
+- errors: :class:`DistxError`, the base of every class in :mod:`tvm_distx.errors`.
+
+Everything else lives in its package: :mod:`tvm_distx.plans` (presets, tensor,
+vocabulary and expert plans), :mod:`tvm_distx.passes`, :mod:`tvm_distx.legalize`,
+:mod:`tvm_distx.runtime`, :mod:`tvm_distx.autoshard`, :mod:`tvm_distx.reports`.
+
+Only the errors and the layout vocabulary are imported with the package. The
+other names are loaded on first use (PEP 562, the ``_LAZY`` table below), so a
+rank process, which imports :mod:`tvm_distx.runtime`, never loads
+:mod:`tvm_distx.passes` or :mod:`tvm_distx.legalize`. The names of the previous
+release (``distribute``, ``profile``, the error classes other than
+``DistxError``, ...) still work for one release and emit a ``DeprecationWarning``
+naming their new place (``_DEPRECATED``).
 """
 
 import importlib
@@ -44,53 +60,41 @@ def _quiet_ctrl_c_while_the_command_line_starts() -> None:
 
 _quiet_ctrl_c_while_the_command_line_starts()
 
-from tvm_distx.errors import (
-    ArgumentError,
-    SymbolicExtentError,
-    BundleError,
-    CallGraphError,
-    CollectiveGroupError,
-    CompilerStageError,
-    DistxError,
-    LaunchError,
-    PeerFailedError,
-    UnsupportedProgramError,
-    IndivisibleShardError,
-    MeshError,
-    PlacementRankError,
-    PlacementSyntaxError,
-    QemuError,
-    RuleError,
-    ScriptError,
-    MemoryBudgetError,
-    ShardDimError,
-    ShardingConflictError,
-    ShardingError,
-    UnknownMeshError,
-    UnmatchedRuleError,
-    UnsupportedValueError,
-)
-from tvm_distx.layout.mesh import DeviceMesh, MeshRef, module_meshes
+from tvm_distx import errors
+from tvm_distx._deprecated import deprecated_names
+from tvm_distx.errors import DistxError
 from tvm_distx.layout import Partial, Placement, Replicate, Shard, TensorSharding
+from tvm_distx.layout.mesh import DeviceMesh, set_device_meshes
 from tvm_distx.layout.rules import ShardingRule
 
-#: Public names loaded on first use (they import the compiler): name -> module.
+#: Public names loaded on first use (they import the compiler, torch or scipy): name -> module.
 _LAZY = {
+    "AnnotateSharding": "tvm_distx.passes",
+    "PropagateSharding": "tvm_distx.passes",
     "load_module": "tvm_distx.frontend.script",
-    "explain": "tvm_distx.reports.explain",
-    "comm_report": "tvm_distx.reports.comm_report",
-    "distribute": "tvm_distx.build.pipeline",
-    "compile": "tvm_distx.build.pipeline",
-    "DistExecutable": "tvm_distx.build.executable",
     "from_torch": "tvm_distx.frontend.pytorch",  # imports torch
     "export_decoder": "tvm_distx.frontend.decoder",  # imports torch and transformers
+    "compile": "tvm_distx.build.pipeline",
+    "lower_to_ranks": "tvm_distx.build.pipeline",
+    "DistExecutable": "tvm_distx.build.executable",
+    "CausalLM": "tvm_distx.llm.causal_lm",
     "auto_shard": "tvm_distx.autoshard",  # imports scipy
-    "profile": "tvm_distx.autoshard",
-    "CostProfile": "tvm_distx.autoshard",
+    "explain": "tvm_distx.reports.explain",
+    "comm_report": "tvm_distx.reports.comm_report",
+}
+
+#: Old top-level names, kept for one release: each warns and gives the object at its new path.
+_DEPRECATED = {
+    "distribute": "tvm_distx.lower_to_ranks",
+    "profile": "tvm_distx.autoshard.measure_cost_profile",
+    "CostProfile": "tvm_distx.autoshard.CostProfile",
+    "MeshRef": "tvm_distx.layout.mesh.MeshReference",
+    "module_meshes": "tvm_distx.layout.mesh.device_meshes",
+    **{name: f"tvm_distx.errors.{name}" for name in errors.__all__ if name != "DistxError"},
 }
 
 
-def __getattr__(name: str):
+def _lazy(name: str):
     module = _LAZY.get(name)
     if module is None:
         # a submodule not imported yet (``tvm_distx.build.pipeline``), as before lazy loading
@@ -102,54 +106,42 @@ def __getattr__(name: str):
     return value
 
 
+__getattr__ = deprecated_names(__name__, _DEPRECATED, fallback=_lazy)
+
+
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # the layout vocabulary, as in PyTorch DTensor
     "DeviceMesh",
-    "MeshRef",
-    "module_meshes",
     "Placement",
-    "Replicate",
     "Shard",
+    "Replicate",
     "Partial",
     "TensorSharding",
+    "set_device_meshes",
+    # annotating and propagating shardings
     "ShardingRule",
+    "AnnotateSharding",
+    "PropagateSharding",
+    # importing programs
     "load_module",
-    "explain",
-    "distribute",
-    "compile",
-    "DistExecutable",
     "from_torch",
     "export_decoder",
+    # compiling and running
+    "compile",
+    "lower_to_ranks",
+    "DistExecutable",
+    "CausalLM",
+    # choosing and reading plans
     "auto_shard",
-    "profile",
-    "CostProfile",
+    "explain",
     "comm_report",
+    # errors: the base class here, every class in tvm_distx.errors
     "DistxError",
-    "BundleError",
-    "ArgumentError",
-    "SymbolicExtentError",
-    "LaunchError",
-    "CollectiveGroupError",
-    "PeerFailedError",
-    "ShardingError",
-    "PlacementSyntaxError",
-    "PlacementRankError",
-    "ShardDimError",
-    "IndivisibleShardError",
-    "MeshError",
-    "UnknownMeshError",
-    "ShardingConflictError",
-    "RuleError",
-    "UnmatchedRuleError",
-    "UnsupportedValueError",
-    "CallGraphError",
-    "UnsupportedProgramError",
-    "CompilerStageError",
-    "ScriptError",
-    "MemoryBudgetError",
-    "QemuError",
+    "errors",
 ]

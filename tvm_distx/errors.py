@@ -20,6 +20,9 @@ __all__ = [
     "DistxError",
     "BundleError",
     "ArgumentError",
+    "ArgumentTypeError",
+    "ArgumentIndexError",
+    "ArgumentKeyError",
     "SymbolicExtentError",
     "LaunchError",
     "CollectiveGroupError",
@@ -41,6 +44,7 @@ __all__ = [
     "ScriptError",
     "MemoryBudgetError",
     "QemuError",
+    "InternalError",
     "CollectiveGroupError",
     "PeerFailedError",
 ]
@@ -285,6 +289,30 @@ class ArgumentError(_RuntimeErrorBase, ValueError):
     rule = "argument"
 
 
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of a ``tvm_distx`` function has the wrong type.
+
+    Also a :class:`TypeError`, so code that catches the builtin keeps working.
+    """
+
+
+class ArgumentIndexError(ArgumentError, IndexError):
+    """An index (an axis, a slice) given to a ``tvm_distx`` object is out of its range.
+
+    Also an :class:`IndexError` (as :class:`numpy.exceptions.AxisError` is).
+    """
+
+
+class ArgumentKeyError(ArgumentError, KeyError):
+    """A name looked up in a ``tvm_distx`` object (a value, a function) is not there.
+
+    Also a :class:`KeyError`; its text is the message, not a quoted key.
+    """
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the whole message
+        return self.args[0] if self.args else ""
+
+
 class SymbolicExtentError(ArgumentError):
     """A run-time size does not fit a symbolic dimension of the program.
 
@@ -323,6 +351,20 @@ class QemuError(_RuntimeErrorBase, RuntimeError):
     """A RISC-V kernel could not be built or run under qemu (:mod:`tvm_distx.build.rvv`)."""
 
     rule = "qemu"
+
+
+class InternalError(_RuntimeErrorBase, RuntimeError):
+    """An invariant of ``tvm_distx`` itself broke: a bug, not a mistake in the input.
+
+    The message says which invariant; please report it with the program that
+    triggered it (``compile(..., dump_dir=...)`` writes every stage's module).
+    """
+
+    rule = "internal"
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint or "this is a bug in tvm-distx; please report it "
+                         "with the program that triggered it")
 
 
 class CollectiveGroupError(DistxError, RuntimeError):

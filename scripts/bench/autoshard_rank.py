@@ -11,7 +11,7 @@ timed in turns (``--rounds`` turns of ``--calls`` calls each); a plan's time is
 the median of all its calls, and, since the load drifts between rounds, also the
 median over rounds of its time divided by the round's median plan (both are
 ranked against the prediction). The load average is printed before and after.
-The profile is measured first with ``td.profile(2)`` (typical costs on the host
+The profile is measured first with ``measure_cost_profile(2)`` (typical costs on the host
 as it is) unless ``--profile`` gives one. Prints one row per plan and
 Spearman's rank correlation.
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "models")
 import tvm_distx as td  # noqa: E402
 from tvm_distx import ShardingRule
 from tvm_distx.plans import presets  # noqa: E402
-from tvm_distx.autoshard import CostProfile, auto_shard, plan_cost  # noqa: E402
+from tvm_distx.autoshard import CostProfile, auto_shard, measure_cost_profile, plan_cost  # noqa: E402
 from tvm_distx.build.pipeline import run_stages  # noqa: E402
 from transformer import Transformer  # noqa: E402
 
@@ -63,7 +63,7 @@ def main() -> None:
     from scipy.stats import spearmanr
 
     print(f"load average (1/5/15 min) at start: {_load()}", flush=True)
-    profile = CostProfile.load(args.profile) if args.profile else td.profile(2)
+    profile = CostProfile.load(args.profile) if args.profile else measure_cost_profile(2)
     if args.save_profile:
         profile.save(args.save_profile)
     print(f"profile: {profile}", flush=True)
@@ -72,7 +72,7 @@ def main() -> None:
     x = torch.randn(args.batch, args.seq, 256)
     mod, weights = td.from_torch(net, (x,))
     total = sum(v.nbytes for v in weights.values())
-    meshed = presets.with_meshes(mod, [(2,)])
+    meshed = presets.set_device_meshes(mod, [(2,)])
 
     plans = []  # (name, predicted seconds, module to compile)
     annotated, report = auto_shard(mod, (2,), profile=profile, runner_ups=2)

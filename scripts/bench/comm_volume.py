@@ -329,14 +329,14 @@ def model_rows() -> list[list]:
     import tvm_distx as td
     from tvm_distx.frontend.pytorch.pytorch import from_torch
     from tvm_distx.build.pipeline import run_stages
-    from tvm_distx.plans.presets import megatron, with_meshes
+    from tvm_distx.plans.presets import megatron, set_device_meshes
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "models"))
     from transformer import Transformer
 
     torch.manual_seed(0)
     mod, _ = from_torch(Transformer(layers=2).eval(), (torch.randn(2, 16, 256),))
-    mod = with_meshes(mod, [(2,)])
+    mod = set_device_meshes(mod, [(2,)])
     plans = []
     for name, preset in (("megatron() (all-reduce plan)", megatron()),
                          ("megatron(sequence_parallel=True)", megatron(sequence_parallel=True))):

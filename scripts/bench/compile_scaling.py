@@ -14,13 +14,13 @@ float32). The tensor-parallel annotations live **inside the layer functions**:
 Timed, per depth (8, 16, 32, 64 layers), from the annotated module:
 
 * ``PropagateSharding``: ours (:class:`tvm_distx.passes.PropagateSharding`) on
-  the module after ``LegalizeOps``, as :func:`tvm_distx.distribute` runs it,
+  the module after ``LegalizeOps``, as :func:`tvm_distx.lower_to_ranks` runs it,
   against TVM's ``tvm.relax.distributed.transform.PropagateSharding`` on the same
   module after ``relax.transform.InlinePrivateFunctions()`` (TVM gives calls of
   Relax functions no propagation rule, so inlining is the only way it handles
   this model; the annotations made in the callees end up in ``main``). The
   inlining is timed separately and is *not* part of the ratio.
-* the whole pipeline: :func:`tvm_distx.distribute` against TVM's own
+* the whole pipeline: :func:`tvm_distx.lower_to_ranks` against TVM's own
   sequence ``LegalizeOps``, ``InlinePrivateFunctions``, ``PropagateSharding``,
   ``LowerGlobalViewToLocalView``, ``LegalizeRedistribute``, ``LowerDistIR``
   (which handles this 1-D tensor-parallel model).
@@ -168,7 +168,7 @@ def bench(layers: int, rounds: int) -> dict:
 
     def ours_distribute():
         _clear_our_caches()
-        return td.distribute(annotated)
+        return td.lower_to_ranks(annotated)
 
     inlined = tvm_inline()
     # a warm-up of everything (imports, TVM's op tables), and the placement check

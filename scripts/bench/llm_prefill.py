@@ -98,7 +98,7 @@ def build(folder: Path, config: dict, tokens: int, ranks: list[int]) -> None:
     (folder / "inputs.json").write_text(json.dumps({"ids": input_name}))
     for p in ranks:
         started = time.perf_counter()
-        mod = presets.tensor_parallel().apply(presets.with_meshes(graph, [(p,)]))
+        mod = presets.tensor_parallel().apply(presets.set_device_meshes(graph, [(p,)]))
         td.compile(mod).export(folder / f"bundle_{p}", params=weights)
         print(f"  compiled and exported for {p} rank(s) in {time.perf_counter() - started:.0f} s",
               file=sys.stderr, flush=True)

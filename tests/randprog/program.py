@@ -188,7 +188,8 @@ def valid_placements(shape: Sequence[int], mesh: Sequence[int]) -> list[str]:
         Placements in TVM's text form that :meth:`tvm_distx.Placement.validate`
         accepts, fully replicated first.
     """
-    from tvm_distx import DeviceMesh, Placement, ShardingError
+    from tvm_distx import DeviceMesh, Placement
+    from tvm_distx.errors import ShardingError
 
     device_mesh = DeviceMesh(tuple(mesh), range(math.prod(mesh)))
     out = [""]

@@ -13,19 +13,17 @@ module                                 what it does
 :mod:`~tvm_distx.autoshard.inline`     calls to private functions inlined, to plan
                                        through them (call site ``k`` = layer ``k``)
 :mod:`~tvm_distx.autoshard.api`        ``auto_shard``, ``plan_cost``, the report
-:mod:`~tvm_distx.autoshard.measure`    ``profile``: the profile measured on MPI ranks
+:mod:`~tvm_distx.autoshard.measure`    ``measure_cost_profile``: measured on MPI ranks
 =====================================  ==============================================
 """
 
 from tvm_distx.autoshard.api import AutoShardReport, auto_shard, plan_cost
 from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
-from tvm_distx.autoshard.measure import measure_profile
+from tvm_distx.autoshard.measure import measure_cost_profile
+from tvm_distx._deprecated import deprecated_names
 
 __all__ = ["AutoShardReport", "CostProfile", "DEFAULT_PROFILE", "auto_shard", "plan_cost",
-           "profile"]
+           "measure_cost_profile"]
 
-
-def profile(num_ranks: int = 2, backend: str = "mpi", **kwargs) -> CostProfile:
-    """Measure the cost profile on ``num_ranks`` ranks (see :mod:`.measure`)."""
-
-    return measure_profile(num_ranks, backend, **kwargs)
+__getattr__ = deprecated_names(__name__, {
+    "profile": "tvm_distx.autoshard.measure_cost_profile"})

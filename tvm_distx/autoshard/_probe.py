@@ -1,4 +1,4 @@
-"""The measurement each MPI rank runs for :func:`tvm_distx.autoshard.measure.measure_profile`.
+"""The measurement each MPI rank runs for :func:`tvm_distx.autoshard.measure.measure_cost_profile`.
 
 ``python -m tvm_distx.autoshard._probe OUT.json [KERNELS.so]``: every rank
 runs the same measurements at the same time (so each sees the others' load,

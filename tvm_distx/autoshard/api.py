@@ -26,11 +26,11 @@ from tvm_distx.autoshard.pin import pin_values
 from tvm_distx.autoshard.realized import propagated_placements, realized_choice
 from tvm_distx.build.pipeline import legalize_ops
 from tvm_distx.errors import RuleError, MemoryBudgetError
+from tvm_distx.layout.mesh import set_device_meshes
 from tvm_distx.layout.rules import ShardingRule, rules_for
 from tvm_distx.passes import SplitFusedProjections, AnnotateSharding, PropagateSharding
 from tvm_distx.plans import moe
 from tvm_distx.plans.preset import Preset
-from tvm_distx.plans.presets import with_meshes
 
 __all__ = ["AutoShardReport", "auto_shard", "plan_cost"]
 
@@ -226,7 +226,6 @@ def _fixed_from_rules(graph: ShardGraph, rules, mod: tvm.IRModule, function: str
 
 
 def _with_mesh(mod: tvm.IRModule, mesh_shape: tuple[int, ...]) -> tvm.IRModule:
-
     meshes = mod.global_infos.get("mesh") if mod.global_infos else None
     if meshes:
         if len(meshes) != 1 or tuple(int(s) for s in meshes[0].shape) != tuple(mesh_shape):
@@ -234,7 +233,7 @@ def _with_mesh(mod: tvm.IRModule, mesh_shape: tuple[int, ...]) -> tvm.IRModule:
                             f"{tuple(mesh_shape)}",
                             hint="pass a module without meshes, or its one mesh's shape")
         return mod
-    return with_meshes(mod, [tuple(mesh_shape)])
+    return set_device_meshes(mod, [tuple(mesh_shape)])
 
 
 def _split_fused(mod: tvm.IRModule, function: str) -> tvm.IRModule:

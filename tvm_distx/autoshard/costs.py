@@ -6,7 +6,7 @@ memory (``memory_bytes_per_s``), the fixed cost of one kernel call
 (``kernel_s``), the bandwidth of a collective (``bytes_per_s``) and the
 start-up latency of one message (``latency_s``). It is pure data, saved and
 loaded as JSON, so that a profile measured once on a machine
-(:func:`tvm_distx.autoshard.measure_profile`) is reused by every later plan.
+(:func:`tvm_distx.autoshard.measure_cost_profile`) is reused by every later plan.
 :data:`DEFAULT_PROFILE` stands in when nothing was measured.
 
 The time of one kernel is a roofline: its fixed cost plus the larger of its

@@ -3,7 +3,7 @@
 :func:`build_kernels` compiles three kernels as :func:`tvm_distx.compile`
 compiles a program's (legalized, then our CPU schedules): a matmul with a
 transposed weight, an elementwise add and an add of one element.
-:func:`measure_profile` launches ``num_ranks`` MPI ranks (the ``mpiexec`` of
+:func:`measure_cost_profile` launches ``num_ranks`` MPI ranks (the ``mpiexec`` of
 :func:`tvm_distx.runtime.launcher.mpiexec_path`) running
 :mod:`tvm_distx.autoshard._probe` on them, all at once: the matmul gives the
 arithmetic rate, the add the memory rate, the one-element add the fixed cost
@@ -23,14 +23,15 @@ from pathlib import Path
 
 from tvm_distx.errors import ArgumentError, LaunchError
 from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
+from tvm_distx._deprecated import deprecated_names
 
-__all__ = ["measure_profile"]
+__all__ = ["measure_cost_profile"]
 
 logger = logging.getLogger(__name__)
 
 
-def measure_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: float = 120.0,
-                    save: str | Path | None = None) -> CostProfile:
+def measure_cost_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: float = 120.0,
+                         save: str | Path | None = None) -> CostProfile:
     """Measure the kernels' rates and call cost, the bandwidth and the message latency.
 
     Each number is the median of repeated bursts (the typical cost on the host
@@ -63,8 +64,8 @@ def measure_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: float 
                               latency_s=DEFAULT_PROFILE.latency_s, name="measured local")
     elif backend == "mpi":
         if num_ranks < 2:
-            raise ArgumentError(f"profile(num_ranks={num_ranks}): messages need 2 ranks",
-                                hint="profile(2, backend='mpi')")
+            raise ArgumentError(f"measure_cost_profile(num_ranks={num_ranks}): messages need 2 "
+                                "ranks", hint="measure_cost_profile(2, backend='mpi')")
         from tvm_distx.runtime.launcher import mpiexec_path
         from tvm_distx.runtime.rank_env import rank_environment
 
@@ -85,7 +86,7 @@ def measure_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: float 
             data = json.loads(out.read_text())
         profile = CostProfile(name=f"measured mpi x{num_ranks}", **data)
     else:
-        raise ArgumentError(f"profile(backend={backend!r}): unknown backend",
+        raise ArgumentError(f"measure_cost_profile(backend={backend!r}): unknown backend",
                             hint='use backend="mpi" or backend="local"')
     logger.info("measured %s", profile)
     if save is not None:
@@ -124,3 +125,7 @@ def build_kernels(folder: Path, target="x86") -> Path:
     path = Path(folder) / "probe_kernels.so"
     tvm.compile(mod, target=resolved.target).export_library(str(path))
     return path
+
+
+__getattr__ = deprecated_names(__name__, {
+    "measure_profile": "tvm_distx.autoshard.measure_cost_profile"})

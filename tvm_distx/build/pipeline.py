@@ -1,6 +1,6 @@
 """The compiler driver: from an annotated global-view module to built rank programs.
 
-:func:`distribute` runs the stages that give the program every rank runs;
+:func:`lower_to_ranks` runs the stages that give the program every rank runs;
 :func:`compile` runs them, schedules the kernels for CPU targets, builds one
 library holding every rank's program, and hands it to
 :class:`tvm_distx.build.executable.DistExecutable`, which only packages and runs it.
@@ -21,6 +21,7 @@ from pathlib import Path
 from tvm import relax
 import tvm
 
+from tvm_distx._deprecated import deprecated_names
 from tvm_distx.build.executable import DistExecutable
 from tvm_distx.build.schedule import SCHEDULED_ATTR, ScheduleCPU, fuse_kernels
 from tvm_distx.build.schedule.experts import SparseExperts
@@ -33,7 +34,7 @@ from tvm_distx.legalize.linear import LegalizeLinear
 from tvm_distx.legalize.lower_distir import fed_from_worker0, module_devices, rank_entry
 from tvm_distx.passes import PropagateSharding, derivations_of
 
-__all__ = ["STAGES", "compile", "distribute", "legalize_ops", "run_stages"]
+__all__ = ["STAGES", "compile", "legalize_ops", "lower_to_ranks", "run_stages"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ STAGES = ("legalize_ops", "propagate_sharding", "local_view", "legalize_redistri
           "lower_distir")
 
 
-def distribute(mod: tvm.IRModule, *, dump_dir: str | os.PathLike | None = None) -> tvm.IRModule:
+def lower_to_ranks(mod: tvm.IRModule, *,
+                   dump_dir: str | os.PathLike | None = None) -> tvm.IRModule:
     """Lower an annotated module to the program every rank runs.
 
     Parameters
@@ -102,7 +104,7 @@ def distribute(mod: tvm.IRModule, *, dump_dir: str | os.PathLike | None = None) 
 
 def run_stages(mod: tvm.IRModule, *,
                dump_dir: str | os.PathLike | None = None) -> dict[str, tvm.IRModule]:
-    """Run every stage of :func:`distribute`; returns the module after each, by stage name."""
+    """Run every stage of :func:`lower_to_ranks`; returns the module after each, by stage name."""
     dump = Path(dump_dir) if dump_dir is not None else None
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
@@ -120,7 +122,7 @@ def run_stages(mod: tvm.IRModule, *,
                 hint="tvm_distx.compile(mod, dump_dir='stages') writes the module before and "
                 "after every stage; please report the failing one") from None
         out[name] = mod
-        logger.debug("distribute: %s done", name)
+        logger.debug("lower_to_ranks: %s done", name)
         if dump is not None:
             (dump / f"{index:02d}_{name}.py").write_text(mod.script(show_meta=False))
     return out
@@ -141,7 +143,7 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
     schedule : bool
         Apply our CPU kernel schedules (:mod:`tvm_distx.build.schedule`).
     dump_dir : path, optional
-        Write the module after every stage of :func:`tvm_distx.distribute`.
+        Write the module after every stage of :func:`tvm_distx.lower_to_ranks`.
     **target_options
         Options of the named target (for ``"rvv"``: ``vlen``, ``cc``).
 
@@ -262,3 +264,6 @@ def _rank_entries(lowered: tvm.IRModule, signatures) -> dict:
     return {"num_ranks": num_ranks,
             "entries": {name: [rank_entry(lowered, name, d) for d in range(num_ranks)]
                         for name in signatures}}
+
+
+__getattr__ = deprecated_names(__name__, {"distribute": "tvm_distx.lower_to_ranks"})

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from tvm_distx.errors import ArgumentError
+from tvm_distx.errors import ArgumentError, ArgumentIndexError
 
 __all__ = ["LazyTensor", "open_checkpoint"]
 
@@ -85,17 +85,20 @@ class LazyTensor:
             fill = (slice(None),) * (self.ndim - len(index) + 1)
             index = index[:at] + fill + index[at + 1:]
         if len(index) > self.ndim:
-            raise IndexError(f"{len(index)} indices for a tensor of {self.ndim} dimensions")
+            raise ArgumentIndexError(f"{len(index)} indices for a tensor of {self.ndim} dimensions",
+                                     hint=f"index at most {self.ndim} dimensions")
         bounds = list(self.bounds)
         for dim, item in enumerate(index):
             start, stop = bounds[dim]
             if isinstance(item, slice):
                 first, last, step = item.indices(stop - start)
                 if step != 1:
-                    raise IndexError("a lazy checkpoint tensor takes slices of step 1 only")
+                    raise ArgumentIndexError("a lazy checkpoint tensor takes slices of step 1 only",
+                                             hint="read() the block, then slice the array")
                 bounds[dim] = (start + first, start + max(first, last))
             else:
-                raise IndexError(f"a lazy checkpoint tensor takes slices, not {item!r}")
+                raise ArgumentIndexError(f"a lazy checkpoint tensor takes slices, not {item!r}",
+                                         hint="write i:i+1 for one index")
         return LazyTensor(self.path, self.key, tuple(bounds), self.dtype, self.stored_dtype)
 
     def read(self) -> np.ndarray:

@@ -57,7 +57,7 @@ The manifest (``"format": "tvm-distx-bundle"``, ``"version": 2``) holds:
     links its weights this way, so no process but the rank holding a shard
     ever reads it.
 
-:func:`read_manifest` refuses, with a :class:`tvm_distx.BundleError`, a
+:func:`read_manifest` refuses, with a :class:`tvm_distx.errors.BundleError`, a
 missing or unparsable manifest, an unknown format or version, missing fields,
 and (:func:`check_weights`) a weight file that is missing, is not a valid
 safetensors file, holds a shard of the wrong shape or dtype, or whose sha256

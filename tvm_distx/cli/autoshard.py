@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -23,18 +24,17 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 
 def _bytes(text: str) -> int:
     """``1GiB``, ``512MiB``, ``2e9``: a number of bytes for --memory."""
-    import re
-
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text or "")
     unit = match.group(2).lower() if match else None
-    try:
-        if match is None or unit not in _UNITS:
-            raise ValueError(text)
-        value = float(match.group(1)) * _UNITS[unit]
-    except ValueError:
+    value = None
+    if match is not None and unit in _UNITS:
+        try:
+            value = float(match.group(1)) * _UNITS[unit]
+        except ValueError:  # "1e+e": the pattern lets through what float() refuses
+            value = None
+    if value is None:
         raise ArgumentError(f"--memory {text!r} is not a size",
-                            hint="give bytes with a unit: --memory 1GiB, --memory 512MiB") \
-            from None
+                            hint="give bytes with a unit: --memory 1GiB, --memory 512MiB")
     return int(value)
 
 

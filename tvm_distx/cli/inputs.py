@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from tvm_distx.errors import ArgumentError
+from tvm_distx.layout.mesh import set_device_meshes
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED"]
 
@@ -115,18 +116,15 @@ def _with_mesh(mod, text: str | None):
         return mod
     try:
         shape = tuple(int(n) for n in text.lower().split("x"))
-        if not shape or any(n <= 0 for n in shape):
-            raise ValueError(text)
     except ValueError:
+        shape = ()
+    if not shape or any(n <= 0 for n in shape):
         raise ArgumentError(f"--mesh {text!r} is not a mesh shape",
-                            hint="give --mesh a device count or a shape: --mesh 2, --mesh 2x2") \
-            from None
+                            hint="give --mesh a device count or a shape: --mesh 2, --mesh 2x2")
     if mod.global_infos and mod.global_infos.get("mesh"):
         raise ArgumentError(f"--mesh {text}: the module already has its meshes",
                             hint="drop --mesh, or remove the module's I.module_global_infos")
-    from tvm_distx.plans.presets import with_meshes
-
-    return with_meshes(mod, [shape])
+    return set_device_meshes(mod, [shape])
 
 
 @contextlib.contextmanager

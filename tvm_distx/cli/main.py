@@ -225,16 +225,20 @@ def _compile(args: argparse.Namespace, check: bool = False) -> int:
     mod = _load(args)
     weights = {}
     if args.weights:
+        problem = None
         try:
             loaded = np.load(args.weights, allow_pickle=False)
-            if not hasattr(loaded, "files"):  # a .npy: one array, no names
-                raise ValueError("it holds one array, not arrays named by parameter")
-            with loaded as archive:
-                weights = {name: archive[name] for name in archive.files}
+            if hasattr(loaded, "files"):
+                with loaded as archive:
+                    weights = {name: archive[name] for name in archive.files}
+            else:  # a .npy: one array, no names
+                problem = "it holds one array, not arrays named by parameter"
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-            raise ArgumentError(f"cannot read weights from {args.weights}: {err}",
+            problem = str(err)
+        if problem is not None:
+            raise ArgumentError(f"cannot read weights from {args.weights}: {problem}",
                                 hint="give an .npz of global weights keyed by parameter "
-                                "name (numpy.savez)") from None
+                                "name (numpy.savez)")
     if weights:
         _check_weights_complete(mod, args.function, weights, args.weights)
     options = {"vlen": args.vlen} if args.vlen else {}
@@ -395,7 +399,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rules", type=Path, default=None,
                    help="parameter rules the plan must keep (JSON or YAML)")
     p.add_argument("--profile", type=Path, default=None,
-                   help="a cost profile (JSON, from tvm_distx.profile(...).save(path))")
+                   help="a cost profile (JSON, from tvm_distx.autoshard.measure_cost_profile(...).save(path))")
     p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS",
                    help="the solver's time limit (the report gives the optimality gap)")
     p.add_argument("--function", default="main",

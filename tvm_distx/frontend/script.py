@@ -13,7 +13,7 @@ from tvm.script import ir as script_ir, relax as script_relax, tirx as script_ti
 
 from tvm_distx.errors import ScriptError, ShardingError, MeshError, PlacementSyntaxError
 from tvm_distx.layout import Placement
-from tvm_distx.layout.mesh import DeviceMesh, MeshRef, unknown_mesh_error
+from tvm_distx.layout.mesh import DeviceMesh, MeshReference, unknown_mesh_error
 
 __all__ = ["load_module", "ScriptError"]
 
@@ -178,7 +178,6 @@ def _global_meshes(cls: ast.ClassDef):
 
 def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
     """Check every literal mesh reference and DTensor placement of a module class."""
-
     meshes = _global_meshes(cls) if cls is not None else None
     if meshes is None:
         return
@@ -197,7 +196,7 @@ def _check_mesh_literals(cls: ast.ClassDef | None) -> None:
                             function=function, var=var,
                             hint=f"count meshes from 0: {available or 'the module has none'}")
         if key not in meshes or index >= len(meshes[key]):
-            raise unknown_mesh_error(MeshRef(key, index), names, function=function, var=var)
+            raise unknown_mesh_error(MeshReference(key, index), names, function=function, var=var)
         return meshes[key][index]
 
     def check_call(call: ast.Call, function, var) -> None:

@@ -3,7 +3,7 @@
 A Python exception raised inside a TVM pass crosses TVM's C++ pass
 infrastructure on its way back to the caller, and arrives as a generic
 ``RuntimeError`` with only its text. Users must be able to ``except
-tvm_distx.ShardingError`` and read ``err.function`` and ``err.var``, so:
+tvm_distx.errors.ShardingError`` and read ``err.function`` and ``err.var``, so:
 
 - every :class:`~tvm_distx.errors.ShardingError` class is registered with
   tvm-ffi, so that its type survives any crossing (for example inside a

@@ -15,6 +15,8 @@ from contextlib import nullcontext
 import tvm
 from tvm import relax
 
+from tvm_distx.errors import ArgumentError
+
 __all__ = ["FunctionRewriter"]
 
 
@@ -52,8 +54,8 @@ class FunctionRewriter:
             params = list(params.values())
         else:
             if len(params) != len(func.params):
-                raise ValueError(f"{len(params)} parameters for {len(func.params)}; "
-                                 "pass a dict to drop some")
+                raise ArgumentError(f"{len(params)} parameters for the {len(func.params)} of "
+                                    f"'{self.name}'", hint="pass a dict to drop some")
             self.remap.update(zip(func.params, params))
         attrs = {k: v for k, v in (func.attrs or {}).items() if k != "global_symbol"}
         with self.bb.function(self.name, params, attrs=attrs or None,

@@ -26,7 +26,8 @@ The package imports no TVM at import time and no compiler module
 :class:`~tvm_distx.DeviceMesh` itself lives in :mod:`tvm_distx.layout.mesh`.
 """
 
-from tvm_distx.layout.mesh import DeviceMesh, MeshRef
+from tvm_distx._deprecated import deprecated_names
+from tvm_distx.layout.mesh import DeviceMesh, MeshReference, device_meshes, set_device_meshes
 from tvm_distx.layout.abi import CollectiveGroup, Piece, SendRecvSpec
 from tvm_distx.layout.derived import BlockOffsets, DerivedParam, Derivations
 from tvm_distx.layout.geometry import (
@@ -45,7 +46,9 @@ from tvm_distx.layout.sharding import UNKNOWN, Sharding, TensorSharding, Unknown
 
 __all__ = [
     "DeviceMesh",
-    "MeshRef",
+    "MeshReference",
+    "device_meshes",
+    "set_device_meshes",
     "MeshTable",
     "Replicate",
     "Shard",
@@ -73,3 +76,5 @@ __all__ = [
     "DerivedParam",
     "Derivations",
 ]
+
+__getattr__ = deprecated_names(__name__, {"MeshRef": "tvm_distx.layout.mesh.MeshReference"})

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import numpy as np
 
-from tvm_distx.errors import ShardingError
+from tvm_distx.errors import InternalError, ShardingError
 from tvm_distx.layout.mesh import DeviceMesh
 from tvm_distx.layout.geometry import decode_placement, encode_placement, send_recv_transfers, shard_bounds
 from tvm_distx.layout.sharding import TensorSharding
@@ -127,7 +127,7 @@ class SendRecvSpec:
         src, rest = _decode_sharding(v[1 + rank:])
         dst, rest = _decode_sharding(rest)
         if rest:
-            raise ValueError(f"trailing values in a send/recv spec: {values!r}")
+            raise InternalError(f"trailing values in a send/recv spec: {values!r}")
         return cls(shape, src, dst)
 
     def role(self, device: int) -> str | None:

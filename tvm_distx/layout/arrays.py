@@ -6,6 +6,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from tvm_distx.errors import ArgumentError
 from tvm_distx.layout import TensorSharding, shard_bounds
 
 __all__ = ["shard_array", "assemble_array", "assemble_results", "first_holder"]
@@ -20,12 +21,13 @@ def shard_array(array: np.ndarray, sharding: TensorSharding, device: int) -> np.
 
     Raises
     ------
-    ValueError
+    ArgumentError
         If ``device`` is not in the sharding's mesh.
     """
     bounds = shard_bounds(sharding, array.shape, device)
     if bounds is None:
-        raise ValueError(f"device {device} is not in mesh {sharding.mesh.describe()}")
+        raise ArgumentError(f"device {device} is not in mesh {sharding.mesh.describe()}",
+                            hint="give a device of the sharding's mesh")
     return np.ascontiguousarray(array[tuple(slice(a, b) for a, b in bounds)])
 
 
@@ -49,7 +51,7 @@ def assemble_array(shards: Mapping[int, np.ndarray], sharding: TensorSharding,
 
     Raises
     ------
-    ValueError
+    ArgumentError
         If some block is held by no device given, or a block has the wrong shape.
     """
     blocks: dict[tuple, np.ndarray] = {}
@@ -61,13 +63,16 @@ def assemble_array(shards: Mapping[int, np.ndarray], sharding: TensorSharding,
             block = np.asarray(shards[device])
             want = tuple(b - a for a, b in bounds)
             if block.shape != want:
-                raise ValueError(f"device {device} returned shape {block.shape}, expected {want}")
+                raise ArgumentError(f"device {device} returned shape {block.shape}, "
+                                    f"expected {want}",
+                                    hint="give each device its local block (shard_array)")
             blocks[bounds] = block
     out = None
     for device, bounds in wanted:
         if bounds not in blocks:
-            raise ValueError(f"no device returned the block of device {device} "
-                             f"of mesh {sharding.mesh.describe()}")
+            raise ArgumentError(f"no device returned the block of device {device} "
+                                f"of mesh {sharding.mesh.describe()}",
+                                hint="give the blocks of every device, or of one replica of each")
         block = blocks[bounds]
         if out is None:
             out = np.empty(shape, block.dtype)

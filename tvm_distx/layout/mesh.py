@@ -3,8 +3,8 @@
 A :class:`DeviceMesh` is an N-D grid of consecutive devices, ``device_range``,
 laid out in row-major order over ``shape``. A module lists its meshes in
 ``global_infos`` (``I.module_global_infos({"mesh": [...]})``) and IR refers to
-them as ``"mesh[0]"``, ``"mesh[1]"``; :class:`MeshRef` is such a reference and
-:func:`module_meshes` resolves them.
+them as ``"mesh[0]"``, ``"mesh[1]"``; :class:`MeshReference` is such a reference and
+:func:`device_meshes` resolves them; :func:`set_device_meshes` gives a module its meshes.
 """
 
 from __future__ import annotations
@@ -12,11 +12,15 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
+from tvm_distx._deprecated import deprecated_names
 from tvm_distx.errors import MeshError, UnknownMeshError
 
-__all__ = ["DeviceMesh", "MeshRef", "module_meshes", "resolve_mesh"]
+if TYPE_CHECKING:
+    import tvm
+
+__all__ = ["DeviceMesh", "MeshReference", "device_meshes", "resolve_mesh", "set_device_meshes"]
 
 
 def _as_range(value) -> range:
@@ -146,7 +150,7 @@ _MESH_REF = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\[\s*([0-9]+)\s*\]\s*$")
 
 
 @dataclass(frozen=True)
-class MeshRef:
+class MeshReference:
     """A reference to a mesh of a module's ``global_infos``: ``"mesh[0]"``.
 
     Parameters
@@ -161,15 +165,15 @@ class MeshRef:
     index: int
 
     @classmethod
-    def parse(cls, text: "str | MeshRef") -> "MeshRef":
-        """Parse ``"mesh[0]"`` (a MeshRef is returned unchanged).
+    def parse(cls, text: "str | MeshReference") -> "MeshReference":
+        """Parse ``"mesh[0]"`` (a MeshReference is returned unchanged).
 
         Raises
         ------
         MeshError
             If ``text`` is not of the form ``name[index]``.
         """
-        if isinstance(text, MeshRef):
+        if isinstance(text, MeshReference):
             return text
         match = _MESH_REF.match(text) if isinstance(text, str) else None
         if match is None:
@@ -183,7 +187,7 @@ class MeshRef:
         return f"{self.key}[{self.index}]"
 
 
-def module_meshes(mod) -> dict[str, DeviceMesh]:
+def device_meshes(mod) -> dict[str, DeviceMesh]:
     """Every device mesh in a module's ``global_infos``, keyed by its reference text.
 
     Parameters
@@ -208,9 +212,42 @@ def module_meshes(mod) -> dict[str, DeviceMesh]:
     return found
 
 
+def set_device_meshes(mod: "tvm.IRModule", shapes: Sequence[Sequence[int]]) -> "tvm.IRModule":
+    """``mod`` with device meshes ``mesh[0]``, ``mesh[1]``, ... of these shapes, back to back.
+
+    The meshes take consecutive devices: ``set_device_meshes(mod, [(2,)])`` is one mesh
+    of devices 0-1; ``[(2, 2)]`` a 2x2 mesh of devices 0-3; ``[(1,), (1,)]`` two
+    pipeline stages on devices 0 and 1. The module's ``"mesh"`` list of
+    ``global_infos`` is replaced.
+
+    Parameters
+    ----------
+    mod : tvm.IRModule
+        The module (a copy is changed when it can be cloned).
+    shapes : sequence of sequence of int
+        The shape of each mesh, in order.
+
+    Returns
+    -------
+    tvm.IRModule
+        The module with its meshes, which sharding rules name ``"mesh[0]"``, ...
+    """
+    from tvm.ir import Range
+    from tvm.relax.distributed import DeviceMesh as TVMDeviceMesh
+
+    meshes, first = [], 0
+    for shape in shapes:
+        size = math.prod(int(extent) for extent in shape)
+        meshes.append(TVMDeviceMesh([int(n) for n in shape], Range(first, first + size)))
+        first += size
+    out = mod.clone() if hasattr(mod, "clone") else mod
+    out.update_global_info("mesh", meshes)
+    return out
+
+
 def resolve_mesh(
     mod,
-    ref: str | MeshRef,
+    ref: str | MeshReference,
     *,
     function: str | None = None,
     var: str | None = None,
@@ -230,10 +267,10 @@ def resolve_mesh(
     """
     from tvm.relax.distributed import DeviceMesh as TVMDeviceMesh
 
-    ref = MeshRef.parse(ref)
+    ref = MeshReference.parse(ref)
     infos = mod.global_infos.get(ref.key) if ref.key in mod.global_infos else None
     if infos is None or ref.index >= len(infos):
-        raise unknown_mesh_error(ref, known if known is not None else module_meshes(mod),
+        raise unknown_mesh_error(ref, known if known is not None else device_meshes(mod),
                                  function=function, var=var)
     tvm_mesh = infos[ref.index]
     if not isinstance(tvm_mesh, TVMDeviceMesh):
@@ -243,12 +280,12 @@ def resolve_mesh(
             function=function,
             var=var,
             hint="name one of the module's device meshes: "
-            + (", ".join(known if known is not None else module_meshes(mod)) or "none"),
+            + (", ".join(known if known is not None else device_meshes(mod)) or "none"),
         )
     return DeviceMesh.from_tvm(tvm_mesh, str(ref)), tvm_mesh
 
 
-def unknown_mesh_error(ref: MeshRef, available, *, function: str | None = None,
+def unknown_mesh_error(ref: MeshReference, available, *, function: str | None = None,
                        var: str | None = None) -> UnknownMeshError:
     """The error for a reference to a mesh that ``available`` (reference texts) lacks."""
     return UnknownMeshError(
@@ -259,3 +296,9 @@ def unknown_mesh_error(ref: MeshRef, available, *, function: str | None = None,
         hint='declare it with I.module_global_infos({"mesh": [R.dist.device_mesh((2,), '
         "I.Range(0, 2))]}) or name one of the meshes listed",
     )
+
+
+__getattr__ = deprecated_names(__name__, {
+    "MeshRef": "tvm_distx.layout.mesh.MeshReference",
+    "module_meshes": "tvm_distx.layout.mesh.device_meshes",
+})

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tvm_distx.errors import MeshError, PlacementSyntaxError, RuleError
 from tvm_distx.layout import Placement, PlacementLike, as_placement
-from tvm_distx.layout.mesh import MeshRef
+from tvm_distx.layout.mesh import MeshReference
 
 if TYPE_CHECKING:
     import tvm
@@ -135,9 +135,9 @@ class ShardingRule:
 
         meshes = self.meshes
         if meshes is None:
-            refs: tuple[MeshRef, ...] = ()
+            refs: tuple[MeshReference, ...] = ()
         else:
-            if isinstance(meshes, (str, MeshRef)):
+            if isinstance(meshes, (str, MeshReference)):
                 meshes = [meshes]
             if not isinstance(meshes, (list, tuple)):
                 raise RuleError(
@@ -147,7 +147,7 @@ class ShardingRule:
                     cli_hint='write "meshes": "mesh[0]" or "meshes": ["mesh[0]", "mesh[1]"]',
                 )
             try:
-                refs = tuple(MeshRef.parse(m) for m in meshes)
+                refs = tuple(MeshReference.parse(m) for m in meshes)
             except MeshError as err:
                 raise RuleError(
                     f"bad meshes= in the rule for {kind}={target!r}: {err.message}",
@@ -184,7 +184,7 @@ class ShardingRule:
         """The name the matcher looks for."""
         return self.callee or self.op or self.param  # type: ignore[return-value]
 
-    def mesh_for_site(self, site_index: int) -> MeshRef | None:
+    def mesh_for_site(self, site_index: int) -> MeshReference | None:
         """The mesh of the ``site_index``-th matched site (None: the module's only mesh)."""
         if not self.meshes:
             return None

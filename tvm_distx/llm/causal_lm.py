@@ -241,7 +241,8 @@ class CausalLM:
     def _serve(cls, model, program, weights, num_ranks: int, *, backend: str, plan,
                timeout: float, **options) -> "CausalLM":
         """Shard and compile ``program``, and launch its session with ``weights``."""
-        from tvm_distx import comm_report, presets
+        from tvm_distx import comm_report
+        from tvm_distx.plans import presets
         from tvm_distx import compile as compile_module
         from tvm_distx.errors import DistxError
         from tvm_distx.build.pipeline import run_stages
@@ -249,7 +250,7 @@ class CausalLM:
         max_length = program.cache.max_length
         preset = plan if plan is not None else presets.tensor_parallel()
         batch_cache, functions = program.batch_cache, _functions(program.batch_cache)
-        annotated = presets.with_meshes(program.mod, [(num_ranks,)])
+        annotated = presets.set_device_meshes(program.mod, [(num_ranks,)])
         for function in _functions(None):  # a failure here is the model's, not the batch's
             annotated = preset.apply(annotated, function)
         exe = None

@@ -21,7 +21,7 @@ style                                   our placement
 ``embedding_rowwise``                   the table ``S[0]``: a vocabulary-parallel lookup
                                         (:class:`tvm_distx.passes.VocabParallelEmbedding`),
                                         each rank's offset ``S[0]`` beside it
-expert styles (``moe_tp_experts``,      the experts by :func:`tvm_distx.plans.moe.moe_parallel`
+expert styles (``moe_tp_experts``,      the experts by :func:`tvm_distx.plans.moe.choose_expert_plan`
 ``grouped_gemm``, ...)                  (the cheaper of tensor and expert parallelism)
 ``replicate``, ``local_params``, ...    replicated (these only hook a module's forward)
 ======================================  ==============================================
@@ -48,7 +48,7 @@ empty, without the config naming it; :func:`from_hf` adds that entry too. A
 vocabulary that does not divide by the ranks stays whole (a warning says so).
 
 Styles we cannot honour (``sequence_parallel``, ``packed_rowwise``,
-``mla_kv_a_proj``) raise a :class:`~tvm_distx.RuleError` naming the style and
+``mla_kv_a_proj``) raise a :class:`~tvm_distx.errors.RuleError` naming the style and
 the module, when the plan is read.
 """
 
@@ -324,10 +324,10 @@ class HFPlan:
         """``mod`` annotated with the plan (fused projections cut per segment first)."""
 
         if self.has_experts and moe.expert_weights(mod, function):
-            # the experts' fused weights are cut by the tensor plan of moe_parallel
+            # the experts' fused weights are cut by the tensor plan of choose_expert_plan
             mod = self.grouped_attention(self.vocab_parallel(mod, function), function)
-            plan = moe.moe_parallel(mod, self, model_axis=self.model_axis,
-                                    mesh_ndim=self.mesh_ndim, function=function)
+            plan = moe.choose_expert_plan(mod, self, model_axis=self.model_axis,
+                                          mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
         # fused projections are cut as tensor_parallel() cuts them; a segment no style
         # names stays whole, as its fused weight would

@@ -27,14 +27,14 @@ Two plans split them on one mesh axis of ``p`` ranks:
   the (token, expert) pairs routed to them. The sum over experts is a partial
   sum completed by **one all-reduce** of the ``(T, H)`` result per MoE layer.
   No expert weight is ever gathered.
-* :func:`tensor_parallel_experts` splits every expert on its intermediate
+* :func:`expert_tensor_parallel` splits every expert on its intermediate
   dimension (Megatron inside each expert, a fused gate|up weight per segment):
   each rank holds a slice of every expert, and the down projection leaves a
   partial sum of the ``(E, T, H)`` expert outputs, completed by one all-reduce
   before the routing weights combine them (``E`` times the bytes).
 
 :func:`compare` runs both through propagation and the local view and returns
-their comm reports side by side; :func:`moe_parallel` returns the cheaper plan
+their comm reports side by side; :func:`choose_expert_plan` returns the cheaper plan
 (fewer bytes per rank, then fewer collectives; a tie goes to expert
 parallelism, whose kernels keep each expert's matrices whole).
 
@@ -60,10 +60,11 @@ from typing import TYPE_CHECKING
 
 import tvm
 
+from tvm_distx._deprecated import deprecated_names
 from tvm_distx.build.pipeline import run_stages
 from tvm_distx.build.schedule.experts import EXPERTS_ATTR, ExpertsKernel, expert_mlp_flops
 from tvm_distx.errors import RuleError
-from tvm_distx.layout.mesh import module_meshes
+from tvm_distx.layout.mesh import module_meshes, device_meshes
 from tvm_distx.layout.rules import ShardingRule, pattern_entries, rules_for
 from tvm_distx.passes import AnnotateSharding, SplitFusedProjections
 from tvm_distx.plans.moe_dispatch import dense_dispatches, fuse_expert_dispatch
@@ -74,7 +75,7 @@ if TYPE_CHECKING:
     from tvm_distx.reports.comm_report import CommReport
 
 __all__ = ["ExpertWeight", "MoePlan", "MoeComparison", "expert_weights", "expert_parallel",
-           "tensor_parallel_experts", "compare", "moe_parallel", "expert_mlp_work"]
+           "expert_tensor_parallel", "compare", "choose_expert_plan", "expert_mlp_work"]
 
 logger = logging.getLogger(__name__)
 
@@ -369,25 +370,31 @@ def expert_parallel(base: Preset | None = None, *, model_axis: int = 0,
     --------
     >>> plan = expert_parallel(base=megatron(column=["*q_proj_weight"], row=["*o_proj_weight"]))
     ...                                                      # doctest: +SKIP
-    >>> annotated = plan.apply(with_meshes(mod, [(2,)]))    # doctest: +SKIP
+    >>> annotated = plan.apply(set_device_meshes(mod, [(2,)]))    # doctest: +SKIP
     """
     return MoePlan("expert", base, model_axis, mesh_ndim)
 
 
-def tensor_parallel_experts(base: Preset | None = None, *, model_axis: int = 0,
-                            mesh_ndim: int = 1) -> MoePlan:
-    """Tensor parallelism inside every expert: the intermediate dimension split."""
+def expert_tensor_parallel(base: Preset | None = None, *, model_axis: int = 0,
+                           mesh_ndim: int = 1) -> MoePlan:
+    """Expert tensor parallelism: every expert's intermediate dimension split (Megatron inside it).
+
+    Each rank holds a slice of every expert; one all-reduce of the ``(E, T, H)``
+    expert outputs per MoE layer. Parameters as :func:`expert_parallel`.
+    """
     return MoePlan("tensor", base, model_axis, mesh_ndim)
 
 
 @dataclass(frozen=True)
 class MoeComparison:
-    """Both plans' communication and work; ``chosen`` is the cheaper (see :func:`moe_parallel`).
+    """Both plans' communication and work; ``chosen`` is the cheaper.
+
+    See :func:`choose_expert_plan`.
 
     Attributes
     ----------
     expert, tensor : CommReport
-        The comm reports of :func:`expert_parallel` and :func:`tensor_parallel_experts`.
+        The comm reports of :func:`expert_parallel` and :func:`expert_tensor_parallel`.
     chosen : str
         ``"expert"`` or ``"tensor"``.
     expert_flops, tensor_flops : float or None
@@ -464,7 +471,7 @@ def compare(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: int = 
     Parameters
     ----------
     mod : tvm.IRModule
-        An imported module with its meshes (:func:`tvm_distx.plans.presets.with_meshes`).
+        An imported module with its meshes (:func:`tvm_distx.set_device_meshes`).
     base : Preset, optional
         Placements of the other weights, shared by both plans.
 
@@ -481,6 +488,7 @@ def compare(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: int = 
                                                         s != "expert"))
 
     meshes = list(module_meshes(mod).values())
+    meshes = list(device_meshes(mod).values())
     ranks = meshes[0].shape[model_axis] if meshes else 1
     result = MoeComparison(reports["expert"], reports["tensor"], cheaper,
                            *expert_mlp_work(mod, ranks, function))
@@ -488,9 +496,9 @@ def compare(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: int = 
     return result
 
 
-def moe_parallel(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: int = 0,
-                 mesh_ndim: int = 1, function: str = "main") -> MoePlan:
-    """The cheaper of :func:`expert_parallel` and :func:`tensor_parallel_experts` for ``mod``.
+def choose_expert_plan(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: int = 0,
+                       mesh_ndim: int = 1, function: str = "main") -> MoePlan:
+    """The cheaper of :func:`expert_parallel` and :func:`expert_tensor_parallel` for ``mod``.
 
     Cheaper means fewer bytes received per rank, then fewer collectives; a tie
     goes to expert parallelism. See :func:`compare` for both reports.
@@ -498,3 +506,9 @@ def moe_parallel(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: i
     chosen = compare(mod, base, model_axis=model_axis, mesh_ndim=mesh_ndim,
                      function=function).chosen
     return MoePlan(chosen, base, model_axis, mesh_ndim)
+
+
+__getattr__ = deprecated_names(__name__, {
+    "moe_parallel": "tvm_distx.plans.moe.choose_expert_plan",
+    "tensor_parallel_experts": "tvm_distx.plans.moe.expert_tensor_parallel",
+})

@@ -25,14 +25,19 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-import tvm
-
+from tvm_distx._deprecated import deprecated_names
 from tvm_distx.errors import RuleError
-from tvm_distx.plans.preset import Preset  # noqa: F401 (the presets' class, re-exported here)
+from tvm_distx.layout.mesh import set_device_meshes  # noqa: F401 (re-exported: presets need meshes)
+# the presets' class and the other plans, re-exported here: one place to import any plan from
+from tvm_distx.plans.hf import HFPlan, from_hf  # noqa: F401
+from tvm_distx.plans.moe import (choose_expert_plan, expert_parallel,  # noqa: F401
+                                 expert_tensor_parallel)
+from tvm_distx.plans.preset import Preset  # noqa: F401
+from tvm_distx.plans.tensor_parallel import TensorParallel, tensor_parallel  # noqa: F401
 
-__all__ = ["Preset", "megatron", "data_parallel", "data_and_model", "pipeline_stages",
-           "with_meshes", "tensor_parallel", "TensorParallel", "expert_parallel",
-           "moe_parallel", "tensor_parallel_experts", "from_hf", "HFPlan"]
+__all__ = ["Preset", "megatron", "data_parallel", "data_and_tensor_parallel", "pipeline_stages",
+           "set_device_meshes", "tensor_parallel", "TensorParallel", "expert_parallel",
+           "choose_expert_plan", "expert_tensor_parallel", "from_hf", "HFPlan"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +109,7 @@ def data_parallel(inputs: Sequence[str] = ("x",), batch_dim: int = 0, data_axis:
     return Preset(tuple((name, "".join(entries), None) for name in inputs))
 
 
-def data_and_model(inputs: Sequence[str] = ("x",), batch_dim: int = 0) -> Preset:
+def data_and_tensor_parallel(inputs: Sequence[str] = ("x",), batch_dim: int = 0) -> Preset:
     """A 2-D mesh: data parallel on mesh axis 0, Megatron tensor parallel on axis 1."""
     data = data_parallel(inputs, batch_dim, data_axis=0, mesh_ndim=2)
     model = megatron(model_axis=1, mesh_ndim=2)
@@ -127,24 +132,9 @@ def pipeline_stages(num_layers: int, meshes: Sequence[str], inputs: Sequence[str
     return Preset(tuple(patterns))
 
 
-def with_meshes(mod: tvm.IRModule, shapes: Sequence[Sequence[int]]) -> tvm.IRModule:
-    """``mod`` with device meshes ``mesh[0]``, ``mesh[1]``, ... of these shapes, back to back.
-
-    ``with_meshes(mod, [(2,)])`` is one mesh of devices 0-1; ``[(1,), (1,)]`` two
-    pipeline stages on devices 0 and 1.
-    """
-
-    meshes, first = [], 0
-    for shape in shapes:
-        size = 1
-        for extent in shape:
-            size *= int(extent)
-        meshes.append(DeviceMesh([int(n) for n in shape], tvm.ir.Range(first, first + size)))
-        first += size
-    out = mod.clone() if hasattr(mod, "clone") else mod
-    out.update_global_info("mesh", meshes)
-    return out
-from tvm_distx.plans.moe import expert_parallel, moe_parallel, tensor_parallel_experts  # noqa: E402,F401 (MoE plans)
-from tvm_distx.plans.tensor_parallel import TensorParallel, tensor_parallel  # noqa: E402,F401 (structure-found plans)
-from tvm_distx.plans.hf import HFPlan, from_hf  # noqa: E402,F401 (transformers' own plans)
-from tvm.relax.distributed import DeviceMesh
+__getattr__ = deprecated_names(__name__, {
+    "with_meshes": "tvm_distx.set_device_meshes",
+    "data_and_model": "tvm_distx.plans.presets.data_and_tensor_parallel",
+    "moe_parallel": "tvm_distx.plans.moe.choose_expert_plan",
+    "tensor_parallel_experts": "tvm_distx.plans.moe.expert_tensor_parallel",
+})

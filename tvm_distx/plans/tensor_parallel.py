@@ -41,7 +41,7 @@ for every weight, Megatron's placement:
 * **Fused projections** (q|k|v, gate|up) are first cut into one parameter per
   segment (:class:`tvm_distx.passes.SplitFusedProjections`), so each segment is
   column parallel on its own. **Experts** (3-D weights) follow
-  :func:`tvm_distx.plans.moe.moe_parallel`, the cheaper of expert and tensor
+  :func:`tvm_distx.plans.moe.choose_expert_plan`, the cheaper of expert and tensor
   parallelism.
 
 The plan is pure data (:class:`TensorParallelPlan`): one :class:`WeightRole`
@@ -327,7 +327,7 @@ class TensorParallel:
         meshes = mod.global_infos.get("mesh") if mod.global_infos else None
         if not meshes:
             raise RuleError("the module has no device mesh",
-                            hint="presets.with_meshes(mod, [(2,)]) first")
+                            hint="presets.set_device_meshes(mod, [(2,)]) first")
         shape = [int(s) for s in meshes[0].shape]
         if len(shape) != self.mesh_ndim:
             raise RuleError(f"tensor_parallel(mesh_ndim={self.mesh_ndim}) on a mesh of shape "
@@ -429,7 +429,7 @@ class TensorParallel:
     def apply(self, mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
         """``mod`` with fused projections cut, annotated with :meth:`rules`.
 
-        A model with experts gets :func:`tvm_distx.plans.moe.moe_parallel` for them,
+        A model with experts gets :func:`tvm_distx.plans.moe.choose_expert_plan` for them,
         with this plan for every other weight.
         """
 
@@ -439,8 +439,8 @@ class TensorParallel:
             mod = self.grouped_attention(self.vocab_parallel(mod, function), function)
             base = TensorParallel(self.model_axis, self.mesh_ndim, self.overrides,
                                   split_fused=False, experts=False, vocab=False)
-            plan = moe.moe_parallel(mod, base, model_axis=self.model_axis,
-                                    mesh_ndim=self.mesh_ndim, function=function)
+            plan = moe.choose_expert_plan(mod, base, model_axis=self.model_axis,
+                                          mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
         mod = self.prepare(mod, function)
         return AnnotateSharding(self.rules(mod, function))(mod)
@@ -464,7 +464,7 @@ def tensor_parallel(model_axis: int = 0, mesh_ndim: int = 1) -> TensorParallel:
     Examples
     --------
     >>> preset = tensor_parallel()
-    >>> annotated = preset.apply(with_meshes(mod, [(2,)]))   # doctest: +SKIP
-    >>> print(preset.plan(with_meshes(mod, [(2,)])))          # doctest: +SKIP
+    >>> annotated = preset.apply(set_device_meshes(mod, [(2,)]))   # doctest: +SKIP
+    >>> print(preset.plan(set_device_meshes(mod, [(2,)])))          # doctest: +SKIP
     """
     return TensorParallel(model_axis, mesh_ndim)

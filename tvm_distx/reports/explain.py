@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tvm_distx.errors import ArgumentKeyError
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout import TensorSharding
 from tvm_distx.passes.propagate_sharding import propagate
@@ -48,11 +49,18 @@ class ShardingReport:
         return tuple(r for r in self.rows if r.function == name)
 
     def row(self, function: str, value: str) -> ShardingRow:
-        """The row of one value; KeyError when there is none."""
+        """The row of one value.
+
+        Raises
+        ------
+        ArgumentKeyError
+            When ``function`` has no value ``value`` (also a ``KeyError``).
+        """
         for r in self.rows:
             if (r.function, r.value) == (function, value):
                 return r
-        raise KeyError(f"{function}.{value}")
+        raise ArgumentKeyError(f"no value '{value}' in function '{function}'",
+                               hint="see str(report) for the values of each function")
 
     def __str__(self) -> str:
         header = ("value", "global shape", "mesh", "placement", "local shape", "why")

@@ -193,11 +193,13 @@ def sharding_tables(mod) -> list:
 def human_bytes(count: int) -> str:
     """``65536`` -> ``"64.0 KiB"``."""
     size = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+    if size < 1024:
+        return f"{int(size)} B"
+    for unit in ("KiB", "MiB"):
         size /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1024:.1f} GiB"
 
 
 def comm_table(report):
@@ -225,7 +227,7 @@ def value_sharding(mod, function: str, value: str) -> tuple[TensorSharding, tupl
 
     Raises
     ------
-    tvm_distx.ArgumentError
+    tvm_distx.errors.ArgumentError
         If the function has no such tensor value.
     """
 

@@ -1,6 +1,6 @@
-"""CPU schedules for the rank-local kernels that ``distribute`` produces.
+"""CPU schedules for the rank-local kernels that ``lower_to_ranks`` produces.
 
-After :func:`tvm_distx.distribute` every operator is a TIR ``PrimFunc`` written
+After :func:`tvm_distx.lower_to_ranks` every operator is a TIR ``PrimFunc`` written
 by ``relax.transform.LegalizeOps`` (possibly fused by ``FuseOps``/``FuseTIR``)
 and called with ``R.call_tir``. TVM's default CPU pipeline builds those loop
 nests as they are, so a matmul runs as three naive loops, about 80x slower than
@@ -208,7 +208,7 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target | None = None, 
     ----------
     mod : tvm.IRModule
         A module whose operators are TIR kernels called with ``R.call_tir``,
-        such as the output of :func:`tvm_distx.distribute`.
+        such as the output of :func:`tvm_distx.lower_to_ranks`.
     target : tvm.target.Target, optional
         The LLVM CPU target; :func:`x86_target` by default.
     fuse : bool, default True
