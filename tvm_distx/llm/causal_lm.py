@@ -241,7 +241,8 @@ class CausalLM:
     def _serve(cls, model, program, weights, num_ranks: int, *, backend: str, plan,
                timeout: float, **options) -> "CausalLM":
         """Shard and compile ``program``, and launch its session with ``weights``."""
-        from tvm_distx import comm_report, presets
+        from tvm_distx import comm_report
+        from tvm_distx.plans import presets
         from tvm_distx import compile as compile_module
         from tvm_distx.errors import DistxError
         from tvm_distx.build.pipeline import run_stages
