@@ -1,6 +1,7 @@
-"""Every Python example in the README runs as written, on its own, and prints the right thing.
+"""Every Python example in the README and in docs/ runs as written, on its own, and prints the
+right thing.
 
-Each ```python block is executed alone, in a fresh namespace and a scratch directory that
+Each ```python block (of ``README.md`` and every ``docs/**/*.md``) is executed alone, in a fresh namespace and a scratch directory that
 links the checkout's ``tests/`` (the examples read ``tests/data``): a block that leans on a
 name defined by another block fails with a NameError here. Each block is recognised by a
 phrase only it contains, and must have a check below, so a new example cannot go untested.
@@ -15,7 +16,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+#: (page, block) for every ```python block, in page order.
+BLOCKS = [(page.relative_to(ROOT).as_posix(), block) for page in PAGES
+          for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)]
 
 
 def _error(out: str, label: str) -> float:
@@ -100,25 +104,32 @@ CHECKS = {
 
 def _check_for(block: str):
     found = [phrase for phrase in CHECKS if phrase in block]
-    assert len(found) == 1, f"a README block needs exactly one check, it matches {found}:\n{block}"
+    assert len(found) == 1, f"a documented block needs exactly one check, it matches {found}:\n{block}"
     return CHECKS[found[0]]
 
 
 def test_every_block_has_one_check_and_every_check_a_block():
     assert len(BLOCKS) == len(CHECKS)
-    assert {_check_for(block) for block in BLOCKS} == set(CHECKS.values())
+    assert {_check_for(block) for _, block in BLOCKS} == set(CHECKS.values())
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[next((p for p in CHECKS if p in b), "unchecked")
-                                               .split("(")[0].strip(" .=|").replace(" ", "-")
-                                               for b in BLOCKS])
-def test_readme_block_runs_alone(block, capsys, tmp_path):
+def test_the_tour_stays_in_the_readme():
+    assert "mpi max |error|" in "".join(b for page, b in BLOCKS if page == "README.md")
+
+
+def _block_id(page: str, block: str) -> str:
+    phrase = next((p for p in CHECKS if p in block), "unchecked")
+    return f"{page}:" + phrase.split("(")[0].strip(" .=|").replace(" ", "-")
+
+
+@pytest.mark.parametrize("page,block", BLOCKS, ids=[_block_id(*pb) for pb in BLOCKS])
+def test_documented_block_runs_alone(page, block, capsys, tmp_path):
     check = _check_for(block)
     (tmp_path / "tests").symlink_to(ROOT / "tests")
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        exec(compile(block, "README.md", "exec"), {"__name__": "__readme__"})  # noqa: S102
+        exec(compile(block, page, "exec"), {"__name__": "__readme__"})  # noqa: S102
     finally:
         os.chdir(cwd)
     check(capsys.readouterr().out, tmp_path)

@@ -1,7 +1,7 @@
 """A new user's first hour, through real processes in a fresh directory.
 
-The README's command-line session is read from the README itself and run command by
-command; then every mistake a new user made with the CLI is made again, and each must
+The command-line session pasted in the command-line guide (``docs/cli.md``) is read from
+that page itself and run command by command; then every mistake a new user made with the CLI is made again, and each must
 end with one error line and a hint, the documented exit code, no traceback, and nothing
 lost or half written.
 """
@@ -28,10 +28,10 @@ SEED = ROOT / "tests" / "data" / "seed_tensor_parallel.py"
 
 
 def _readme_session() -> list[tuple[str, list[str]]]:
-    """The README's pasted command-line session: each ``$`` command with its output lines."""
-    text = (ROOT / "README.md").read_text()
+    """The guide's pasted command-line session: each ``$`` command with its output lines."""
+    text = (ROOT / "docs" / "cli.md").read_text()
     block = re.search(r"```text\n(\$ cat rules\.json\n.*?)```", text, flags=re.S)
-    assert block, "the README's command-line session is missing"
+    assert block, "the command-line guide's session (docs/cli.md) is missing"
     session: list[tuple[str, list[str]]] = []
     for line in block.group(1).splitlines():
         if line.startswith("$ "):
@@ -63,12 +63,12 @@ def _one_line_error(done: subprocess.CompletedProcess, code: int, *phrases: str)
 
 @pytest.fixture(scope="module")
 def journey(tmp_path_factory):
-    """A fresh directory holding the tour's inputs, after the README's session has run in it."""
+    """A fresh directory holding the tour's inputs, after the guide's session has run in it."""
     home = tmp_path_factory.mktemp("journey")
     session = _readme_session()
     shutil.copy(SEED, home / "model.py")
     assert session[0][0] == "cat rules.json"
-    (home / "rules.json").write_text("\n".join(session[0][1]) + "\n")  # the README's own rules
+    (home / "rules.json").write_text("\n".join(session[0][1]) + "\n")  # the guide's own rules
     rng = np.random.default_rng(7)
     x, a, b = (0.1 * rng.standard_normal((128, 128), dtype="float32") for _ in range(3))
     np.save(home / "x.npy", x)
@@ -97,7 +97,7 @@ def test_the_readme_session_runs_as_written(journey):
     assert "all_reduce" in done.stdout and "65,536 (64.0 KiB)" in done.stdout
     assert [s for s in shown if "total" in s][0].split()[-3:] == \
         [s for s in done.stdout.splitlines() if "total" in s][0].split()[-3:]
-    for verb in ("compile", "run"):  # the confirmations read as the README shows them
+    for verb in ("compile", "run"):  # the confirmations read as the guide shows them
         done, shown = by_verb[verb]
         assert done.stdout.strip().splitlines() == shown, (done.stdout, shown)
     assert (home / "bundle" / "manifest.json").is_file()
