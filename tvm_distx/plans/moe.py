@@ -64,7 +64,7 @@ from tvm_distx._deprecated import deprecated_names
 from tvm_distx.build.pipeline import run_stages
 from tvm_distx.build.schedule.experts import EXPERTS_ATTR, ExpertsKernel, expert_mlp_flops
 from tvm_distx.errors import RuleError
-from tvm_distx.layout.mesh import module_meshes, device_meshes
+from tvm_distx.layout.mesh import device_meshes
 from tvm_distx.layout.rules import ShardingRule, pattern_entries, rules_for
 from tvm_distx.passes import AnnotateSharding, SplitFusedProjections
 from tvm_distx.plans.moe_dispatch import dense_dispatches, fuse_expert_dispatch
@@ -487,7 +487,7 @@ def compare(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: int = 
     cheaper = min(("expert", "tensor"), key=lambda s: (MoeComparison._cost(reports[s]),
                                                         s != "expert"))
 
-    meshes = list(module_meshes(mod).values())
+    meshes = list(device_meshes(mod).values())
     meshes = list(device_meshes(mod).values())
     ranks = meshes[0].shape[model_axis] if meshes else 1
     result = MoeComparison(reports["expert"], reports["tensor"], cheaper,
