@@ -1,0 +1,254 @@
+"""A new user's first hour, through real processes in a fresh directory.
+
+The command-line session pasted in the command-line guide (``docs/cli.md``) is read from
+that page itself and run command by command; then every mistake a new user made with the CLI is made again, and each must
+end with one error line and a hint, the documented exit code, no traceback, and nothing
+lost or half written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from locations import REPO_ROOT
+
+ROOT = REPO_ROOT
+BIN = Path(sys.executable).parent  # the environment's tvm-distx and python
+SEED = ROOT / "tests" / "data" / "seed_tensor_parallel.py"
+
+
+def _readme_session() -> list[tuple[str, list[str]]]:
+    """The guide's pasted command-line session: each ``$`` command with its output lines."""
+    text = (ROOT / "docs" / "cli.md").read_text()
+    block = re.search(r"```text\n(\$ cat rules\.json\n.*?)```", text, flags=re.S)
+    assert block, "the command-line guide's session (docs/cli.md) is missing"
+    session: list[tuple[str, list[str]]] = []
+    for line in block.group(1).splitlines():
+        if line.startswith("$ "):
+            session.append((line[2:], []))
+        else:
+            session[-1][1].append(line)
+    return session
+
+
+def _cli(args: list[str] | str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    env.pop("COLUMNS", None)
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, shell=isinstance(args, str))
+
+
+def _one_line_error(done: subprocess.CompletedProcess, code: int, *phrases: str) -> str:
+    """The error is one line plus a hint, with ``code``, no traceback; returns it."""
+    err = done.stderr.strip()
+    assert done.returncode == code, (done.returncode, err)
+    assert "Traceback" not in err and "InternalError" not in err, err
+    lines = err.splitlines()
+    assert lines[0].startswith("tvm-distx: error: ") or lines == ["interrupted"], err
+    assert len(lines) <= 2 and (len(lines) == 1 or lines[1].startswith("hint: ")), err
+    for phrase in phrases:
+        assert phrase in err, (phrase, err)
+    return err
+
+
+@pytest.fixture(scope="module")
+def journey(tmp_path_factory):
+    """A fresh directory holding the tour's inputs, after the guide's session has run in it."""
+    home = tmp_path_factory.mktemp("journey")
+    session = _readme_session()
+    shutil.copy(SEED, home / "model.py")
+    assert session[0][0] == "cat rules.json"
+    (home / "rules.json").write_text("\n".join(session[0][1]) + "\n")  # the guide's own rules
+    rng = np.random.default_rng(7)
+    x, a, b = (0.1 * rng.standard_normal((128, 128), dtype="float32") for _ in range(3))
+    np.save(home / "x.npy", x)
+    np.save(home / "A.npy", a)
+    np.save(home / "B.npy", b)
+    np.savez(home / "weights.npz", A=a, B=b)
+    mlp = lambda v: np.maximum(v @ a, 0) @ b  # noqa: E731
+    np.save(home / "want.npy", mlp(mlp(x)))
+    results = {}
+    for command, shown in session[1:]:
+        done = _cli(command, home)
+        assert done.returncode == 0, (command, done.stderr)
+        assert "Traceback" not in done.stderr
+        results[command] = (done, shown)
+    return home, results
+
+
+def test_the_readme_session_runs_as_written(journey):
+    home, results = journey
+    by_verb = {shlex.split(c)[1] if c.startswith("tvm-distx") else "python": (done, shown)
+               for c, (done, shown) in results.items()}
+    assert set(by_verb) == {"propagate", "plan", "compile", "run", "python"}
+    done, _ = by_verb["propagate"]
+    assert 'R.DTensor((128, 128), "float32", "mesh[0]", "S[1]")' in done.stdout
+    done, shown = by_verb["plan"]
+    assert "all_reduce" in done.stdout and "65,536 (64.0 KiB)" in done.stdout
+    assert [s for s in shown if "total" in s][0].split()[-3:] == \
+        [s for s in done.stdout.splitlines() if "total" in s][0].split()[-3:]
+    for verb in ("compile", "run"):  # the confirmations read as the guide shows them
+        done, shown = by_verb[verb]
+        assert done.stdout.strip().splitlines() == shown, (done.stdout, shown)
+    assert (home / "bundle" / "manifest.json").is_file()
+    assert np.load(home / "out" / "out0.npy").shape == (128, 128)
+    done, _ = by_verb["python"]
+    assert float(done.stdout) < 1e-5  # the two MPI ranks equal numpy
+
+
+@pytest.fixture(scope="module")
+def input_bundle(journey):
+    """The model compiled with no weights: x, A and B are all inputs at run time."""
+    home, _ = journey
+    done = _cli(["tvm-distx", "compile", "model.py", "--rules", "rules.json", "-o", "inputs"],
+                home)
+    assert done.returncode == 0, done.stderr
+    return home / "inputs"
+
+
+def test_repeated_inputs_in_order_and_the_bundle_readme_example(journey, input_bundle):
+    home, _ = journey
+    readme = (input_bundle / "README.md").read_text()
+    example = next(line for line in readme.splitlines() if line.startswith("./run.sh"))
+    assert example == "./run.sh -i x.npy -i A.npy -i B.npy -o out/"
+    for name in ("x", "A", "B"):
+        shutil.copy(home / f"{name}.npy", input_bundle / f"{name}.npy")
+    done = _cli(example, input_bundle)
+    assert done.returncode == 0, done.stderr
+    assert np.allclose(np.load(input_bundle / "out" / "out0.npy"), np.load(home / "want.npy"),
+                       atol=1e-5)
+    # inputs out of order have the wrong meaning but the right shapes: named ones fix that
+    done = _cli(["tvm-distx", "run", str(input_bundle), "-n", "2", "-i", "B=B.npy",
+                 "-i", "x=x.npy", "-i", "A=A.npy", "-o", "named"], home)
+    assert done.returncode == 0, done.stderr
+    assert np.allclose(np.load(home / "named" / "out0.npy"), np.load(home / "want.npy"),
+                       atol=1e-5)
+
+
+def test_wrong_inputs_are_refused_before_any_rank_starts(journey, input_bundle):
+    home, _ = journey
+    np.save(home / "small.npy", np.zeros((4, 4), "float32"))
+    np.save(home / "int.npy", np.zeros((128, 128), "int32"))
+    cases = [
+        (["-i", "x.npy"], "takes 3 positional input(s) (x, A, B), got 1"),
+        (["-i", "x.npy", "-i", "A.npy", "-i", "small.npy"], "shape"),
+        (["-i", "x.npy", "-i", "A.npy", "-i", "int.npy"], "int32"),
+    ]
+    for inputs, phrase in cases:
+        done = _cli(["tvm-distx", "run", str(input_bundle), "-n", "2", *inputs, "-o", "never"],
+                    home)
+        err = _one_line_error(done, 2, phrase)
+        assert "np.save" not in err.splitlines()[0]
+        assert not (home / "never").exists()  # refused before anything ran
+
+
+def test_yaml_rules_with_a_syntax_error(journey):
+    home, _ = journey
+    (home / "broken.yaml").write_text("- param: A\n  result: S[1]\n   function: mlp\n")
+    done = _cli(["tvm-distx", "propagate", "model.py", "--rules", "broken.yaml"], home)
+    _one_line_error(done, 2, "broken.yaml", "line 3")
+
+
+def test_an_unwritable_output_directory_is_refused_before_the_job(journey):
+    home, _ = journey
+    if os.geteuid() == 0:  # root writes through permissions: use a file system nobody writes
+        target = "/proc/tvm-distx-results"
+    else:
+        locked = home / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        target = str(locked / "out")
+    started = time.monotonic()
+    done = _cli(["tvm-distx", "run", "bundle", "-n", "2", "-i", "x.npy", "-o", target], home)
+    _one_line_error(done, 2, "cannot write -o")
+    assert time.monotonic() - started < 20  # refused at once, not after the ranks ran
+
+
+def _copy_bundle(home: Path, name: str) -> Path:
+    copy = home / name
+    shutil.copytree(home / "bundle", copy)
+    return copy
+
+
+def test_a_corrupt_or_foreign_library_is_refused_before_launch(journey):
+    home, _ = journey
+    tampered = _copy_bundle(home, "tampered")
+    with open(tampered / "lib.so", "ab") as f:
+        f.write(b"\0")
+    _one_line_error(_cli(["tvm-distx", "run", "tampered", "-n", "2", "-i", "x.npy"], home), 2,
+                    "lib.so")
+    # a library for another machine (an ELF header for RISC-V), its checksum made to match
+    foreign = _copy_bundle(home, "foreign")
+    header = bytearray(64)
+    header[:7] = b"\x7fELF\x02\x01\x01"
+    header[16:20] = (3).to_bytes(2, "little") + (0xF3).to_bytes(2, "little")  # ET_DYN, RISC-V
+    (foreign / "lib.so").write_bytes(bytes(header))
+    manifest = json.loads((foreign / "manifest.json").read_text())
+    from tvm_distx.bundle.manifest import sha256_file
+
+    manifest["library_sha256"] = sha256_file(foreign / "lib.so")
+    (foreign / "manifest.json").write_text(json.dumps(manifest))
+    err = _one_line_error(_cli(["tvm-distx", "run", "foreign", "-n", "2", "-i", "x.npy"], home),
+                          2, "built for riscv64")
+    assert "tvm-distx" in err.splitlines()[-1]  # the hint speaks in commands, not Python
+
+
+def test_paths_in_a_manifest_stay_inside_the_bundle(journey):
+    home, _ = journey
+    escaping = _copy_bundle(home, "escaping")
+    manifest = json.loads((escaping / "manifest.json").read_text())
+    manifest["library"] = "../../../../bin/ls"
+    (escaping / "manifest.json").write_text(json.dumps(manifest))
+    _one_line_error(_cli(["tvm-distx", "run", "escaping", "-n", "2", "-i", "x.npy"], home), 2,
+                    "outside the bundle")
+
+
+@pytest.mark.parametrize("after", [0.6, 2.0])  # while the package imports; while TVM works
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(journey, after):
+    home, _ = journey
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.Popen(["tvm-distx", "compile", "model.py", "--rules", "rules.json",
+                             "-o", "interrupted"], cwd=home, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    _one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 130)
+    assert not (home / "interrupted" / "manifest.json").exists()
+
+
+def test_a_directory_given_as_the_module(journey):
+    home, _ = journey
+    (home / "models").mkdir(exist_ok=True)
+    done = _cli(["tvm-distx", "propagate", "models", "--rules", "rules.json"], home)
+    _one_line_error(done, 2, "is a directory")
+
+
+def test_weights_missing_a_weight_are_refused_before_compiling(journey):
+    home, _ = journey
+    np.savez(home / "partial.npz", A=np.load(home / "A.npy"))
+    done = _cli(["tvm-distx", "compile", "model.py", "--rules", "rules.json", "--weights",
+                 "partial.npz", "-o", "partial"], home)
+    err = _one_line_error(done, 2, "no weight 'B'", "partial.npz")
+    assert "-i" in err.splitlines()[1]  # the hint names the CLI's way out
+    assert not (home / "partial").exists()
+
+
+def test_rule_errors_give_hints_in_the_rules_file_syntax(journey):
+    home, _ = journey
+    (home / "two.json").write_text('[{"param": "A", "callee": "mlp", "result": "S[1]"}]')
+    done = _cli(["tvm-distx", "annotate", "model.py", "--rules", "two.json"], home)
+    err = _one_line_error(done, 2, "exactly one matcher")
+    hint = err.splitlines()[1]
+    assert '{"callee": "mlp"' in hint and "ShardingRule(" not in hint

@@ -1,0 +1,281 @@
+"""CausalLM: greedy generation on persistent MPI ranks equals transformers' generate.
+
+One session per model: the prefill runs once per prompt and each new token is one
+decode call; the caches stay on the ranks. Tokens must equal
+``model.generate(do_sample=False)`` token for token, for one prompt, for two
+prompts of different lengths, and through ``stream``. With ``max_batch=`` a batch
+of prompts of different lengths is one left-padded prefill and one decode per
+step, and its tokens equal transformers' ``generate`` of the same padded batch
+(Llama with grouped-query attention, GPT-2 with learned positions). The command
+line serves the same tokens on every backend.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import tvm_distx as td  # noqa: E402
+from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
+
+from hf_tiny import build, greedy, greedy_batch, prompt_ids  # noqa: E402
+
+NEW_TOKENS = 12
+#: prompts of different lengths for the batches
+BATCH = [prompt_ids(3, seed=2), prompt_ids(7, seed=3), prompt_ids(5, seed=4)]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = build("llama")
+    with CausalLM.from_hf(model, num_ranks=2, max_length=32, max_batch=3) as lm:
+        yield model, lm
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model = build("gpt2", layers=1, init=0.5)
+    with CausalLM.from_hf(model, num_ranks=2, max_length=16, max_batch=3) as lm:
+        yield model, lm
+
+
+def _calls(lm, monkeypatch) -> list[str]:
+    """The functions the session runs from now on, in order."""
+    called, run = [], lm.session.run
+
+    def counted(*args, function="main", **kwargs):
+        called.append(function)
+        return run(*args, function=function, **kwargs)
+
+    monkeypatch.setattr(lm.session, "run", counted)
+    return called
+
+
+def test_generate_equals_transformers_token_for_token(llama):
+    model, lm = llama
+    prompt = prompt_ids(5, seed=1)
+    out = lm.generate(prompt[None, :], max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(out[0], greedy(model, prompt, NEW_TOKENS))
+    assert out.shape == (1, 5 + NEW_TOKENS)
+    assert lm.stats.new_tokens == NEW_TOKENS - 1 and lm.stats.decode_tokens_per_second > 0
+    assert lm.stats.bytes_per_token > 0  # the all-reduces of the split blocks
+
+
+def test_prompts_of_different_lengths_and_the_stream_without_batched_functions(llama):
+    model, llama_lm = llama
+    lm = CausalLM(llama_lm.cache, llama_lm.session)  # no batch_cache: one prompt at a time
+    pids = [p.pid for p in lm.session.ranks]
+    calls = lm.session.calls
+    prompts = [prompt_ids(3, seed=2), prompt_ids(7, seed=3)]
+    rows = lm.generate(prompts, max_new_tokens=6)
+    for prompt, row in zip(prompts, rows):
+        np.testing.assert_array_equal(row, greedy(model, prompt, 6))
+    streamed = list(lm.stream(prompts[1], max_new_tokens=6))
+    np.testing.assert_array_equal(streamed, rows[1][7:])
+    # the same ranks served every call: one prefill and five decodes per prompt
+    assert [p.pid for p in lm.session.ranks] == pids
+    assert lm.session.calls == calls + 3 * 6
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_batch_is_one_prefill_and_one_decode_per_step_with_transformers_tokens(
+        family, size, request, monkeypatch):
+    model, lm = request.getfixturevalue(family)
+    prompts = BATCH[:size]
+    called = _calls(lm, monkeypatch)
+    rows = lm.generate(prompts, max_new_tokens=8)
+    assert called == ["prefill_batch"] + ["decode_batch"] * 7
+    for prompt, row, want in zip(prompts, rows, greedy_batch(model, prompts, 8)):
+        np.testing.assert_array_equal(row[:len(prompt)], prompt)
+        np.testing.assert_array_equal(row[len(prompt):], want)  # the padded batch's tokens
+        np.testing.assert_array_equal(row, greedy(model, prompt, 8))  # and each one's alone
+    assert lm.stats.new_tokens == 7 * size and lm.stats.prefill_seconds > 0
+
+
+def test_left_padding_gives_transformers_positions_and_a_mask_over_the_whole_cache():
+    from tvm_distx.llm.batch import left_padded
+
+    ids, positions, mask = left_padded([np.array([5, 6]), np.array([7, 8, 9])], batch=3,
+                                       max_length=6, pad_token_id=0, length=4)
+    np.testing.assert_array_equal(ids, [[0, 0, 5, 6], [0, 7, 8, 9], [0, 7, 8, 9]])  # filler
+    np.testing.assert_array_equal(mask, [[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1],
+                                         [0, 1, 1, 1, 1, 1]])
+    # transformers: cumsum(attention_mask) - 1, and 0 on the padding
+    np.testing.assert_array_equal(positions, [[0, 0, 0, 1], [0, 0, 1, 2], [0, 0, 1, 2]])
+
+
+def test_rows_of_a_batch_stop_at_their_end_token_and_big_batches_run_in_chunks(
+        gpt2, monkeypatch):
+    model, lm = gpt2
+    alone = [greedy(model, p, 6)[len(p):] for p in BATCH]
+    eos = int(alone[0][1])  # the first row ends at its second token
+    called = _calls(lm, monkeypatch)
+    rows = lm.generate(BATCH + BATCH[:1], max_new_tokens=6, eos_token_id=eos)
+    want = greedy_batch(model, BATCH, 6, eos_token_id=eos)
+    assert len(want[0]) == 2 and all(len(w) == 6 for w in want[1:])
+    # 3 prompts, of which two run 6 tokens; then the fourth alone, ended at its second
+    assert called == ["prefill_batch"] + ["decode_batch"] * 5 + ["prefill_batch", "decode_batch"]
+    for prompt, row, expected in zip(BATCH + BATCH[:1], rows, want + want[:1]):
+        np.testing.assert_array_equal(row[len(prompt):], expected)
+
+
+def test_a_model_whose_masks_do_not_export_falls_back_to_one_prompt_at_a_time(caplog):
+    import transformers
+
+    class NoPadding(transformers.LlamaForCausalLM):
+        def forward(self, *args, attention_mask=None, **kwargs):
+            if attention_mask is not None:
+                raise NotImplementedError("NoPadding takes no attention_mask")
+            return super().forward(*args, **kwargs)
+
+    model = NoPadding(build("llama", layers=1).config).eval()
+    with caplog.at_level("WARNING", logger="tvm_distx.frontend.decoder"):
+        program = td.export_decoder(model, max_length=16, max_batch=2)
+    assert program.batch_cache is None
+    assert {gv.name_hint for gv in program.mod.functions} >= {"prefill", "decode"}
+    assert "prefill_batch" not in {gv.name_hint for gv in program.mod.functions}
+    assert "no batched prefill and decode" in caplog.text and "one prompt after another" \
+        in caplog.text
+
+
+def test_batched_functions_that_do_not_shard_fall_back_to_the_batch_1_ones(
+        caplog, monkeypatch):
+    """A plan that refuses the batched functions: the batch-1 ones are compiled alone.
+
+    The compile is stopped where it starts, to keep the test fast: what matters is
+    the module it is given.
+    """
+    from tvm_distx.plans import presets
+
+    class NoBatches:
+        def apply(self, mod, function):
+            if function.endswith("_batch"):
+                raise td.errors.RuleError(f"NoBatches does not shard {function}", hint="a test plan")
+            return presets.tensor_parallel().apply(mod, function)
+
+    class Stop(Exception):
+        """Not a DistxError: nothing catches it on the way out."""
+
+    compiled = []
+
+    def stop(mod, *args, **kwargs):
+        compiled.append(sorted(gv.name_hint for gv, f in mod.functions.items()
+                               if f.attrs is not None and "global_symbol" in f.attrs))
+        raise Stop
+
+    monkeypatch.setattr(td, "compile", stop)
+    with caplog.at_level("WARNING", logger="tvm_distx.llm.causal_lm"), pytest.raises(Stop):
+        CausalLM.from_hf(build("llama", layers=1), num_ranks=2, backend="emulate",
+                         max_length=12, max_batch=2, plan=NoBatches())
+    assert compiled == [["decode", "prefill"]]
+    assert "the batched functions do not shard or compile (" in caplog.text
+    assert "NoBatches does not shard prefill_batch" in caplog.text
+
+
+def test_a_prompt_too_long_for_the_cache_is_refused_before_any_call(llama):
+    _, lm = llama
+    with pytest.raises(td.errors.ArgumentError, match="need 36 cache positions; the model was "
+                                               "exported for 32"):
+        lm.generate(prompt_ids(30, seed=4), max_new_tokens=7)
+    calls = lm.session.calls
+    with pytest.raises(td.errors.ArgumentError, match="a batch padded to 30 tokens needs 36 cache "
+                                               "positions; the model was exported for 32"):
+        lm.generate(BATCH + [prompt_ids(30, seed=4)], max_new_tokens=7)  # the second chunk's
+    assert lm.session.calls == calls
+
+
+@pytest.fixture(scope="module")
+def bundle(llama, tmp_path_factory):
+    """The Llama fixture exported as a generation bundle (2 ranks)."""
+    return llama[1].export(tmp_path_factory.mktemp("bundle") / "llama")
+
+
+def _generate_cli(*argv: str, timeout: float = 300):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "tvm_distx", "generate", *map(str, argv)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_generation_bundle_serves_the_same_tokens_from_the_command_line(
+        llama, bundle, tmp_path):
+    model, _ = llama
+    prompt = prompt_ids(4, seed=5)
+    done = _generate_cli(bundle, "--ids", *prompt, "--max-new-tokens", "6",
+                         "-o", tmp_path / "out.npy")
+    assert done.returncode == 0, done.stderr
+    want = greedy(model, prompt, 6)
+    assert done.stdout.split() == [str(t) for t in want]
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), want[None, :])
+    bad = _generate_cli(tmp_path, "--ids", "1", timeout=120)
+    assert bad.returncode == 2 and "is not a generation bundle" in bad.stderr
+    assert "Traceback" not in bad.stderr and "CausalLM.from_hf(model).export" in bad.stderr
+
+
+@pytest.mark.parametrize("backend", ["disco", "emulate"])
+def test_the_command_line_generates_the_same_tokens_on_every_backend(
+        llama, bundle, backend, capsys):
+    from tvm_distx.cli.main import main
+
+    model, _ = llama
+    prompt = prompt_ids(4, seed=5)
+    code = main(["generate", str(bundle), "--ids", *map(str, prompt), "--max-new-tokens", "6",
+                 "--backend", backend, "--ranks", "2"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert out.out.split() == [str(t) for t in greedy(model, prompt, 6)]
+
+
+def test_a_bundle_keeps_the_batched_functions(llama, bundle):
+    model, lm = llama
+    with CausalLM.from_bundle(bundle, backend="emulate", num_ranks=2) as served:
+        assert served.batch_cache == lm.batch_cache
+        rows = served.generate(BATCH[:2], max_new_tokens=4)
+    for prompt, row in zip(BATCH, rows):
+        np.testing.assert_array_equal(row, greedy(model, prompt, 4))
+    with pytest.raises(td.errors.ArgumentError, match=r"from_bundle\(num_ranks=3\).*2 ranks"):
+        CausalLM.from_bundle(bundle, backend="emulate", num_ranks=3)
+
+
+@pytest.mark.parametrize("argv, message, hint", [
+    (("--backend", "gpu"), "unknown session backend 'gpu'",
+     "hint: --backend mpi | --backend disco | --backend emulate"),
+    (("--ranks", "3"), "generate --ranks 3: the bundle", "hint: --ranks 2, or leave --ranks out"),
+])
+def test_a_bad_backend_or_rank_count_is_one_line_with_a_flag_hint(bundle, argv, message, hint):
+    done = _generate_cli(bundle, "--ids", "1", "2", *argv, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and hint in done.stderr
+    assert "Traceback" not in done.stderr and "from_bundle(" not in done.stderr
+
+
+def test_a_rank_killed_mid_generation_ends_it_naming_the_rank(llama):
+    """The caches live on the ranks: losing one ends the generation at once, with its name."""
+    import os
+    import signal
+    import time
+
+    model, lm = llama
+    session = lm.exe.session(2, params=lm.weights, function=("prefill", "decode"))
+    doomed = CausalLM(lm.cache, session, exe=lm.exe, weights=lm.weights)
+    stream = doomed.stream(prompt_ids(5, 11), max_new_tokens=10)
+    next(stream), next(stream)  # the prefill and one decode step ran
+    pids = [p.pid for p in session.ranks]
+    os.kill(pids[1], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(td.errors.LaunchError, match="rank 1"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < 30
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)  # no orphan left
+

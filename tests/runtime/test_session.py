@@ -1,0 +1,162 @@
+"""Persistent sessions: the ranks start once, load their weights once, and serve many calls.
+
+Every test runs real MPI ranks. A session's results equal numpy's call after
+call; its rank processes and weight loads stay the same across calls; a bad
+call leaves it usable; a killed rank ends it with an error naming the rank and
+leaves no process or directory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+import tvm_distx as td
+from tvm_distx import ShardingRule
+from tvm_distx.passes import AnnotateSharding
+
+from programs import Accumulate
+from locations import TESTS_DIR
+
+DATA = TESTS_DIR / "data"
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel():
+    """The seed MLP, called twice, Megatron-split over 2 ranks; its weights."""
+    mod = td.load_module(DATA / "seed_tensor_parallel.py")
+    rules = [ShardingRule(param="A", result="S[1]", function="mlp"),
+             ShardingRule(param="B", result="S[0]", function="mlp"),
+             ShardingRule(callee="mlp", args={0: "R"}, function="main")]
+    rng = np.random.default_rng(0)
+    weights = {name: 0.1 * rng.standard_normal((128, 128), dtype="float32") for name in "AB"}
+    return td.compile(AnnotateSharding(rules)(mod)), weights
+
+
+def _mlp_twice(x, weights):
+    def mlp(v):
+        return np.maximum(v @ weights["A"], 0) @ weights["B"]
+
+    return mlp(mlp(x))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _gone(pids, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_calls_reuse_the_ranks_and_their_weights(tensor_parallel):
+    exe, weights = tensor_parallel
+    rng = np.random.default_rng(1)
+    with exe.session(params=weights) as session:
+        pids = [p.pid for p in session.ranks]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        for _ in range(3):
+            x = rng.standard_normal((128, 128), dtype="float32")
+            np.testing.assert_allclose(session.run(x), _mlp_twice(x, weights), atol=1e-5)
+            # the same processes, each with its 2 weight shards loaded once
+            assert [p.pid for p in session.ranks] == pids and all(_alive(p) for p in pids)
+            assert session.weights_loaded == {0: 2, 1: 2}
+        assert session.calls == 3
+        folder = session._dir
+    assert _gone(pids) and not folder.exists()
+    with pytest.raises(td.errors.ArgumentError, match="the session is closed"):
+        session.run(x)
+
+
+def test_a_bad_call_leaves_the_session_usable(tensor_parallel):
+    exe, weights = tensor_parallel
+    x = np.ones((128, 128), "float32")
+    with exe.session(params=weights) as session:
+        with pytest.raises(td.errors.ArgumentError, match="has shape \\(64, 128\\)"):
+            session.run(np.ones((64, 128), "float32"))
+        with pytest.raises(td.errors.ArgumentError, match="weights stored in the bundle"):
+            session.run(x, params={"A": weights["A"]})
+        np.testing.assert_allclose(session.run(x), _mlp_twice(x, weights), atol=1e-5)
+
+
+def test_symbolic_inputs_of_different_sizes_in_one_session():
+    exe = td.compile(td.load_module(DATA / "data_parallel_symbolic.py"))
+    w = np.random.default_rng(2).standard_normal((64, 32), dtype="float32")
+    with exe.session(params={"w": w}) as session:
+        for rows in (2, 6, 4):
+            x = np.random.default_rng(rows).standard_normal((rows, 64), dtype="float32")
+            np.testing.assert_allclose(session.run(x), np.maximum(x @ w, 0), atol=1e-5)
+
+
+def test_a_rank_killed_between_calls_ends_the_session_naming_it(tensor_parallel):
+    exe, weights = tensor_parallel
+    x = np.ones((128, 128), "float32")
+    session = exe.session(params=weights)
+    session.run(x)
+    pids = [p.pid for p in session.ranks]
+    folder = session._dir
+    os.kill(pids[1], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(td.errors.LaunchError, match="rank 1"):
+        session.run(x)
+    assert time.monotonic() - started < 30
+    assert _gone(pids) and not folder.exists()
+    with pytest.raises(td.errors.ArgumentError, match="the session is closed"):
+        session.run(x)
+
+
+def test_an_exception_in_the_caller_stops_the_ranks(tensor_parallel):
+    exe, weights = tensor_parallel
+    with pytest.raises(KeyboardInterrupt):
+        with exe.session(params=weights) as session:
+            pids = [p.pid for p in session.ranks]
+            raise KeyboardInterrupt
+    assert _gone(pids)
+
+
+def test_a_session_needs_the_programs_rank_count(tensor_parallel):
+    exe, _ = tensor_parallel  # disco and emulated sessions: tests/runtime/test_session_backends.py
+    with pytest.raises(td.errors.ArgumentError, match="needs 2 ranks, not 4"):
+        exe.session(4)
+
+
+
+
+def test_state_stays_on_the_ranks_between_calls():
+    """An accumulator kept on the ranks (split by columns): each call adds to it in place of
+    the last, and only the scalar result comes back."""
+    exe = td.compile(Accumulate)
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((8, 16), dtype="float32") for _ in range(3)]
+    with exe.session() as session:
+        for step in range(3):
+            (total,) = session.run(xs[step], state={"acc": "acc"}, keep={1: "acc"})
+            np.testing.assert_allclose(total, np.sum(xs[: step + 1]), rtol=1e-5, atol=1e-4)
+        with pytest.raises(td.errors.ArgumentError, match="keep= keeps every result"):
+            session.run(xs[0], state={"acc": "acc"}, keep={0: "t", 1: "acc"})
+        with pytest.raises(td.errors.ArgumentError, match="no parameter named accumulator"):
+            session.run(xs[0], state={"accumulator": "acc"})
+        # the state survived the refused calls
+        (total,) = session.run(np.zeros((8, 16), "float32"), state={"acc": "acc"},
+                               keep={1: "acc"})
+        np.testing.assert_allclose(total, np.sum(xs), rtol=1e-5, atol=1e-4)
+
+
+def test_rank_0_must_run_on_this_host(tensor_parallel):
+    exe, weights = tensor_parallel
+    with pytest.raises(td.errors.ArgumentError, match="rank 0 would run on elsewhere.example"):
+        exe.session(params=weights, hosts=["elsewhere.example", "localhost"])
