@@ -120,7 +120,7 @@ def time_samples(call, barrier, slowest, samples: int, calls: int,
 def bundle_rank_call(bundle: str, inputs: dict, comm, *, with_signature: bool = False):
     """This MPI rank's entry of a bundle, ready to call: ``(function, arguments)``.
 
-    Reads the bundle as our MPI worker does (:mod:`tvm_distx.runtime.worker`):
+    Reads the bundle as our MPI ranks do (:mod:`tvm_distx.runtime.mpi_rank`):
     its manifest, this rank's weight shards, and the MPI collectives installed
     before the VM resolves its functions. ``inputs`` holds the global value of
     every parameter that is not a weight, by name; each rank takes its shard.

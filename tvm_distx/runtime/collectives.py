@@ -1,7 +1,7 @@
 """The collective-backend interface, and the one adapter from it to the ``tvm_distx.ccl`` ABI.
 
 A backend moves numpy arrays between the ranks of a run: the emulator
-(:mod:`tvm_distx.runtime.emulator`, ranks as threads), MPI
+(:mod:`tvm_distx.runtime.emulated`, ranks as threads), MPI
 (:mod:`tvm_distx.runtime.mpi_ccl`) and disco shared memory
 (:mod:`tvm_distx.runtime.disco_shm`). Each implements :class:`Collectives`:
 every collective runs over a :class:`ProcessGroup` (the members of a

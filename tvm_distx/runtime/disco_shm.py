@@ -34,7 +34,7 @@ that raises stops its peers within a few milliseconds and nothing waits forever.
 
 :class:`ShmCollectives` implements the collective-backend interface of
 :mod:`tvm_distx.runtime.collectives` over the segment (same semantics as the
-emulator of :mod:`tvm_distx.runtime.emulator`, bit for bit); :func:`install`
+emulated backend of :mod:`tvm_distx.runtime.emulated`, bit for bit); :func:`install`
 registers it as the functions of :mod:`tvm_distx.ccl` and the per-CCL functions
 of TVM's own disco builtins (``runtime.disco..allreduce`` and so on, the empty
 CCL name that disco workers use unless a C++ CCL set one).

@@ -36,7 +36,7 @@ that are not workers of a real disco session: on such a worker (a
 ``ThreadedSession`` started in a rank, say) the call still goes to TVM's
 function and the session's CCL (see
 :func:`tvm_distx.runtime.collectives.register`). Nothing outside the rank
-processes (``runtime/worker.py``, ``runtime/session_worker.py``) calls
+processes (``runtime/mpi_rank.py``) calls
 :func:`install`, so a user's process keeps TVM's functions untouched.
 
 How data moves:
