@@ -53,7 +53,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tvm_distx.errors import PeerFailedError
+from tvm_distx.errors import ArgumentError, CollectiveGroupError, LaunchError, PeerFailedError
+from tvm_distx.layout import shard_bounds
 from tvm_distx.runtime.collectives import REDUCERS, Collectives, register
 
 __all__ = ["Layout", "ShmComm", "ShmCollectives", "PeerFailedError", "install", "RUNNING", "DONE", "FAILED",
@@ -128,7 +129,8 @@ class ShmComm:
     rank : int
         This rank (its global device id).
     deadline : float
-        ``time.time()`` after which every wait raises ``TimeoutError``.
+        ``time.time()`` after which every wait raises a
+        :class:`~tvm_distx.errors.LaunchError` (``reason="timeout"``).
     """
 
     def __init__(self, buf: mmap.mmap, layout: Layout, rank: int, deadline: float) -> None:
@@ -188,7 +190,8 @@ class ShmComm:
                 raise PeerFailedError(failed - 1 if failed <= self.layout.world else None)
             if time.time() > self.deadline:
                 self.timed_out = True
-                raise TimeoutError(f"rank {me} timed out waiting for rank {peer}")
+                raise LaunchError(f"rank {me} timed out waiting for rank {peer}", rank=me,
+                                  reason="timeout")
             polls += 1
             if polls < _YIELDS:  # a peer that is about to arrive: give it the core
                 os.sched_yield()
@@ -255,7 +258,7 @@ class ShmComm:
             self.barrier(members)
             other = [p for p in members if self.tags[p] != tag]
             if other:
-                raise RuntimeError(f"rank {me} is in {what} over ranks {list(members)} but rank "
+                raise CollectiveGroupError(f"rank {me} is in {what} over ranks {list(members)} but rank "
                                    f"{other[0]} is in another call: the ranks' programs do not "
                                    "match")
             sizes = {p: int(self.sizes[p]) for p in members}
@@ -311,7 +314,7 @@ class ShmCollectives(Collectives):
     @property
     def comm(self) -> ShmComm:
         if not _ACTIVE:
-            raise RuntimeError("no disco run is in progress in this process")
+            raise CollectiveGroupError("no disco run is in progress in this process")
         return _ACTIVE[-1]
 
     @property
@@ -423,8 +426,6 @@ class ShmCollectives(Collectives):
             out[...] = _as(np.concatenate([raw[d] for d in members]), out)
 
     def move(self, x, out, spec) -> None:
-        from tvm_distx.layout import shard_bounds
-
         comm = self.comm
         me = comm.rank
         pieces = spec.pieces(me) if out is not None else []
@@ -463,7 +464,8 @@ def _columns(array: np.ndarray, dim: int, parts: int) -> np.ndarray:
     Block ``k`` of ``parts`` equal blocks along ``dim``, flattened, is ``[:, k, :]``.
     """
     if not array.flags.c_contiguous:
-        raise ValueError("the disco collectives need C-contiguous tensors")
+        raise ArgumentError("the disco collectives need C-contiguous tensors",
+                            hint="a rank program's buffers are C-contiguous; this is a bug")
     outer = math.prod(array.shape[:dim])
     inner = array.nbytes // (outer * parts) if outer * parts else 0
     return array.reshape(-1).view(np.uint8).reshape(outer, parts, inner)
