@@ -383,8 +383,9 @@ class DistExecutable:
 
 _LAUNCH_SCRIPT = """#!/bin/sh
 # Run this bundle on {n} MPI ranks: ./run.sh [-i input.npy ...] [-o out/]
-# On several hosts: HOSTS=node0,node1 ./run.sh ...  (the bundle must be at the same
-# path on every host). Needs tvm-distx, TVM's runtime and mpi4py on every host.
+# On several hosts: HOSTS=node0,node1 ./run.sh ... on node0, the first host (the bundle
+# must be at the same path on every host). Needs tvm-distx, TVM's runtime and mpi4py on
+# every host.
 HERE="$(cd "$(dirname "$0")" && pwd)"
 exec tvm-distx run "$HERE" -n {n} ${{HOSTS:+--hosts "$HOSTS"}} "$@"
 """
@@ -416,7 +417,7 @@ def _write_launcher(root: Path, num_ranks: int, target: str, signature: Function
         "",
         "```sh",
         "./run.sh " + " ".join(f"-i {p.name}.npy" for p in inputs) + " -o out/",
-        "HOSTS=node0,node1 ./run.sh ...   # across hosts",
+        "HOSTS=node0,node1 ./run.sh ...   # across hosts, run on node0 (the first)",
         "```",
         "",
         "Every rank needs Python with tvm-distx, TVM's runtime and mpi4py for its machine.",

@@ -424,8 +424,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds before a stuck run is stopped")
     p.add_argument("--hosts", default=None,
-                   help="comma-separated hosts for mpiexec -hosts (the bundle must be at the "
-                   "same path on each)")
+                   help="comma-separated hosts for mpiexec -hosts, this host first (the "
+                   "bundle must be at the same path on each)")
     p.set_defaults(handler=_run)
 
     p = sub.add_parser("generate", help="greedy tokens from a generation bundle "

@@ -274,7 +274,7 @@ class Session:
                 for rank in range(self.manifest.num_ranks)]
 
     def _messages(self, call: Call) -> list[tuple]:
-        """Per rank, the message of :meth:`tvm_distx.runtime.ranks.RankState.handle` for ``call``."""
+        """Per rank, its message (:meth:`tvm_distx.runtime.ranks.RankState.handle`) for ``call``."""
         return [("call", call.function, values, call.sizes, call.state, call.keep)
                 for values in self._rank_values(call)]
 

@@ -493,7 +493,8 @@ def _check_dim(shape: Sequence[int], dim: int) -> None:
 
 
 def check_shape(array: np.ndarray, shape: Sequence[int], what: str) -> None:
-    """Raise an :class:`~tvm_distx.errors.ArgumentError` naming ``what`` unless ``array`` has ``shape``."""
+    """Raise an :class:`~tvm_distx.errors.ArgumentError` naming ``what`` unless ``array``
+    has ``shape``."""
     if array.shape != tuple(shape):
         raise ArgumentError(f"{what}: expected a tensor of shape {tuple(shape)}, got "
                             f"{array.shape}", hint="the rank program and the collective "

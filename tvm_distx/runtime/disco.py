@@ -1,4 +1,4 @@
-"""The disco backend's driver: one worker process per rank on this host, collectives over shared memory.
+"""The disco backend's driver: one worker process per rank on this host, shared-memory collectives.
 
 ::
 

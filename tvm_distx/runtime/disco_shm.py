@@ -17,15 +17,16 @@ the slots, a second barrier. Longer buffers go in rounds of one slot each. The
 collectives read the slots in place (:meth:`ShmComm.exchange`): they reduce or
 copy straight from the slots into their output, so a rank's data is copied once
 into its slot and once out of the slots, with no allocation per call; an
-all-to-all posts only the pieces of the other members, and a reduce-scatter
-reads and folds only this rank's block of each member's post ((p-1)/p of the
-tensor from its peers, where an all-reduce reads all of theirs). A barrier bumps the signal counters towards every other member and waits
-until each of them has bumped its counter towards this rank as often, by
-polling (first yielding the CPU, then with a growing sleep up to 1 ms; no
-futex, no lock). Two ranks meet in the same order on both sides (they run
-their programs in order), so a barrier needs no other identity; each post
-carries a tag of the operation and its members, checked after the first
-barrier, so mismatched programs fail instead of exchanging garbage. The data is copied before the counter is stored, and x86-64
+all-to-all posts only the pieces of the other members, and a reduce-scatter reads and
+folds only this rank's block of each member's post ((p-1)/p of the tensor from
+its peers, where an all-reduce reads all of theirs). A barrier bumps the signal
+counters towards every other member and waits until each of them has bumped its
+counter towards this rank as often, by polling (first yielding the CPU, then
+with a growing sleep up to 1 ms; no futex, no lock). Two ranks meet in the same
+order on both sides (they run their programs in order), so a barrier needs no
+other identity; each post carries a tag of the operation and its members,
+checked after the first barrier, so mismatched programs fail instead of
+exchanging garbage. The data is copied before the counter is stored, and x86-64
 keeps stores (and loads) in program order, so a reader that sees the counter
 sees the data; a weakly ordered CPU would need fences here.
 
@@ -57,8 +58,8 @@ from tvm_distx.errors import ArgumentError, CollectiveGroupError, LaunchError, P
 from tvm_distx.layout import shard_bounds
 from tvm_distx.runtime.collectives import REDUCERS, Collectives, register
 
-__all__ = ["Layout", "ShmComm", "ShmCollectives", "PeerFailedError", "install", "RUNNING", "DONE", "FAILED",
-           "ABORTED", "TIMED_OUT"]
+__all__ = ["Layout", "ShmComm", "ShmCollectives", "PeerFailedError", "install", "RUNNING",
+           "DONE", "FAILED", "ABORTED", "TIMED_OUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -258,9 +259,9 @@ class ShmComm:
             self.barrier(members)
             other = [p for p in members if self.tags[p] != tag]
             if other:
-                raise CollectiveGroupError(f"rank {me} is in {what} over ranks {list(members)} but rank "
-                                   f"{other[0]} is in another call: the ranks' programs do not "
-                                   "match")
+                raise CollectiveGroupError(
+                    f"rank {me} is in {what} over ranks {list(members)} but rank {other[0]} "
+                    "is in another call: the ranks' programs do not match")
             sizes = {p: int(self.sizes[p]) for p in members}
             consume(offset, {p: self.slots[p, :max(0, min(cap, sizes[p] - offset))]
                              for p in members})
