@@ -143,7 +143,7 @@ class DistExecutable:
         if self._run_bundle is None or not self._run_bundle.is_dir():
             directory = Path(tempfile.mkdtemp(prefix="tvm-distx-run-"))
             try:
-                self.export(directory)
+                self.export(directory, function=list(self.signatures))  # no weights
             except BaseException:
                 shutil.rmtree(directory, ignore_errors=True)
                 raise

@@ -279,7 +279,9 @@ class Session:
                 for values in self._rank_values(call)]
 
     def _assemble(self, call: Call, blocks: Mapping[int, Mapping[int, np.ndarray]]):
-        """The global results of a call from every rank's blocks (:meth:`RankState.call`).
+        """The global results of a call from every rank's blocks.
+
+        ``blocks`` are per rank those of :meth:`tvm_distx.runtime.ranks.RankState.call`.
 
         Returns the results not kept, in order: a tuple for a tuple-returning
         function, else the one array.

@@ -295,8 +295,8 @@ class EmulatedSession(Session):
         if lowered_by_tvm:
             raise ArgumentError(
                 f"'{lowered_by_tvm[0]}' was lowered by TVM's LowerDistIR (rank 0 takes the global "
-                "inputs and the program calls TVM's runtime.disco.* functions), which emulated "
-                "ranks do not provide", hint='run it with backend="mpi" or "disco"')
+                "inputs and the program calls TVM's runtime.disco.* functions), which the "
+                "emulator does not provide", hint='run it with backend="mpi" or "disco"')
         devices = tuple(range(self.manifest.num_ranks))
         library = tvm.runtime.load_module(str(self.manifest.library_path))
         self._ranks = _Ranks(library, self.manifest, devices, timeout)
