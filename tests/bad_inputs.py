@@ -227,7 +227,7 @@ def execute(case: Case, workdir: Path) -> None:
         _run_cli(argv(case, workdir))
         return
     if case.launch is not None:
-        from tvm_distx.runtime.launcher import launch
+        from tvm_distx.runtime.backends import launch
 
         options = dict(case.launch)
         inputs = [spec_array(s) for s in options.pop("inputs", [])]
@@ -326,7 +326,7 @@ def serve() -> None:
     import tvm_distx.cli.main  # noqa: F401
     import tvm_distx.legalize  # noqa: F401
     import tvm_distx.passes  # noqa: F401
-    import tvm_distx.runtime.launcher  # noqa: F401
+    import tvm_distx.runtime.backends  # noqa: F401
 
     for line in sys.stdin:
         request = json.loads(line)

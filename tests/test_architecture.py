@@ -19,7 +19,7 @@ import tomllib
 from pathlib import Path
 
 
-RANK_ENTRY_POINTS = ("tvm_distx.runtime.worker", "tvm_distx.runtime.disco_worker")
+RANK_ENTRY_POINTS = ("tvm_distx.runtime.mpi_rank", "tvm_distx.runtime.disco_rank")
 COMPILER = ("tvm_distx.passes", "tvm_distx.legalize")
 
 

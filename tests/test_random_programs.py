@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, Phase, given, note, settings, strategies as 
 
 import tvm_distx as td
 from tvm_distx.layout.arrays import assemble_results, shard_array
-from tvm_distx.runtime.launcher import mpiexec_path
+from tvm_distx.runtime.mpi import mpiexec_path
 
 from randprog import (HypothesisDrawer, SeededDrawer, build_module, compare, generate,
                       random_inputs, reference, report, run_case)

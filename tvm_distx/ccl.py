@@ -2,8 +2,8 @@
 
 :class:`tvm_distx.legalize.LegalizeRedistribute` and
 :class:`tvm_distx.legalize.LowerDistIR` write calls of runtime functions whose
-names start with ``tvm_distx.ccl.``; every backend (the emulator of
-:mod:`tvm_distx.runtime.emulator`, the MPI and disco workers) registers an
+names start with ``tvm_distx.ccl.``; every backend (the emulated ranks of
+:mod:`tvm_distx.runtime.emulated`, the MPI and disco ranks) registers an
 implementation of each under that name, through the one adapter of
 :mod:`tvm_distx.runtime.collectives`. This module is the contract between
 the two sides: the names and the order of the arguments. How the integer

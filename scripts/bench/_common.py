@@ -120,7 +120,7 @@ def time_samples(call, barrier, slowest, samples: int, calls: int,
 def bundle_rank_call(bundle: str, inputs: dict, comm, *, with_signature: bool = False):
     """This MPI rank's entry of a bundle, ready to call: ``(function, arguments)``.
 
-    Reads the bundle as our MPI worker does (:mod:`tvm_distx.runtime.worker`):
+    Reads the bundle as our MPI ranks do (:mod:`tvm_distx.runtime.mpi_rank`):
     its manifest, this rank's weight shards, and the MPI collectives installed
     before the VM resolves its functions. ``inputs`` holds the global value of
     every parameter that is not a weight, by name; each rank takes its shard.
@@ -130,7 +130,7 @@ def bundle_rank_call(bundle: str, inputs: dict, comm, *, with_signature: bool = 
     import tvm
     from tvm import relax
 
-    from tvm_distx.bundle.manifest.manifest import read_manifest
+    from tvm_distx.bundle.manifest import read_manifest
     from tvm_distx.runtime import mpi_ccl, shard_array
 
     rank = comm.Get_rank()

@@ -77,7 +77,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import child_env, end_rank_job, free_port, median, spread, table  # noqa: E402
 
-from tvm_distx.runtime.launcher import mpiexec_path  # noqa: E402
+from tvm_distx.runtime.mpi import mpiexec_path  # noqa: E402
 
 SIZES_MIB = [1, 4, 16, 64]
 OPS = ["allreduce", "allgather", "alltoall"]

@@ -327,7 +327,7 @@ def model_rows() -> list[list]:
     import torch
 
     import tvm_distx as td
-    from tvm_distx.frontend.pytorch.pytorch import from_torch
+    from tvm_distx.frontend.pytorch import from_torch
     from tvm_distx.build.pipeline import run_stages
     from tvm_distx.plans.presets import megatron, set_device_meshes
 

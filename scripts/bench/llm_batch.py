@@ -2,7 +2,7 @@
 
 A random-weight ``LlamaForCausalLM`` built in code (no download; hidden 512,
 8 layers, 8 query heads and 4 KV heads, FFN 1536, vocabulary 8000; ``--small``
-for 2 layers) is served by :class:`tvm_distx.llm.causal_lm.causal_lm.CausalLM` on ``--ranks`` MPI
+for 2 layers) is served by :class:`tvm_distx.llm.causal_lm.CausalLM` on ``--ranks`` MPI
 ranks with ``max_batch=4``. Four prompts of different lengths each get
 ``--new-tokens`` greedy tokens:
 
@@ -66,7 +66,7 @@ def _timed(runs: dict, new_tokens: int, repeats: int) -> dict:
 
 
 def main() -> int:
-    from tvm_distx.llm.causal_lm.causal_lm import CausalLM
+    from tvm_distx.llm.causal_lm import CausalLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="2 layers: a quick run")

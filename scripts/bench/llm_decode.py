@@ -14,12 +14,12 @@ not timed; a short generation warms each one up first):
   Its times come from a logits processor that notes the clock at every token:
   the prefill is the time to the first token, each decode step the time
   between two tokens.
-* **ours, p ranks** (p = 1, 2): :class:`tvm_distx.llm.causal_lm.causal_lm.CausalLM` serving a
-  generation bundle (:meth:`~tvm_distx.llm.causal_lm.causal_lm.CausalLM.export` of
+* **ours, p ranks** (p = 1, 2): :class:`tvm_distx.llm.causal_lm.CausalLM` serving a
+  generation bundle (:meth:`~tvm_distx.llm.causal_lm.CausalLM.export` of
   ``CausalLM.from_pretrained(checkpoint, num_ranks=p)``, the model as
   ``save_pretrained`` wrote it, ``presets.tensor_parallel()``) on
   ``mpiexec -n p`` ranks that stay up, one TVM thread per rank. Times are
-  :attr:`~tvm_distx.llm.causal_lm.causal_lm.CausalLM.stats`: each decode step is one call of the
+  :attr:`~tvm_distx.llm.causal_lm.CausalLM.stats`: each decode step is one call of the
   session as the caller sees it, socket round trip and argmax included.
 
 Every contender's tokens are compared with those of transformers on 1 thread.
@@ -106,8 +106,8 @@ def build(folder: Path, config: dict, prompt: int, new_tokens: int, ranks: list[
     import torch
     import transformers
 
-    from tvm_distx.bundle.manifest.manifest import read_manifest
-    from tvm_distx.llm.causal_lm.causal_lm import CausalLM
+    from tvm_distx.bundle.manifest import read_manifest
+    from tvm_distx.llm.causal_lm import CausalLM
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -184,7 +184,7 @@ def hf_job(data: str, out: str, threads: int, new_tokens: int) -> None:
 
 def ours_job(data: str, out: str, ranks: int, new_tokens: int) -> None:
     """A session on our generation bundle, one TVM thread per rank."""
-    from tvm_distx.llm.causal_lm.causal_lm import CausalLM
+    from tvm_distx.llm.causal_lm import CausalLM
 
     ids = np.load(Path(data) / "ids.npy")
     with CausalLM.from_bundle(Path(data) / f"bundle_{ranks}",

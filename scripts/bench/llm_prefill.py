@@ -52,7 +52,7 @@ from _common import (bundle_rank_call, child_env, end_rank_job, free_port,  # no
                      llama_parameters, median,
                      run_job, spread, table, time_samples)
 
-from tvm_distx.runtime.launcher import mpiexec_path  # noqa: E402
+from tvm_distx.runtime.mpi import mpiexec_path  # noqa: E402
 from tvm_distx.runtime.rank_env import rank_environment  # noqa: E402
 
 import numpy as np  # noqa: E402

@@ -12,7 +12,7 @@ and loading are not timed):
   :func:`tvm_distx.compile` (our CPU kernel schedules) and exported as a bundle
   with ``exe.export``; ``mpiexec -n 2`` (the ``mpich`` wheel's) runs this
   script's rank job, which reads the bundle as our worker does
-  (:mod:`tvm_distx.runtime.worker`: its manifest, its weight shards, the MPI
+  (:mod:`tvm_distx.runtime.mpi_rank`: its manifest, its weight shards, the MPI
   collectives installed before the VM), and times ``vm[entry](...)``. One TVM
   thread per rank (``TVM_NUM_THREADS=1``, what our worker picks with 2 ranks on
   2 cores).
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (bundle_rank_call, child_env, end_rank_job, free_port, median,  # noqa: E402
                      run_job, spread, table, time_samples)
 
-from tvm_distx.runtime.launcher import mpiexec_path  # noqa: E402
+from tvm_distx.runtime.mpi import mpiexec_path  # noqa: E402
 from tvm_distx.runtime.rank_env import rank_environment  # noqa: E402
 
 import numpy as np  # noqa: E402

@@ -19,7 +19,7 @@ import pytest
 import tvm_distx as td
 from tvm_distx import ShardingRule
 from tvm_distx.passes import AnnotateSharding
-from tvm_distx.runtime.launcher import launch
+from tvm_distx.runtime.backends import launch
 
 from reference import mlp_twice
 

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 from tvm_distx.bundle.manifest import check_weights, read_manifest, sha256_file
 from tvm_distx.cli.main import main as cli
 from tvm_distx.passes import AnnotateSharding
-from tvm_distx.runtime.launcher import launch
+from tvm_distx.runtime.backends import launch
 
 from reference import mlp_twice  # noqa: E402
 from locations import TESTS_DIR

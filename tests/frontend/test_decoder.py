@@ -24,7 +24,7 @@ from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.errors import ArgumentError  # noqa: E402
 from tvm_distx.layout import Replicate, Shard  # noqa: E402
 from tvm_distx.build.pipeline import run_stages  # noqa: E402
-from tvm_distx.runtime.launcher import launch  # noqa: E402
+from tvm_distx.runtime.backends import launch  # noqa: E402
 from tvm_distx.bundle.signature import FunctionSignature  # noqa: E402
 
 from hf_tiny import VOCAB, build, tokens as random_ids  # noqa: E402

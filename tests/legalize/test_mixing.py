@@ -43,7 +43,7 @@ from tvm_distx.build import pipeline
 from tvm_distx.bundle.manifest import read_manifest
 from tvm_distx.errors import ArgumentError, BundleError, UnsupportedProgramError
 from tvm_distx.passes import PropagateSharding
-from tvm_distx.runtime.launcher import launch
+from tvm_distx.runtime.backends import launch
 
 
 def _well_formed_through(mod, passes):

@@ -245,7 +245,7 @@ def test_a_bundle_keeps_the_batched_functions(llama, bundle):
 
 
 @pytest.mark.parametrize("argv, message, hint", [
-    (("--backend", "gpu"), "unknown session backend 'gpu'",
+    (("--backend", "gpu"), "unknown backend 'gpu'",
      "hint: --backend mpi | --backend disco | --backend emulate"),
     (("--ranks", "3"), "generate --ranks 3: the bundle", "hint: --ranks 2, or leave --ranks out"),
 ])

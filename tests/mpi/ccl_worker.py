@@ -294,7 +294,7 @@ def test_disco_builtins() -> None:
 def test_real_disco_session_keeps_tvm_builtins() -> None:
     """A disco session started in a rank still reaches TVM's own functions, after any installs."""
     from tvm_distx.runtime import collectives
-    from tvm_distx.runtime.disco_worker import repair_disco
+    from tvm_distx.runtime.disco_rank import repair_disco
 
     RAN.append("disco-session-not-shadowed")
     repair_disco()  # the pinned wheel's tvm.runtime.disco needs it before use

@@ -346,7 +346,7 @@ def test_a_fused_gate_up_runs_on_two_mpi_ranks_with_one_all_reduce(gated_mlp):
 
 def test_a_bundle_takes_the_fused_weight_at_export_and_at_launch(gated_mlp, tmp_path):
     from tvm_distx.bundle.manifest import read_manifest
-    from tvm_distx.runtime.launcher import launch
+    from tvm_distx.runtime.backends import launch
 
     _, exe, weights, x, want = gated_mlp
     stored = exe.export(tmp_path / "stored", params=weights)

@@ -22,7 +22,7 @@ from tvm.relax.distributed import DeviceMesh, Placement
 import tvm_distx as td
 from tvm_distx import ShardingRule
 from tvm_distx.passes import AnnotateSharding
-from tvm_distx.runtime.launcher import launch
+from tvm_distx.runtime.backends import launch
 
 from reference import mlp_twice  # noqa: E402
 from proc_tools import parents  # noqa: E402
@@ -132,7 +132,7 @@ def test_cli_runs_a_bundle_whose_ranks_load_only_their_weight_shards(tensor_para
 # ------------------------------------------------------------------ failures
 def worker_processes() -> list[str]:
     listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in listing.splitlines() if "tvm_distx.runtime.worker" in line
+    return [line for line in listing.splitlines() if "tvm_distx.runtime.mpi_rank" in line
             and "ps -eo" not in line]
 
 
@@ -151,9 +151,9 @@ def descendants() -> int:
 def leftovers() -> dict:
     """What a run could leave behind: processes, /dev/shm entries, job directories."""
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    # the launcher's job directories and the bundles run() exports
+    # the sessions' directories (a run is a session called once) and the bundles they use
     jobs = {p for p in os.listdir(tempfile.gettempdir())
-            if p.startswith(("tvm-distx-job-", "tvm-distx-bundle-"))}
+            if p.startswith(("tvm-distx-session-", "tvm-distx-run-"))}
     return {"processes": descendants(), "workers": len(worker_processes()),
             "/dev/shm entries": len(shm), "shm": shm, "job dirs": jobs}
 
@@ -175,7 +175,7 @@ def grid_bundle(weights, tmp_path_factory):
 
 
 @pytest.mark.parametrize("ranks,fault,reason,message", [
-    (2, "1:raise", "raised", "rank 1 failed: RuntimeError: injected fault on rank 1"),
+    (2, "1:raise", "raised", "rank 1 failed running 'main': .*injected fault on rank 1"),
     (2, "1:kill", "killed", "rank 1 \\(pid \\d+\\) died with status 9 \\(SIGKILL\\)"),
     (2, "0:hang", "timeout", "rank 0 never reached the collective its peers wait in"),
     # mpiexec names whichever process it noticed; the launcher's watcher, the one

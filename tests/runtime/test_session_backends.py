@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 import tvm_distx as td  # noqa: E402
 from tvm_distx.bundle.manifest import Manifest  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
-from tvm_distx.runtime.session_base import open_session  # noqa: E402
+from tvm_distx.runtime.backends import open_session  # noqa: E402
 
 from hf_tiny import build, greedy, prompt_ids  # noqa: E402
 import proc_tools  # noqa: E402
@@ -134,7 +134,7 @@ def test_a_second_generation_neither_relaunches_workers_nor_reloads_weights(llam
     monkeypatch.setattr(Manifest, "read_weight", counted)
     session, fresh = _session(lm, "disco")
     with fresh:
-        workers = dict(session._pool.procs)
+        workers = dict(session._workers.pool.procs)
         pids = [p.pid for p in session.ranks]
         assert pids[0] == os.getpid() and pids[1] == workers[1].pid
         prompt = prompt_ids(PROMPT, seed=8)
@@ -146,7 +146,7 @@ def test_a_second_generation_neither_relaunches_workers_nor_reloads_weights(llam
         np.testing.assert_array_equal(second, first)
         assert len(reads) == loaded[0]  # nothing read again, on either rank
         assert session.weights_loaded == loaded
-        assert session._pool.procs == workers and workers[1].poll() is None  # not relaunched
+        assert session._workers.pool.procs == workers and workers[1].poll() is None  # not relaunched
         assert [p.pid for p in session.ranks] == pids and session.calls == 8
     assert _gone(pids[1:])
     fresh.close()  # closing twice is fine
@@ -205,13 +205,13 @@ def test_state_stays_on_the_ranks_and_bad_calls_leave_the_session_usable(backend
 
 
 @pytest.mark.parametrize("fault, message", [
-    ("raise", r"rank 1 failed running 'main': RuntimeError: injected fault on rank 1"),
+    ("raise", r"rank 1 failed running 'main': .*injected fault on rank 1"),
     ("hang", r"rank 1 did not finish running 'main' within 1.0 s")], ids=["raise", "hang"])
 def test_a_rank_that_raises_or_hangs_ends_the_disco_session_naming_it(
         accumulate, monkeypatch, fault, message):
-    from tvm_distx.runtime import disco_session
+    from tvm_distx.runtime import disco
 
-    monkeypatch.setattr(disco_session, "_GRACE", 1.0)
+    monkeypatch.setattr(disco, "_GRACE", 1.0)
     monkeypatch.setenv("TVM_DISTX_FAULT", f"1:{fault}")  # the workers start with it
     children, segments = proc_tools.children(), _segments()
     session = accumulate.session(backend="disco")
@@ -225,7 +225,7 @@ def test_a_rank_that_raises_or_hangs_ends_the_disco_session_naming_it(
 
 def test_sessions_refuse_an_unknown_backend_and_options_they_do_not_take(accumulate):
     exe = accumulate
-    with pytest.raises(td.errors.ArgumentError, match="unknown session backend 'nccl'"):
+    with pytest.raises(td.errors.ArgumentError, match="unknown backend 'nccl'"):
         exe.session(backend="nccl")
     with pytest.raises(td.errors.ArgumentError, match="a disco session takes no option hosts"):
         exe.session(backend="disco", hosts=["localhost"])
@@ -237,8 +237,8 @@ def test_symbolic_inputs_of_any_size_and_a_growing_segment_on_disco():
     exe = td.compile(td.load_module(TESTS_DIR / "data" / "data_parallel_symbolic.py"))
     w = np.random.default_rng(2).standard_normal((64, 32), dtype="float32")
     with exe.session(params={"w": w}, backend="disco") as session:
-        size = session._layout.size
+        size = session._workers.layout.size
         for rows in (2, 8192, 4):
             x = np.random.default_rng(rows).standard_normal((rows, 64), dtype="float32")
             np.testing.assert_allclose(session.run(x), np.maximum(x @ w, 0), atol=1e-4)
-        assert session._layout.size > size and session.weights_loaded == {0: 1, 1: 1}
+        assert session._workers.layout.size > size and session.weights_loaded == {0: 1, 1: 1}

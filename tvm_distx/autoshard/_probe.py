@@ -18,7 +18,7 @@ slowest rank's numbers as JSON:
   other rank that a collective between kernels has on a loaded host.
 
 Only numpy, mpi4py, TVM's runtime and the rank set-up of
-:mod:`tvm_distx.runtime.worker` (the threads per rank) are used.
+:mod:`tvm_distx.runtime.mpi_rank` (the threads per rank) are used.
 """
 
 from __future__ import annotations
@@ -96,11 +96,11 @@ def _numpy() -> dict:
 def main(out: str, kernels: str | None = None) -> None:
     from mpi4py import MPI
 
-    from tvm_distx.runtime.worker import _threads_per_rank
+    from tvm_distx.runtime.mpi_rank import threads_per_rank
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    _threads_per_rank(comm)  # the threads a rank of a program has, before TVM starts
+    threads_per_rank(comm)  # the threads a rank of a program has, before TVM starts
     found = _kernels(kernels) if kernels else _numpy()
     small = np.zeros(1, dtype=np.float32)
     small_all = np.zeros(comm.Get_size(), dtype=np.float32)

@@ -4,7 +4,7 @@
 compiles a program's (legalized, then our CPU schedules): a matmul with a
 transposed weight, an elementwise add and an add of one element.
 :func:`measure_cost_profile` launches ``num_ranks`` MPI ranks (the ``mpiexec`` of
-:func:`tvm_distx.runtime.launcher.mpiexec_path`) running
+:func:`tvm_distx.runtime.mpi.mpiexec_path`) running
 :mod:`tvm_distx.autoshard._probe` on them, all at once: the matmul gives the
 arithmetic rate, the add the memory rate, the one-element add the fixed cost
 of a kernel call, and all-gathers of 4 bytes and 4 MiB the start-up of a
@@ -66,7 +66,7 @@ def measure_cost_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: f
         if num_ranks < 2:
             raise ArgumentError(f"measure_cost_profile(num_ranks={num_ranks}): messages need 2 "
                                 "ranks", hint="measure_cost_profile(2, backend='mpi')")
-        from tvm_distx.runtime.launcher import mpiexec_path
+        from tvm_distx.runtime.mpi import mpiexec_path
         from tvm_distx.runtime.rank_env import rank_environment
 
         with tempfile.TemporaryDirectory() as tmp:

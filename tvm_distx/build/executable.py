@@ -11,15 +11,21 @@ built; it imports nothing of the compiler. :class:`DistExecutable` keeps the
 global signature (shapes, dtypes, shardings) of each public function, so it
 can cut global inputs into shards and put results together.
 
-Backends of :meth:`DistExecutable.run`:
+Backends of :meth:`DistExecutable.run` and :meth:`DistExecutable.session` (the
+list is :data:`tvm_distx.runtime.backends.BACKENDS`):
 
 ``"mpi"``
-    One process per rank under ``mpiexec`` (:mod:`tvm_distx.runtime.launcher`).
+    One process per rank under ``mpiexec`` (:mod:`tvm_distx.runtime.mpi`).
 ``"disco"``
     TVM's disco ``ProcessSession`` on this host, with our shared-memory
     collectives (:mod:`tvm_distx.runtime.disco`).
 ``"emulate"``
-    Every rank in a thread of this process (:func:`tvm_distx.runtime.emulate`).
+    Every rank a thread of this process (:mod:`tvm_distx.runtime.emulated`).
+
+A run is a session opened on the program's bundle, called once and closed. The
+bundle (the library and the manifest, no weights: a run passes them) is
+exported once per executable, at its first run, into a private directory
+removed with the executable.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import math
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Mapping
 
@@ -44,15 +51,12 @@ from tvm_distx.errors import ArgumentError
 from tvm_distx.layout import MeshTable, shard_bounds
 from tvm_distx.layout.derived import Derivations, host_array, is_deferred
 from tvm_distx.layout.mesh import DeviceMesh
-from tvm_distx.bundle.signature import SHARDS, WORKER0, FunctionSignature
-from tvm_distx.layout.arrays import assemble_results
-from tvm_distx.runtime.session_base import check_backend, open_session
+from tvm_distx.bundle.signature import SHARDS, FunctionSignature
+from tvm_distx.runtime.backends import check_backend, launch, open_session
 
 __all__ = ["DistExecutable"]
 
 logger = logging.getLogger(__name__)
-
-BACKENDS = ("mpi", "disco", "emulate")
 
 
 class DistExecutable:
@@ -88,6 +92,7 @@ class DistExecutable:
         self.entries = entries
         self.derivations = dict(derivations or {})
         self.meshes = MeshTable(module)
+        self._run_bundle: Path | None = None  # exported at the first run (see run)
 
     # ---------------------------------------------------------------- running
     def run(self, *inputs, params: Mapping | None = None, backend: str = "mpi",
@@ -124,40 +129,27 @@ class DistExecutable:
         LaunchError
             If a rank fails or the run times out.
         """
-        signature = self._signature(function)
-        params = self._derived(function, params)
-        if backend not in BACKENDS:
-            raise ArgumentError(f"unknown backend {backend!r}",
-                                hint=f"use one of {', '.join(BACKENDS)}")
+        self._signature(function)
+        check_backend(backend, options)
         if not self.target.runnable_here:
             raise ArgumentError(f"a program built for {self.target.name} cannot run on this host",
                                 hint="export it with .export(dir) and run the bundle on the "
                                 "target machines")
-        if backend == "mpi":
-            return self._run_mpi(inputs, params, function, timeout, options)
-        if backend == "emulate" and signature.feed == WORKER0:
-            raise ArgumentError(
-                f"'{function}' was lowered by TVM's LowerDistIR (rank 0 takes the global inputs "
-                "and the program calls TVM's runtime.disco.* functions), which the emulator "
-                "does not provide", hint='run it with backend="mpi" or "disco"')
-        values, signature = signature.bind_sizes(list(inputs), params)
-        per_rank = [[signature.rank_input(spec, value, rank)
-                     for spec, value in zip(signature.params, values) if spec.held_by(rank)]
-                    for rank in range(self.num_ranks)]
-        entries = self.entries[function]
-        if backend == "emulate":
-            from tvm_distx.runtime import emulate
+        return launch(self._bundle_for_runs(), list(inputs), params=params, function=function,
+                      timeout=timeout, backend=backend, **options)
 
-            outs = emulate(self.vm_exec, per_rank, list(range(self.num_ranks)), entry=entries,
-                           timeout=timeout)
-        else:
-            from tvm_distx.runtime.disco import run_disco
-
-            with tempfile.TemporaryDirectory(prefix="tvm-distx-disco-") as tmp:
-                library = Path(tmp) / "lib.so"
-                self.vm_exec.export_library(str(library))
-                outs = run_disco(library, entries, per_rank, timeout=timeout)
-        return assemble_results(signature, outs)
+    def _bundle_for_runs(self) -> Path:
+        """The program's bundle without weights, exported once and removed with ``self``."""
+        if self._run_bundle is None or not self._run_bundle.is_dir():
+            directory = Path(tempfile.mkdtemp(prefix="tvm-distx-run-"))
+            try:
+                self.export(directory, function=list(self.signatures))  # no weights
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            weakref.finalize(self, shutil.rmtree, str(directory), True)
+            self._run_bundle = directory
+        return self._run_bundle
 
     def session(self, num_ranks: int | None = None, *, backend: str = "mpi",
                 params: Mapping | None = None, function: str = "main", timeout: float = 300.0,
@@ -166,7 +158,7 @@ class DistExecutable:
 
         The weights in ``params`` are written once into a private bundle, and
         each rank loads its shards once; every
-        :meth:`~tvm_distx.runtime.session_base.Session.run` after that costs
+        :meth:`~tvm_distx.runtime.base.Session.run` after that costs
         milliseconds, not a launch::
 
             with exe.session(params=weights, backend="disco") as session:
@@ -179,10 +171,10 @@ class DistExecutable:
             Must equal the program's rank count when given.
         backend : {"mpi", "disco", "emulate"}
             How the ranks run (see the module documentation): MPI processes
-            (:class:`~tvm_distx.runtime.session.MPISession`), disco workers on
-            this host (:class:`~tvm_distx.runtime.disco_session.DiscoSession`)
+            (:class:`~tvm_distx.runtime.mpi.MPISession`), disco workers on
+            this host (:class:`~tvm_distx.runtime.disco.DiscoSession`)
             or threads of this process
-            (:class:`~tvm_distx.runtime.emulated_session.EmulatedSession`).
+            (:class:`~tvm_distx.runtime.emulated.EmulatedSession`).
             All three take the same calls and give the same results.
         params : mapping of str to array, optional
             Global weights of ``function`` by name, stored for the session.
@@ -195,7 +187,7 @@ class DistExecutable:
 
         Returns
         -------
-        tvm_distx.runtime.session_base.Session
+        tvm_distx.runtime.base.Session
             The session; its bundle is removed when it closes.
 
         Raises
@@ -224,14 +216,6 @@ class DistExecutable:
             raise
         session._owned.append(bundle)
         return session
-
-    def _run_mpi(self, inputs, params, function, timeout, options):
-        from tvm_distx.runtime.launcher import launch
-
-        with tempfile.TemporaryDirectory(prefix="tvm-distx-bundle-") as tmp:
-            self.export(tmp, function=function)
-            return launch(tmp, list(inputs), params=params, function=function, timeout=timeout,
-                          **options)
 
     def _derived(self, function: str, params: Mapping | None) -> dict:
         """``params`` with each fused weight replaced by the segments the program takes."""
@@ -399,8 +383,9 @@ class DistExecutable:
 
 _LAUNCH_SCRIPT = """#!/bin/sh
 # Run this bundle on {n} MPI ranks: ./run.sh [-i input.npy ...] [-o out/]
-# On several hosts: HOSTS=node0,node1 ./run.sh ...  (the bundle must be at the same
-# path on every host). Needs tvm-distx, TVM's runtime and mpi4py on every host.
+# On several hosts: HOSTS=node0,node1 ./run.sh ... on node0, the first host (the bundle
+# must be at the same path on every host). Needs tvm-distx, TVM's runtime and mpi4py on
+# every host.
 HERE="$(cd "$(dirname "$0")" && pwd)"
 exec tvm-distx run "$HERE" -n {n} ${{HOSTS:+--hosts "$HOSTS"}} "$@"
 """
@@ -432,7 +417,7 @@ def _write_launcher(root: Path, num_ranks: int, target: str, signature: Function
         "",
         "```sh",
         "./run.sh " + " ".join(f"-i {p.name}.npy" for p in inputs) + " -o out/",
-        "HOSTS=node0,node1 ./run.sh ...   # across hosts",
+        "HOSTS=node0,node1 ./run.sh ...   # across hosts, run on node0 (the first)",
         "```",
         "",
         "Every rank needs Python with tvm-distx, TVM's runtime and mpi4py for its machine.",

@@ -11,7 +11,7 @@ subcommand      what it does
 ``compile``     ``MODULE.py [--rules R] [--weights W.npz] --target x86|rvv -o DIR`` -> a
                 bundle
 ``bundle``      as ``compile``, and for ``--target rvv`` every kernel is checked under qemu
-``run``         ``BUNDLE -n N [--backend mpi|disco] [-i X.npy ...] [-o OUT]`` -> results
+``run``         ``BUNDLE -n N [--backend mpi|disco|emulate] [-i X.npy ...] [-o OUT]`` -> results
 ``generate``    ``BUNDLE --ids 1 15 22 [--backend mpi|disco|emulate] [-n N]`` -> greedy
                 tokens from a generation bundle (``CausalLM.export``)
 ==============  ===========================================================================
@@ -47,6 +47,7 @@ from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_U
                          _load_plain, _output_directory, _progress, _read_rules, _with_mesh,
                          _writable_file)
 from tvm_distx.errors import ArgumentError, DistxError, LaunchError
+from tvm_distx.runtime.backends import BACKENDS, NAMES, launch
 
 __all__ = ["main"]
 
@@ -263,8 +264,6 @@ def _bundle(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tvm_distx.runtime.launcher import launch
-
     _output_directory(args.output, "-o")  # before any rank starts, not after the run
     inputs, named = [], {}
     for item in args.inputs:
@@ -313,6 +312,11 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise ArgumentError(message, hint=f"see {self.prog} --help")
+
+
+#: The ``--backend`` help of run and generate, from the one list of backends.
+_BACKEND_HELP = "where the ranks run: " + "; ".join(
+    f"{b.name}: {b.summary}" for b in BACKENDS.values()) + f" (default {NAMES[0]})"
 
 
 def _positive(kind):
@@ -414,7 +418,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a bundle on N ranks")
     p.add_argument("bundle", type=Path, help="a directory written by compile or bundle")
     p.add_argument("-n", type=_positive(int), required=True, help="the number of ranks")
-    p.add_argument("--backend", default="mpi", choices=["mpi", "disco"])
+    p.add_argument("--backend", default=NAMES[0], metavar="|".join(NAMES),
+                   help=_BACKEND_HELP)
     p.add_argument("--function", default="main")
     p.add_argument("-i", "--inputs", nargs="+", action="extend", default=[], metavar="NPY",
                    help="global inputs, in parameter order (-i a.npy b.npy, or -i a.npy -i b.npy); "
@@ -423,8 +428,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds before a stuck run is stopped")
     p.add_argument("--hosts", default=None,
-                   help="comma-separated hosts for mpiexec -hosts (the bundle must be at the "
-                   "same path on each)")
+                   help="comma-separated hosts for mpiexec -hosts, this host first (the "
+                   "bundle must be at the same path on each)")
     p.set_defaults(handler=_run)
 
     p = sub.add_parser("generate", help="greedy tokens from a generation bundle "
@@ -433,9 +438,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ids", type=int, nargs="+", help="the prompt's token ids")
     p.add_argument("--input", type=Path, help="the prompt's token ids as a .npy array")
     p.add_argument("--max-new-tokens", type=_positive(int), default=32)
-    p.add_argument("--backend", default="mpi", metavar="mpi|disco|emulate",
-                   help="where the ranks run: MPI processes (default), disco worker "
-                   "processes on this host, or threads of this process")
+    p.add_argument("--backend", default=NAMES[0], metavar="|".join(NAMES),
+                   help=_BACKEND_HELP)
     p.add_argument("-n", "--ranks", type=_positive(int), default=None,
                    help="the rank count; the bundle fixes it, so this only checks it")
     p.add_argument("--stop-at-eos", action="store_true",

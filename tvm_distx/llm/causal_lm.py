@@ -138,7 +138,7 @@ class CausalLM:
             ``hosts``, ``mpiexec``, ``env`` for an MPI session.
         """
         from tvm_distx import export_decoder
-        from tvm_distx.runtime.session_base import check_backend
+        from tvm_distx.runtime.backends import check_backend
 
         check_backend(backend, options)  # before the export and the compile
         if num_ranks < 1:
@@ -187,7 +187,7 @@ class CausalLM:
         from tvm_distx import export_decoder
         from tvm_distx.frontend.pytorch import relax_name
         from tvm_distx.bundle.checkpoint import open_checkpoint
-        from tvm_distx.runtime.session_base import check_backend
+        from tvm_distx.runtime.backends import check_backend
 
         check_backend(backend, options)  # before the export and the compile
         root = Path(directory)
@@ -329,7 +329,7 @@ class CausalLM:
             For an unknown backend, or a ``num_ranks`` the bundle was not built for.
         """
         from tvm_distx.errors import BundleError
-        from tvm_distx.runtime.session_base import check_backend, open_session
+        from tvm_distx.runtime.backends import check_backend, open_session
 
         check_backend(backend, options)
         path = Path(directory) / GENERATION_FILE

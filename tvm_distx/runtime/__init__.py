@@ -1,18 +1,31 @@
-"""Running rank programs.
+"""Running rank programs: sessions of a bundle on a backend, and the ranks' collectives.
 
-- :func:`emulate`: every rank in a thread of one process, collectives over numpy
-  (the fast unit-test backend);
-- :mod:`tvm_distx.runtime.mpi_ccl` and :mod:`tvm_distx.runtime.worker`: ranks as
-  MPI processes, launched by :mod:`tvm_distx.runtime.launcher`;
-- :mod:`tvm_distx.runtime.disco`: ranks as disco worker processes on one host;
-- sessions, whose ranks start once and serve many calls, on each of them:
-  :mod:`~tvm_distx.runtime.session` (MPI), :mod:`~tvm_distx.runtime.disco_session`,
-  :mod:`~tvm_distx.runtime.emulated_session`, over the shared
-  :mod:`~tvm_distx.runtime.session_base` (driver) and
-  :class:`~tvm_distx.runtime.session_worker.RankState` (rank).
+- :mod:`~tvm_distx.runtime.backends`: the one list of backends, :func:`open_session`
+  and :func:`launch` (a session called once);
+- :mod:`~tvm_distx.runtime.base`: what every session's driver shares
+  (:class:`~tvm_distx.runtime.base.Session`); :mod:`~tvm_distx.runtime.ranks`: what
+  every rank shares (:class:`~tvm_distx.runtime.ranks.RankState`);
+- one module per backend: :mod:`~tvm_distx.runtime.mpi` (ranks as MPI processes,
+  each running :mod:`~tvm_distx.runtime.mpi_rank`, collectives in
+  :mod:`~tvm_distx.runtime.mpi_ccl`), :mod:`~tvm_distx.runtime.disco` (disco worker
+  processes on this host running :mod:`~tvm_distx.runtime.disco_rank`, collectives
+  in :mod:`~tvm_distx.runtime.disco_shm`), :mod:`~tvm_distx.runtime.emulated` (every
+  rank a thread of this process; :func:`emulate`, the fast unit-test backend).
+
+``emulate`` is loaded on first use (PEP 562): it imports TVM, which takes seconds,
+and the command line and the rank processes import this package without it.
 """
 
+import importlib
+
 from tvm_distx.layout.arrays import assemble_array, shard_array
-from tvm_distx.runtime.emulator import emulate
 
 __all__ = ["emulate", "shard_array", "assemble_array"]
+
+
+def __getattr__(name: str):
+    if name == "emulate":
+        value = importlib.import_module("tvm_distx.runtime.emulated").emulate
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The collective-backend interface, and the one adapter from it to the ``tvm_distx.ccl`` ABI.
 
 A backend moves numpy arrays between the ranks of a run: the emulator
-(:mod:`tvm_distx.runtime.emulator`, ranks as threads), MPI
+(:mod:`tvm_distx.runtime.emulated`, ranks as threads), MPI
 (:mod:`tvm_distx.runtime.mpi_ccl`) and disco shared memory
 (:mod:`tvm_distx.runtime.disco_shm`). Each implements :class:`Collectives`:
 every collective runs over a :class:`ProcessGroup` (the members of a
@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
+import tvm_ffi
 
 from tvm_distx import ccl
 from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
-from tvm_distx.errors import CollectiveGroupError
+from tvm_distx.errors import ArgumentError, CollectiveGroupError
 
 if TYPE_CHECKING:
     from tvm.runtime import Tensor
@@ -166,8 +167,10 @@ def as_numpy(tensor: Tensor, reduce: bool = False) -> np.ndarray:
     except RuntimeError as err:  # "Unsupported dtype in DLTensor"
         bits = tensor.dtype.bits * tensor.dtype.lanes
         if reduce or bits not in (8, 16, 32, 64):
-            raise TypeError(f"the collectives cannot {'reduce' if reduce else 'move'} "
-                            f"tensors of dtype {tensor.dtype}") from err
+            raise ArgumentError(f"the collectives cannot {'reduce' if reduce else 'move'} "
+                                f"tensors of dtype {tensor.dtype}",
+                                hint="use a dtype numpy knows for a reduction "
+                                "(float16, float32, ...)") from err
         return np.from_dlpack(tensor._create_view(tuple(tensor.shape), f"uint{bits}"))
 
 
@@ -223,7 +226,9 @@ def abi_functions(backend: Collectives, builtins: str | None = None
     def reduced(send: np.ndarray, recv: np.ndarray, code: int, group: ProcessGroup,
                 collective: Callable[[int], None]) -> None:
         if code not in REDUCERS and code != _AVG:
-            raise ValueError(f"unknown reduce kind {code}; known: {ccl.REDUCE_KINDS}")
+            raise ArgumentError(f"unknown reduce kind {code}; known: {ccl.REDUCE_KINDS}",
+                                hint="the program and the runtime disagree on the ABI of "
+                                "tvm_distx.ccl: build and run with one version")
         if group.size == 1:
             np.copyto(recv, send)
             return
@@ -274,8 +279,8 @@ def abi_functions(backend: Collectives, builtins: str | None = None
         send, recv = as_numpy(x), as_numpy(out)
         root = int(axes[0])
         if not 0 <= root < g.size:
-            raise ValueError(f"broadcast: root {root} is not a member index of a group of "
-                             f"{g.size}")
+            raise ArgumentError(f"broadcast: root {root} is not a member index of a group of "
+                                f"{g.size}", hint=f"a root from 0 to {g.size - 1}")
         check_shape(recv, send.shape, "broadcast")
         if g.size == 1:
             np.copyto(recv, send)
@@ -385,8 +390,6 @@ def _tvm_builtins(backend: Collectives, prefix: str, reduced) -> dict[str, Calla
         backend.gather(send, recv, 0, g)
 
     def worker_id():
-        import tvm_ffi
-
         return tvm_ffi.Shape((world().index,))
 
     functions = {"allreduce": allreduce, "allgather": allgather,
@@ -448,8 +451,6 @@ def register(backend: Collectives, builtins: str | None = None) -> None:
     their session's CCL): TVM's are kept the first time, so registering again
     (any number of times) replaces ours by ours and never wraps a wrapper.
     """
-    import tvm_ffi
-
     for name, func in abi_functions(backend, builtins).items():
         if builtins == ccl.DISCO_PREFIX and name.startswith(ccl.DISCO_PREFIX):
             if name not in _TVM_DISPATCHERS:
@@ -479,18 +480,22 @@ def _split(shape: Sequence[int], dim: int, parts: int) -> tuple[int, ...]:
     """``shape`` with dimension ``dim`` cut into ``parts`` (which must divide it)."""
     _check_dim(shape, dim)
     if shape[dim] % parts:
-        raise ValueError(f"dimension {dim} of shape {tuple(shape)} does not split into "
-                         f"{parts} equal pieces")
+        raise ArgumentError(f"dimension {dim} of shape {tuple(shape)} does not split into "
+                            f"{parts} equal pieces", hint=f"a collective over {parts} ranks "
+                            f"needs dimension {dim} divisible by {parts}")
     return (*shape[:dim], shape[dim] // parts, *shape[dim + 1:])
 
 
 def _check_dim(shape: Sequence[int], dim: int) -> None:
     if not 0 <= dim < len(shape):
-        raise ValueError(f"dimension {dim} is out of range for a tensor of shape {tuple(shape)}")
+        raise ArgumentError(f"dimension {dim} is out of range for a tensor of shape "
+                            f"{tuple(shape)}", hint=f"a dimension from 0 to {len(shape) - 1}")
 
 
 def check_shape(array: np.ndarray, shape: Sequence[int], what: str) -> None:
-    """Raise ValueError naming ``what`` unless ``array`` has ``shape``."""
+    """Raise an :class:`~tvm_distx.errors.ArgumentError` naming ``what`` unless ``array``
+    has ``shape``."""
     if array.shape != tuple(shape):
-        raise ValueError(f"{what}: expected a tensor of shape {tuple(shape)}, got "
-                         f"{array.shape}")
+        raise ArgumentError(f"{what}: expected a tensor of shape {tuple(shape)}, got "
+                            f"{array.shape}", hint="the rank program and the collective "
+                            "disagree on a buffer: a lowering bug")

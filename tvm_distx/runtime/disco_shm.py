@@ -17,15 +17,16 @@ the slots, a second barrier. Longer buffers go in rounds of one slot each. The
 collectives read the slots in place (:meth:`ShmComm.exchange`): they reduce or
 copy straight from the slots into their output, so a rank's data is copied once
 into its slot and once out of the slots, with no allocation per call; an
-all-to-all posts only the pieces of the other members, and a reduce-scatter
-reads and folds only this rank's block of each member's post ((p-1)/p of the
-tensor from its peers, where an all-reduce reads all of theirs). A barrier bumps the signal counters towards every other member and waits
-until each of them has bumped its counter towards this rank as often, by
-polling (first yielding the CPU, then with a growing sleep up to 1 ms; no
-futex, no lock). Two ranks meet in the same order on both sides (they run
-their programs in order), so a barrier needs no other identity; each post
-carries a tag of the operation and its members, checked after the first
-barrier, so mismatched programs fail instead of exchanging garbage. The data is copied before the counter is stored, and x86-64
+all-to-all posts only the pieces of the other members, and a reduce-scatter reads and
+folds only this rank's block of each member's post ((p-1)/p of the tensor from
+its peers, where an all-reduce reads all of theirs). A barrier bumps the signal
+counters towards every other member and waits until each of them has bumped its
+counter towards this rank as often, by polling (first yielding the CPU, then
+with a growing sleep up to 1 ms; no futex, no lock). Two ranks meet in the same
+order on both sides (they run their programs in order), so a barrier needs no
+other identity; each post carries a tag of the operation and its members,
+checked after the first barrier, so mismatched programs fail instead of
+exchanging garbage. The data is copied before the counter is stored, and x86-64
 keeps stores (and loads) in program order, so a reader that sees the counter
 sees the data; a weakly ordered CPU would need fences here.
 
@@ -34,7 +35,7 @@ that raises stops its peers within a few milliseconds and nothing waits forever.
 
 :class:`ShmCollectives` implements the collective-backend interface of
 :mod:`tvm_distx.runtime.collectives` over the segment (same semantics as the
-emulator of :mod:`tvm_distx.runtime.emulator`, bit for bit); :func:`install`
+emulated backend of :mod:`tvm_distx.runtime.emulated`, bit for bit); :func:`install`
 registers it as the functions of :mod:`tvm_distx.ccl` and the per-CCL functions
 of TVM's own disco builtins (``runtime.disco..allreduce`` and so on, the empty
 CCL name that disco workers use unless a C++ CCL set one).
@@ -53,11 +54,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tvm_distx.errors import PeerFailedError
+from tvm_distx.errors import ArgumentError, CollectiveGroupError, LaunchError, PeerFailedError
+from tvm_distx.layout import shard_bounds
 from tvm_distx.runtime.collectives import REDUCERS, Collectives, register
 
-__all__ = ["Layout", "ShmComm", "ShmCollectives", "PeerFailedError", "install", "RUNNING", "DONE", "FAILED",
-           "ABORTED", "TIMED_OUT"]
+__all__ = ["Layout", "ShmComm", "ShmCollectives", "PeerFailedError", "install", "RUNNING",
+           "DONE", "FAILED", "ABORTED", "TIMED_OUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +130,8 @@ class ShmComm:
     rank : int
         This rank (its global device id).
     deadline : float
-        ``time.time()`` after which every wait raises ``TimeoutError``.
+        ``time.time()`` after which every wait raises a
+        :class:`~tvm_distx.errors.LaunchError` (``reason="timeout"``).
     """
 
     def __init__(self, buf: mmap.mmap, layout: Layout, rank: int, deadline: float) -> None:
@@ -188,7 +191,8 @@ class ShmComm:
                 raise PeerFailedError(failed - 1 if failed <= self.layout.world else None)
             if time.time() > self.deadline:
                 self.timed_out = True
-                raise TimeoutError(f"rank {me} timed out waiting for rank {peer}")
+                raise LaunchError(f"rank {me} timed out waiting for rank {peer}", rank=me,
+                                  reason="timeout")
             polls += 1
             if polls < _YIELDS:  # a peer that is about to arrive: give it the core
                 os.sched_yield()
@@ -255,9 +259,9 @@ class ShmComm:
             self.barrier(members)
             other = [p for p in members if self.tags[p] != tag]
             if other:
-                raise RuntimeError(f"rank {me} is in {what} over ranks {list(members)} but rank "
-                                   f"{other[0]} is in another call: the ranks' programs do not "
-                                   "match")
+                raise CollectiveGroupError(
+                    f"rank {me} is in {what} over ranks {list(members)} but rank {other[0]} "
+                    "is in another call: the ranks' programs do not match")
             sizes = {p: int(self.sizes[p]) for p in members}
             consume(offset, {p: self.slots[p, :max(0, min(cap, sizes[p] - offset))]
                              for p in members})
@@ -311,7 +315,7 @@ class ShmCollectives(Collectives):
     @property
     def comm(self) -> ShmComm:
         if not _ACTIVE:
-            raise RuntimeError("no disco run is in progress in this process")
+            raise CollectiveGroupError("no disco run is in progress in this process")
         return _ACTIVE[-1]
 
     @property
@@ -423,8 +427,6 @@ class ShmCollectives(Collectives):
             out[...] = _as(np.concatenate([raw[d] for d in members]), out)
 
     def move(self, x, out, spec) -> None:
-        from tvm_distx.layout import shard_bounds
-
         comm = self.comm
         me = comm.rank
         pieces = spec.pieces(me) if out is not None else []
@@ -463,7 +465,8 @@ def _columns(array: np.ndarray, dim: int, parts: int) -> np.ndarray:
     Block ``k`` of ``parts`` equal blocks along ``dim``, flattened, is ``[:, k, :]``.
     """
     if not array.flags.c_contiguous:
-        raise ValueError("the disco collectives need C-contiguous tensors")
+        raise ArgumentError("the disco collectives need C-contiguous tensors",
+                            hint="a rank program's buffers are C-contiguous; this is a bug")
     outer = math.prod(array.shape[:dim])
     inner = array.nbytes // (outer * parts) if outer * parts else 0
     return array.reshape(-1).view(np.uint8).reshape(outer, parts, inner)

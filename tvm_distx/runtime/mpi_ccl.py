@@ -36,7 +36,7 @@ that are not workers of a real disco session: on such a worker (a
 ``ThreadedSession`` started in a rank, say) the call still goes to TVM's
 function and the session's CCL (see
 :func:`tvm_distx.runtime.collectives.register`). Nothing outside the rank
-processes (``runtime/worker.py``, ``runtime/session_worker.py``) calls
+processes (``runtime/mpi_rank.py``) calls
 :func:`install`, so a user's process keeps TVM's functions untouched.
 
 How data moves:
@@ -86,10 +86,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+import tvm  # noqa: F401 - TVM registers its own builtins first; install() overrides them
 
 from tvm_distx import ccl
 from tvm_distx.ccl import SendRecvSpec
 from tvm_distx.errors import CollectiveGroupError
+from tvm_distx.layout import shard_bounds
 from tvm_distx.runtime.collectives import Collectives, ProcessGroup, check_shape, register
 
 if TYPE_CHECKING:
@@ -377,8 +379,6 @@ def _plan_move(move: SendRecvSpec, rank: int) -> _P2PPlan:
     the derivation every backend shares; this adds where each non-contiguous
     box is packed in the scratch buffer.
     """
-    from tvm_distx.layout import shard_bounds
-
     src_shape = _extent(shard_bounds(move.src, move.shape, rank))
     dst_shape = _extent(shard_bounds(move.dst, move.shape, rank))
     scratch = 0
@@ -425,7 +425,6 @@ def install(comm: MPI.Comm | None = None) -> MpiCollectives:
     MpiCollectives
         The installed implementation.
     """
-    import tvm  # noqa: F401 - TVM registers its own builtins first, then we override them
     from mpi4py import MPI
 
     global _INSTALLED

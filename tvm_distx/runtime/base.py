@@ -1,22 +1,28 @@
-"""What every persistent session shares, whatever runs its ranks.
+"""What every session shares, whatever runs its ranks: the driver's half.
 
-A session (:class:`~tvm_distx.runtime.session.MPISession`,
-:class:`~tvm_distx.runtime.disco_session.DiscoSession`,
-:class:`~tvm_distx.runtime.emulated_session.EmulatedSession`) serves a bundle's
-functions on ranks that start once and load their stored weights once. This
-module holds the driver's half that does not depend on how the ranks run:
+A session (:class:`~tvm_distx.runtime.mpi.MPISession`,
+:class:`~tvm_distx.runtime.disco.DiscoSession`,
+:class:`~tvm_distx.runtime.emulated.EmulatedSession`) serves a bundle's
+functions on ranks that start once and load their stored weights once. A
+one-shot run (:meth:`tvm_distx.DistExecutable.run`,
+:func:`tvm_distx.runtime.backends.launch`) is a session opened, called once and
+closed. This module holds the part that does not depend on how the ranks run:
 
 * :class:`Session` checks the bundle before anything starts, checks every call
-  (its inputs, its ``state`` and ``keep``) before any rank sees it, counts the
+  (its inputs, its ``state`` and ``keep``) before any rank sees it, cuts the
+  call's inputs into each rank's shards (:meth:`Session._rank_values`), puts
+  the ranks' result blocks together (:meth:`Session._assemble`), counts the
   calls and the weights loaded, and closes the session on any failure, Ctrl-C
   included; a closed session refuses calls and closing twice does nothing.
   A backend implements :meth:`Session._call` (send a checked call, wait for its
   reply) and :meth:`Session._stop` (stop the ranks, free what they used).
+* :func:`bind_inputs` checks a call's run-time inputs against a bundle's function.
 * :class:`RankProcess` names a rank's process.
 
 The rank's half (run one call on a rank's shards, keep its weights and its
-resident values; put the results together) is :class:`~tvm_distx.runtime.session_worker.RankState`
-and :func:`~tvm_distx.runtime.session_worker.assemble_reply`.
+resident values) is :class:`tvm_distx.runtime.ranks.RankState`. Which
+backends exist, and opening a session by a backend's name, is
+:mod:`tvm_distx.runtime.backends`; this module imports no backend.
 """
 
 from __future__ import annotations
@@ -25,78 +31,20 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from tvm_distx.bundle.manifest import Manifest, check_library, check_weights, read_manifest
-from tvm_distx.errors import ArgumentError
-from tvm_distx.runtime.launcher import bind_inputs
 from tvm_distx.bundle.signature import WORKER0
+from tvm_distx.errors import ArgumentError
+from tvm_distx.layout.arrays import assemble_array
 
-__all__ = ["Session", "RankProcess", "Call", "open_session", "check_backend",
-           "SESSION_BACKENDS"]
+__all__ = ["Session", "RankProcess", "Call", "bind_inputs", "check_state"]
 
 logger = logging.getLogger(__name__)
-
-#: The backends a session runs on.
-SESSION_BACKENDS = ("mpi", "disco", "emulate")
-
-
-def check_backend(backend: str, options: Mapping) -> None:
-    """Refuse an unknown session backend, or options it does not take (before any work).
-
-    Raises
-    ------
-    ArgumentError
-        Naming the backend or the options.
-    """
-    if backend not in SESSION_BACKENDS:
-        raise ArgumentError(f"unknown session backend {backend!r}",
-                            hint=f"use one of {', '.join(SESSION_BACKENDS)}",
-                            cli_hint="--backend " + " | --backend ".join(SESSION_BACKENDS))
-    if backend != "mpi" and options:
-        raise ArgumentError(f"a {backend} session takes no option {', '.join(sorted(options))}",
-                            hint='hosts=, mpiexec= and env= are for backend="mpi"')
-
-
-def open_session(bundle: str | os.PathLike, *, backend: str = "mpi", num_ranks: int | None = None,
-                 timeout: float = 300.0, **options) -> "Session":
-    """Start a session of a bundle on ``backend``.
-
-    Parameters
-    ----------
-    bundle : path
-        A directory written by :meth:`tvm_distx.DistExecutable.export`.
-    backend : {"mpi", "disco", "emulate"}
-        :class:`~tvm_distx.runtime.session.MPISession`,
-        :class:`~tvm_distx.runtime.disco_session.DiscoSession` or
-        :class:`~tvm_distx.runtime.emulated_session.EmulatedSession`.
-    num_ranks : int, optional
-        Must equal the bundle's rank count when given.
-    timeout : float
-        Seconds for the ranks to start, and for each call by default.
-    **options
-        For ``"mpi"``: ``hosts``, ``mpiexec``, ``env``.
-
-    Returns
-    -------
-    Session
-
-    Raises
-    ------
-    ArgumentError
-        For an unknown backend, or options it does not take.
-    """
-    check_backend(backend, options)
-    if backend == "mpi":
-        from tvm_distx.runtime.session import MPISession as kind
-    elif backend == "disco":
-        from tvm_distx.runtime.disco_session import DiscoSession as kind
-    elif backend == "emulate":
-        from tvm_distx.runtime.emulated_session import EmulatedSession as kind
-    return kind(bundle, num_ranks=num_ranks, timeout=timeout, **options)
 
 
 class RankProcess(tuple):
@@ -121,7 +69,7 @@ class RankProcess(tuple):
 
 
 class Call(tuple):
-    """One checked call, as the ranks get it.
+    """One checked call, as the driver holds it.
 
     ``(function, values, sizes, state, keep)``: the public function, the global
     values of its run-time parameters by name (not those taken from ``state``),
@@ -152,13 +100,50 @@ class Call(tuple):
         return self[4]
 
 
+def bind_inputs(manifest: Manifest, function: str, inputs: Sequence, params: Mapping | None):
+    """Check a call's run-time inputs against a bundle's function, before any rank runs.
+
+    Returns
+    -------
+    tuple
+        ``(signature, free, values, sizes)``: the function's signature and the
+        one of the parameters passed at run time (not stored weights), both
+        specialized to the call's symbolic sizes; the global values of the free
+        parameters, in order; and those sizes.
+
+    Raises
+    ------
+    ArgumentError
+        For inputs that do not fit, or weights given again that the bundle stores.
+    """
+    signature = manifest.function(function)
+    stored = set(manifest.weights.get(function, ()))
+    # a fused weight given whole is cut into the segments the program takes
+    derivations = manifest.derivations.get(signature.name)
+    runtime_params = derivations.bind(params, stored) if derivations else dict(params or {})
+    for name in stored & {m.name for m in (derivations.made if derivations else ())}:
+        runtime_params.pop(name, None)  # made from the layout: the bundle holds the same values
+    overlap = stored & set(runtime_params)
+    if overlap:
+        raise ArgumentError(f"{', '.join(sorted(overlap))} are weights stored in the bundle",
+                            hint="do not pass them again")
+    # bind the run-time inputs against the parameters that are not stored weights
+    free = replace(signature, params=tuple(p for p in signature.params if p.name not in stored))
+    values = free.bind(list(inputs), runtime_params)
+    sizes = free.sizes(values)  # symbolic extents: checked here, before any rank starts
+    signature = signature.specialize(sizes) if signature.symbolic else signature
+    free = free.specialize(sizes) if free.symbolic else free
+    return signature, free, values, sizes
+
+
 class Session:
     """A bundle's ranks, started once and called many times (the backend-neutral part).
 
     Parameters
     ----------
-    bundle : path
-        A directory written by :meth:`tvm_distx.DistExecutable.export`.
+    bundle : path or tvm_distx.bundle.manifest.Manifest
+        A directory written by :meth:`tvm_distx.DistExecutable.export`, or its
+        manifest already read.
     num_ranks : int, optional
         Must equal the bundle's rank count when given.
     timeout : float
@@ -183,16 +168,16 @@ class Session:
         For a bundle that cannot run here (before anything starts).
     """
 
-    #: the backend's name, in messages
+    #: the backend's name, in messages (and its name in :mod:`tvm_distx.runtime.backends`)
     backend = "session"
 
-    def __init__(self, bundle: str | os.PathLike, *, num_ranks: int | None = None,
+    def __init__(self, bundle: str | os.PathLike | Manifest, *, num_ranks: int | None = None,
                  timeout: float = 300.0) -> None:
         self._closed = True  # until the ranks run: __del__ has nothing to stop
         if not timeout > 0:
             raise ArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}",
                                 hint="for example timeout=300")
-        self.manifest: Manifest = read_manifest(bundle)
+        self.manifest: Manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
         if num_ranks is not None and num_ranks != self.manifest.num_ranks:
             raise ArgumentError(f"the bundle at {self.manifest.root} needs "
                                 f"{self.manifest.num_ranks} ranks, not {num_ranks}",
@@ -251,7 +236,7 @@ class Session:
         call = self._check(inputs, params, function, state, keep)
         started = time.monotonic()
         try:
-            result, loaded = self._call(call, timeout or self.timeout)
+            blocks, loaded = self._call(call, timeout or self.timeout)
         except BaseException:  # a failed rank, a timeout, Ctrl-C: the session is over
             self._shut(failed=True)
             raise
@@ -259,7 +244,7 @@ class Session:
         self.weights_loaded = dict(loaded)
         logger.debug("%s: '%s' took %.2f ms", self.backend, function,
                      1e3 * (time.monotonic() - started))
-        return result
+        return self._assemble(call, blocks)
 
     def _check(self, inputs, params, function: str, state, keep) -> Call:
         """The call, checked against the function before any rank sees it."""
@@ -273,10 +258,50 @@ class Session:
         return Call((function, {spec.name: value for spec, value in zip(free.params, values)
                                 if spec.name not in state}, sizes, state, keep))
 
-    # -- what a backend implements
-    def _call(self, call: Call, timeout: float) -> tuple[object, Mapping[int, int]]:
-        """Run one checked call; returns its result and the weights each rank has loaded.
+    def _rank_values(self, call: Call) -> list[dict]:
+        """Per rank, what it takes of the call's run-time inputs: its shards, by name.
 
+        Under TVM's feed (a function lowered by TVM's ``LowerDistIR``) rank 0
+        gets the global values and the other ranks placeholders (see
+        :mod:`tvm_distx.bundle.signature`).
+        """
+        signature = self.manifest.function(call.function)
+        if signature.symbolic:
+            signature = signature.specialize(call.sizes)
+        return [{spec.name: signature.rank_input(spec, call.values[spec.name], rank)
+                 for spec in signature.params
+                 if spec.name in call.values and spec.held_by(rank)}
+                for rank in range(self.manifest.num_ranks)]
+
+    def _messages(self, call: Call) -> list[tuple]:
+        """Per rank, its message (:meth:`tvm_distx.runtime.ranks.RankState.handle`) for ``call``."""
+        return [("call", call.function, values, call.sizes, call.state, call.keep)
+                for values in self._rank_values(call)]
+
+    def _assemble(self, call: Call, blocks: Mapping[int, Mapping[int, np.ndarray]]):
+        """The global results of a call from every rank's blocks.
+
+        ``blocks`` are per rank those of :meth:`tvm_distx.runtime.ranks.RankState.call`.
+
+        Returns the results not kept, in order: a tuple for a tuple-returning
+        function, else the one array.
+        """
+        signature = self.manifest.function(call.function)
+        if signature.symbolic:
+            signature = signature.specialize(call.sizes)
+        outputs = []
+        for index, spec in enumerate(signature.results):
+            if index in call.keep:
+                continue
+            shards = {r: b[index] for r, b in blocks.items() if index in b}
+            outputs.append(assemble_array(shards, spec.sharding, spec.shape))
+        return tuple(outputs) if signature.tuple_result else outputs[0]
+
+    # -- what a backend implements
+    def _call(self, call: Call, timeout: float) -> tuple[dict, Mapping[int, int]]:
+        """Run one checked call; returns every rank's result blocks and weights loaded.
+
+        The blocks are per rank those of :meth:`tvm_distx.runtime.ranks.RankState.call`.
         Raises LaunchError naming the rank when one fails or the call times out.
         """
         raise NotImplementedError

@@ -1,0 +1,186 @@
+"""The rank's half of every backend: what one rank keeps and how it runs one call.
+
+Every backend's ranks (MPI processes, disco workers, emulated threads) hold a
+:class:`RankState` and hand it each message their driver sends, so a call
+means the same everywhere:
+
+* ``("call", function, values, sizes, state, keep)``: this rank's entry of a
+  bundle's public function on its shards (:meth:`RankState.call`);
+* ``("entry", name, args)``: a rank-local function of a library with its
+  arguments as they are (:meth:`RankState.run_entry`; the runs of compiled rank
+  programs without a bundle, :func:`tvm_distx.runtime.emulated.emulate` and
+  :func:`tvm_distx.runtime.disco.run_disco`).
+
+Fault injection for tests (:func:`inject_fault`): ``TVM_DISTX_FAULT="<rank>:<kind>"``
+with kind ``raise``, ``kill`` or ``hang``; each backend says where it honours
+which kind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import tvm
+
+from tvm_distx.errors import LaunchError
+from tvm_distx.layout.arrays import first_holder
+
+__all__ = ["RankState", "FAULT_ENV", "fault", "inject_fault", "to_numpy"]
+
+#: The test hook: ``"<rank>:<kind>"``, kind ``raise``, ``kill`` or ``hang``.
+FAULT_ENV = "TVM_DISTX_FAULT"
+
+
+class RankState:
+    """What one rank keeps between calls, and how it runs one call.
+
+    Parameters
+    ----------
+    manifest : tvm_distx.bundle.manifest.Manifest or None
+        The bundle the rank serves (None: it runs rank-local functions only,
+        ``("entry", ...)`` messages).
+    rank : int
+        This rank.
+    vm : tvm.relax.VirtualMachine
+        The rank's virtual machine over the library, created once (after the
+        backend's collectives are registered).
+
+    Attributes
+    ----------
+    loaded : dict of str to tvm.runtime.Tensor
+        The stored weights this rank has loaded, each the first time a
+        function needs it (read only through
+        :meth:`tvm_distx.bundle.manifest.Manifest.read_weight`).
+    resident : dict of str to tvm.runtime.Tensor
+        The values kept on this rank between calls, by name (``state``/``keep``).
+    """
+
+    def __init__(self, manifest, rank: int, vm) -> None:
+        self.manifest, self.rank, self.vm = manifest, rank, vm
+        self.loaded: dict[str, object] = {}
+        self.resident: dict[str, object] = {}
+
+    def handle(self, message: tuple):
+        """Run one message of the driver (see the module documentation); returns the reply.
+
+        Returns
+        -------
+        tuple or object
+            For ``"call"``: this rank's result blocks and how many stored
+            weights it has loaded; for ``"entry"``: the function's result as
+            numpy (a tuple for a tuple; None for a rank that runs nothing).
+        """
+        kind, *args = message
+        if kind == "call":
+            return self.call(*args), len(self.loaded)
+        return self.run_entry(*args)
+
+    def call(self, function: str, values: dict, sizes: dict, state: dict,
+             keep: dict) -> dict[int, np.ndarray]:
+        """Run this rank's entry of ``function``; returns the result blocks it reports.
+
+        Parameters
+        ----------
+        function : str
+            The public function.
+        values : dict of str to numpy.ndarray
+            This rank's shards of the run-time parameters, by name (see
+            :meth:`tvm_distx.runtime.base.Session._rank_values`).
+        sizes : dict
+            The call's symbolic sizes.
+        state, keep : dict
+            As for :meth:`tvm_distx.runtime.base.Session.run`.
+
+        Returns
+        -------
+        dict of int to numpy.ndarray
+            Per result index not kept, this rank's block when it is the first
+            holder of that block (each block is reported by one rank).
+        """
+        manifest, rank = self.manifest, self.rank
+        signature = manifest.function(function)
+        if signature.symbolic:
+            signature = signature.specialize(sizes)
+        stored = set(manifest.weights.get(function, ()))
+        blocks: dict[int, np.ndarray] = {}
+        entry = manifest.entry(function, rank)
+        if entry is None:
+            return blocks
+        args = []
+        for spec in signature.params:
+            if not spec.held_by(rank):
+                continue
+            if spec.name in state:  # a value kept on the ranks by an earlier call
+                name = state[spec.name]
+                if name not in self.resident:  # first use: zeros of this rank's shard
+                    self.resident[name] = tvm.runtime.tensor(
+                        np.zeros(spec.sharding.local_shape(spec.shape), spec.dtype))
+                args.append(self.resident[name])
+            elif spec.name in stored:
+                if spec.name not in self.loaded:
+                    self.loaded[spec.name] = tvm.runtime.tensor(np.ascontiguousarray(
+                        manifest.read_weight(rank, spec.name)
+                        if signature.fed(spec, rank)  # else TVM's feed: a placeholder
+                        else signature.rank_input(spec, None, rank)))
+                args.append(self.loaded[spec.name])
+            else:
+                args.append(tvm.runtime.tensor(np.ascontiguousarray(values.get(spec.name))))
+        out = self.vm[entry](*args)
+        results = list(out) if signature.tuple_result else [out]
+        held = [spec for spec in signature.results if spec.held_by(rank)]
+        for index, spec in enumerate(signature.results):
+            if not spec.held_by(rank):
+                continue
+            if index in keep:  # stays on this rank, as it is: nothing moves
+                self.resident[keep[index]] = results[held.index(spec)]
+            elif first_holder(spec.sharding, spec.shape, rank):
+                blocks[index] = results[held.index(spec)].numpy()
+        return blocks
+
+    def run_entry(self, entry: str | None, args) -> object:
+        """Run the rank-local function ``entry`` on ``args`` (numpy); its result as numpy.
+
+        None for a rank that runs nothing (``entry`` None).
+        """
+        if entry is None:
+            return None
+        return to_numpy(self.vm[entry](*[tvm.runtime.tensor(np.ascontiguousarray(a))
+                                         for a in args]))
+
+
+def to_numpy(value):
+    """A TVM result as numpy: an array, a tuple of them (nested), or None."""
+    if value is None:
+        return None
+    if hasattr(value, "numpy"):
+        return value.numpy()
+    return tuple(to_numpy(v) for v in value)
+
+
+def fault(rank: int) -> str | None:
+    """The kind of fault :data:`FAULT_ENV` asks of ``rank``, if any."""
+    where, _, kind = os.environ.get(FAULT_ENV, "").partition(":")
+    return kind.strip() if kind and where.strip() == str(rank) else None
+
+
+def inject_fault(rank: int, kinds: tuple[str, ...], *, process: bool = True) -> None:
+    """Fail as :data:`FAULT_ENV` asks of ``rank``, for the kinds a backend honours here.
+
+    ``raise`` raises a :class:`~tvm_distx.errors.LaunchError`; ``kill`` sends
+    this process SIGKILL; ``hang`` sleeps (an hour). A rank that is not a
+    process of its own (``process=False``: a thread of the driver) may raise,
+    but is never killed nor hung.
+    """
+    kind = fault(rank)
+    if kind not in kinds:
+        return
+    if kind == "raise":
+        raise LaunchError(f"injected fault on rank {rank} ({FAULT_ENV})", rank=rank,
+                          reason="raised")
+    if process and kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if process and kind == "hang":
+        time.sleep(3600)
