@@ -28,6 +28,10 @@ import sys
 import time
 
 import numpy as np
+import tvm
+from tvm import relax
+
+from tvm_distx.runtime.mpi_rank import threads_per_rank
 
 #: Kernel names and sizes shared with :func:`tvm_distx.autoshard.measure.build_kernels`.
 MATMUL = (256, 256, 1024)  # (m, k, n): x (m, k) times a weight (n, k) transposed
@@ -55,8 +59,6 @@ def _typical(fn, repeat: int, burst: int = 1, comm=None) -> float:
 
 
 def _kernels(path: str) -> dict:
-    import tvm
-    from tvm import relax
 
     vm = relax.VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())
     rng = np.random.default_rng(0)
@@ -96,7 +98,6 @@ def _numpy() -> dict:
 def main(out: str, kernels: str | None = None) -> None:
     from mpi4py import MPI
 
-    from tvm_distx.runtime.mpi_rank import threads_per_rank
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

@@ -16,14 +16,25 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-from tvm_distx.errors import ArgumentError, LaunchError
-from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
+import tvm
+from tvm import relax
+from tvm.relax.op import add, matmul, permute_dims
+
 from tvm_distx._deprecated import deprecated_names
+from tvm_distx.autoshard import _probe
+from tvm_distx.autoshard._probe import ELEMENTWISE, MATMUL
+from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
+from tvm_distx.build.pipeline import legalize_ops
+from tvm_distx.build.schedule import schedule_module
+from tvm_distx.build.targets import resolve_target
+from tvm_distx.errors import ArgumentError, LaunchError
+from tvm_distx.runtime.mpi import mpiexec_path
+from tvm_distx.runtime.rank_env import rank_environment
 
 __all__ = ["measure_cost_profile"]
 
@@ -55,7 +66,6 @@ def measure_cost_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: f
         When the ranks fail or time out.
     """
     if backend == "local":
-        from tvm_distx.autoshard import _probe
 
         with tempfile.TemporaryDirectory() as tmp:
             found = _probe._kernels(str(build_kernels(Path(tmp))))
@@ -66,8 +76,6 @@ def measure_cost_profile(num_ranks: int = 2, backend: str = "mpi", *, timeout: f
         if num_ranks < 2:
             raise ArgumentError(f"measure_cost_profile(num_ranks={num_ranks}): messages need 2 "
                                 "ranks", hint="measure_cost_profile(2, backend='mpi')")
-        from tvm_distx.runtime.mpi import mpiexec_path
-        from tvm_distx.runtime.rank_env import rank_environment
 
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "profile.json"
@@ -101,14 +109,7 @@ def build_kernels(folder: Path, target="x86") -> Path:
     :data:`tvm_distx.autoshard._probe.MATMUL`), ``add(a, b)`` (of
     :data:`~tvm_distx.autoshard._probe.ELEMENTWISE`) and ``tiny(a, b)`` (one element).
     """
-    import tvm
-    from tvm import relax
-    from tvm.relax.op import add, matmul, permute_dims
 
-    from tvm_distx.build.pipeline import legalize_ops
-    from tvm_distx.build.schedule import schedule_module
-    from tvm_distx.build.targets import resolve_target
-    from tvm_distx.autoshard._probe import ELEMENTWISE, MATMUL
 
     m, k, n = MATMUL
     bb = relax.BlockBuilder()

@@ -34,24 +34,26 @@ import json
 import logging
 import math
 import os
+from pathlib import Path
 import shutil
 import tempfile
-import weakref
-from pathlib import Path
 from typing import Mapping
+import weakref
 
 import numpy as np
 import tvm
 from tvm import relax
 
 from tvm_distx import ccl
-from tvm_distx.ir import helpers as _ir
-from tvm_distx.bundle.manifest import FORMAT, MANIFEST, VERSION, WeightLink, sha256_file, write_rank_weights
+from tvm_distx.build.rvv import write_kernels
+from tvm_distx.bundle.manifest import (FORMAT, MANIFEST, VERSION, WeightLink, sha256_file,
+                                       write_rank_weights)
+from tvm_distx.bundle.signature import SHARDS, FunctionSignature
 from tvm_distx.errors import ArgumentError
+from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout import MeshTable, shard_bounds
 from tvm_distx.layout.derived import Derivations, host_array, is_deferred
 from tvm_distx.layout.mesh import DeviceMesh
-from tvm_distx.bundle.signature import SHARDS, FunctionSignature
 from tvm_distx.runtime.backends import check_backend, launch, open_session
 
 __all__ = ["DistExecutable"]
@@ -349,7 +351,6 @@ class DistExecutable:
         self.target.export_library(self.vm_exec, root / "lib.so")
         if self.target.is_riscv:
             # no TVM runtime for riscv64 here: the kernels, alone, are checked under qemu
-            from tvm_distx.build.rvv import write_kernels
 
             write_kernels(self.built, self.target.target, root / "kernels",
                           cc=self.target.cc or "riscv64-linux-gnu-gcc")

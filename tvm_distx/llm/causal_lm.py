@@ -33,16 +33,26 @@ without loading the whole model anywhere.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 import json
 import logging
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
+import tvm
 
-from tvm_distx.errors import ArgumentError
+from tvm_distx.build.pipeline import compile as compile_module, run_stages
+from tvm_distx.bundle.checkpoint import open_checkpoint
+from tvm_distx.bundle.manifest import read_manifest
+from tvm_distx.errors import ArgumentError, DistxError, BundleError
+from tvm_distx.frontend.decoder import BATCH_SUFFIX, FUNCTIONS, KVCacheLayout, export_decoder
+from tvm_distx.frontend.pytorch import relax_name
+from tvm_distx.llm.batch import generate_batch
+from tvm_distx.plans import presets
+from tvm_distx.reports.comm_report import comm_report
+from tvm_distx.runtime.backends import check_backend, open_session
 
 __all__ = ["CausalLM", "GenerationStats", "GENERATION_FILE"]
 
@@ -137,8 +147,6 @@ class CausalLM:
         **options
             ``hosts``, ``mpiexec``, ``env`` for an MPI session.
         """
-        from tvm_distx import export_decoder
-        from tvm_distx.runtime.backends import check_backend
 
         check_backend(backend, options)  # before the export and the compile
         if num_ranks < 1:
@@ -184,10 +192,6 @@ class CausalLM:
         import transformers
         from transformers.initialization import no_init_weights
 
-        from tvm_distx import export_decoder
-        from tvm_distx.frontend.pytorch import relax_name
-        from tvm_distx.bundle.checkpoint import open_checkpoint
-        from tvm_distx.runtime.backends import check_backend
 
         check_backend(backend, options)  # before the export and the compile
         root = Path(directory)
@@ -241,11 +245,6 @@ class CausalLM:
     def _serve(cls, model, program, weights, num_ranks: int, *, backend: str, plan,
                timeout: float, **options) -> "CausalLM":
         """Shard and compile ``program``, and launch its session with ``weights``."""
-        from tvm_distx import comm_report
-        from tvm_distx.plans import presets
-        from tvm_distx import compile as compile_module
-        from tvm_distx.errors import DistxError
-        from tvm_distx.build.pipeline import run_stages
 
         max_length = program.cache.max_length
         preset = plan if plan is not None else presets.tensor_parallel()
@@ -328,8 +327,6 @@ class CausalLM:
         ArgumentError
             For an unknown backend, or a ``num_ranks`` the bundle was not built for.
         """
-        from tvm_distx.errors import BundleError
-        from tvm_distx.runtime.backends import check_backend, open_session
 
         check_backend(backend, options)
         path = Path(directory) / GENERATION_FILE
@@ -345,7 +342,6 @@ class CausalLM:
                               cli_hint="write one in Python: CausalLM.from_hf(model)"
                               ".export(directory)") from None
         if num_ranks is not None:
-            from tvm_distx.bundle.manifest import read_manifest
 
             built = read_manifest(directory).num_ranks
             if num_ranks != built:
@@ -388,7 +384,6 @@ class CausalLM:
         prompts, single = _prompts(input_ids)
         self.stats = GenerationStats(bytes_per_token=self.stats.bytes_per_token)
         if len(prompts) > 1 and self.batch_cache is not None:
-            from tvm_distx.llm.batch import generate_batch
 
             new = generate_batch(self, prompts, max_new_tokens, _stops(eos_token_id),
                                  self.pad_token_id)
@@ -463,14 +458,12 @@ class CausalLM:
 
 def _functions(batch_cache) -> tuple[str, ...]:
     """The public functions of a generation program: the batched ones when exported."""
-    from tvm_distx.frontend.decoder import BATCH_SUFFIX, FUNCTIONS
 
     return FUNCTIONS + (tuple(f + BATCH_SUFFIX for f in FUNCTIONS) if batch_cache else ())
 
 
 def _only(mod, functions):
     """``mod`` without the public functions not in ``functions``."""
-    import tvm
 
     return tvm.IRModule({gv: func for gv, func in mod.functions.items()
                          if func.attrs is None or "global_symbol" not in func.attrs
@@ -483,7 +476,6 @@ def _layout_json(layout) -> dict:
 
 
 def _layout_from_json(data: dict):
-    from tvm_distx.frontend.decoder import KVCacheLayout
 
     return KVCacheLayout(tuple(data["names"]), tuple(tuple(int(d) for d in s)
                                                      for s in data["shapes"]),
