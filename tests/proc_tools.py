@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 
@@ -22,3 +23,12 @@ def parents() -> dict[int, int]:
 def children() -> set[int]:
     """The processes this process started that still exist."""
     return {pid for pid, parent in parents().items() if parent == os.getpid()}
+
+
+def with_default_ctrl_c() -> None:
+    """``preexec_fn`` for a child that a test interrupts with SIGINT, as a user's Ctrl-C would.
+
+    A suite started as a background job of a shell inherits SIGINT ignored, and so would
+    the child; a user's terminal never starts the command that way.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -12,6 +12,7 @@ import pytest
 import tvm
 
 import tvm_distx as td
+import proc_tools
 from tvm_distx import ShardingRule
 from tvm_distx.cli.main import main as cli
 from tvm_distx.passes import AnnotateSharding, PropagateSharding
@@ -187,7 +188,8 @@ def test_ctrl_c_while_tvm_loads_is_one_line_and_exit_130(rules):
     import time
 
     proc = subprocess.Popen([sys.executable, "-m", "tvm_distx", "propagate", TP, "--rules", rules],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=proc_tools.with_default_ctrl_c)
     time.sleep(1.0)  # the package itself loads in a fraction of a second; TVM takes longer
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from locations import REPO_ROOT
+import proc_tools
 
 ROOT = REPO_ROOT
 BIN = Path(sys.executable).parent  # the environment's tvm-distx and python
@@ -220,7 +221,8 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(journey, after):
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
     proc = subprocess.Popen(["tvm-distx", "compile", "model.py", "--rules", "rules.json",
                              "-o", "interrupted"], cwd=home, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=proc_tools.with_default_ctrl_c)
     time.sleep(after)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
