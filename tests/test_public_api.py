@@ -141,3 +141,34 @@ def test_annotate_and_propagate_load_the_compiler_only_on_first_use():
     before, annotate, propagate = json.loads(done.stdout.splitlines()[-1])
     assert before == []
     assert annotate and propagate
+
+
+def test_every_moved_module_keeps_its_old_import_path_for_one_release():
+    """``import tvm_distx.presets`` and ``from tvm_distx import presets`` warn and give the
+    module at its new place, the very same object (in a fresh interpreter: the old names
+    must not have been imported yet)."""
+    code = (
+        "import importlib, json, sys, warnings\n"
+        "import tvm_distx\n"
+        "bad = []\n"
+        "for old, new in sorted(tvm_distx._MOVED_MODULES.items()):\n"
+        "    module = importlib.import_module(new)\n"
+        "    with warnings.catch_warnings(record=True) as seen:\n"
+        "        warnings.simplefilter('always')\n"
+        "        got = importlib.import_module(old)\n"
+        "        attr = getattr(tvm_distx, old.rpartition('.')[2])\n"
+        "    said = [str(w.message) for w in seen if w.category is DeprecationWarning]\n"
+        "    if got is not module or attr is not module or not any(new in m for m in said):\n"
+        "        bad.append(old)\n"
+        "print(json.dumps([len(tvm_distx._MOVED_MODULES), bad]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    count, bad = json.loads(done.stdout.splitlines()[-1])
+    assert count >= 20 and bad == []
+
+
+def test_the_llm_package_gives_causal_lm_as_before():
+    from tvm_distx.llm import CausalLM
+
+    assert CausalLM is tvm_distx.CausalLM

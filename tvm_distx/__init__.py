@@ -61,7 +61,7 @@ def _quiet_ctrl_c_while_the_command_line_starts() -> None:
 _quiet_ctrl_c_while_the_command_line_starts()
 
 from tvm_distx import errors
-from tvm_distx._deprecated import deprecated_names
+from tvm_distx._deprecated import MovedModules, deprecated_names
 from tvm_distx.errors import DistxError
 from tvm_distx.layout import Partial, Placement, Replicate, Shard, TensorSharding
 from tvm_distx.layout.mesh import DeviceMesh, set_device_meshes
@@ -92,6 +92,21 @@ _DEPRECATED = {
     "module_meshes": "tvm_distx.layout.mesh.device_meshes",
     **{name: f"tvm_distx.errors.{name}" for name in errors.__all__ if name != "DistxError"},
 }
+
+
+#: Modules that moved into the packages by concept, kept for one release under their old
+#: names (``explain`` and ``comm_report`` are public functions of the top level, not modules).
+_MOVED_MODULES = {f"tvm_distx.{old}": f"tvm_distx.{new}" for old, new in {
+    "mesh": "layout.mesh", "rules": "layout.rules", "signature": "bundle.signature",
+    "pipeline": "build.pipeline", "executable": "build.executable", "targets": "build.targets",
+    "rvv": "build.rvv", "schedule": "build.schedule", "views": "reports.views",
+    "script": "frontend.script", "kv_export": "frontend.decoder", "torch_ops": "frontend.torch_ops",
+    "torch_moe": "frontend.torch_moe", "presets": "plans.presets",
+    "tp_plan": "plans.tensor_parallel", "tp_summary": "plans.summary", "vocab_plan": "plans.vocab",
+    "hf_plan": "plans.hf", "moe": "plans.moe", "moe_dispatch": "plans.moe_dispatch",
+    "llm_batch": "llm.batch", "demo": "cli.demo",
+}.items()}
+MovedModules(_MOVED_MODULES).install()
 
 
 def _lazy(name: str):

@@ -1,5 +1,9 @@
 """Old public names kept for one release: a module ``__getattr__`` that warns (PEP 562).
 
+A module that moved keeps its old import path working through :class:`MovedModules`, an
+import finder: ``import tvm_distx.presets`` (or ``from tvm_distx import presets``) warns and
+gives ``tvm_distx.plans.presets`` itself.
+
 A module that renamed or moved a public name keeps the old one working with::
 
     __getattr__ = deprecated_names(__name__, {"old_name": "tvm_distx.where.new_name"})
@@ -14,10 +18,13 @@ use it.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import warnings
 from typing import Callable, Mapping
 
-__all__ = ["deprecated_names", "resolve"]
+__all__ = ["MovedModules", "deprecated_names", "resolve"]
 
 
 def resolve(path: str):
@@ -59,3 +66,40 @@ def deprecated_names(module: str, renamed: Mapping[str, str],
 
     __getattr__.deprecated = table  # for tests and for the API reference
     return __getattr__
+
+
+class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """An import finder for modules that moved: the old name warns and is the new module.
+
+    Parameters
+    ----------
+    moved : mapping of str to str
+        Each old module name to the module it now is (``"tvm_distx.presets"`` to
+        ``"tvm_distx.plans.presets"``). The new module object is returned as it is, so
+        ``old.name is new.name`` for everything in it.
+    """
+
+    def __init__(self, moved: Mapping[str, str]) -> None:
+        self.moved = dict(moved)
+
+    def find_spec(self, name, path=None, target=None):
+        """A spec loaded by this finder for an old name; None for any other."""
+        if name not in self.moved:
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        """The new module, imported now, after a :class:`DeprecationWarning`."""
+        new = self.moved[spec.name]
+        warnings.warn(f"module {spec.name} is deprecated and will be removed in the next "
+                      f"release; use {new}", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module) -> None:
+        """Nothing to run: the new module ran when it was imported."""
+
+    def install(self) -> "MovedModules":
+        """Put this finder on ``sys.meta_path`` once (after the regular finders)."""
+        if not any(isinstance(f, MovedModules) and f.moved == self.moved for f in sys.meta_path):
+            sys.meta_path.append(self)
+        return self

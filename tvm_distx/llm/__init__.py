@@ -4,3 +4,7 @@
   sharded over ranks that stay up between calls;
 - :mod:`~tvm_distx.llm.batch`: several prompts as one left-padded batch per step.
 """
+
+from tvm_distx.llm.causal_lm import CausalLM
+
+__all__ = ["CausalLM"]
