@@ -1,0 +1,369 @@
+"""The test hosts (``scripts/testhosts``, ``tests/testhosts.py``): namespaces on this machine
+that behave as separate hosts, and that leave nothing behind.
+
+Most tests use the session's three hosts (``test_hosts``); the up/down tests make their own
+under an id of their own. The MPI test proves that ranks on two test hosts talk over TCP, not
+shared memory: UCX's protocol tables (``UCX_PROTO_INFO=y``) name ``tcp/eth0`` for the
+inter-node lanes, while two ranks on this machine without the hosts use ``sysv``/``cma``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from proc_tools import with_default_ctrl_c
+from testhosts import SCRIPT, NamespaceHosts, free_id, hosts_up, script
+
+
+def _links() -> str:
+    return subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+
+
+def _netns() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _namespaces_in_use() -> set[str]:
+    """The net and pid namespaces of every live process (``net:[4026531840]``, ...)."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # ended; its parent has not read its exit status yet
+        except OSError:
+            continue
+        for kind in ("net", "pid"):
+            try:
+                found.add(os.readlink(f"/proc/{pid}/ns/{kind}"))
+            except OSError:
+                pass
+    return found
+
+
+def _leftovers(k: int, names: list[str], namespaces: set[str]) -> list[str]:
+    """Whatever of id ``k`` is still there: netns, links, mounts, state, processes."""
+    found = [f"netns {n}" for n in _netns() if n in names]
+    found += re.findall(rf"^\d+: ((?:th{k}v\d+|thbr{k}))[:@]", _links(), re.M)
+    mounts = Path("/proc/mounts").read_text()
+    found += [f"mount {m}" for m in re.findall(rf"\S*tvm-distx-testhosts\S*/{k}\b\S*", mounts)]
+    found += [f"mount {m}" for m in re.findall(r"\S*/netns/(\S+)", mounts) if m in names]
+    found += [f"state {p}" for p in (Path(f"/run/tvm-distx-testhosts/{k}"),
+                                    Path(f"/var/tmp/tvm-distx-testhosts/{k}"),
+                                    Path(f"/var/tmp/tvm-distx-testhosts-shared/{k}"))
+              if p.exists()]
+    found += [f"process in {ns}" for ns in namespaces & _namespaces_in_use()]
+    return found
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _host_namespaces(k: int, names: list[str]) -> set[str]:
+    found = set()
+    for name in names:
+        init = int(Path(f"/run/tvm-distx-testhosts/{k}/{name}/pid").read_text())
+        found |= {os.readlink(f"/proc/{init}/ns/{kind}") for kind in ("net", "pid")}
+    return found
+
+
+# --- up and down -----------------------------------------------------------------------------
+
+def test_up_makes_the_hosts_and_down_leaves_nothing_behind():
+    with hosts_up(2) as hosts:
+        k, names = hosts.id, list(hosts.names)
+        assert names == [f"k{k}t1", f"k{k}t2"]
+        assert set(names) <= set(_netns())
+        assert f"thbr{k}" in _links() and f"th{k}v2" in _links()
+        namespaces = _host_namespaces(k, names)
+        assert len(namespaces) == 4  # a network and a PID namespace per host
+        hosts.run(names[0], "sleep 300 >/dev/null 2>&1 &")  # a process down must end
+        assert [c for _, c in hosts.processes(names[0])] == ["sleep 300"]
+    assert _leftovers(k, names, namespaces) == []
+    script("down", f"--id={k}")  # again: nothing to do, and no error
+
+
+def test_up_refuses_an_id_that_is_up():
+    with hosts_up(1) as hosts:
+        done = script("up", "1", f"--id={hosts.id}", check=False)
+        assert done.returncode == 1
+        assert f"down --id {hosts.id}` first" in done.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_down_cleans_up_after_an_up_that_was_killed_midway(sig):
+    with free_id() as k:
+        names = [f"k{k}t{i}" for i in (1, 2, 3)]
+        up = subprocess.Popen([str(SCRIPT), "up", "3", f"--id={k}"], stderr=subprocess.PIPE,
+                              text=True, preexec_fn=with_default_ctrl_c,
+                              env={**os.environ, "TESTHOSTS_TEST_STALL": names[1]})
+        try:
+            assert "stalled after starting" in up.stderr.readline()  # hosts 1 and 2 are made
+            assert sorted(n for n in _netns() if n in names) == names[:2]
+            up.send_signal(sig)
+            assert up.wait(timeout=30) != 0
+        finally:
+            up.kill()
+            up.wait()
+        if sig == signal.SIGKILL:  # no chance to clean: `down` does it
+            assert sorted(n for n in _netns() if n in names) == names[:2]
+            script("down", f"--id={k}")
+        assert _leftovers(k, names, set()) == []
+        assert not [p for p in os.listdir("/proc") if f"--id={k}" in _cmdline(p)]
+
+
+# --- what makes them hosts -------------------------------------------------------------------
+
+def test_each_host_has_its_own_hostname_and_names_the_others(test_hosts):
+    seen = [test_hosts.run(h, "hostname").stdout.strip() for h in test_hosts.names]
+    assert seen == list(test_hosts.names)
+    etc_hosts = test_hosts.run(test_hosts.names[0], "cat /etc/hosts").stdout
+    for name, address in test_hosts.addresses.items():
+        assert f"{address}\t{name}\n" in etc_hosts
+    assert f"{test_hosts.caller_address}\t{test_hosts.caller}\n" in etc_hosts
+    assert "10.231." not in Path("/etc/hosts").read_text()  # this machine's file is untouched
+
+
+def test_tmp_shm_and_the_deploy_root_are_private_and_the_rest_is_shared(test_hosts):
+    a, b = test_hosts.names[:2]
+    mark = f"mark-{uuid.uuid4().hex}"
+    places = ["/tmp", "/dev/shm", test_hosts.deploy_root]
+    for place in places:
+        test_hosts.run(a, f"echo {a} > {place}/{mark}")
+        assert test_hosts.run(a, f"cat {place}/{mark}").stdout == f"{a}\n"
+        assert test_hosts.run(b, f"test -e {place}/{mark}", check=False).returncode == 1
+        assert not Path(place, mark).exists()  # nor on this machine
+    here = Path("/tmp", f"{mark}-here")
+    here.write_text("here")
+    try:
+        assert test_hosts.run(a, f"test -e {here}", check=False).returncode == 1
+    finally:
+        here.unlink()
+    test_hosts.run(a, f"echo {a} > {test_hosts.shared}/{mark}")
+    assert test_hosts.run(b, f"cat {test_hosts.shared}/{mark}").stdout == f"{a}\n"
+    (test_hosts.shared / mark).unlink()
+    # the repository and its Python stay where they are
+    code = "import numpy, tvm_distx; print(tvm_distx.__file__)"
+    done = test_hosts.run(b, [sys.executable, "-c", code])
+    assert done.stdout.startswith(str(Path(__file__).resolve().parents[1]))
+
+
+def test_a_host_sees_only_its_own_processes(test_hosts):
+    a, b = test_hosts.names[:2]
+    assert test_hosts.run(a, "echo $$").stdout.strip().isdigit()
+    listed = test_hosts.run(a, "ps -ww -e -o pid=,args=").stdout.splitlines()
+    assert "_init" in listed[0] and listed[0].split()[0] == "1"  # the host's init is its PID 1
+    test_hosts.run(b, "sleep 300 >/dev/null 2>&1 &")
+    try:
+        assert "sleep 300" not in test_hosts.run(a, "ps -ww -e -o args=").stdout
+    finally:
+        test_hosts.kill(b)
+
+
+# --- the network -----------------------------------------------------------------------------
+
+SERVER = textwrap.dedent("""
+    import socket, sys
+    server = socket.create_server(("", 7700))
+    print("ready", flush=True)
+    while True:
+        conn, peer = server.accept()
+        conn.sendall(socket.gethostname().encode() + b" " + conn.recv(100))
+        conn.close()
+""")
+CLIENT = textwrap.dedent("""
+    import socket, sys
+    try:
+        with socket.create_connection((sys.argv[1], 7700), timeout=float(sys.argv[2])) as c:
+            c.sendall(b"hello")
+            print(c.recv(100).decode())
+    except OSError as error:
+        print("failed:", error)
+""")
+
+
+def _ask(hosts: NamespaceHosts, source: str, target: str, timeout: float = 2.0) -> str:
+    done = hosts.run(source, [sys.executable, "-c", CLIENT, target, str(timeout)])
+    return done.stdout.strip()
+
+
+def test_tcp_between_hosts_and_a_link_that_goes_down_and_up(test_hosts):
+    a, b, c = test_hosts.names
+    server = subprocess.Popen([test_hosts.rsh, b, shlex.join([sys.executable, "-c", SERVER])],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline() == "ready\n"
+        assert _ask(test_hosts, a, b) == f"{b} hello"
+        assert _ask(test_hosts, c, test_hosts.addresses[b]) == f"{b} hello"
+        test_hosts.link(b, up=False)
+        try:
+            assert _ask(test_hosts, a, b, timeout=1.0).startswith("failed:")
+        finally:
+            test_hosts.link(b, up=True)
+        deadline = time.monotonic() + 10
+        while (answer := _ask(test_hosts, a, b)) != f"{b} hello" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert answer == f"{b} hello"
+        test_hosts.kill(b)  # the server (and the shell around it) ends
+        assert server.wait(timeout=10) != 0
+        assert test_hosts.processes(b) == []
+    finally:
+        server.kill()
+        server.wait()
+        test_hosts.kill(b)
+
+
+def test_kill_ends_every_process_of_a_host_and_only_of_that_host(test_hosts):
+    a, b = test_hosts.names[:2]
+    for host in (a, b):
+        test_hosts.run(host, "sleep 300 >/dev/null 2>&1 & sleep 301 >/dev/null 2>&1 &")
+    try:
+        assert sorted(c for _, c in test_hosts.processes(a)) == ["sleep 300", "sleep 301"]
+        test_hosts.kill(a)
+        assert test_hosts.processes(a) == []
+        assert len(test_hosts.processes(b)) == 2
+        assert test_hosts.run(a, "hostname").stdout.strip() == a  # the host itself stays
+    finally:
+        test_hosts.kill(b)
+
+
+# --- the remote shell ------------------------------------------------------------------------
+
+def test_the_remote_shell_is_called_like_ssh(test_hosts):
+    a = test_hosts.names[0]
+    rsh = test_hosts.rsh
+
+    def call(*argv: str, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run([rsh, *argv], capture_output=True, text=True, timeout=30, **kwargs)
+
+    done = call("-x", "-T", "-q", "-o", "BatchMode=yes", "-oStrictHostKeyChecking=no", "-p",
+                "22", "-l", "root", a, "echo", "$(hostname)", "two  words")
+    assert (done.returncode, done.stdout) == (0, f"{a} two words\n")  # joined, then sh -c
+    assert call(f"root@{a}", "hostname").stdout == f"{a}\n"
+    assert call(a, "exit 3").returncode == 3
+    done = call(a, "cat; echo err >&2", input="in\n")
+    assert (done.stdout, done.stderr) == ("in\n", "err\n")
+    done = call("-x", "nohost", "true")
+    assert done.returncode == 255
+    assert done.stderr == "ssh: Could not resolve hostname nohost: Name or service not known\n"
+
+
+def test_the_remote_shell_can_need_the_link(test_hosts):
+    a = test_hosts.names[0]
+    env = {**os.environ, "TESTHOSTS_RSH_NEEDS_LINK": "1"}
+    test_hosts.link(a, up=False)
+    try:
+        done = subprocess.run([test_hosts.rsh, a, "true"], capture_output=True, text=True,
+                              env=env)
+        assert done.returncode == 255 and "No route to host" in done.stderr
+        assert test_hosts.run(a, "true").returncode == 0  # without the variable it still works
+    finally:
+        test_hosts.link(a, up=True)
+    assert subprocess.run([test_hosts.rsh, a, "true"], env=env).returncode == 0
+
+
+def test_env_and_hostfile(test_hosts, tmp_path):
+    env = script("env", f"--id={test_hosts.id}").stdout
+    assert f"TESTHOSTS_NAMES={','.join(test_hosts.names)}\n" in env
+    assert f"TESTHOSTS_RSH={test_hosts.rsh}\n" in env
+    a, b, c = test_hosts.names
+    assert script("hostfile", f"--id={test_hosts.id}", "--slots=2,1,1").stdout == \
+        f"{a}:2\n{b}:1\n{c}:1\n"
+    assert test_hosts.hostfile(tmp_path / "h", [2, 1, 1]).read_text() == f"{a}:2\n{b}:1\n{c}:1\n"
+
+
+# --- MPI across hosts ------------------------------------------------------------------------
+
+ALLREDUCE = textwrap.dedent("""
+    import socket
+    import numpy as np
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    x = np.arange(1 << 19, dtype="float64") * (comm.rank + 1)  # 4 MiB
+    y = np.empty_like(x)
+    comm.Allreduce(x, y)
+    total = sum(range(1, comm.size + 1))
+    ok = np.array_equal(y, np.arange(1 << 19, dtype="float64") * total)
+    seen = comm.gather((comm.rank, socket.gethostname(), ok))  # one writer: no interleaving
+    if comm.rank == 0:
+        print("".join(f"RESULT {r} {host} {ok}\\n" for r, host, ok in seen), flush=True)
+""")
+
+
+def _mpiexec(args: list[str], program: Path, **env: str) -> subprocess.CompletedProcess:
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    done = subprocess.run([str(mpiexec if mpiexec.exists() else shutil.which("mpiexec")),
+                           *args, sys.executable, str(program)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _results(out: str) -> dict[int, tuple[str, str]]:
+    return {int(r): (h, ok) for r, h, ok in re.findall(r"^RESULT (\d+) (\S+) (\S+)$", out, re.M)}
+
+
+def _lanes(out: str) -> dict[str, set[str]]:
+    """The transports of UCX's protocol tables, by peer kind (``inter-node``, ``intra-node``).
+
+    Each rank prints tables headed ``ucp_context_0 <kind> cfg#N | <operation>``, with rows
+    ``| <sizes> | <protocol> | <transport>/<device> |``; ranks' lines interleave, so each
+    line's ``[host:pid:thread]`` prefix says whose table it continues.
+    """
+    kinds: dict[str, str] = {}
+    lanes: dict[str, set[str]] = {}
+    for line in out.splitlines():
+        owner = re.match(r"\[[\d.]+\] \[([^\]]+)\]", line)
+        if not owner:
+            continue
+        if head := re.search(r"\| ucp_context_\d+ (\S+) cfg#\d+ \|", line):
+            kinds[owner[1]] = head[1]
+        elif (row := re.search(r"\|[^|]+\|[^|]+\| ([\w-]+/[\w.-]+) +\|$", line)) \
+                and owner[1] in kinds:
+            lanes.setdefault(kinds[owner[1]], set()).add(row[1])
+    return lanes
+
+
+def test_mpi_ranks_on_two_hosts_talk_over_tcp_not_shared_memory(test_hosts):
+    a, b = test_hosts.names[:2]
+    program = test_hosts.shared / "allreduce.py"  # the hosts' /tmp is their own
+    program.write_text(ALLREDUCE)
+    done = _mpiexec([*test_hosts.launcher(), "-hosts", f"{a},{b}", "-n", "2"], program,
+                    UCX_PROTO_INFO="y")
+    assert _results(done.stdout) == {0: (a, "True"), 1: (b, "True")}
+    lanes = _lanes(done.stdout + done.stderr)
+    assert "intra-node" not in lanes, lanes
+    assert lanes["inter-node"] and all(t.startswith("tcp/") for t in lanes["inter-node"]), lanes
+    # the same two ranks on this machine, without the hosts: shared memory, which the check sees
+    done = _mpiexec(["-n", "2"], program, UCX_PROTO_INFO="y")
+    lanes = _lanes(done.stdout + done.stderr)
+    assert "inter-node" not in lanes, lanes
+    assert {t.split("/")[0] for t in lanes["intra-node"]} & {"sysv", "posix", "cma"}, lanes
+
+
+def test_hydra_places_ranks_in_host_order_filling_slots(test_hosts):
+    a, b, c = test_hosts.names
+    program = test_hosts.shared / "allreduce.py"
+    program.write_text(ALLREDUCE)
+    done = _mpiexec([*test_hosts.launcher(), "-hosts", f"{a}:2,{b}:1,{c}:1", "-n", "4"],
+                    program)
+    assert _results(done.stdout) == {0: (a, "True"), 1: (a, "True"), 2: (b, "True"),
+                                     3: (c, "True")}
+    for host in test_hosts.names:  # the proxies and ranks are gone from every host
+        assert test_hosts.processes(host) == []
