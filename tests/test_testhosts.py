@@ -367,3 +367,49 @@ def test_hydra_places_ranks_in_host_order_filling_slots(test_hosts):
                                      3: (c, "True")}
     for host in test_hosts.names:  # the proxies and ranks are gone from every host
         assert test_hosts.processes(host) == []
+
+
+# --- the fixture cleans up -------------------------------------------------------------------
+
+SESSION = textwrap.dedent("""
+    import time
+    from testhosts import test_hosts_fixture  # noqa: F401
+
+    def test_that_fails(test_hosts):
+        print("UP", test_hosts.id, ",".join(test_hosts.names), flush=True)
+        if {how!r} != "fails":
+            time.sleep(300)  # until interrupted
+        assert False
+""")
+
+
+@pytest.mark.parametrize("how", ["fails", "ctrl-c", "killed"])
+def test_a_session_that_fails_or_is_interrupted_leaves_nothing_behind(how, tmp_path):
+    (tmp_path / "test_session.py").write_text(SESSION.format(how=how))
+    tests = Path(__file__).resolve().parent
+    session = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-c",
+         os.devnull, "--rootdir", str(tmp_path), "-o", f"pythonpath={tests}",
+         str(tmp_path / "test_session.py")], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, preexec_fn=with_default_ctrl_c)
+    try:
+        for line in session.stdout:
+            if line.startswith("UP "):
+                break
+        _, k, names = line.split()
+        k, names = int(k), names.split(",")
+        namespaces = _host_namespaces(k, names)
+        if how == "ctrl-c":
+            session.send_signal(signal.SIGINT)
+        elif how == "killed":
+            session.kill()
+        rest = session.communicate(timeout=60)[0]
+    finally:
+        session.kill()
+        session.wait()
+    assert session.returncode == {"fails": 1, "ctrl-c": 2, "killed": -9}[how], rest
+    if how == "killed":  # no teardown ran: the next session cleans up first
+        assert set(names) <= set(_netns())
+        with free_id():
+            pass
+    assert _leftovers(k, names, namespaces) == []
