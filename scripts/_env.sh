@@ -52,3 +52,13 @@ if [ "$EXTRAS" = test ] && { ! command -v riscv64-linux-gnu-gcc >/dev/null 2>&1 
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc-riscv64-linux-gnu qemu-user >/dev/null
 fi
+
+# The tests across hosts make test hosts in namespaces (scripts/testhosts): ip (iproute2),
+# nsenter and unshare (util-linux), installed once when missing.
+if [ "$EXTRAS" = test ] && { ! command -v ip >/dev/null 2>&1 \
+        || ! command -v nsenter >/dev/null 2>&1 || ! command -v unshare >/dev/null 2>&1; }; then
+    echo "[setup] installing iproute2 and util-linux with apt-get"
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq iproute2 util-linux >/dev/null
+fi
