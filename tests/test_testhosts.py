@@ -106,6 +106,19 @@ def test_up_refuses_an_id_that_is_up():
         assert f"down --id {hosts.id}` first" in done.stderr
 
 
+def test_up_leaves_alone_a_namespace_of_the_same_name_that_it_did_not_make():
+    with free_id() as k:
+        subprocess.run(["ip", "netns", "add", f"k{k}t2"], check=True)
+        try:
+            done = script("up", "2", f"--id={k}", check=False)
+            assert done.returncode == 1
+            assert f"k{k}t2 exist already (not made by testhosts --id {k})" in done.stderr
+            assert f"k{k}t2" in _netns()
+            assert _leftovers(k, [f"k{k}t1"], set()) == []
+        finally:
+            subprocess.run(["ip", "netns", "del", f"k{k}t2"], check=True)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_down_cleans_up_after_an_up_that_was_killed_midway(sig):
     with free_id() as k:
