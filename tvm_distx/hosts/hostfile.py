@@ -94,7 +94,8 @@ def _parse_entry(text: str, where: str) -> Host:
     try:
         return Host(name, count)
     except ArgumentError as err:
-        raise ArgumentError(f"{where}: {text!r}: {err.message}", hint=err.hint) from None
+        said = err.message if err.message.startswith(repr(text)) else f"{text!r}: {err.message}"
+        raise ArgumentError(f"{where}: {said}", hint=err.hint) from None
 
 
 def _merged(entries: Iterable[tuple[Host, str]]) -> tuple[Host, ...]:
