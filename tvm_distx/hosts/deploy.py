@@ -272,6 +272,12 @@ class _Reader(io.RawIOBase):
             want = want - take if want > 0 else want
         return b"".join(parts)
 
+    def finish(self, member: _Member) -> None:
+        """Run the chunks to their end (which records a digest); refuse bytes beyond the size."""
+        if self.at < len(self.block) or any(len(block) for block in self.chunks):
+            raise BundleError(f"{member.name} grew while it was being deployed",
+                              hint="deploy again once nothing writes the bundle")
+
 
 def _send(members: Iterator[_Member], stream: BinaryIO, totals: dict) -> None:
     """Write the members as one tar stream (tarfile's stream mode: nothing seeks, nothing waits)."""
@@ -280,7 +286,9 @@ def _send(members: Iterator[_Member], stream: BinaryIO, totals: dict) -> None:
         for member in members:
             info = tarfile.TarInfo(member.name)
             info.size, info.mode, info.mtime = member.size, member.mode, int(time.time())
-            tar.addfile(info, _Reader(member.chunks()))
+            reader = _Reader(member.chunks())
+            tar.addfile(info, reader)
+            reader.finish(member)
             totals["files"] = totals.get("files", 0) + 1
             totals["bytes"] = totals.get("bytes", 0) + member.size
 
