@@ -17,7 +17,8 @@ import tomllib
 from pathlib import Path
 
 
-RANK_ENTRY_POINTS = ("tvm_distx.runtime.mpi_rank", "tvm_distx.runtime.disco_rank")
+RANK_ENTRY_POINTS = ("tvm_distx.runtime.mpi_rank", "tvm_distx.runtime.disco_rank",
+                     "tvm_distx.hosts.remote")
 COMPILER = ("tvm_distx.passes", "tvm_distx.legalize")
 
 
@@ -41,6 +42,14 @@ def test_rank_entry_points_do_not_import_the_compiler():
     assert "tvm_distx.layout" in loaded  # the geometry comes from the layout core
     compiler = [m for m in loaded if m.startswith(COMPILER)]
     assert compiler == [], f"a rank process imports compiler modules: {compiler}"
+
+
+def test_the_check_run_on_each_host_imports_neither_tvm_nor_the_compiler():
+    # `python -m tvm_distx.hosts.remote` runs on every host before a launch: a host needs
+    # Python, numpy, safetensors and tvm-distx, not TVM
+    loaded = _loaded_after_importing("tvm_distx.hosts.remote")
+    assert "tvm_distx.hosts.remote" in loaded and "tvm" not in loaded
+    assert [m for m in loaded if m.startswith(COMPILER)] == []
 
 
 def test_ccl_layout_and_runtime_do_not_import_the_compiler():

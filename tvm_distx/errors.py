@@ -25,6 +25,7 @@ __all__ = [
     "ArgumentKeyError",
     "SymbolicExtentError",
     "LaunchError",
+    "DeployError",
     "CollectiveGroupError",
     "PeerFailedError",
     "ShardingError",
@@ -345,6 +346,32 @@ class LaunchError(_RuntimeErrorBase, RuntimeError):
         self.reason = reason
         self.details = details
         super().__init__(message + (f"\n{details.rstrip()}" if details else ""), hint=hint)
+
+
+class DeployError(LaunchError):
+    """A host cannot be reached, or its deployed copy of a bundle is missing, stale or damaged.
+
+    Raised by :mod:`tvm_distx.hosts` (``deploy``, and ``check_deployed`` before a
+    launch, so it is a :class:`LaunchError` too). The message is one line naming
+    the host and, where there is one, the file.
+
+    Attributes
+    ----------
+    host : str or None
+        The host.
+    file : str or None
+        The file on that host, when one is to blame.
+    """
+
+    rule = "deploy"
+
+    def __init__(self, message: str, *, host: str | None = None, file: str | None = None,
+                 reason: str = "exited", hint: str | None = None,
+                 cli_hint: str | None = None) -> None:
+        self.host = host
+        self.file = file
+        super().__init__(message, reason=reason, hint=hint)
+        self.cli_hint = cli_hint
 
 
 class QemuError(_RuntimeErrorBase, RuntimeError):

@@ -14,6 +14,9 @@ subcommand      what it does
 ``run``         ``BUNDLE -n N [--backend mpi|disco|emulate] [-i X.npy ...] [-o OUT]`` -> results
 ``generate``    ``BUNDLE --ids 1 15 22 [--backend mpi|disco|emulate] [-n N]`` -> greedy
                 tokens from a generation bundle (``CausalLM.export``)
+``deploy``      ``BUNDLE (--hostfile F | --hosts a:2,b) --dest DIR [--rsh PROGRAM]`` -> each
+                host a copy with only its ranks' weights, checked there
+                (``--split-only OUT``: ``OUT/<host>/`` here)
 ==============  ===========================================================================
 
 ``--split-fused`` runs :class:`tvm_distx.passes.SplitFusedProjections` on the
@@ -43,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tvm_distx.cli.deploy import add_parser as _add_deploy_parser
 from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, _input_file,
                          _load_plain, _output_directory, _progress, _read_rules, _with_mesh,
                          _writable_file)
@@ -306,6 +310,12 @@ def _generate(args: argparse.Namespace) -> int:
     return generate(args)
 
 
+def _deploy(args: argparse.Namespace) -> int:
+    from tvm_distx.cli.deploy import deploy
+
+    return deploy(args)
+
+
 # ---------------------------------------------------------------------- parser
 class _Parser(argparse.ArgumentParser):
     """argparse that raises :class:`ArgumentError` on bad usage instead of exiting."""
@@ -449,6 +459,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds for the ranks to start and for each step")
     p.set_defaults(handler=_generate)
+
+    _add_deploy_parser(sub).set_defaults(handler=_deploy)
     return parser
 
 
