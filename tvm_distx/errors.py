@@ -333,19 +333,27 @@ class LaunchError(_RuntimeErrorBase, RuntimeError):
     rank : int or None
         The first rank that failed, when known.
     reason : str
-        ``"raised"``, ``"killed"``, ``"timeout"`` or ``"exited"``.
+        ``"raised"``, ``"killed"``, ``"lost"`` (nothing heard from the rank for
+        a while: its host or the network to it is down), ``"timeout"``,
+        ``"unreachable"`` (a host did not answer the remote shell), ``"files"``
+        (a host lacks a file its ranks need) or ``"exited"``.
     details : str
         The failing rank's traceback or the launcher's last output.
+    host : str or None
+        The host of that rank (or the host that failed), when known.
     """
 
     rule = "launch"
 
     def __init__(self, message: str, *, rank: int | None = None, reason: str = "exited",
-                 details: str = "", hint: str | None = None) -> None:
+                 details: str = "", hint: str | None = None, cli_hint: str | None = None,
+                 host: str | None = None) -> None:
         self.rank = rank
         self.reason = reason
         self.details = details
-        super().__init__(message + (f"\n{details.rstrip()}" if details else ""), hint=hint)
+        self.host = host
+        super().__init__(message + (f"\n{details.rstrip()}" if details else ""), hint=hint,
+                         cli_hint=cli_hint)
 
 
 class DeployError(LaunchError):
@@ -368,10 +376,8 @@ class DeployError(LaunchError):
     def __init__(self, message: str, *, host: str | None = None, file: str | None = None,
                  reason: str = "exited", hint: str | None = None,
                  cli_hint: str | None = None) -> None:
-        self.host = host
         self.file = file
-        super().__init__(message, reason=reason, hint=hint)
-        self.cli_hint = cli_hint
+        super().__init__(message, reason=reason, hint=hint, cli_hint=cli_hint, host=host)
 
 
 class QemuError(_RuntimeErrorBase, RuntimeError):

@@ -156,7 +156,15 @@ def test_state_stays_on_the_ranks_between_calls():
         np.testing.assert_allclose(total, np.sum(xs), rtol=1e-5, atol=1e-4)
 
 
-def test_rank_0_must_run_on_this_host(tensor_parallel):
+def test_a_host_that_does_not_answer_fails_the_session_before_launch(tensor_parallel, tmp_path):
+    """Rank 0 may run anywhere; a host the remote shell cannot reach is named in one line."""
     exe, weights = tensor_parallel
-    with pytest.raises(td.errors.ArgumentError, match="rank 0 would run on elsewhere.example"):
-        exe.session(params=weights, hosts=["elsewhere.example", "localhost"])
+    shell = tmp_path / "rsh"  # called like ssh; knows no host at all
+    shell.write_text("#!/bin/sh\necho \"ssh: Could not resolve hostname $1\" >&2\nexit 255\n")
+    shell.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(td.errors.LaunchError, match="host elsewhere.example does not answer: "
+                       "ssh: Could not resolve hostname") as info:
+        exe.session(params=weights, hosts=["elsewhere.example", "localhost"], rsh=str(shell))
+    assert info.value.host == "elsewhere.example" and info.value.reason == "unreachable"
+    assert time.monotonic() - started < 30

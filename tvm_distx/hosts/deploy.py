@@ -350,7 +350,7 @@ def _reply(result: RemoteResult, hints: dict) -> dict:
             if reply["ok"]:
                 return reply
             raise DeployError(f"host {result.host}: {reply.get('error')}", host=result.host,
-                              file=reply.get("file"), **hints)
+                              file=reply.get("file"), reason="files", **hints)
     raise DeployError(f"host {result.host}: `python -m tvm_distx.hosts.remote` failed (exit "
                       f"{result.returncode}): {result.last_error_line or 'no output'}",
                       host=result.host,

@@ -147,7 +147,7 @@ class RemoteResult:
         else:
             why = why or f"the remote shell exited with {self.returncode} and said nothing"
         return DeployError(f"host {self.host} does not answer: {why}", host=self.host,
-                           reason="timeout" if self.returncode is None else "exited",
+                           reason="unreachable",
                            hint=hint or f"check that {self.host} is up and that rsh= (or "
                            f"{RSH_ENV}) reaches it without a password (ssh keys)",
                            cli_hint=cli_hint or f"check that {self.host} is up and that --rsh "

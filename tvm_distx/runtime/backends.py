@@ -47,7 +47,8 @@ class Backend:
 
 #: Every backend, by name: the first is the default.
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("mpi", "tvm_distx.runtime.mpi:MPISession", ("hosts", "mpiexec", "env"),
+    Backend("mpi", "tvm_distx.runtime.mpi:MPISession",
+            ("hosts", "hostfile", "rsh", "dest", "shared_fs", "mpiexec", "env"),
             "one process per rank under mpiexec, on this host or several"),
     Backend("disco", "tvm_distx.runtime.disco:DiscoSession", (),
             "TVM disco worker processes on this host, collectives over shared memory"),

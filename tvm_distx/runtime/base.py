@@ -148,6 +148,9 @@ class Session:
         Must equal the bundle's rank count when given.
     timeout : float
         Seconds the ranks may take to start, and each call by default.
+    check_here : bool
+        Check the library and every rank's weights here, before anything
+        starts (a session whose ranks run on other hosts checks there instead).
 
     Attributes
     ----------
@@ -172,7 +175,7 @@ class Session:
     backend = "session"
 
     def __init__(self, bundle: str | os.PathLike | Manifest, *, num_ranks: int | None = None,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, check_here: bool = True) -> None:
         self._closed = True  # until the ranks run: __del__ has nothing to stop
         if not timeout > 0:
             raise ArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}",
@@ -182,8 +185,9 @@ class Session:
             raise ArgumentError(f"the bundle at {self.manifest.root} needs "
                                 f"{self.manifest.num_ranks} ranks, not {num_ranks}",
                                 hint=f"open the session with {self.manifest.num_ranks} ranks")
-        check_library(self.manifest)
-        check_weights(self.manifest)
+        if check_here:
+            check_library(self.manifest)
+            check_weights(self.manifest)
         self.timeout = timeout
         self.ranks: tuple[RankProcess, ...] = ()
         self.calls = 0

@@ -6,107 +6,108 @@
         first = session.run(x)                      # milliseconds of overhead
         second = session.run(y)                     # the same processes, weights loaded
 
+    # the same, with ranks on three machines (rank 0 need not be this one)
+    MPISession("bundle/", hostfile="hosts.txt", dest="/srv/model")
+
 A one-shot run (:meth:`tvm_distx.DistExecutable.run`,
 :func:`tvm_distx.runtime.backends.launch`, ``tvm-distx run``) is a session
 opened, called once and closed. Each rank (:mod:`tvm_distx.runtime.mpi_rank`)
 checks the bundle, loads its library and creates its virtual machine once, and
 loads its stored weights the first time a function needs them. A call's inputs
 are checked against the function (:func:`tvm_distx.runtime.base.bind_inputs`)
-and cut into each rank's shards here; they move over a Unix socket to rank 0
-and over MPI to the other ranks, never through files, and so do the results.
-``mpiexec`` is the ``mpich`` wheel's (or ``mpiexec=``); ``hosts=["node0",
-"node1"]`` becomes ``mpiexec -hosts node0,node1``, this host first (rank 0
-talks to this process over the local socket), with the bundle at the same path
-on every host.
+and cut into each rank's shards here; they move over TCP to rank 0 and over MPI
+to the other ranks, never through files, and so do the results.
 
+Hosts
+-----
+``hosts=["a:2", "b"]`` or ``hostfile="hosts.txt"`` (``host[:slots]`` per line,
+see :mod:`tvm_distx.hosts`) places the ranks in that order, filling each
+host's slots; the slots must add up to the bundle's rank count. ``mpiexec``
+(the ``mpich`` wheel's, or ``mpiexec=``) starts the ranks on other hosts
+through the remote shell (``rsh=``, ``TVM_DISTX_RSH``, else ``ssh``; hydra's
+``-launcher ssh -launcher-exec PROGRAM``). The ranks read the bundle at
+``dest`` on their host, where ``tvm-distx deploy`` put each host's share
+(:func:`tvm_distx.hosts.deploy`); without ``dest``, at this bundle's own path
+(a filesystem every host shares). Before anything starts, every other host is
+asked, over the remote shell, whether it has its ranks' files of this very
+bundle (:func:`tvm_distx.hosts.check_deployed`): a host that does not answer,
+or lacks a file, fails the session in one line naming the host and the file.
+
+Every rank keeps one authenticated TCP connection to this process
+(:mod:`tvm_distx.runtime.control`), wherever it runs: over it each rank says
+who it is and, every second, what it is doing; rank 0 also carries the calls.
+
+Failures
+--------
 Failures end the session and raise :class:`tvm_distx.LaunchError` naming the
-rank:
+rank (and its host, when the session spans hosts):
 
-* a rank raises: it writes its traceback and aborts the job
+* a rank raises: it sends its traceback and aborts the job
   (``reason="raised"``, the traceback in ``details``);
-* a rank is killed: ``mpiexec`` tears the others down. Which rank died first
-  comes from a watcher thread holding a ``pidfd`` of every rank on this host
-  (``mpiexec`` names whichever process it noticed, often one it killed itself
-  in the teardown); its exit status comes from ``mpiexec``'s report when that
-  names it (``reason="killed"``);
+* a rank is killed: its connection closes, the first to close names it; its
+  exit status comes from ``mpiexec``'s report (``reason="killed"``);
+* a rank falls silent for :data:`~tvm_distx.runtime.control.LOST` seconds (its
+  host or its host's network is down; ``reason="lost"``);
 * a call (or the start) outlives its ``timeout``: the ranks that had not
   finished are named with what they were doing, and the one that never reached
   the collective its peers wait in is blamed (``reason="timeout"``).
 
 Ctrl-C and any other exception in the caller close the session too. Closing
-ends ``mpiexec`` and everything it started (its own process group), removes
-the session directory and, after a failure, the shared-memory segments MPICH
-left behind; a closed session refuses calls.
+ends ``mpiexec`` and everything it started (its own process group), asks every
+other host to end this session's ranks (over the remote shell), removes the
+session directory and, after a failure, the shared-memory segments MPICH left
+behind on this host; a closed session refuses calls. A rank that hears nothing
+from this process for ``LOST`` seconds exits by itself.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
+import queue
 import re
-import select
+import shlex
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import numpy as np
-
-from tvm_distx.errors import ArgumentError, LaunchError
+from tvm_distx.errors import DeployError, LaunchError
+from tvm_distx.hosts import (RankPlacement, check_deployed, deploy, hosts_from, place_ranks,
+                             remote_shell, run_on_hosts)
+from tvm_distx.runtime import control
 from tvm_distx.runtime.base import Call, RankProcess, Session
 from tvm_distx.runtime.rank_env import rank_environment
 
-__all__ = ["MPISession", "mpiexec_path", "send_message", "receive_message"]
+__all__ = ["MPISession", "mpiexec_path", "DRIVER_ADDRESS_ENV"]
 
 logger = logging.getLogger(__name__)
 
 #: The module every rank runs (``python -m``).
 RANK_MODULE = "tvm_distx.runtime.mpi_rank"
 
-#: How ``mpiexec`` (MPICH's hydra) reports a process that died: its PID, then its exit code.
-_BAD_EXIT = re.compile(r"PID\s+(\d+)\s+RUNNING AT\s+\S+\s*\n[=\s]*EXIT CODE:\s*(\d+)")
+#: Overrides the address other hosts reach this process at (default: this host's name,
+#: the one ``mpiexec``'s own proxies connect back to).
+DRIVER_ADDRESS_ENV = "TVM_DISTX_DRIVER_ADDRESS"
+
+#: How ``mpiexec`` (MPICH's hydra) reports a process that died: its PID, host, then exit code.
+_BAD_EXIT = re.compile(r"PID\s+(\d+)\s+RUNNING AT\s+(\S+)\s*\n[=\s]*EXIT CODE:\s*(\d+)")
+#: How hydra's proxy on a host reports that it failed (it could not reach ``mpiexec``, say).
+_PROXY_SAYS = re.compile(r"^\[proxy:\d+@(\S+)\] \S+ \([^)]*\): (.*)$", re.MULTILINE)
+#: What a rank writes to its stderr when it fails before it could tell the driver.
+_RANK_SAYS = re.compile(r"^\[tvm_distx\] rank (\d+)(?: on (\S+))?: (.*)$", re.MULTILINE)
 
 #: Where MPICH keeps its intra-node shared memory. A job that dies leaves its
 #: segments behind; a failed session removes the ones that appeared while it ran.
 SHM_DIR = Path("/dev/shm")
 SHM_PATTERN = "mpich_shm_*"
 
-_HEADER = struct.Struct("!Q")
 _HINT = "the session is closed; open a new one"
-
-
-def send_message(conn: socket.socket, message) -> None:
-    """Send one length-prefixed pickle."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    conn.sendall(_HEADER.pack(len(data)) + data)
-
-
-def receive_message(conn: socket.socket):
-    """Receive one length-prefixed pickle; ``None`` when the peer has closed."""
-    header = _read(conn, _HEADER.size)
-    if header is None:
-        return None
-    data = _read(conn, _HEADER.unpack(header)[0])
-    return None if data is None else pickle.loads(data)
-
-
-def _read(conn: socket.socket, size: int) -> bytes | None:
-    chunks, left = [], size
-    while left:
-        chunk = conn.recv(min(left, 1 << 22))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 def mpiexec_path() -> str:
@@ -138,9 +139,25 @@ class MPISession(Session):
         Must equal the bundle's rank count when given.
     timeout : float
         Seconds the ranks may take to start, and each call by default.
-    hosts : sequence of str, optional
-        Hosts for ``mpiexec -hosts``, this host first: rank 0 talks to this
-        process over a local socket; the ranks on other hosts reach it over MPI.
+    hosts : str or sequence of str, optional
+        ``["a:2", "b"]`` or ``"a:2,b"``: the hosts, in rank order, each with
+        its slots (1 by default). Rank 0 may run on any of them.
+    hostfile : path, optional
+        The same as a file, one ``host[:slots]`` per line (``#`` comments).
+    rsh : str or sequence of str, optional
+        The remote shell, called like ``ssh`` (default: ``TVM_DISTX_RSH``,
+        else ``ssh``).
+    dest : path, optional
+        Where the bundle was deployed on the hosts (``tvm-distx deploy``,
+        :func:`tvm_distx.hosts.deploy`); each host's copy is checked, never
+        copied again.
+    shared_fs : bool
+        The bundle (and the checkpoint its weights link to) sits at the same
+        path on every host: nothing is copied.
+
+        With neither, a session across hosts copies each host its share into
+        a directory of its own there (``/tmp/tvm-distx-session-...``), and
+        removes it when it closes.
     mpiexec : str, optional
         The ``mpiexec`` executable (default: :func:`mpiexec_path`).
     env : mapping, optional
@@ -148,10 +165,12 @@ class MPISession(Session):
 
     Raises
     ------
+    ArgumentError
+        For hosts whose slots do not add up to the bundle's ranks.
     BundleError
         For a bundle that cannot run here (before anything starts).
     LaunchError
-        If the ranks do not start.
+        If a host lacks its files or does not answer, or the ranks do not start.
 
     See Also
     --------
@@ -162,57 +181,60 @@ class MPISession(Session):
     backend = "mpi"
 
     def __init__(self, bundle, *, num_ranks: int | None = None, timeout: float = 300.0,
-                 hosts: Sequence[str] | None = None, mpiexec: str | None = None,
+                 hosts: str | Sequence[str] | None = None, hostfile: str | os.PathLike | None = None,
+                 rsh: str | Sequence[str] | None = None, dest: str | os.PathLike | None = None,
+                 shared_fs: bool = False, mpiexec: str | None = None,
                  env: Mapping[str, str] | None = None) -> None:
-        super().__init__(bundle, num_ranks=num_ranks, timeout=timeout)
-        if hosts and hosts[0] not in _this_host():
-            raise ArgumentError(
-                f"rank 0 would run on {hosts[0]}, but it talks to this process over a "
-                f"local socket, so it must run here ({socket.gethostname()})",
-                hint=f"list this host first: hosts=['{socket.gethostname()}', ...]")
+        listed = hosts_from(hosts=hosts, hostfile=hostfile)
+        remote = bool(listed) and any(h.name not in _this_host() for h in listed)
+        super().__init__(bundle, num_ranks=num_ranks, timeout=timeout, check_here=not remote)
         world = self.manifest.num_ranks
-        self._conn: socket.socket | None = None
-        self._dir = Path(tempfile.mkdtemp(prefix="tvm-distx-session-"))
+        self.placement: RankPlacement | None = place_ranks(listed, world) if listed else None
+        self._remote = [h for h in self.placement.names if h not in _this_host()] \
+            if remote else []
+        self._shell = remote_shell(rsh) if remote else None
+        self._tag = f"tvm-distx-session-{os.getpid()}-{os.urandom(4).hex()}"
+        self._copies: str | None = None  # the copy this session deployed, removed at close
+        started = time.monotonic()
+        root = self._bundle_on_hosts(dest, shared_fs) if remote else (
+            Path(dest) if dest is not None else self.manifest.root.resolve())
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{self._tag}-"))
         self._log = self._dir / "mpiexec.log"
         self._segments = _segments()
-        address = str(self._dir / "control.sock")
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(address)
-        server.listen(1)
+        self._proc = None
+        key = control.new_key()
+        self._links = control.RankLinks(world, key, bind="" if self._remote else "127.0.0.1")
+        address = f"{_driver_address(bool(self._remote))}:{self._links.port}"
         command = [mpiexec or mpiexec_path(), "-n", str(world)]
-        if hosts:
-            command += ["-hosts", ",".join(hosts)]
-        command += [sys.executable, "-m", RANK_MODULE, str(self.manifest.root.resolve()),
-                    str(self._dir), address]
+        if self.placement is not None:
+            command += ["-hosts", self.placement.mpiexec_hosts()]
+        if self._remote:
+            command += ["-launcher", "ssh", "-launcher-exec", self._launcher()]
+        command += [sys.executable, "-m", RANK_MODULE, str(root), address, self._tag]
         logger.info("session: launching %s", " ".join(command))
-        started = time.monotonic()
+        environment = {**rank_environment(os.environ, env), control.KEY_ENV: key.hex()}
         try:
             with open(self._log, "wb") as log:
-                self._proc = subprocess.Popen(command, env=rank_environment(os.environ, env),
-                                              stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True)
+                self._proc = subprocess.Popen(command, env=environment, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
         except BaseException:  # no mpiexec started: nothing to stop
-            server.close()
+            self._links.close()
             shutil.rmtree(self._dir, ignore_errors=True)
+            self._remove_copies()
             raise
-        self._watch = _DeathWatch(self._dir, world)
-        self._watch.start()
         self._closed = False
         try:
-            self._conn = self._accept(server, started + timeout)
             reply = self._receive(started + timeout, "starting", timeout)
             self.ranks = tuple(RankProcess(r) for r in reply[1])
         except BaseException:
             self._shut(failed=True)
             raise
-        finally:
-            server.close()
         logger.info("session: %d ranks ready in %.2f s", len(self.ranks),
                     time.monotonic() - started)
 
     # -- calls
     def _call(self, call: Call, timeout: float):
-        send_message(self._conn, ("run", self._messages(call)))
+        self._links.send(0, ("run", self._messages(call)))
         reply = self._receive(time.monotonic() + timeout, f"running '{call.function}'", timeout)
         return ({r: blocks for r, (blocks, _) in enumerate(reply[1])},
                 {r: loaded for r, (_, loaded) in enumerate(reply[1])})
@@ -221,202 +243,168 @@ class MPISession(Session):
         """Stop the ranks and clean up; a second call does nothing."""
         if self._closed:
             return
-        self._watch.result()  # the ranks exit now: not deaths
+        self._links.send(0, ("close",))
         try:
-            send_message(self._conn, ("close",))
             self._proc.wait(timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             pass
         self._shut(failed=self._proc.returncode != 0)
 
     # -- internals
+    def _bundle_on_hosts(self, dest, shared_fs: bool) -> Path:
+        """Where the ranks find the bundle on their hosts, checked (or copied) before launch."""
+        if dest is not None:
+            check_deployed(self.manifest, self.placement, dest, rsh=self._shell)
+            return Path(dest)
+        if shared_fs:
+            results = run_on_hosts({h: ["true"] for h in self._remote}, rsh=self._shell)
+            for host in self._remote:
+                results[host].check()
+            return self.manifest.root.resolve()
+        copies = f"/tmp/{self._tag}"
+        self._copies = copies
+        try:
+            deploy(self.manifest.root, self.placement, copies, rsh=self._shell)
+        except BaseException:
+            self._remove_copies()
+            raise
+        return Path(copies)
+
+    def _remove_copies(self) -> None:
+        if self._copies is not None:
+            run_on_hosts({h: ["rm", "-rf", self._copies] for h in self.placement.names},
+                         rsh=self._shell, timeout=10)
+            self._copies = None
+
+    def _launcher(self) -> str:
+        """The program hydra starts its proxies with: the remote shell, wrapped if it has options."""
+        if len(self._shell) == 1:
+            return self._shell[0]
+        wrapper = self._dir / "rsh"
+        wrapper.write_text("#!/bin/sh\nexec " + shlex.join(self._shell) + ' "$@"\n')
+        wrapper.chmod(0o700)
+        return str(wrapper)
+
     def _stop(self, failed: bool) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        _stop(self._proc)
-        self._watch.result()
+        self._links.close()
+        if self._proc is not None:
+            _stop(self._proc)
+        if failed and self._remote:  # what the teardown could not reach (a host cut off)
+            pattern = f"[{RANK_MODULE[0]}]{RANK_MODULE[1:]} .* {self._tag}"
+            run_on_hosts({h: ["pkill", "-KILL", "-f", pattern] for h in self._remote},
+                         rsh=self._shell, timeout=10)
+        self._remove_copies()
         if failed:
             _remove_new_segments(self._segments)
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _accept(self, server: socket.socket, deadline: float) -> socket.socket:
-        while True:
-            ready, _, _ = select.select([server], [], [], 0.1)
-            if ready:
-                return server.accept()[0]
-            self._check_alive("starting")
-            if time.monotonic() > deadline:
-                raise self._timed_out("starting", self.timeout)
-
     def _receive(self, deadline: float, doing: str, timeout: float):
+        """Rank 0's next reply, or the error of whatever ended the session first."""
         while True:
-            ready, _, _ = select.select([self._conn], [], [], 0.1)
-            if ready:
-                reply = receive_message(self._conn)
-                if reply is None:
-                    try:
-                        self._proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        pass
-                    raise self._failure(doing)
+            try:
+                reply = self._links.replies.get(timeout=0.1)
+            except queue.Empty:
+                reply = None
+            if self._links.failure is not None:
+                raise self._failure(doing)
+            if reply is not None:
                 return reply
-            self._check_alive(doing)
+            if self._proc.poll() is not None:
+                time.sleep(0.2)  # a connection that closed with it may not be read yet
+                raise self._failure(doing)
             if time.monotonic() > deadline:
                 raise self._timed_out(doing, timeout)
 
-    def _check_alive(self, doing: str) -> None:
-        if self._proc.poll() is not None:
-            raise self._failure(doing)
+    def _where(self, rank: int) -> str:
+        """``rank 1`` or, in a session across hosts, ``rank 1 on node2``."""
+        info = self._links.ranks.get(rank)
+        host = info.host if info is not None else (
+            self.placement.host_of(rank) if self.placement is not None else None)
+        return f"rank {rank} on {host}" if self._remote and host else f"rank {rank}"
 
     def _timed_out(self, doing: str, timeout: float) -> LaunchError:
         """The error of a start or a call that outlived ``timeout``, blaming the straggler."""
-        unfinished = _unfinished(self._dir, self.manifest.num_ranks)
+        unfinished = []
+        for rank in range(self.manifest.num_ranks):
+            info = self._links.ranks.get(rank)
+            state, calls = (info.status, info.collectives) if info else ("not started", 0)
+            if state not in ("ready", "done"):
+                unfinished.append((rank, state, calls))
         straggler = _straggler(unfinished)
-        blame = (f"rank {straggler} never reached the collective its peers wait in; "
+        blame = (f"{self._where(straggler)} never reached the collective its peers wait in; "
                  if straggler is not None else "")
         return LaunchError(
             f"the session timed out {doing} after {timeout:g} s; {blame}ranks not done: "
             + ", ".join(f"{r} ({state}, {calls} collectives)" for r, state, calls in unfinished),
-            rank=straggler, reason="timeout",
+            rank=straggler, reason="timeout", host=self._host(straggler),
             hint="the session is closed; a rank is stuck (often in a collective some rank never "
             "reached); raise timeout= if the program is just slow")
 
+    def _host(self, rank: int | None) -> str | None:
+        if rank is None:
+            return None
+        info = self._links.ranks.get(rank)
+        if info is not None:
+            return info.host
+        return self.placement.host_of(rank) if self.placement is not None else None
+
     def _failure(self, doing: str) -> LaunchError:
         """The error that names the rank that ended the session."""
-        num_ranks = self.manifest.num_ranks
-        raised = [(r, self._dir / f"rank{r}" / "error.txt") for r in range(num_ranks)]
-        raised = [(r, p) for r, p in raised if p.is_file()]
-        if raised:
-            rank, path = min(raised, key=lambda item: item[1].stat().st_mtime)
-            text = path.read_text(errors="replace")
-            last = text.strip().splitlines()[-1] if text.strip() else "an error"
-            return LaunchError(f"rank {rank} failed {doing}: {last}", rank=rank, reason="raised",
-                               details=text, hint=_HINT)
+        failure = self._links.failure
+        if failure is not None and failure.kind == "died" and self._proc.poll() is None:
+            try:  # mpiexec reports the exit status once its teardown is over
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         log = self._log.read_text(errors="replace") if self._log.is_file() else ""
-        statuses = {int(m.group(1)): int(m.group(2)) for m in _BAD_EXIT.finditer(log)}
-        died = self._watch.result()
-        if died is None:  # no watcher's word (ranks on other hosts): mpiexec's report
-            pids = _pids(self._dir, num_ranks)
-            died = next(((pids[pid], pid) for pid in statuses if pid in pids), None)
-        if died is None:
-            return LaunchError(f"the session's ranks stopped {doing} (mpiexec exited with code "
-                               f"{self._proc.returncode})", reason="exited",
-                               details=_tail(log), hint=_HINT)
-        rank, pid = died
-        status = statuses.get(pid)
-        if status is None:
-            how = "died without reporting an error (killed, or it exited early)"
-        else:
-            try:
-                name = signal.Signals(status).name
-            except ValueError:
-                name = "no signal"
-            how = f"died with status {status} ({name})"
-        return LaunchError(f"rank {rank} (pid {pid}) {how} {doing}", rank=rank,
-                           reason="killed", details=_tail(log), hint=_HINT)
-
-
-class _DeathWatch(threading.Thread):
-    """Notes the first rank of this host whose process ends without having finished.
-
-    Every rank writes ``<pid> <host>`` to its ``pid`` file as it starts; the
-    watcher opens a ``pidfd`` for each one on this host and waits on them all
-    with ``select``, so the first exit is seen as it happens, before
-    ``mpiexec``'s teardown ends the others. A rank that ends after writing
-    ``done`` or its ``error.txt`` finished (or reported its own failure).
-    """
-
-    _POLL = 0.02  # seconds between looks for new pid files
-
-    def __init__(self, folder: Path, num_ranks: int) -> None:
-        super().__init__(name="tvm-distx-death-watch", daemon=True)
-        self.folder, self.num_ranks = folder, num_ranks
-        self.first: tuple[int, int] | None = None
-        self._done = threading.Event()
-        self._wake = os.pipe()
-
-    def result(self) -> tuple[int, int] | None:
-        """Stop watching (once); the (rank, pid) that died first, or None."""
-        if not self._done.is_set():
-            self._done.set()
-            if self.is_alive():
-                os.write(self._wake[1], b"x")
-        if self.is_alive():
-            self.join()
-        wake, self._wake = self._wake, ()
-        for fd in wake:
-            os.close(fd)
-        return self.first
-
-    def _finished(self, rank: int) -> bool:
-        folder = self.folder / f"rank{rank}"
-        status = folder / "status"
-        return (folder / "error.txt").exists() or (
-            status.is_file() and status.read_text().strip() == "done")
-
-    def run(self) -> None:
-        host, watched, fds = socket.gethostname(), set(), {}
-        try:
-            while self.first is None and not self._done.is_set():
-                for rank in set(range(self.num_ranks)) - watched:
-                    try:
-                        pid_text, _, where = (self.folder / f"rank{rank}" / "pid").read_text(
-                        ).partition(" ")
-                        pid = int(pid_text)
-                    except (OSError, ValueError):  # not started, or half written
-                        continue
-                    if not where.strip():  # half written
-                        continue
-                    watched.add(rank)
-                    if where.strip() != host:
-                        continue  # another host: its processes are not ours to see
-                    try:
-                        fds[os.pidfd_open(pid)] = (rank, pid)
-                    except ProcessLookupError:  # already gone
-                        if not self._finished(rank):
-                            self.first = (rank, pid)
-                    except OSError:  # no pidfd on this kernel: mpiexec's word only
-                        return
-                # every rank seen: wait for an exit or the wake-up, else look again soon
-                wait = None if len(watched) == self.num_ranks else self._POLL
-                ready = select.select([*fds, self._wake[0]], [], [], wait)[0]
-                for fd in ready:
-                    if fd == self._wake[0]:
-                        continue
-                    rank, pid = fds.pop(fd)
-                    os.close(fd)
-                    if self.first is None and not self._finished(rank):
-                        self.first = (rank, pid)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-
-def _pids(folder: Path, num_ranks: int) -> dict[int, int]:
-    """pid -> rank, for the ranks that wrote their pid file."""
-    pids = {}
-    for rank in range(num_ranks):
-        path = folder / f"rank{rank}" / "pid"
-        try:
-            pids[int(path.read_text().split()[0])] = rank
-        except (OSError, ValueError, IndexError):
-            continue
-    return pids
-
-
-def _unfinished(folder: Path, num_ranks: int) -> list[tuple[int, str, int]]:
-    """The ranks busy at a timeout: (rank, last status, collectives entered in the call)."""
-    out = []
-    for rank in range(num_ranks):
-        mine = folder / f"rank{rank}"
-        status = mine / "status"
-        state = status.read_text().strip() if status.is_file() else "not started"
-        progress = mine / "progress"
-        calls = int(np.fromfile(progress, dtype=np.int64)[0]) \
-            if progress.is_file() and progress.stat().st_size >= 8 else 0
-        if state not in ("ready", "done"):
-            out.append((rank, state, calls))
-    return out
+        if failure is not None and failure.kind == "raised":
+            text = failure.text
+            last = text.strip().splitlines()[-1] if text.strip() else "an error"
+            return LaunchError(f"{self._where(failure.rank)} failed {doing}: {last}",
+                               rank=failure.rank, reason="raised", details=text, hint=_HINT,
+                               host=self._host(failure.rank))
+        if failure is not None and failure.kind == "lost":
+            hosts = sorted({self._host(r) for r, i in self._links.ranks.items()
+                            if not i.finished and time.monotonic() - i.heard > control.LOST})
+            return LaunchError(
+                f"lost {self._where(failure.rank)}: nothing heard from it for "
+                f"{failure.text} s {doing} (its host or the network to it is down"
+                + (f"; silent: {', '.join(h for h in hosts if h)}" if len(hosts) > 1 else "")
+                + ")", rank=failure.rank, reason="lost", host=self._host(failure.rank),
+                details=_tail(log), hint=_HINT)
+        if failure is not None:  # died: its connection closed first
+            info = self._links.ranks[failure.rank]
+            statuses = {(int(m.group(1)), m.group(2)): int(m.group(3))
+                        for m in _BAD_EXIT.finditer(log)}
+            status = next((code for (pid, host), code in statuses.items()
+                           if pid == info.pid and _same_host(host, info.host)), None)
+            if status is None:
+                how = "died without reporting an error (killed, or it exited early)"
+            else:
+                try:
+                    name = signal.Signals(status).name
+                except ValueError:
+                    name = "no signal"
+                how = f"died with status {status} ({name})"
+            where = f"rank {failure.rank}" + (f" on {info.host}" if self._remote else "")
+            return LaunchError(f"{where} (pid {info.pid}) {how} {doing}", rank=failure.rank,
+                               reason="killed", details=_tail(log), hint=_HINT, host=info.host)
+        said = _RANK_SAYS.search(log)  # a rank that failed before it reached this process
+        if said is not None:
+            rank = int(said.group(1))
+            return LaunchError(f"{self._where(rank)} failed {doing}: {said.group(3)}", rank=rank,
+                               reason="raised", details=_tail(log), hint=_HINT,
+                               host=said.group(2) or self._host(rank))
+        proxy = _PROXY_SAYS.search(log)  # a host whose proxy failed: it never ran its ranks
+        if proxy is not None:
+            host = proxy.group(1)
+            return LaunchError(f"host {host} failed {doing}: {proxy.group(2)}",
+                               reason="unreachable", host=host, details=_tail(log),
+                               hint=f"{host} must reach this host by the name mpiexec gives it "
+                               f"({socket.gethostname()}): check its network and firewall")
+        return LaunchError(f"the session's ranks stopped {doing} (mpiexec exited with code "
+                           f"{self._proc.returncode})", reason="exited", details=_tail(log),
+                           hint=_HINT)
 
 
 def _straggler(unfinished: list[tuple[int, str, int]]) -> int | None:
@@ -465,3 +453,14 @@ def _this_host() -> set[str]:
     """The names this host answers to."""
     names = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
     return names | {name.split(".")[0] for name in names}
+
+
+def _same_host(a: str, b: str) -> bool:
+    return a == b or a.split(".")[0] == b.split(".")[0]
+
+
+def _driver_address(remote: bool) -> str:
+    """The address the ranks reach this process at."""
+    if not remote:
+        return "127.0.0.1"
+    return os.environ.get(DRIVER_ADDRESS_ENV) or socket.gethostname()
