@@ -355,6 +355,12 @@ class LaunchError(_RuntimeErrorBase, RuntimeError):
         super().__init__(message + (f"\n{details.rstrip()}" if details else ""), hint=hint,
                          cli_hint=cli_hint)
 
+    def for_cli(self) -> str:
+        """The message and its hint in flags; the details (a rank's traceback, mpiexec's last
+        lines) only with ``--verbose``."""
+        hint = self.cli_hint or self.hint
+        return f"[{self.rule}] {self.message}" + (f"\nhint: {hint}" if hint else "")
+
 
 class DeployError(LaunchError):
     """A host cannot be reached, or its deployed copy of a bundle is missing, stale or damaged.

@@ -384,11 +384,14 @@ class DistExecutable:
 
 _LAUNCH_SCRIPT = """#!/bin/sh
 # Run this bundle on {n} MPI ranks: ./run.sh [-i input.npy ...] [-o out/]
-# On several hosts: HOSTS=node0,node1 ./run.sh ... on node0, the first host (the bundle
-# must be at the same path on every host). Needs tvm-distx, TVM's runtime and mpi4py on
-# every host.
+# On several hosts: HOSTS=node0:2,node1 ./run.sh ..., or HOSTFILE=hosts.txt ./run.sh ...
+# (ranks fill each host's slots in order; RSH= is the remote shell, ssh by default). Each
+# host gets its ranks' share for the run, unless the bundle is deployed there (add
+# --dest DIR: tvm-distx deploy) or on a shared filesystem (add --shared-fs). Needs
+# tvm-distx, TVM's runtime and mpi4py at the same Python path on every host.
 HERE="$(cd "$(dirname "$0")" && pwd)"
-exec tvm-distx run "$HERE" -n {n} ${{HOSTS:+--hosts "$HOSTS"}} "$@"
+exec tvm-distx run "$HERE" -n {n} ${{HOSTS:+--hosts "$HOSTS"}} ${{HOSTFILE:+--hostfile "$HOSTFILE"}} \\
+    ${{RSH:+--rsh "$RSH"}} "$@"
 """
 
 

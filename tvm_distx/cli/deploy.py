@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 import sys
 
+from tvm_distx.cli.hosts import add_host_arguments
 from tvm_distx.cli.inputs import EXIT_OK, _progress
 from tvm_distx.errors import ArgumentError
 
@@ -28,16 +29,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("deploy", help="copy each host only what its ranks of a bundle need, "
                        "over the remote shell, and check it there")
     p.add_argument("bundle", type=Path, help="a bundle directory, here")
-    p.add_argument("--hostfile", type=Path, default=None, metavar="FILE",
-                   help="the hosts, one host[:slots] per line (# comments); ranks fill each "
-                   "host's slots in order")
-    p.add_argument("--hosts", default=None, metavar="HOST[:SLOTS],...",
-                   help="the hosts on one line instead of --hostfile: a:2,b")
+    add_host_arguments(p, launch=False)
     p.add_argument("--dest", default=None, metavar="DIR",
                    help="the copy's directory on every host (an absolute path)")
-    p.add_argument("--rsh", default=None, metavar="PROGRAM",
-                   help="the remote shell, called as ssh is: PROGRAM [options] HOST COMMAND "
-                   "(default $TVM_DISTX_RSH, else ssh)")
     p.add_argument("--python", default=None, metavar="PATH",
                    help="the Python with tvm-distx on the hosts (default: this one's path)")
     p.add_argument("--shared-fs", action="store_true",

@@ -2,7 +2,8 @@
 
 ``BUNDLE --ids 1 15 22 [--backend mpi|disco|emulate] [-n N] [--max-new-tokens K]``
 serves the bundle with :meth:`tvm_distx.llm.causal_lm.CausalLM.from_bundle` on the
-chosen backend and prints the prompt followed by the new tokens, with a
+chosen backend (on several hosts with ``--hostfile``, see :mod:`tvm_distx.cli.hosts`)
+and prints the prompt followed by the new tokens, with a
 progress display on a terminal. The bundle fixes the rank count: ``-n`` only
 checks it, before any rank starts. Errors are those of :mod:`tvm_distx.cli.main`:
 one line with a hint in flags.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tvm_distx.cli.hosts import session_options
 from tvm_distx.cli.inputs import EXIT_OK, _input_file, _progress, _writable_file
 from tvm_distx.errors import ArgumentError
 
@@ -65,7 +67,7 @@ def generate(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     with _progress(f"starting the ranks of {args.bundle} ({args.backend})"):
         lm = CausalLM.from_bundle(args.bundle, backend=args.backend, num_ranks=args.ranks,
-                                  timeout=args.timeout)
+                                  timeout=args.timeout, **session_options(args))
     with lm, Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[rate]}"), console=console, transient=True,
                       disable=not console.is_terminal) as progress:

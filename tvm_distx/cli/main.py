@@ -11,7 +11,8 @@ subcommand      what it does
 ``compile``     ``MODULE.py [--rules R] [--weights W.npz] --target x86|rvv -o DIR`` -> a
                 bundle
 ``bundle``      as ``compile``, and for ``--target rvv`` every kernel is checked under qemu
-``run``         ``BUNDLE -n N [--backend mpi|disco|emulate] [-i X.npy ...] [-o OUT]`` -> results
+``run``         ``BUNDLE -n N [--backend mpi|disco|emulate] [-i X.npy ...] [-o OUT]`` -> results;
+                on several hosts with ``--hostfile F`` (or ``--hosts a:2,b``)
 ``generate``    ``BUNDLE --ids 1 15 22 [--backend mpi|disco|emulate] [-n N]`` -> greedy
                 tokens from a generation bundle (``CausalLM.export``)
 ``deploy``      ``BUNDLE (--hostfile F | --hosts a:2,b) --dest DIR [--rsh PROGRAM]`` -> each
@@ -47,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from tvm_distx.cli.deploy import add_parser as _add_deploy_parser
+from tvm_distx.cli.hosts import add_host_arguments, session_options
 from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, _input_file,
                          _load_plain, _output_directory, _progress, _read_rules, _with_mesh,
                          _writable_file)
@@ -289,12 +291,11 @@ def _run(args: argparse.Namespace) -> int:
             raise ArgumentError(f"input '{name}' is given twice", hint="give each input once")
         else:
             named[name] = value
-    hosts = [h for h in args.hosts.split(",") if h] if args.hosts else None
+    options = session_options(args)
     with _progress(f"running {args.n} ranks ({args.backend})"):
         results = launch(args.bundle, inputs, params=named, num_ranks=args.n,
                          function=args.function,
-                         timeout=args.timeout, backend=args.backend,
-                         **({"hosts": hosts} if hosts else {}))
+                         timeout=args.timeout, backend=args.backend, **options)
     results = results if isinstance(results, tuple) else (results,)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -437,9 +438,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="out", help="directory for the results")
     p.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds before a stuck run is stopped")
-    p.add_argument("--hosts", default=None,
-                   help="comma-separated hosts for mpiexec -hosts, this host first (the "
-                   "bundle must be at the same path on each)")
+    add_host_arguments(p)
     p.set_defaults(handler=_run)
 
     p = sub.add_parser("generate", help="greedy tokens from a generation bundle "
@@ -458,6 +457,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="also save the prompt and the new tokens as a (1, n) .npy")
     p.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds for the ranks to start and for each step")
+    add_host_arguments(p)
     p.set_defaults(handler=_generate)
 
     _add_deploy_parser(sub).set_defaults(handler=_deploy)
@@ -490,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     except DistxError as err:
         if args.verbose:
             logger.exception("tvm-distx failed")
+            if getattr(err, "details", ""):
+                sys.stderr.write(f"{err.details.rstrip()}\n")
         sys.stderr.write(f"tvm-distx: error: {err.for_cli()}\n")
         return EXIT_FAILED if isinstance(err, LaunchError) else EXIT_USAGE
 
