@@ -117,8 +117,9 @@ class DistExecutable:
         timeout : float
             Seconds before a stuck run is stopped.
         **options
-            Passed to the backend (for ``"mpi"``: ``hosts``, ``mpiexec``,
-            ``env``).
+            Passed to the backend (for ``"mpi"``: the options of
+            :class:`~tvm_distx.runtime.mpi.MPISession`, ``hostfile`` and the
+            rest of the hosts' among them).
 
         Returns
         -------
@@ -185,7 +186,10 @@ class DistExecutable:
         timeout : float
             Seconds for the ranks to start, and for each call by default.
         **options
-            For ``"mpi"`` only: ``hosts``, ``mpiexec``, ``env`` (as for :meth:`run`).
+            For ``"mpi"`` only: the options of
+            :class:`~tvm_distx.runtime.mpi.MPISession`: ``hostfile`` or
+            ``hosts``, ``rsh``, ``dest``, ``shared_fs``, ``mpiexec``, ``env`` (as
+            for :meth:`run`).
 
         Returns
         -------
@@ -390,8 +394,8 @@ _LAUNCH_SCRIPT = """#!/bin/sh
 # --dest DIR: tvm-distx deploy) or on a shared filesystem (add --shared-fs). Needs
 # tvm-distx, TVM's runtime and mpi4py at the same Python path on every host.
 HERE="$(cd "$(dirname "$0")" && pwd)"
-exec tvm-distx run "$HERE" -n {n} ${{HOSTS:+--hosts "$HOSTS"}} ${{HOSTFILE:+--hostfile "$HOSTFILE"}} \\
-    ${{RSH:+--rsh "$RSH"}} "$@"
+exec tvm-distx run "$HERE" -n {n} ${{HOSTS:+--hosts "$HOSTS"}} \\
+    ${{HOSTFILE:+--hostfile "$HOSTFILE"}} ${{RSH:+--rsh "$RSH"}} "$@"
 """
 
 

@@ -24,7 +24,7 @@ RSH_HELP = ("the remote shell, called as ssh is: PROGRAM [options] HOST COMMAND 
 
 
 def add_host_arguments(p: argparse.ArgumentParser, *, launch: bool = True) -> None:
-    """Add ``--hostfile``, ``--hosts`` and ``--rsh`` (and, to launch, ``--dest``, ``--shared-fs``)."""
+    """Add the host flags; ``launch`` adds ``--dest`` and ``--shared-fs``."""
     p.add_argument("--hostfile", type=Path, default=None, metavar="FILE",
                    help="the hosts, one host[:slots] per line (# comments); ranks fill each "
                    "host's slots in order; rank 0 may be on any host")

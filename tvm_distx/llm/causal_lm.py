@@ -145,7 +145,10 @@ class CausalLM:
         timeout : float
             Seconds for the ranks to start and for each call.
         **options
-            ``hosts``, ``mpiexec``, ``env`` for an MPI session.
+            the options of
+            :class:`~tvm_distx.runtime.mpi.MPISession`: ``hostfile`` or
+            ``hosts``, ``rsh``, ``dest``, ``shared_fs``, ``mpiexec``, ``env``
+            for an MPI session.
         """
 
         check_backend(backend, options)  # before the export and the compile
@@ -171,7 +174,8 @@ class CausalLM:
         safetensors files itself (:mod:`tvm_distx.bundle.checkpoint`; the
         session's bundle links them, see ``link_checkpoint`` in
         :meth:`tvm_distx.DistExecutable.export`), so no process ever holds the
-        whole model, and the checkpoint must be at the same path on every host.
+        whole model. Across hosts each host is sent its ranks' blocks, unless
+        ``shared_fs=True`` says the checkpoint is at the same path on every host.
         :meth:`export` copies the blocks into a bundle instead.
 
         Parameters
@@ -318,7 +322,10 @@ class CausalLM:
         timeout : float
             Seconds for the ranks to start and for each call.
         **options
-            ``hosts``, ``mpiexec``, ``env`` for an MPI session.
+            the options of
+            :class:`~tvm_distx.runtime.mpi.MPISession`: ``hostfile`` or
+            ``hosts``, ``rsh``, ``dest``, ``shared_fs``, ``mpiexec``, ``env``
+            for an MPI session.
 
         Raises
         ------

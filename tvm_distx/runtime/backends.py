@@ -103,7 +103,9 @@ def open_session(bundle, *, backend: str = "mpi", num_ranks: int | None = None,
     timeout : float
         Seconds for the ranks to start, and for each call by default.
     **options
-        The backend's options (for ``"mpi"``: ``hosts``, ``mpiexec``, ``env``).
+        The backend's options (for ``"mpi"``: the options of
+        :class:`~tvm_distx.runtime.mpi.MPISession`: ``hostfile`` or
+        ``hosts``, ``rsh``, ``dest``, ``shared_fs``, ``mpiexec``, ``env``).
 
     Returns
     -------
@@ -145,7 +147,9 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
     backend : str
         A name of :data:`BACKENDS`.
     **options
-        The backend's options (for ``"mpi"``: ``hosts``, ``mpiexec``, ``env``).
+        The backend's options (for ``"mpi"``: the options of
+        :class:`~tvm_distx.runtime.mpi.MPISession`: ``hostfile`` or
+        ``hosts``, ``rsh``, ``dest``, ``shared_fs``, ``mpiexec``, ``env``).
 
     Returns
     -------

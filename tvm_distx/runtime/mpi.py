@@ -181,7 +181,8 @@ class MPISession(Session):
     backend = "mpi"
 
     def __init__(self, bundle, *, num_ranks: int | None = None, timeout: float = 300.0,
-                 hosts: str | Sequence[str] | None = None, hostfile: str | os.PathLike | None = None,
+                 hosts: str | Sequence[str] | None = None,
+                 hostfile: str | os.PathLike | None = None,
                  rsh: str | Sequence[str] | None = None, dest: str | os.PathLike | None = None,
                  shared_fs: bool = False, mpiexec: str | None = None,
                  env: Mapping[str, str] | None = None) -> None:
@@ -277,7 +278,7 @@ class MPISession(Session):
             self._copies = None
 
     def _launcher(self) -> str:
-        """The program hydra starts its proxies with: the remote shell, wrapped if it has options."""
+        """The program hydra starts its proxies with: the remote shell (a wrapper with options)."""
         if len(self._shell) == 1:
             return self._shell[0]
         wrapper = self._dir / "rsh"
