@@ -8,7 +8,8 @@ whether it runs on the driver's host or on another one. Over it:
   :data:`BEAT` seconds, what it is doing (``("beat", status, collectives)``:
   ``"loading"``, ``"ready"``, ``"running <function>"``, and how many
   collectives it has entered in the current call);
-* a rank that fails sends its traceback (``("error", text)``) before it aborts
+* a rank that fails sends its traceback and the error's one line
+  (``("error", text, summary)``) before it aborts
   the job, and a rank that ends cleanly says ``("done",)``;
 * rank 0 alone also carries the calls: it says ``("ready", ranks)`` once every
   rank has built its virtual machine, receives ``("run", messages)`` and
@@ -160,7 +161,8 @@ class RankInfo:
 class Failure:
     """The first thing that went wrong with a session's ranks, as the connections tell it.
 
-    ``kind`` is ``"raised"`` (the rank sent its traceback, ``text``), ``"died"``
+    ``kind`` is ``"raised"`` (the rank sent its traceback, ``text``, and the
+    error's one line, ``summary``), ``"died"``
     (its connection closed before it said it was done) or ``"lost"`` (nothing
     heard from it for :data:`LOST` seconds).
     """
@@ -168,6 +170,7 @@ class Failure:
     kind: str
     rank: int
     text: str = ""
+    summary: str = ""
 
 
 class RankLinks:
@@ -294,7 +297,8 @@ class RankLinks:
             info.status, info.collectives = message[1], message[2]
         elif kind == "error":
             info.finished = True
-            self._fail(Failure("raised", rank, message[1]))
+            self._fail(Failure("raised", rank, message[1],
+                               message[2] if len(message) > 2 else ""))
         elif kind == "done":
             info.finished = True
         else:  # rank 0's "ready" and "ok"

@@ -152,8 +152,10 @@ class MPISession(Session):
         :func:`tvm_distx.hosts.deploy`); each host's copy is checked, never
         copied again.
     shared_fs : bool
-        The bundle (and the checkpoint its weights link to) sits at the same
-        path on every host: nothing is copied.
+        The checkpoint the bundle's weights link to (``CausalLM.from_pretrained``)
+        sits at the same path on every host, and so does the bundle if every
+        host has it there: then nothing is copied; else only the bundle's
+        library, manifest and stored weights are, the checkpoint never.
 
         With neither, a session across hosts copies each host its share into
         a directory of its own there (``/tmp/tvm-distx-session-...``), and
@@ -257,15 +259,19 @@ class MPISession(Session):
         if dest is not None:
             check_deployed(self.manifest, self.placement, dest, rsh=self._shell)
             return Path(dest)
-        if shared_fs:
-            results = run_on_hosts({h: ["true"] for h in self._remote}, rsh=self._shell)
+        root = self.manifest.root.resolve()
+        if shared_fs:  # is the bundle itself there too, or only what it links to?
+            probe = ["test", "-f", str(root / "manifest.json")]
+            results = run_on_hosts({h: probe for h in self._remote}, rsh=self._shell)
             for host in self._remote:
                 results[host].check()
-            return self.manifest.root.resolve()
+            if all(results[h].returncode == 0 for h in self._remote):
+                return root
+        # each host its share, for this session: the linked blocks too, unless shared
         copies = f"/tmp/{self._tag}"
         self._copies = copies
         try:
-            deploy(self.manifest.root, self.placement, copies, rsh=self._shell)
+            deploy(root, self.placement, copies, rsh=self._shell, shared_fs=shared_fs)
         except BaseException:
             self._remove_copies()
             raise
@@ -360,7 +366,8 @@ class MPISession(Session):
         log = self._log.read_text(errors="replace") if self._log.is_file() else ""
         if failure is not None and failure.kind == "raised":
             text = failure.text
-            last = text.strip().splitlines()[-1] if text.strip() else "an error"
+            last = failure.summary or (text.strip().splitlines()[-1] if text.strip()
+                                       else "an error")
             return LaunchError(f"{self._where(failure.rank)} failed {doing}: {last}",
                                rank=failure.rank, reason="raised", details=text, hint=_HINT,
                                host=self._host(failure.rank))

@@ -103,14 +103,23 @@ def serve(bundle: Path, driver: str) -> None:
         link = DriverLink(driver, key, rank, os.getpid(), host,
                           on_lost=lambda why: _lost(rank, host, why))
         _serve(bundle, link, comm, rank)
-    except BaseException:  # any failure stops every rank, with the reason told
+    except BaseException as err:  # any failure stops every rank, with the reason told
         text = traceback.format_exc()
+        summary = _summary(err)
         if link is not None:
-            link.finish(("error", text))
-        last = text.strip().splitlines()[-1]
-        sys.stderr.write(f"[tvm_distx] rank {rank} on {host}: {last}\n{text}")
+            link.finish(("error", text, summary))
+        sys.stderr.write(f"[tvm_distx] rank {rank} on {host}: {summary}\n{text}")
         sys.stderr.flush()
         comm.Abort(1)
+
+
+def _summary(err: BaseException) -> str:
+    """One line for an error: a tvm_distx error's message, else ``Type: first line``."""
+    message = getattr(err, "message", None)
+    if isinstance(message, str) and message.strip():
+        return message.strip().splitlines()[0]
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def _lost(rank: int, host: str, why: str) -> None:
