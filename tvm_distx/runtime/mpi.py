@@ -277,11 +277,24 @@ class MPISession(Session):
             raise
         return Path(copies)
 
-    def _remove_copies(self) -> None:
+    def _remove_copies(self, *, ranks_too: bool = False) -> None:
+        """Remove this session's copies from the hosts; ``ranks_too``: end its ranks there first.
+
+        One command per host, all hosts at once: after a failure, the ranks of a
+        host cut off from ``mpiexec`` may still run (they exit by themselves
+        once they hear nothing from this process).
+        """
+        steps = []
+        if ranks_too:
+            pattern = f"[{RANK_MODULE[0]}]{RANK_MODULE[1:]} .* {self._tag}"
+            steps.append(f"pkill -KILL -f {shlex.quote(pattern)}")
         if self._copies is not None:
-            run_on_hosts({h: ["rm", "-rf", self._copies] for h in self.placement.names},
-                         rsh=self._shell, timeout=10)
-            self._copies = None
+            steps.append(f"rm -rf {shlex.quote(self._copies)}")
+        if steps and self._remote:
+            hosts = self.placement.names if self._copies is not None else self._remote
+            run_on_hosts({h: ["sh", "-c", "; ".join(steps)] for h in hosts}, rsh=self._shell,
+                         timeout=10)
+        self._copies = None
 
     def _launcher(self) -> str:
         """The program hydra starts its proxies with: the remote shell (a wrapper with options)."""
@@ -296,11 +309,7 @@ class MPISession(Session):
         self._links.close()
         if self._proc is not None:
             _stop(self._proc)
-        if failed and self._remote:  # what the teardown could not reach (a host cut off)
-            pattern = f"[{RANK_MODULE[0]}]{RANK_MODULE[1:]} .* {self._tag}"
-            run_on_hosts({h: ["pkill", "-KILL", "-f", pattern] for h in self._remote},
-                         rsh=self._shell, timeout=10)
-        self._remove_copies()
+        self._remove_copies(ranks_too=failed)
         if failed:
             _remove_new_segments(self._segments)
         shutil.rmtree(self._dir, ignore_errors=True)
