@@ -12,7 +12,6 @@ hosts (``deploy`` then ``dest=``, the session's own copy, ``shared_fs=True``) ca
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shlex
 import shutil
@@ -33,7 +32,6 @@ from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime import control
 from tvm_distx.runtime.mpi import MPISession
 
-from host_leftovers import nothing_left  # noqa: F401  (a fixture)
 from locations import TESTS_DIR
 
 #: Seconds of silence after which the faster fault tests give a rank up (default 10).

@@ -3,8 +3,8 @@ logits as on this machine and transformers' greedy tokens; a host killed mid-gen
 named.
 
 The model has 8 query heads and 4 key/value heads, so it splits 2 and 4 ways. Each rank
-count is compiled once: by ``CausalLM.from_hf(..., hosts=...)`` across the test hosts, whose
-executable then serves the same weights on this machine alone (the reference).
+count is compiled once, by ``CausalLM.from_hf(..., hosts=...)`` across the test hosts; the
+2-rank executable also serves the same weights on this machine alone: the reference.
 """
 
 from __future__ import annotations
@@ -101,16 +101,18 @@ def test_a_persistent_session_with_rank_0_on_another_host_generates_transformers
     assert across2.session.calls >= 2 * NEW_TOKENS
 
 
-def test_four_ranks_on_three_hosts_equal_one_host(test_hosts, model, tmp_path):
+def test_four_ranks_on_three_hosts_equal_one_host(test_hosts, model, here2, tmp_path):
+    """Slots 2+1+1 from a hostfile; the reference on one host is the 2-rank one (its
+    partial sums add up in another order, well within 1e-5)."""
     t1, t2, t3 = test_hosts.names
     hostfile = test_hosts.hostfile(tmp_path / "hosts.txt", [2, 1, 1], [t1, t2, t3])
     with CausalLM.from_hf(model, num_ranks=4, hostfile=hostfile, rsh=test_hosts.rsh,
-                          max_length=MAX_LENGTH) as across, _here(across) as here:
+                          max_length=MAX_LENGTH) as across:
         assert [r.host for r in across.session.ranks] == [t1, t1, t2, t3]
         prompt = prompt_ids(6, seed=3)
         np.testing.assert_array_equal(across.generate(prompt, NEW_TOKENS)[0],
                                       greedy(model, prompt, NEW_TOKENS))
-        _same_as_here(across, here, prompt)
+        _same_as_here(across, here2, prompt)
 
 
 def test_a_hosts_ranks_killed_mid_generation_are_named_and_leave_nothing(
