@@ -203,13 +203,14 @@ def test_a_host_whose_link_goes_down_is_named_within_30_s(
 
 def test_a_hosts_ranks_killed_between_calls_are_named(
         test_hosts, bundles, inputs, nothing_left, tmp_path):
-    """4 ranks on 3 hosts (the bundle shared): the rank on the third host is killed."""
+    """4 ranks on 3 hosts (the bundle shared): every process of the third host is killed (its
+    rank and hydra's proxy)."""
     t1, t2, t3 = test_hosts.names
     hostfile = test_hosts.hostfile(tmp_path / "hosts.txt", [2, 1, 1])
     session = MPISession(bundles[4], hostfile=hostfile, rsh=test_hosts.rsh, shared_fs=True)
     try:
         session.run(inputs[0])
-        test_hosts.run(t3, ["pkill", "-KILL", "-f", f"[m]pi_rank .*{session._tag}"])
+        test_hosts.kill(t3)
         started = time.monotonic()
         with pytest.raises(LaunchError) as caught:
             session.run(inputs[1])
@@ -219,8 +220,10 @@ def test_a_hosts_ranks_killed_between_calls_are_named(
     err = caught.value
     assert elapsed < 30, f"{elapsed:.1f} s"
     assert (err.reason, err.rank, err.host) == ("killed", 3, t3)
-    assert re.fullmatch(f"\\[launch\\] rank 3 on {t3} \\(pid \\d+\\) died with status 9 "
-                        "\\(SIGKILL\\) running 'main'", _first_line(err)), _first_line(err)
+    # the host's proxy, which would report the rank's exit status, was killed with it
+    assert re.fullmatch(f"\\[launch\\] rank 3 on {t3} \\(pid \\d+\\) died without reporting "
+                        "an error \\(killed, or it exited early\\) running 'main'",
+                        _first_line(err)), _first_line(err)
 
 
 def test_a_host_that_is_not_up_at_launch_is_named(test_hosts, bundles, nothing_left, tmp_path):
@@ -306,3 +309,30 @@ def test_a_deployed_copy_missing_a_file_or_of_another_bundle_is_refused(
     finally:
         for host in (t1, t2):
             test_hosts.run(host, ["rm", "-rf", dest])
+
+
+def test_ranks_cut_off_from_the_caller_end_by_themselves(
+        test_hosts, bundles, inputs, nothing_left, monkeypatch):
+    """With ssh's behaviour (the remote shell needs the link) the clean-up cannot reach a host
+    whose link is down: its ranks notice the silence and exit by themselves, and so does
+    hydra's proxy there. LOST is 4 s here, on both sides."""
+    t1, t2, _ = test_hosts.names
+    monkeypatch.setattr(control, "LOST", float(QUICK_LOST))
+    monkeypatch.setenv("TESTHOSTS_RSH_NEEDS_LINK", "1")
+    session = MPISession(bundles[2], hosts=[t1, t2], rsh=test_hosts.rsh, shared_fs=True,
+                         env={"TVM_DISTX_LOST_AFTER": QUICK_LOST})
+    try:
+        session.run(inputs[0])
+        test_hosts.link(t2, False)
+        started = time.monotonic()
+        with pytest.raises(LaunchError) as caught:
+            session.run(inputs[1])
+        elapsed = time.monotonic() - started
+        assert (caught.value.reason, caught.value.rank, caught.value.host) == ("lost", 1, t2)
+        assert elapsed < 15, f"{elapsed:.1f} s"
+        time.sleep(2 * float(QUICK_LOST))  # the ranks' own timer, and their exit
+        left = [c for _, c in test_hosts.processes(t2) if "tvm_distx" in c or "hydra" in c]
+    finally:
+        test_hosts.link(t2, True)
+        session.close()
+    assert left == []
