@@ -1,7 +1,10 @@
 """Fixtures that every test may use.
 
 ``test_hosts``: three hosts in namespaces on this machine for the whole session
-(``tests/testhosts.py``, ``docs/testhosts.md``).
+(``tests/testhosts.py``, ``docs/testhosts.md``). ``nothing_left``: asserts that a test left
+nothing on the test hosts nor here (``tests/host_leftovers.py``).
 """
+
+from host_leftovers import nothing_left  # noqa: F401  (registers the fixture)
 
 from testhosts import test_hosts_fixture  # noqa: F401  (registers the fixture)
