@@ -40,3 +40,24 @@ def test_every_benchmark_runs_at_its_smallest_size_and_writes_the_results(tmp_pa
     assert re.search(r"\| ours, 2 ranks over MPI \(1 thread each\) \|[^\n]* \| yes \|", results)
     assert "| 1x64 @ 64x256 | matvec |" in results
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_benchmarks_across_test_hosts_run_and_take_their_hosts_down():
+    """``collectives.py --hosts`` and ``llm_decode.py --hosts`` at their smallest sizes."""
+    bench = ROOT / "scripts" / "bench"
+    runs = {"collectives": ["--sizes", "1", "--rounds", "1", "--jobs", "1"],
+            "llm_decode": ["--hidden", "64", "--layers", "1", "--prompt", "4",
+                           "--new-tokens", "4", "--rounds", "1"]}
+    out = {}
+    for name, args in runs.items():
+        done = subprocess.run([sys.executable, str(bench / f"{name}.py"), "--hosts", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        out[name] = done.stdout
+        k = re.search(r"k(\d+)t1", done.stdout).group(1)
+        assert not Path(f"/run/tvm-distx-testhosts/{k}").exists()  # down again
+    for row in ("| allreduce | 1 MiB | (a) ours MPI via VM |", "| allgather | 1 MiB | (b) mpi4py |"):
+        assert row in out["collectives"]
+    assert "two hosts (TCP) ms" in out["collectives"]
+    assert re.search(r"\| 1 rank on each of k\d+t1 and k\d+t2 \(TCP\) \|[^\n]* \| yes \|",
+                     out["llm_decode"])

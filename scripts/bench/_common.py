@@ -6,11 +6,12 @@ side in one run; these helpers keep that output uniform.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Iterable, NoReturn, Sequence
+from typing import Iterable, Iterator, NoReturn, Sequence
 
 #: The repository root (so the benchmarks run from a checkout without installing).
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,3 +157,54 @@ def llama_parameters(config: dict) -> int:
     kv = hidden * config["num_key_value_heads"] // config["num_attention_heads"]
     layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
     return config["num_hidden_layers"] * layer + 2 * vocab * hidden + hidden
+
+
+#: The test-host ids the benchmarks take (the test suite takes 100-199, users the small ones).
+BENCH_HOST_IDS = range(200, 256)
+
+
+@contextlib.contextmanager
+def test_hosts(count: int = 2) -> Iterator[dict[str, str]]:
+    """``count`` test hosts (``scripts/testhosts``, docs/testhosts.md) for the ``with`` block.
+
+    Takes the first id of :data:`BENCH_HOST_IDS` whose lock file
+    (``/run/lock/tvm-distx-testhosts-K.lock``, as the test suite's) no one holds,
+    brings the hosts up and yields the variables of ``scripts/testhosts env``
+    (``TESTHOSTS_NAMES``, ``TESTHOSTS_RSH``, ``TESTHOSTS_SHARED``, ...); they go
+    down at the block's end, whatever happens in it. Needs root.
+    """
+    import fcntl
+    import shlex
+    import subprocess
+
+    script = str(ROOT / "scripts" / "testhosts")
+
+    def testhosts(*args: str) -> str:
+        done = subprocess.run([script, *args], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise SystemExit(f"scripts/testhosts {shlex.join(args)} failed: "
+                             f"{done.stderr.strip() or done.stdout.strip()}")
+        return done.stdout
+
+    locks = Path("/run/lock")
+    locks.mkdir(parents=True, exist_ok=True)
+    for k in BENCH_HOST_IDS:
+        fd = os.open(locks / f"tvm-distx-testhosts-{k}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        break
+    else:
+        raise SystemExit(f"every test-host id in {BENCH_HOST_IDS} is taken")
+    try:
+        testhosts("down", f"--id={k}")  # whatever a killed run left behind
+        try:
+            testhosts("up", str(count), f"--id={k}")
+            yield dict(shlex.split(line)[0].split("=", 1)
+                       for line in testhosts("env", f"--id={k}").splitlines())
+        finally:
+            testhosts("down", f"--id={k}")
+    finally:
+        os.close(fd)

@@ -56,10 +56,23 @@ the VM's tensors get them as well. To show what that setting is worth, (a) and
 (b) run once more in a second job without it (``TVM_DISTX_HUGEPAGES=0``);
 ``--no-plain`` skips that job.
 
+**Across hosts** (``--hosts``, as root): the script brings up 2 test hosts
+(``scripts/testhosts``, docs/testhosts.md: network namespaces on this machine,
+between which MPICH goes over TCP) and runs the same rank job for (a) and (b)
+in turns: ``mpiexec -n 2`` on this host (shared memory between the ranks), and
+``mpiexec -n 2`` with one rank on each test host (TCP over a veth pair and a
+bridge), ``--jobs`` times each. The table beside the two gives the ratio (the
+median of the ratios of jobs run one after the other) and the effective
+bandwidth: each rank's input bytes over the time, which for 2 ranks is the
+bytes every rank sends (NCCL's "bus bandwidth"). The test hosts share this
+machine's cores and memory: TCP between namespaces measures the network stack,
+not a wire.
+
 Usage::
 
     python scripts/bench/collectives.py                       # both jobs, 7 rounds
     python scripts/bench/collectives.py --sizes 1 4 --rounds 3
+    python scripts/bench/collectives.py --hosts --sizes 1 16 --rounds 3   # across test hosts
     mpiexec -n 2 python scripts/bench/collectives.py --rank-job out.json   # one job (internal)
 """
 
@@ -75,12 +88,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import child_env, end_rank_job, free_port, median, spread, table  # noqa: E402
+from _common import (child_env, end_rank_job, free_port, median, spread, table,  # noqa: E402
+                     test_hosts)
 
 from tvm_distx.runtime.mpi import mpiexec_path  # noqa: E402
 
 SIZES_MIB = [1, 4, 16, 64]
 OPS = ["allreduce", "allgather", "alltoall"]
+#: The collectives and contenders of ``--hosts`` (shared memory and gloo are single-host).
+HOST_OPS = ["allreduce", "allgather"]
+HOST_CONTENDERS = ["vm", "raw"]
 CONTENDERS = ["vm", "vminto", "raw", "shm", "gloo", "rawtvm", "raw2"]
 LABELS = {"vm": "(a) ours MPI via VM", "vminto": "(a') ours MPI via VM, fixed output",
           "raw": "(b) mpi4py", "shm": "(c) ours disco shm",
@@ -142,8 +159,9 @@ def _shm_comm(comm):
     return ShmComm(buf, layout, comm.Get_rank(), time.time() + 3600)
 
 
-def rank_job(out_path: str, sizes: list[int], rounds: int, contenders: list[str]) -> None:
-    """One MPI job: every contender, every size and collective, ``rounds`` times."""
+def rank_job(out_path: str, sizes: list[int], rounds: int, contenders: list[str],
+             ops: list[str] = OPS) -> None:
+    """One MPI job: every contender, every size and collective of ``ops``, ``rounds`` times."""
     import warnings
 
     import numpy as np
@@ -198,7 +216,7 @@ def rank_job(out_path: str, sizes: list[int], rounds: int, contenders: list[str]
                 "alltoall": np.empty(n, np.float32)}
         tx, trow = tvm.runtime.tensor(x), tvm.runtime.tensor(x.reshape(1, n))
         keep += [tx, trow, outs]
-        for op in OPS:
+        for op in ops:
             arg = trow if op == "alltoall" else tx
             fns = {}  # contender: (one call, its output after the call)
             for key, vm in vms.items():
@@ -268,16 +286,22 @@ def rank_job(out_path: str, sizes: list[int], rounds: int, contenders: list[str]
 
 
 # ---------------------------------------------------------------------- the controller
-def run_job(sizes, rounds, contenders, hugepages: bool, timeout: float) -> dict:
+def run_job(sizes, rounds, contenders, hugepages: bool, timeout: float,
+            ops: list[str] = OPS, where: list[str] = (), folder: str | None = None) -> dict:
     """Start one 2-rank MPI job of :func:`rank_job` in the environment our launcher
-    gives ranks (``hugepages=False``: without its huge-page tunable); returns its samples."""
+    gives ranks (``hugepages=False``: without its huge-page tunable); returns its samples.
+
+    ``where`` goes to ``mpiexec`` before the program (``-hosts`` and a launcher);
+    ``folder`` holds rank 0's JSON (one that rank 0's host sees, too).
+    """
     from tvm_distx.runtime.rank_env import HUGEPAGES_ENV, rank_environment
 
-    with tempfile.TemporaryDirectory(prefix="tvm-distx-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tvm-distx-bench-", dir=folder) as tmp:
+        os.chmod(tmp, 0o755)
         out = Path(tmp) / "times.json"
-        command = [mpiexec_path(), "-n", "2", sys.executable, str(Path(__file__).resolve()),
-                   "--rank-job", str(out), "--rounds", str(rounds),
-                   "--sizes", *map(str, sizes), "--contenders", *contenders]
+        command = [mpiexec_path(), "-n", "2", *where, sys.executable,
+                   str(Path(__file__).resolve()), "--rank-job", str(out), "--rounds", str(rounds),
+                   "--sizes", *map(str, sizes), "--contenders", *contenders, "--ops", *ops]
         env = rank_environment(child_env(TVM_NUM_THREADS="1", OMP_NUM_THREADS="1"),
                                {HUGEPAGES_ENV: "1" if hugepages else "0"})
         done = subprocess.run(command, env=env, timeout=timeout, capture_output=True, text=True)
@@ -337,13 +361,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the second MPI job, without the launcher's huge-page tunable")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per MPI job")
     parser.add_argument("--json", help="also write every sample to this JSON file")
+    parser.add_argument("--hosts", action="store_true",
+                        help="(a) and (b) on 2 test hosts (TCP) beside one host (shared memory); "
+                             "needs root")
+    parser.add_argument("--jobs", type=int, default=3,
+                        help="with --hosts: jobs on each side, in turns")
+    parser.add_argument("--ops", nargs="*", default=OPS, choices=OPS, help=argparse.SUPPRESS)
     parser.add_argument("--rank-job", metavar="JSON", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.rank_job:
-        rank_job(opts.rank_job, opts.sizes, opts.rounds, opts.contenders)
+        rank_job(opts.rank_job, opts.sizes, opts.rounds, opts.contenders, opts.ops)
         if "gloo" in opts.contenders:
             end_rank_job()
         return 0
+    if opts.hosts:
+        return across_hosts(opts)
 
     started = time.perf_counter()
     times = run_job(opts.sizes, opts.rounds, opts.contenders, True, opts.timeout)
@@ -357,6 +389,53 @@ def main(argv: list[str] | None = None) -> int:
         Path(opts.json).write_text(json.dumps({"sizes": opts.sizes, "times": times,
                                                "plain_malloc": plain}))
     return 0
+
+
+# ---------------------------------------------------------------------- across test hosts
+def across_hosts(opts) -> int:
+    """``--hosts``: (a) and (b) on one host and on 2 test hosts, jobs in turns; prints the table."""
+    contenders = [c for c in HOST_CONTENDERS if c in opts.contenders] or HOST_CONTENDERS
+    started = time.perf_counter()
+    jobs: dict[str, list[dict]] = {"one": [], "two": []}
+    with test_hosts(2) as hosts:
+        names = hosts["TESTHOSTS_NAMES"].split(",")
+        where = {"one": [], "two": ["-hosts", ",".join(names), "-launcher", "ssh",
+                                    "-launcher-exec", hosts["TESTHOSTS_RSH"]]}
+        for j in range(opts.jobs):
+            for side in ("one", "two") if j % 2 == 0 else ("two", "one"):
+                jobs[side].append(run_job(opts.sizes, opts.rounds, contenders, True, opts.timeout,
+                                          HOST_OPS, where[side], hosts["TESTHOSTS_SHARED"]))
+                print(f"  job {j + 1}: {side} host{'s' if side == 'two' else ''} done",
+                      file=sys.stderr, flush=True)
+    print(f"2 ranks under mpiexec on {os.cpu_count()} cores: on this host, and one on each of "
+          f"2 test hosts ({', '.join(names)}); {opts.jobs} jobs on each side in turns, "
+          f"{opts.rounds} rounds each ({time.perf_counter() - started:.0f} s)\n")
+    print(hosts_report(jobs, contenders, opts.sizes))
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"sizes": opts.sizes, "jobs": jobs}))
+    return 0
+
+
+def hosts_report(jobs: dict[str, list[dict]], contenders: list[str], sizes: list[int]) -> str:
+    """The table of :func:`across_hosts`: medians over every job's samples, ratios per job pair."""
+    rows = []
+    for op in HOST_OPS:
+        for mib in sizes:
+            for c in contenders:
+                key = f"{c} {op} {mib}"
+                one = [t for job in jobs["one"] for t in job[key]]
+                two = [t for job in jobs["two"] for t in job[key]]
+                pairs = [median(b[key]) / median(a[key]) for a, b in zip(jobs["one"], jobs["two"])]
+                rate = [mib * (1 << 20) / t / 1e9 for t in (median(one), median(two))]
+                rows.append((op, f"{mib} MiB", LABELS[c], _ms(one), _ms(two),
+                             f"{median(pairs):.2f} ({spread(pairs)})",
+                             f"{rate[0]:.2f}", f"{rate[1]:.2f}"))
+    return "\n".join([
+        "Milliseconds per call, 2 ranks, float32, size = each rank's input (medians); ratio = "
+        "two hosts / one host (median of job pairs, min-max); GB/s = each rank's input bytes "
+        "per second (what each rank sends, for 2 ranks):", "",
+        table(["collective", "size", "contender", "one host (shm) ms", "two hosts (TCP) ms",
+               "ratio", "one host GB/s", "two hosts GB/s"], rows, "lllrrrrr")])
 
 
 if __name__ == "__main__":

@@ -55,10 +55,22 @@ as in decode, not from the caches.
 Rounds launch every contender once, in an order that rotates; tables show
 medians over rounds and ratios as medians of per-round ratios (min-max).
 
+**Across hosts** (``--hosts``, as root): the 2-rank session on this host
+beside the same bundle's session with one rank on each of 2 test hosts
+(``scripts/testhosts``, docs/testhosts.md: namespaces on this machine, between
+which MPI goes over TCP), which the script brings up and down itself. The
+session copies each host its rank's share of the bundle before launch
+(``CausalLM.from_bundle(..., hosts=[a, b], rsh=testhosts-rsh)``; not timed).
+Each round runs both, in turns; the greedy tokens must be equal. Only decode
+per token is compared: the transformers contenders, the bandwidth and the
+kernels are left out. The test hosts share this machine's cores and memory:
+TCP between namespaces measures the network stack, not a wire.
+
 Usage::
 
     python scripts/bench/llm_decode.py                  # 443M parameters, 2 rounds
     python scripts/bench/llm_decode.py --small --rounds 1
+    python scripts/bench/llm_decode.py --hosts --small --rounds 3   # on 2 test hosts
 """
 
 from __future__ import annotations
@@ -75,7 +87,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (child_env, fmt_bytes, llama_parameters, median, run_job,  # noqa: E402
-                     spread, table)
+                     spread, table, test_hosts)
 
 import numpy as np  # noqa: E402
 
@@ -182,19 +194,28 @@ def hf_job(data: str, out: str, threads: int, new_tokens: int) -> None:
         "steps": list(np.diff(clock.stamps)), "rss": [peak_rss()]}))
 
 
-def ours_job(data: str, out: str, ranks: int, new_tokens: int) -> None:
-    """A session on our generation bundle, one TVM thread per rank."""
+def ours_job(data: str, out: str, ranks: int, new_tokens: int, hosts: str | None = None,
+             rsh: str | None = None) -> None:
+    """A session on our generation bundle, one TVM thread per rank.
+
+    ``hosts`` (``"a,b"``) and ``rsh`` place the ranks on other hosts; their
+    memory is then not read (their processes are not this host's).
+    """
     from tvm_distx.llm.causal_lm import CausalLM
 
     ids = np.load(Path(data) / "ids.npy")
+    where = {"hosts": hosts, "rsh": rsh} if hosts else {}
     with CausalLM.from_bundle(Path(data) / f"bundle_{ranks}",
-                              env={"TVM_NUM_THREADS": "1"}) as lm:
+                              env={"TVM_NUM_THREADS": "1"}, **where) as lm:
+        def memory() -> list[int]:
+            return [] if hosts else [peak_rss(r.pid) for r in lm.session.ranks]
+
         # the ranks load their weights at the first call: before it, their runtime alone
-        runtime = [peak_rss(r.pid) for r in lm.session.ranks]
+        runtime = memory()
         lm.generate(ids, max_new_tokens=4)  # warm-up: every rank loads its weights
         tokens = lm.generate(ids, max_new_tokens=new_tokens)[0].tolist()
         stats = lm.stats
-        rss = [peak_rss(r.pid) for r in lm.session.ranks]
+        rss = memory()
     Path(out).write_text(json.dumps({"tokens": tokens, "prefill": stats.prefill_seconds,
                                      "steps": list(stats.per_step), "rss": rss, "runtime": runtime,
                                      "comm": stats.bytes_per_token}))
@@ -322,13 +343,14 @@ def kernels_job(out: str, shapes: list[tuple[int, int]], rounds: int, mib: int) 
 
 
 # ---------------------------------------------------------------------- the controller
-def launch(kind: str, arg, folder: Path, new_tokens: int, timeout: float) -> dict:
-    """Run one contender's job; returns what it wrote."""
+def launch(kind: str, arg, folder: Path, new_tokens: int, timeout: float,
+           where: tuple[str, ...] = ()) -> dict:
+    """Run one contender's job (``where``: its ``--on-hosts`` and ``--rsh``); returns its JSON."""
     out = folder / f"{kind}{arg}.json"
     out.unlink(missing_ok=True)
     threads = str(arg) if kind == "hf" else "1"
     command = [sys.executable, SCRIPT, f"--{kind}-job", str(arg), "--data", str(folder),
-               "--out", str(out), "--new-tokens", str(new_tokens)]
+               "--out", str(out), "--new-tokens", str(new_tokens), *where]
     env = child_env(OMP_NUM_THREADS=threads, TVM_NUM_THREADS="1")
     return run_job(f"{kind}{arg}", command, env, out, timeout)
 
@@ -362,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=256, help="MiB per array of the stream job")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     parser.add_argument("--json", help="also write the per-round figures to this JSON file")
+    parser.add_argument("--hosts", action="store_true",
+                        help="2 ranks on 2 test hosts beside 2 on this host; needs root")
+    parser.add_argument("--on-hosts", help=argparse.SUPPRESS)
+    parser.add_argument("--rsh", help=argparse.SUPPRESS)
     parser.add_argument("--hf-job", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ours-job", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--stream-job", type=float, help=argparse.SUPPRESS)
@@ -375,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_job(opts.data, opts.out, opts.hf_job, opts.new_tokens)
         return 0
     if opts.ours_job:
-        ours_job(opts.data, opts.out, opts.ours_job, opts.new_tokens)
+        ours_job(opts.data, opts.out, opts.ours_job, opts.new_tokens, opts.on_hosts, opts.rsh)
         return 0
     if opts.stream_job:
         stream_job(opts.out, opts.stream_job, opts.mib)
@@ -395,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
                       vocab_size=max(64, opts.hidden * 32))
     if opts.layers:
         config["num_hidden_layers"] = opts.layers
+    if opts.hosts:
+        return across_hosts(opts, config)
     rows = contenders(opts.ranks, opts.threads)
     started = time.perf_counter()
     load = [os.getloadavg()[0]]
@@ -517,6 +545,48 @@ def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_ro
             "prefill": {k: [run["prefill"] for run in v] for k, v in runs.items()},
             "fractions": fractions, "bandwidth": bw, "read": read, "kernels": kernel_rows,
             "parameters": llama_parameters(config)}))
+
+
+def across_hosts(opts, config: dict) -> int:
+    """``--hosts``: decode of 2 ranks on this host and on 2 test hosts, in turns; the table."""
+    started = time.perf_counter()
+    runs: dict[str, list[dict]] = {"one": [], "two": []}
+    with tempfile.TemporaryDirectory(prefix="tvm-distx-bench-") as tmp, test_hosts(2) as hosts:
+        folder = Path(tmp)
+        build(folder, config, opts.prompt, opts.new_tokens, [2])
+        names = hosts["TESTHOSTS_NAMES"].split(",")
+        where = {"one": (), "two": ("--on-hosts", ",".join(names),
+                                    "--rsh", hosts["TESTHOSTS_RSH"])}
+        for r in range(opts.rounds):
+            for side in ("one", "two") if r % 2 == 0 else ("two", "one"):
+                got = launch("ours", 2, folder, opts.new_tokens, opts.timeout, where[side])
+                runs[side].append(got)
+                print(f"  round {r + 1}: on {side} host{'s' if side == 'two' else ''}, prefill {got['prefill'] * 1e3:.0f} ms, "
+                      f"decode {median(got['steps']) * 1e3:.1f} ms/token", file=sys.stderr,
+                      flush=True)
+    tokens = {tuple(run["tokens"]) for side in runs.values() for run in side}
+    if len(tokens) != 1:
+        raise SystemExit(f"the greedy tokens differ between the runs: {sorted(tokens)}")
+    step = {side: [median(run["steps"]) for run in got] for side, got in runs.items()}
+    ratios = [b / a for a, b in zip(step["one"], step["two"])]
+    rows = [(label, f"{median(run['prefill'] for run in runs[side]) * 1e3:.0f}",
+             f"{median(step[side]) * 1e3:.1f}", f"{1 / median(step[side]):.1f}",
+             "-" if side == "one" else f"{median(ratios):.2f} ({spread(ratios)})", "yes")
+            for side, label in (("one", "2 ranks on this host (shared memory)"),
+                                ("two", f"1 rank on each of {names[0]} and {names[1]} (TCP)"))]
+    print(f"Llama decode, {llama_parameters(config) / 1e6:.0f}M parameters "
+          f"({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, FFN "
+          f"{config['intermediate_size']}, vocabulary {config['vocab_size']}), float32, prompt "
+          f"{opts.prompt} tokens + {opts.new_tokens} greedy tokens, batch 1, 2 ranks of 1 "
+          f"thread, {os.cpu_count()} cores, {opts.rounds} rounds "
+          f"({time.perf_counter() - started:.0f} s); each rank receives "
+          f"{fmt_bytes(runs['one'][0]['comm'])} per token\n")
+    print(table(["ranks", "prefill ms", "decode ms/token (median)", "tokens/s",
+                 "ratio two hosts / one host (min-max)", "same tokens"], rows))
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"steps": step, "runs": runs,
+                                               "parameters": llama_parameters(config)}))
+    return 0
 
 
 if __name__ == "__main__":
