@@ -103,6 +103,16 @@ def _first_line(err: Exception) -> str:
     return str(err).splitlines()[0]
 
 
+def _after(fault, session: MPISession, inputs) -> tuple[LaunchError, float]:
+    """Call ``session``, then ``fault()``, then call again: the error, and seconds to it."""
+    session.run(inputs[0])
+    fault()
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as caught:
+        session.run(inputs[1])
+    return caught.value, time.monotonic() - started
+
+
 def _files_on(test_hosts, host: str, dest: str) -> dict[str, str]:
     """The files under ``dest`` on ``host`` (relative path -> sha256, computed there)."""
     done = test_hosts.run(host, f"cd {shlex.quote(dest)} && find . -type f -print0 | "
@@ -185,16 +195,10 @@ def test_a_host_whose_link_goes_down_is_named_within_30_s(
     assert control.LOST == 10
     session = MPISession(bundles[2], hosts=[t1, t2], rsh=test_hosts.rsh)
     try:
-        session.run(inputs[0])
-        test_hosts.link(t2, False)
-        started = time.monotonic()
-        with pytest.raises(LaunchError) as caught:
-            session.run(inputs[1])
-        elapsed = time.monotonic() - started
+        err, elapsed = _after(lambda: test_hosts.link(t2, False), session, inputs)
     finally:
         test_hosts.link(t2, True)
         session.close()
-    err = caught.value
     assert elapsed < 30, f"{elapsed:.1f} s"
     assert (err.reason, err.rank, err.host) == ("lost", 1, t2)
     # the silence as measured: LOST, and up to one heartbeat more
@@ -211,15 +215,9 @@ def test_a_hosts_ranks_killed_between_calls_are_named(
     hostfile = test_hosts.hostfile(tmp_path / "hosts.txt", [2, 1, 1])
     session = MPISession(bundles[4], hostfile=hostfile, rsh=test_hosts.rsh, shared_fs=True)
     try:
-        session.run(inputs[0])
-        test_hosts.kill(t3)
-        started = time.monotonic()
-        with pytest.raises(LaunchError) as caught:
-            session.run(inputs[1])
-        elapsed = time.monotonic() - started
+        err, elapsed = _after(lambda: test_hosts.kill(t3), session, inputs)
     finally:
         session.close()
-    err = caught.value
     assert elapsed < 30, f"{elapsed:.1f} s"
     assert (err.reason, err.rank, err.host) == ("killed", 3, t3)
     # the host's proxy, which would report the rank's exit status, was killed with it
@@ -324,13 +322,8 @@ def test_ranks_cut_off_from_the_caller_end_by_themselves(
     session = MPISession(bundles[2], hosts=[t1, t2], rsh=test_hosts.rsh, shared_fs=True,
                          env={"TVM_DISTX_LOST_AFTER": QUICK_LOST})
     try:
-        session.run(inputs[0])
-        test_hosts.link(t2, False)
-        started = time.monotonic()
-        with pytest.raises(LaunchError) as caught:
-            session.run(inputs[1])
-        elapsed = time.monotonic() - started
-        assert (caught.value.reason, caught.value.rank, caught.value.host) == ("lost", 1, t2)
+        err, elapsed = _after(lambda: test_hosts.link(t2, False), session, inputs)
+        assert (err.reason, err.rank, err.host) == ("lost", 1, t2)
         assert elapsed < 15, f"{elapsed:.1f} s"
         time.sleep(2 * float(QUICK_LOST))  # the ranks' own timer, and their exit
         left = [c for _, c in test_hosts.processes(t2) if "tvm_distx" in c or "hydra" in c]

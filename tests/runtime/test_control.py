@@ -80,25 +80,26 @@ def test_a_peer_without_the_key_is_refused_and_the_session_goes_on(fast, caplog)
         links.close()
 
 
-def test_a_rank_that_falls_silent_is_lost_and_one_whose_connection_closes_died(fast):
+def _fall_silent(link: DriverLink) -> None:
+    link._closing = True  # it stops reading (and would not mind the driver's end)
+    link.send = lambda message: None  # and stops beating
+
+
+def _close(link: DriverLink) -> None:
+    link._conn.close()  # as the kernel does when the process is killed
+
+
+@pytest.mark.parametrize("fault,kind", [(_fall_silent, "lost"), (_close, "died")],
+                         ids=["silent", "closed"])
+def test_a_silent_rank_is_lost_and_a_closed_connection_died(fast, fault, kind):
     key = new_key()
     links = RankLinks(2, key)
     try:
-        silent = _rank(links, key, 0)
+        link = _rank(links, key, 0)
         _wait(lambda: links.connected() == 1)
-        silent._closing = True  # stop it reading: and make it stop beating
-        silent.send = lambda message: None
+        fault(link)
         assert _wait(lambda: links.failure is not None, within=5)
-        assert links.failure.kind == "lost" and links.failure.rank == 0
-    finally:
-        links.close()
-    links = RankLinks(1, key)
-    try:
-        dying = _rank(links, key, 0)
-        _wait(lambda: links.connected() == 1)
-        dying._conn.close()
-        assert _wait(lambda: links.failure is not None, within=5)
-        assert links.failure.kind == "died" and links.failure.rank == 0
+        assert (links.failure.kind, links.failure.rank) == (kind, 0)
     finally:
         links.close()
 
@@ -108,9 +109,10 @@ def test_a_rank_that_raised_reports_its_traceback(fast):
     links = RankLinks(1, key)
     try:
         link = _rank(links, key, 0)
-        link.finish(("error", "Traceback ...\nValueError: boom"))
+        link.finish(("error", "Traceback ...\nValueError: boom", "ValueError: boom"))
         assert _wait(lambda: links.failure is not None)
         assert links.failure.kind == "raised" and "boom" in links.failure.text
+        assert links.failure.summary == "ValueError: boom"
         assert links.replies.get(timeout=1) is None  # a waiting caller is woken
     finally:
         links.close()

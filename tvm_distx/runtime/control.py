@@ -61,6 +61,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tvm_distx.errors import ArgumentError
+
 __all__ = ["BEAT", "LOST", "KEY_ENV", "send_message", "receive_message", "new_key",
            "RankInfo", "RankLinks", "DriverLink", "Failure"]
 
@@ -68,8 +70,24 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between heartbeats, both ways.
 BEAT = 1.0
+#: The environment variable that sets :data:`LOST` (driver and ranks read it as they start).
+LOST_ENV = "TVM_DISTX_LOST_AFTER"
+
+
+def _lost_after() -> float:
+    text = os.environ.get(LOST_ENV, "10")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 2 * BEAT:
+        raise ArgumentError(f"{LOST_ENV}={text!r} is not a number of seconds above "
+                            f"{2 * BEAT:g}", hint=f"unset it (10 s), or for example {LOST_ENV}=20")
+    return seconds
+
+
 #: Seconds of silence after which a peer is given up.
-LOST = float(os.environ.get("TVM_DISTX_LOST_AFTER", "10"))
+LOST = _lost_after()
 #: The environment variable that gives the ranks the session's key (hex).
 KEY_ENV = "TVM_DISTX_SESSION_KEY"
 
