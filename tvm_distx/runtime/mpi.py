@@ -333,9 +333,7 @@ class MPISession(Session):
 
     def _where(self, rank: int) -> str:
         """``rank 1`` or, in a session across hosts, ``rank 1 on node2``."""
-        info = self._links.ranks.get(rank)
-        host = info.host if info is not None else (
-            self.placement.host_of(rank) if self.placement is not None else None)
+        host = self._host(rank)
         return f"rank {rank} on {host}" if self._remote and host else f"rank {rank}"
 
     def _timed_out(self, doing: str, timeout: float) -> LaunchError:
@@ -357,6 +355,7 @@ class MPISession(Session):
             "reached); raise timeout= if the program is just slow")
 
     def _host(self, rank: int | None) -> str | None:
+        """The host ``rank`` runs on: as it said, else as placed (None when unknown)."""
         if rank is None:
             return None
         info = self._links.ranks.get(rank)
@@ -403,8 +402,8 @@ class MPISession(Session):
                 except ValueError:
                     name = "no signal"
                 how = f"died with status {status} ({name})"
-            where = f"rank {failure.rank}" + (f" on {info.host}" if self._remote else "")
-            return LaunchError(f"{where} (pid {info.pid}) {how} {doing}", rank=failure.rank,
+            return LaunchError(f"{self._where(failure.rank)} (pid {info.pid}) {how} {doing}",
+                               rank=failure.rank,
                                reason="killed", details=_tail(log), hint=_HINT, host=info.host)
         said = _RANK_SAYS.search(log)  # a rank that failed before it reached this process
         if said is not None:
