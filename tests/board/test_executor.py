@@ -57,3 +57,48 @@ def test_two_ranks_of_the_seed_program_equal_numpy(seed):
     mlp = lambda v: np.maximum(v @ A, 0) @ B  # noqa: E731
     np.testing.assert_allclose(out[0], mlp(mlp(x)), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out[0], out[1])
+
+
+RANK = """
+import json, sys
+sys.modules["tvm"] = None  # the board has no TVM: importing it must fail
+sys.modules["tvm_ffi"] = None
+import numpy as np
+from mpi4py import MPI
+from tvm_distx.board.executor import Executor, Kernels
+from tvm_distx.runtime.collectives import abi_functions
+from tvm_distx.runtime.mpi_ccl import MpiCollectives
+folder = sys.argv[1]
+comm = MPI.COMM_WORLD
+r = comm.Get_rank()
+data = np.load(folder + "/data.npz")
+functions = abi_functions(MpiCollectives(comm))
+executor = Executor(json.load(open(folder + "/plan.json")), Kernels(folder + "/kernels.so"),
+                    lambda name, args: functions[name](*args))
+y = executor.run("main", data["x"], np.ascontiguousarray(data["A"][:, 64 * r:64 * (r + 1)]),
+                 np.ascontiguousarray(data["B"][64 * r:64 * (r + 1)]))
+np.save(folder + f"/y{r}.npy", y)
+"""
+
+
+def test_two_mpi_ranks_run_the_plan_with_no_tvm_loaded(seed, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tvm_distx.runtime.mpi import mpiexec_path
+
+    plan, kernels = seed
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    (tmp_path / "kernels.so").write_bytes(open(kernels.lib._name, "rb").read())
+    rng = np.random.default_rng(1)
+    x, A, B = (0.1 * rng.standard_normal((128, 128), dtype="float32") for _ in range(3))
+    np.savez(tmp_path / "data.npz", x=x, A=A, B=B)
+    (tmp_path / "rank.py").write_text(RANK)
+    done = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, str(tmp_path / "rank.py"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mlp = lambda v: np.maximum(v @ A, 0) @ B  # noqa: E731
+    for r in range(2):
+        np.testing.assert_allclose(np.load(tmp_path / f"y{r}.npy"), mlp(mlp(x)), rtol=1e-5,
+                                   atol=1e-5)

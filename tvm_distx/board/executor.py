@@ -13,6 +13,7 @@ board that has Debian's python3-numpy and nothing of TVM.
 from __future__ import annotations
 
 import ctypes
+import os
 import logging
 
 import numpy as np
@@ -62,7 +63,9 @@ class Kernels:
     """A kernel library opened with ctypes, its backend hooks filled (one task, malloc'd scratch)."""
 
     def __init__(self, path: str) -> None:
-        self.lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        # lazy binding: the error reporter the kernels import (TVMFFIErrorSetRaisedFromCStrParts)
+        # lives in TVM's runtime, absent here; it is only called when a kernel fails
+        self.lib = ctypes.CDLL(path, mode=os.RTLD_LAZY | ctypes.RTLD_GLOBAL)
         self._keep = []  # callbacks must outlive the library's use of them
         self._scratch: dict[int, np.ndarray] = {}
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
-import tvm_ffi
 
 from tvm_distx import ccl
 from tvm_distx.ccl import CollectiveGroup, SendRecvSpec
@@ -390,6 +389,8 @@ def _tvm_builtins(backend: Collectives, prefix: str, reduced) -> dict[str, Calla
         backend.gather(send, recv, 0, g)
 
     def worker_id():
+        import tvm_ffi
+
         return tvm_ffi.Shape((world().index,))
 
     functions = {"allreduce": allreduce, "allgather": allgather,
@@ -451,6 +452,8 @@ def register(backend: Collectives, builtins: str | None = None) -> None:
     their session's CCL): TVM's are kept the first time, so registering again
     (any number of times) replaces ours by ours and never wraps a wrapper.
     """
+    import tvm_ffi
+
     for name, func in abi_functions(backend, builtins).items():
         if builtins == ccl.DISCO_PREFIX and name.startswith(ccl.DISCO_PREFIX):
             if name not in _TVM_DISPATCHERS:

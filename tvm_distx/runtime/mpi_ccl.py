@@ -86,7 +86,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import tvm  # noqa: F401 - TVM registers its own builtins first; install() overrides them
 
 from tvm_distx import ccl
 from tvm_distx.ccl import SendRecvSpec
@@ -426,6 +425,7 @@ def install(comm: MPI.Comm | None = None) -> MpiCollectives:
         The installed implementation.
     """
     from mpi4py import MPI
+    import tvm  # noqa: F401 - TVM registers its own builtins first; ours override them
 
     global _INSTALLED
     comm = MPI.COMM_WORLD if comm is None else comm
