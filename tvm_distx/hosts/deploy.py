@@ -58,7 +58,7 @@ from tvm_distx.bundle.manifest import (_SAFETENSORS_DTYPES, MANIFEST, Manifest, 
                                        read_manifest)
 from tvm_distx.errors import ArgumentError, ArgumentTypeError, BundleError, DeployError
 from tvm_distx.hosts.hostfile import RankPlacement, place_ranks
-from tvm_distx.hosts.remote import LAUNCHER, RECORD, check_copy, verify_copy
+from tvm_distx.hosts.remote import LAUNCHER, RECORD, verify_copy
 from tvm_distx.hosts.rsh import DEFAULT_TIMEOUT, RemoteResult, run_on_hosts
 
 __all__ = ["HostReport", "deploy", "split", "check_deployed", "bundle_sha256"]

@@ -238,6 +238,11 @@ class RankLinks:
         finally:
             self._locks[rank].release()
 
+    def silent(self) -> list[int]:
+        """The ranks, not finished, that nothing has been heard from for :data:`LOST` seconds."""
+        now = time.monotonic()
+        return [i.rank for i in self.ranks.values() if not i.finished and now - i.heard > LOST]
+
     def connected(self) -> int:
         """How many ranks have connected so far."""
         return len(self.ranks)
@@ -279,9 +284,8 @@ class RankLinks:
                 next_beat = now + BEAT
                 for rank in list(self._conns):
                     self.send(rank, ("beat",), wait=False)
-                for info in self.ranks.values():
-                    if not info.finished and now - info.heard > LOST:
-                        self._fail(Failure("lost", info.rank, f"{now - info.heard:.0f}"))
+                for rank in self.silent():
+                    self._fail(Failure("lost", rank, f"{now - self.ranks[rank].heard:.0f}"))
 
     def _accept(self) -> None:
         conn, peer = self._server.accept()
@@ -315,8 +319,7 @@ class RankLinks:
             info.status, info.collectives = message[1], message[2]
         elif kind == "error":
             info.finished = True
-            self._fail(Failure("raised", rank, message[1],
-                               message[2] if len(message) > 2 else ""))
+            self._fail(Failure("raised", rank, message[1], message[2]))
         elif kind == "done":
             info.finished = True
         else:  # rank 0's "ready" and "ok"

@@ -77,7 +77,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from tvm_distx.errors import DeployError, LaunchError
+from tvm_distx.errors import LaunchError
 from tvm_distx.hosts import (RankPlacement, check_deployed, deploy, hosts_from, place_ranks,
                              remote_shell, run_on_hosts)
 from tvm_distx.runtime import control
@@ -373,15 +373,12 @@ class MPISession(Session):
                 pass
         log = self._log.read_text(errors="replace") if self._log.is_file() else ""
         if failure is not None and failure.kind == "raised":
-            text = failure.text
-            last = failure.summary or (text.strip().splitlines()[-1] if text.strip()
-                                       else "an error")
-            return LaunchError(f"{self._where(failure.rank)} failed {doing}: {last}",
-                               rank=failure.rank, reason="raised", details=text, hint=_HINT,
+            return LaunchError(f"{self._where(failure.rank)} failed {doing}: {failure.summary}",
+                               rank=failure.rank, reason="raised", details=failure.text,
+                               hint=_HINT,
                                host=self._host(failure.rank))
         if failure is not None and failure.kind == "lost":
-            hosts = sorted({self._host(r) for r, i in self._links.ranks.items()
-                            if not i.finished and time.monotonic() - i.heard > control.LOST})
+            hosts = sorted({self._host(r) for r in self._links.silent()})
             return LaunchError(
                 f"lost {self._where(failure.rank)}: nothing heard from it for "
                 f"{failure.text} s {doing} (its host or the network to it is down"
