@@ -64,8 +64,10 @@ class Kernels:
 
     def __init__(self, path: str) -> None:
         # lazy binding: the error reporter the kernels import (TVMFFIErrorSetRaisedFromCStrParts)
-        # lives in TVM's runtime, absent here; it is only called when a kernel fails
-        self.lib = ctypes.CDLL(path, mode=os.RTLD_LAZY | ctypes.RTLD_GLOBAL)
+        # lives in TVM's runtime, absent here; it is only called when a kernel fails.
+        # Local scope: every kernel library defines the same hook and entry names, and a
+        # global one would interpose them on each library loaded after it (TVM's included).
+        self.lib = ctypes.CDLL(path, mode=os.RTLD_LAZY | os.RTLD_LOCAL)
         self._keep = []  # callbacks must outlive the library's use of them
         self._scratch: dict[int, np.ndarray] = {}
 
