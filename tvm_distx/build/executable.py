@@ -58,6 +58,9 @@ from tvm_distx.runtime.backends import check_backend, launch, open_session
 
 __all__ = ["DistExecutable"]
 
+#: The rank plan's file name in a bundle.
+PLAN = "plan.json"
+
 logger = logging.getLogger(__name__)
 
 
@@ -79,13 +82,20 @@ class DistExecutable:
         segments of a fused projection, see
         :class:`tvm_distx.passes.SplitFusedProjections`). ``run`` and
         ``export`` cut them from the weights they are given.
+    plan : dict or None
+        The program the library's virtual machine runs, as data
+        (:func:`tvm_distx.build.board_plan.rank_plan`): what the board's ranks
+        run with the library's kernels and no TVM. None when the plan cannot
+        write the program; ``plan_refusal`` then says why.
     """
 
     def __init__(self, module: tvm.IRModule, signatures: dict[str, FunctionSignature],
                  vm_exec, target, *, num_ranks: int, entries: dict[str, list],
                  built: tvm.IRModule | None = None,
-                 derivations: Mapping[str, Derivations] | None = None) -> None:
+                 derivations: Mapping[str, Derivations] | None = None,
+                 plan: dict | None = None, plan_refusal: str | None = None) -> None:
         self.module = module
+        self.plan, self.plan_refusal = plan, plan_refusal
         self.built = built if built is not None else module
         self.signatures = signatures
         self.vm_exec = vm_exec
@@ -345,6 +355,11 @@ class DistExecutable:
         if links:
             manifest["weight_links"] = [link.to_json() for link in links]
         manifest["library_sha256"] = sha256_file(root / manifest["library"])
+        if self.plan is not None:
+            (root / PLAN).write_text(json.dumps(self.plan, separators=(",", ":")) + "\n")
+            manifest["plan"], manifest["plan_sha256"] = PLAN, sha256_file(root / PLAN)
+        else:
+            (root / PLAN).unlink(missing_ok=True)
         (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _write_launcher(root, self.num_ranks, self.target.name, signatures[0],
                         set(weights[functions[0]]))

@@ -22,6 +22,7 @@ from tvm import relax
 import tvm
 
 from tvm_distx._deprecated import deprecated_names
+from tvm_distx.build.board_plan import lower_for_vm, rank_plan
 from tvm_distx.build.executable import DistExecutable
 from tvm_distx.build.schedule import SCHEDULED_ATTR, ScheduleCPU, fuse_kernels
 from tvm_distx.build.schedule.experts import SparseExperts
@@ -172,15 +173,24 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
         unscheduled = fuse_kernels(unscheduled)
         built = ScheduleCPU(resolved.target)(unscheduled)
     logger.info("building for %s", resolved.name)
-    vm_exec, built = _build(built, unscheduled, resolved.target)
+    vm_exec, built, final = _build(built, unscheduled, resolved.target)
     entries = _rank_entries(lowered, signatures)
     signatures = _with_feeds(lowered, signatures, entries["num_ranks"])
+    try:  # the very program the VM runs, as data, for ranks with no TVM
+        plan, refusal = rank_plan(final), None
+    except CompilerStageError as err:
+        plan, refusal = None, err.message
+        logger.debug("no rank plan: %s", refusal)
     return DistExecutable(lowered, signatures, vm_exec, resolved, built=built,
-                          derivations=derivations, **entries)
+                          derivations=derivations, plan=plan, plan_refusal=refusal, **entries)
 
 
 def _build(built: tvm.IRModule, unscheduled: tvm.IRModule, target):
     """``tvm.compile(built)``; a scheduled kernel that TVM cannot build falls back to TVM's.
+
+    Returns the executable, the module built and the module its virtual machine
+    code was generated from (TVM's relax pipeline run once, :func:`lower_for_vm`),
+    which the rank plan is written from too.
 
     Our schedules are checked by tests, but a kernel shape they never met can
     still reach a TVM lowering check. Then each scheduled kernel is built
@@ -189,7 +199,7 @@ def _build(built: tvm.IRModule, unscheduled: tvm.IRModule, target):
     """
 
     try:
-        return tvm.compile(built, target=target), built
+        return _vm_build(built, target)
     except Exception as err:  # TVM raises InternalError, TVMError, ...
         failure = err
     scheduled = [(gv, func) for gv, func in built.functions.items()
@@ -205,7 +215,7 @@ def _build(built: tvm.IRModule, unscheduled: tvm.IRModule, target):
         for gv in broken:
             built.update_func(gv, unscheduled[gv.name_hint])
         try:
-            return tvm.compile(built, target=target), built
+            return _vm_build(built, target)
         except Exception as err:  # noqa: BLE001 - reported below
             failure = err
     raise CompilerStageError(
@@ -213,6 +223,12 @@ def _build(built: tvm.IRModule, unscheduled: tvm.IRModule, target):
         f"{_ir.tvm_error_reason(failure)}",
         hint="tvm_distx.compile(mod, schedule=False) builds without our kernel schedules; "
         "tvm_distx.compile(mod, dump_dir='stages') writes the module of every stage") from None
+
+
+def _vm_build(built: tvm.IRModule, target):
+    """The executable, ``built``, and the final module its VM code was generated from."""
+    final = lower_for_vm(built, target)
+    return tvm.compile(final, target=target, relax_pipeline=None), built, final
 
 
 def _builds_alone(func, target) -> bool:

@@ -4,6 +4,7 @@ A bundle is a directory::
 
     manifest.json           what the launcher and every rank read (schema below)
     lib.so                  the rank programs, one library for all ranks
+    plan.json               the same programs as data, for ranks with no TVM (the board's)
     weights/rank<d>.safetensors   the shards of every weight that device d holds
 
 Each rank's weights are one `safetensors <https://huggingface.co/docs/safetensors>`_
@@ -21,6 +22,11 @@ The manifest (``"format": "tvm-distx-bundle"``, ``"version": 2``) holds:
     names), its sha256 and the TVM target it was built for.
     :func:`check_library` checks the library before any rank starts: an ELF
     shared library, for this host's architecture, with that sha256.
+``plan``, ``plan_sha256`` (optional)
+    The rank plan's file name and sha256: the program the library's virtual
+    machine runs, written as data (:mod:`tvm_distx.build.board_plan`), which the
+    board's ranks run with the library's kernels and no TVM. Absent when the
+    program has a construct the plan cannot write.
 ``meshes``
     ``[{"name", "shape", "devices"}]``, every mesh of the program.
 ``ranks``
@@ -163,11 +169,17 @@ class Manifest:
     raw: dict
     derivations: dict[str, Derivations] = field(default_factory=dict)
     weight_links: tuple[WeightLink, ...] = ()
+    plan: str | None = None
 
     @property
     def library_path(self) -> Path:
         """The absolute path of the bundle's library."""
         return self.root / self.library
+
+    @property
+    def plan_path(self) -> Path | None:
+        """The absolute path of the bundle's rank plan (None: it has none)."""
+        return None if self.plan is None else self.root / self.plan
 
     def entry(self, function: str, rank: int) -> str | None:
         """The function ``rank`` runs for ``function`` (None: it takes no part)."""
@@ -367,10 +379,14 @@ def _parse(root: Path, data: dict) -> Manifest:
     if not (root / library).is_file():
         raise BundleError(f"the bundle's library {root / library} is missing",
                           hint="export the bundle again")
+    plan = data.get("plan")
+    if plan is not None:
+        plan = _require(data, "plan", str, "at the top level")
+        _inside(root, plan, "the rank plan")
     return Manifest(root, num_ranks, library, dict(data.get("target") or {}), meshes,
                     functions, entries, weights, tuple(files),
                     tuple(str(c) for c in data.get("collectives", [])), data, derivations,
-                    tuple(links))
+                    tuple(links), plan)
 
 
 def _inside(root: Path, relative: str, what: str) -> None:

@@ -54,6 +54,9 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             "TVM disco worker processes on this host, collectives over shared memory"),
     Backend("emulate", "tvm_distx.runtime.emulated:EmulatedSession", (),
             "every rank a thread of this process, collectives over numpy"),
+    Backend("board", "tvm_distx.board.session:BoardSession",
+            ("hosts", "hostfile", "rsh", "dest", "shared_fs", "mpiexec", "env"),
+            "MPI processes running the bundle's plan with numpy, no TVM (as a RISC-V board)"),
 )}
 
 #: The backends' names, in order (the command line's ``--backend`` choices).

@@ -185,6 +185,7 @@ class Session:
             raise ArgumentError(f"the bundle at {self.manifest.root} needs "
                                 f"{self.manifest.num_ranks} ranks, not {num_ranks}",
                                 hint=f"open the session with {self.manifest.num_ranks} ranks")
+        self._check_bundle(self.manifest)
         if check_here:
             check_library(self.manifest)
             check_weights(self.manifest)
@@ -193,6 +194,9 @@ class Session:
         self.calls = 0
         self.weights_loaded: dict[int, int] = {}
         self._owned: list[Path] = []  # directories removed on close (a bundle made for it)
+
+    def _check_bundle(self, manifest: Manifest) -> None:
+        """Refuse a bundle this backend cannot run, before anything starts (all run any)."""
 
     # -- calls
     def run(self, *inputs, params: Mapping | None = None, function: str = "main",

@@ -40,7 +40,7 @@ from tvm import relax
 
 from tvm_distx.bundle.manifest import check_weights, read_manifest
 from tvm_distx.runtime.disco_shm import DONE, Layout, ShmComm, install
-from tvm_distx.runtime.ranks import RankState, inject_fault
+from tvm_distx.runtime.ranks import RankState, VMProgram, inject_fault
 
 __all__ = ["OPEN", "CALL", "RESULTS", "SESSIONS", "repair_disco", "open_rank", "call_rank",
            "forget", "main"]
@@ -194,7 +194,7 @@ def _open(job: dict, comm: ShmComm) -> None:
     else:
         library = job["library"]
     vm = relax.VirtualMachine(tvm.runtime.load_module(library), tvm.cpu())
-    SESSIONS[job["session"]] = RankState(manifest, rank, vm)
+    SESSIONS[job["session"]] = RankState(manifest, rank, VMProgram(vm))
     everyone = tuple(range(comm.layout.world))
     comm.meet("the opening of the session", everyone, None, ())
 

@@ -42,7 +42,7 @@ from tvm_distx.bundle.signature import WORKER0
 from tvm_distx.errors import ArgumentError, LaunchError, PeerFailedError
 from tvm_distx.runtime.base import Call, RankProcess, Session
 from tvm_distx.runtime.collectives import REDUCERS, Collectives, register
-from tvm_distx.runtime.ranks import RankState
+from tvm_distx.runtime.ranks import RankState, VMProgram
 
 __all__ = ["emulate", "EmulatedSession", "EmulatedCollectives"]
 
@@ -197,7 +197,7 @@ class _Ranks:
         self.collectives = EmulatedCollectives(_Exchange(self.devices, timeout))
         with _LOCK:
             register(self.collectives)  # before the machines: they resolve functions once
-            self.states = [RankState(manifest, d, relax.VirtualMachine(library, tvm.cpu()))
+            self.states = [RankState(manifest, d, VMProgram(relax.VirtualMachine(library, tvm.cpu())))
                            for d in self.devices]
 
     def dispatch(self, messages: Sequence[tuple], timeout: float, doing: str) -> dict:

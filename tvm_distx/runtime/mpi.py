@@ -181,6 +181,8 @@ class MPISession(Session):
     """
 
     backend = "mpi"
+    #: the module each rank runs (``python -m``)
+    rank_module = RANK_MODULE
 
     def __init__(self, bundle, *, num_ranks: int | None = None, timeout: float = 300.0,
                  hosts: str | Sequence[str] | None = None,
@@ -213,7 +215,7 @@ class MPISession(Session):
             command += ["-hosts", self.placement.mpiexec_hosts()]
         if self._remote:
             command += ["-launcher", "ssh", "-launcher-exec", self._launcher()]
-        command += [sys.executable, "-m", RANK_MODULE, str(root), address, self._tag]
+        command += [sys.executable, "-m", self.rank_module, str(root), address, self._tag]
         logger.info("session: launching %s", " ".join(command))
         environment = {**rank_environment(os.environ, env), control.KEY_ENV: key.hex()}
         try:
@@ -286,7 +288,8 @@ class MPISession(Session):
         """
         steps = []
         if ranks_too:
-            pattern = f"[{RANK_MODULE[0]}]{RANK_MODULE[1:]} .* {self._tag}"
+            module = self.rank_module
+            pattern = f"[{module[0]}]{module[1:]} .* {self._tag}"
             steps.append(f"pkill -KILL -f {shlex.quote(pattern)}")
         if self._copies is not None:
             steps.append(f"rm -rf {shlex.quote(self._copies)}")

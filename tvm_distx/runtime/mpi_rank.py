@@ -11,9 +11,11 @@ processes). It:
    environment) and says who it is; from then on it beats every second with
    what it is doing (:class:`tvm_distx.runtime.control.DriverLink`);
 2. reads and checks the bundle's manifest, the world size and its own weight
-   files (never another rank's), installs the MPI collectives
-   (:func:`tvm_distx.runtime.mpi_ccl.install`) and creates its virtual machine
-   once;
+   files (never another rank's), and makes its program once: TVM's virtual
+   machine with the MPI collectives installed
+   (:func:`tvm_distx.runtime.mpi_ccl.install`, :func:`vm_program`), or another
+   maker's (the board's ranks, :mod:`tvm_distx.board.rank`, run the same loop
+   with a program that needs no TVM);
 3. rank 0 tells the driver ``ready`` with every rank's ``(rank, pid, host)``;
 4. serves calls until ``close``: rank 0 receives one message per rank (this
    rank's shards, see :class:`tvm_distx.runtime.ranks.RankState`) and scatters
@@ -43,19 +45,20 @@ import sys
 import time
 import traceback
 from pathlib import Path
-
-import tvm
-import tvm_ffi
-from tvm import relax
+from typing import Callable
 
 from tvm_distx import ccl
-from tvm_distx.bundle.manifest import check_weights, read_manifest
+from tvm_distx.bundle.manifest import Manifest, check_weights, read_manifest
 from tvm_distx.errors import BundleError
 from tvm_distx.runtime import mpi_ccl
 from tvm_distx.runtime.control import KEY_ENV, DriverLink
-from tvm_distx.runtime.ranks import RankState, fault, inject_fault
+from tvm_distx.runtime.ranks import Program, RankState, VMProgram, fault, inject_fault
 
-__all__ = ["serve", "threads_per_rank", "main"]
+__all__ = ["serve", "threads_per_rank", "counted", "vm_program", "main"]
+
+#: ``maker(manifest, comm, count)`` gives the rank's program; ``count`` wraps each collective
+#: function so that the driver hears how many this rank entered (see :func:`counted`).
+ProgramMaker = Callable[[Manifest, object, Callable], Program]
 
 
 def threads_per_rank(comm) -> None:
@@ -68,8 +71,8 @@ def threads_per_rank(comm) -> None:
     os.environ["TVM_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
 
 
-def _count_collectives(link: DriverLink, kind: str | None) -> None:
-    """Wrap every collective to count the calls this rank makes in the current call.
+def counted(link: DriverLink, kind: str | None) -> Callable[[Callable], Callable]:
+    """A wrapper that counts the calls of a collective this rank makes in the current call.
 
     The count goes to the driver with each beat. With a ``kill`` or ``hang``
     fault (test hook), the first call dies or hangs before it counts.
@@ -86,12 +89,28 @@ def _count_collectives(link: DriverLink, kind: str | None) -> None:
 
         return call
 
+    return wrap
+
+
+def vm_program(manifest: Manifest, comm, count: Callable) -> Program:
+    """TVM's virtual machine over the bundle's library, the MPI collectives installed first.
+
+    The VM resolves its functions once, so the collectives (counted by
+    ``count``) are registered before it exists.
+    """
+    import tvm
+    import tvm_ffi
+    from tvm import relax
+
+    mpi_ccl.install(comm)
     disco = [ccl.DISCO_PREFIX + n for n in ccl.DISCO_BUILTINS if n != "worker_id"]
     for name in (*ccl.FUNCTIONS, *disco):  # ours, and TVM's builtins of TVM-lowered programs
-        tvm_ffi.register_global_func(name, wrap(tvm.get_global_func(name)), override=True)
+        tvm_ffi.register_global_func(name, count(tvm.get_global_func(name)), override=True)
+    library = tvm.runtime.load_module(str(manifest.library_path))
+    return VMProgram(relax.VirtualMachine(library, tvm.cpu()))
 
 
-def serve(bundle: Path, driver: str) -> None:
+def serve(bundle: Path, driver: str, program: ProgramMaker = vm_program) -> None:
     """Serve calls until the driver says ``close`` (see the module documentation)."""
     from mpi4py import MPI
 
@@ -102,7 +121,7 @@ def serve(bundle: Path, driver: str) -> None:
     try:
         link = DriverLink(driver, key, rank, os.getpid(), host,
                           on_lost=lambda why: _lost(rank, host, why))
-        _serve(bundle, link, comm, rank)
+        _serve(bundle, link, comm, rank, program)
     except BaseException as err:  # any failure stops every rank, with the reason told
         text = traceback.format_exc()
         summary = _summary(err)
@@ -129,7 +148,7 @@ def _lost(rank: int, host: str, why: str) -> None:
     os._exit(75)
 
 
-def _serve(bundle: Path, link: DriverLink, comm, rank: int) -> None:
+def _serve(bundle: Path, link: DriverLink, comm, rank: int, make: ProgramMaker) -> None:
     link.status = "loading"
     threads_per_rank(comm)
     manifest = read_manifest(bundle)
@@ -138,10 +157,8 @@ def _serve(bundle: Path, link: DriverLink, comm, rank: int) -> None:
                           f"{comm.Get_size()}", hint=f"launch it with -n {manifest.num_ranks}")
     check_weights(manifest, [rank])
     kind = fault(rank)
-    mpi_ccl.install(comm)  # before the VM exists: it resolves functions once
-    _count_collectives(link, kind if kind in ("kill", "hang") else None)
-    vm = relax.VirtualMachine(tvm.runtime.load_module(str(manifest.library_path)), tvm.cpu())
-    me = RankState(manifest, rank, vm)
+    program = make(manifest, comm, counted(link, kind if kind in ("kill", "hang") else None))
+    me = RankState(manifest, rank, program)
 
     ranks = comm.gather((rank, os.getpid(), socket.gethostname()), root=0)
     link.status = "ready"
@@ -168,16 +185,17 @@ def _serve(bundle: Path, link: DriverLink, comm, rank: int) -> None:
     link.finish(("done",))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse the command line and serve this rank."""
-    parser = argparse.ArgumentParser(prog="python -m tvm_distx.runtime.mpi_rank",
+def main(argv: list[str] | None = None, program: ProgramMaker = vm_program,
+         prog: str = "python -m tvm_distx.runtime.mpi_rank") -> None:
+    """Parse the command line and serve this rank with ``program``'s maker."""
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="One rank of a tvm-distx session (started "
                                      "by MPISession under mpiexec).")
     parser.add_argument("bundle", type=Path, help="the bundle's path on this host")
     parser.add_argument("driver", help="the driver's host:port")
     parser.add_argument("tag", help="the session's name")
     args = parser.parse_args(argv)
-    serve(args.bundle, args.driver)
+    serve(args.bundle, args.driver, program)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ means the same everywhere:
   programs without a bundle, :func:`tvm_distx.runtime.emulated.emulate` and
   :func:`tvm_distx.runtime.disco.run_disco`).
 
+What runs the rank's functions is a :class:`Program`: TVM's virtual machine
+(:class:`VMProgram`) on every backend but the board's, whose ranks run the
+same program as a plan with no TVM (:class:`tvm_distx.board.program.PlanProgram`).
+
 Fault injection for tests (:func:`inject_fault`): ``TVM_DISTX_FAULT="<rank>:<kind>"``
 with kind ``raise``, ``kill`` or ``hang``; each backend says where it honours
 which kind.
@@ -22,16 +26,55 @@ import os
 import signal
 import time
 
+from typing import Callable, Protocol
+
 import numpy as np
-import tvm
 
 from tvm_distx.errors import LaunchError
 from tvm_distx.layout.arrays import first_holder
 
-__all__ = ["RankState", "FAULT_ENV", "fault", "inject_fault", "to_numpy"]
+__all__ = ["RankState", "Program", "VMProgram", "FAULT_ENV", "fault", "inject_fault",
+           "to_numpy"]
 
 #: The test hook: ``"<rank>:<kind>"``, kind ``raise``, ``kill`` or ``hang``.
 FAULT_ENV = "TVM_DISTX_FAULT"
+
+
+class Program(Protocol):
+    """What runs a rank's functions, and the form its values take."""
+
+    def function(self, name: str) -> Callable:
+        """The rank-local function ``name`` of the program."""
+
+    def tensor(self, array: np.ndarray) -> object:
+        """A host array as the program's own value (copied if the program needs it)."""
+
+    def numpy(self, value) -> np.ndarray:
+        """A value of the program as a host array."""
+
+
+class VMProgram:
+    """A rank's functions run by TVM's virtual machine over the bundle's library.
+
+    Parameters
+    ----------
+    vm : tvm.relax.VirtualMachine
+        Created once, after the backend's collectives are registered.
+    """
+
+    def __init__(self, vm) -> None:
+        import tvm
+
+        self.vm, self._tensor = vm, tvm.runtime.tensor
+
+    def function(self, name: str) -> Callable:
+        return self.vm[name]
+
+    def tensor(self, array: np.ndarray) -> object:
+        return self._tensor(np.ascontiguousarray(array))
+
+    def numpy(self, value) -> np.ndarray:
+        return value.numpy()
 
 
 class RankState:
@@ -44,22 +87,22 @@ class RankState:
         ``("entry", ...)`` messages).
     rank : int
         This rank.
-    vm : tvm.relax.VirtualMachine
-        The rank's virtual machine over the library, created once (after the
-        backend's collectives are registered).
+    program : Program
+        What runs the rank's functions (:class:`VMProgram` over TVM's virtual
+        machine, or the board's plan).
 
     Attributes
     ----------
-    loaded : dict of str to tvm.runtime.Tensor
+    loaded : dict of str to tensor
         The stored weights this rank has loaded, each the first time a
         function needs it (read only through
         :meth:`tvm_distx.bundle.manifest.Manifest.read_weight`).
-    resident : dict of str to tvm.runtime.Tensor
+    resident : dict of str to tensor
         The values kept on this rank between calls, by name (``state``/``keep``).
     """
 
-    def __init__(self, manifest, rank: int, vm) -> None:
-        self.manifest, self.rank, self.vm = manifest, rank, vm
+    def __init__(self, manifest, rank: int, program: Program) -> None:
+        self.manifest, self.rank, self.program = manifest, rank, program
         self.loaded: dict[str, object] = {}
         self.resident: dict[str, object] = {}
 
@@ -116,19 +159,19 @@ class RankState:
             if spec.name in state:  # a value kept on the ranks by an earlier call
                 name = state[spec.name]
                 if name not in self.resident:  # first use: zeros of this rank's shard
-                    self.resident[name] = tvm.runtime.tensor(
+                    self.resident[name] = self.program.tensor(
                         np.zeros(spec.sharding.local_shape(spec.shape), spec.dtype))
                 args.append(self.resident[name])
             elif spec.name in stored:
                 if spec.name not in self.loaded:
-                    self.loaded[spec.name] = tvm.runtime.tensor(np.ascontiguousarray(
+                    self.loaded[spec.name] = self.program.tensor(
                         manifest.read_weight(rank, spec.name)
                         if signature.fed(spec, rank)  # else TVM's feed: a placeholder
-                        else signature.rank_input(spec, None, rank)))
+                        else signature.rank_input(spec, None, rank))
                 args.append(self.loaded[spec.name])
             else:
-                args.append(tvm.runtime.tensor(np.ascontiguousarray(values.get(spec.name))))
-        out = self.vm[entry](*args)
+                args.append(self.program.tensor(values.get(spec.name)))
+        out = self.program.function(entry)(*args)
         results = list(out) if signature.tuple_result else [out]
         held = [spec for spec in signature.results if spec.held_by(rank)]
         for index, spec in enumerate(signature.results):
@@ -137,7 +180,7 @@ class RankState:
             if index in keep:  # stays on this rank, as it is: nothing moves
                 self.resident[keep[index]] = results[held.index(spec)]
             elif first_holder(spec.sharding, spec.shape, rank):
-                blocks[index] = results[held.index(spec)].numpy()
+                blocks[index] = self.program.numpy(results[held.index(spec)])
         return blocks
 
     def run_entry(self, entry: str | None, args) -> object:
@@ -147,17 +190,18 @@ class RankState:
         """
         if entry is None:
             return None
-        return to_numpy(self.vm[entry](*[tvm.runtime.tensor(np.ascontiguousarray(a))
-                                         for a in args]))
+        program = self.program
+        return to_numpy(program.function(entry)(*[program.tensor(a) for a in args]),
+                        program.numpy)
 
 
-def to_numpy(value):
-    """A TVM result as numpy: an array, a tuple of them (nested), or None."""
+def to_numpy(value, numpy: Callable = lambda v: v.numpy()):
+    """A program's result as numpy: an array, a tuple of them (nested), or None."""
     if value is None:
         return None
-    if hasattr(value, "numpy"):
-        return value.numpy()
-    return tuple(to_numpy(v) for v in value)
+    if isinstance(value, np.ndarray) or hasattr(value, "numpy"):
+        return numpy(value)
+    return tuple(to_numpy(v, numpy) for v in value)
 
 
 def fault(rank: int) -> str | None:

@@ -1,0 +1,105 @@
+"""A rank's program run from its plan: what the board's ranks run instead of TVM's VM.
+
+:class:`PlanProgram` is a :class:`tvm_distx.runtime.ranks.Program`: the rank's
+:class:`~tvm_distx.runtime.ranks.RankState` calls its functions on numpy arrays
+exactly as it calls the virtual machine's on TVM tensors, so a board rank keeps
+its weights, its resident values (a key-value cache) and its results the same way.
+The functions are the bundle's rank plan (``plan.json``) run by
+:class:`~tvm_distx.board.executor.Executor` over the bundle's own library
+(``lib.so``: its kernels are plain C functions), and every collective goes to the
+functions the caller gives.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+
+from tvm_distx.board.executor import Executor, Kernels
+from tvm_distx.errors import BundleError
+
+__all__ = ["PlanProgram", "read_plan", "aligned", "ALIGNMENT"]
+
+logger = logging.getLogger(__name__)
+
+#: The byte alignment TVM's kernels assume of every buffer (their vector loads need it).
+ALIGNMENT = 64
+
+
+def aligned(array) -> np.ndarray:
+    """``array`` as a C-contiguous array at an :data:`ALIGNMENT`-byte address (copied if not)."""
+    array = np.asarray(array)
+    if array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0:
+        return array
+    block = np.empty(array.nbytes + ALIGNMENT, np.uint8)
+    start = -block.ctypes.data % ALIGNMENT
+    out = block[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+def read_plan(manifest) -> dict:
+    """The bundle's rank plan, checked to be one.
+
+    Raises
+    ------
+    BundleError
+        If the bundle has no plan (it was written by a version without plans, or
+        its program has a construct the plan cannot write) or the file is not one.
+    """
+    path: Path | None = manifest.plan_path
+    if path is None:
+        raise BundleError(f"the bundle at {manifest.root} has no rank plan, so only TVM's "
+                          "virtual machine runs it",
+                          hint="run it with backend='mpi', or export it again with this "
+                          "version of tvm-distx",
+                          cli_hint="run it with --backend mpi, or export it again with this "
+                          "version of tvm-distx")
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise BundleError(f"the rank plan {path} cannot be read ({type(err).__name__})",
+                          hint="export the bundle again") from None
+    if not isinstance(plan, dict) or plan.get("format") != "tvm-distx-board-plan":
+        raise BundleError(f"{path} is not a tvm-distx rank plan",
+                          hint="export the bundle again")
+    return plan
+
+
+class PlanProgram:
+    """The rank's functions run from the plan, on numpy arrays.
+
+    Parameters
+    ----------
+    plan : dict
+        The bundle's rank plan.
+    library : path
+        The bundle's library (its kernels are called through the tvm-ffi C ABI).
+    collectives : mapping of str to callable
+        Every ``tvm_distx.ccl.*`` (and TVM's disco builtin) the plan may call, by name,
+        taking the plan's arguments (arrays, integers; the output buffer last).
+    """
+
+    def __init__(self, plan: dict, library, collectives: Mapping[str, Callable]) -> None:
+        def collective(name: str, args: list):
+            found = collectives.get(name)
+            if found is None:
+                raise BundleError(f"the rank plan calls {name}, which this runtime does not "
+                                  "provide", hint="build and run with one version of tvm-distx")
+            return found(*args)
+
+        self.executor = Executor(plan, Kernels(str(library)), collective)
+
+    def function(self, name: str) -> Callable:
+        return functools.partial(self.executor.run, name)
+
+    def tensor(self, array: np.ndarray) -> np.ndarray:
+        return aligned(array)
+
+    def numpy(self, value) -> np.ndarray:
+        return np.asarray(value)
