@@ -52,6 +52,7 @@ from tvm import relax
 import tvm
 
 from tvm_distx.errors import ArgumentError, UnsupportedProgramError
+from tvm_distx.bundle.generation import KVCacheLayout
 from tvm_distx.frontend.pytorch import from_torch
 
 __all__ = ["DecoderProgram", "KVCacheLayout", "export_decoder"]
@@ -62,47 +63,6 @@ logger = logging.getLogger(__name__)
 FUNCTIONS = ("prefill", "decode")
 #: The suffix of the batched functions (``prefill_batch``, ``decode_batch``).
 BATCH_SUFFIX = "_batch"
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """The key-value cache of an exported decoder: pure data.
-
-    Attributes
-    ----------
-    names : tuple of str
-        The cache parameters in order: ``key_0, value_0, key_1, value_1, ...``.
-        They follow ``input_ids`` and ``cache_position`` in both functions, and
-        the function's result ``i + 1`` is the new value of ``names[i]``.
-    shapes : tuple of tuple of int
-        The global shape of each, ``(batch, kv_heads, max_length, head_dim)``.
-    dtype : str
-        Their element type.
-    max_length : int
-        The static maximum number of tokens (prompt plus generated ones).
-    masked : bool
-        Whether the functions also take ``position_ids`` and ``attention_mask``
-        after ``cache_position`` (the batched ones, for left-padded prompts).
-    """
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtype: str
-    max_length: int
-    masked: bool = False
-
-    @property
-    def batch(self) -> int:
-        """The sequences the cache holds (its first axis)."""
-        return int(self.shapes[0][0])
-
-    def zeros(self) -> list[np.ndarray]:
-        """An empty cache (the state before a prompt), one array per name."""
-        return [np.zeros(shape, self.dtype) for shape in self.shapes]
-
-    def nbytes(self) -> int:
-        """The bytes the whole cache holds."""
-        return sum(int(np.prod(s)) for s in self.shapes) * np.dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Token generation with a sharded causal language model.
 
 - :mod:`~tvm_distx.llm.causal_lm`: :class:`~tvm_distx.llm.causal_lm.CausalLM`, a model
-  sharded over ranks that stay up between calls;
-- :mod:`~tvm_distx.llm.batch`: several prompts as one left-padded batch per step.
+  sharded over ranks that stay up between calls; its generation loop is
+  :class:`tvm_distx.runtime.generation.Generator`, which needs no TVM.
 """
 
 from tvm_distx.llm.causal_lm import CausalLM

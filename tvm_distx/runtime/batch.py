@@ -1,7 +1,7 @@
 """Batched greedy generation: a left-padded batch of prompts as one forward per step.
 
-:meth:`tvm_distx.llm.causal_lm.CausalLM.generate` hands a batch of prompts here when the
-model was exported with ``max_batch=`` (``prefill_batch`` and ``decode_batch``,
+:meth:`tvm_distx.runtime.generation.Generator.generate` hands a batch of prompts here
+when the model was exported with ``max_batch=`` (``prefill_batch`` and ``decode_batch``,
 see :mod:`tvm_distx.frontend.decoder`). The batch runs the way transformers'
 ``generate`` runs a left-padded batch:
 
