@@ -21,6 +21,7 @@ from tvm_distx import ShardingRule
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime.backends import launch
 
+from locations import TESTS_DIR
 from reference import mlp_twice
 
 DATA = TESTS_DIR / "data"
@@ -28,7 +29,6 @@ DATA = TESTS_DIR / "data"
 TP4 = '''
 from tvm.script import ir as I
 from tvm.script import relax as R
-from locations import TESTS_DIR
 
 
 @I.ir_module

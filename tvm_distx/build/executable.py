@@ -45,6 +45,7 @@ import tvm
 from tvm import relax
 
 from tvm_distx import ccl
+from tvm_distx.board.payload import write_board_runtime
 from tvm_distx.build.rvv import write_kernels
 from tvm_distx.bundle.manifest import (FORMAT, MANIFEST, VERSION, WeightLink, sha256_file,
                                        write_rank_weights)
@@ -368,6 +369,10 @@ class DistExecutable:
 
     def _write_library(self, root: Path) -> None:
         self.target.export_library(self.vm_exec, root / "lib.so")
+        if self.target.is_riscv and self.plan is not None:  # boards run it with no TVM
+            write_board_runtime(root, self.num_ranks, self.target.name)
+        elif (root / "python").is_dir():  # a board bundle's runtime, replaced by this one
+            shutil.rmtree(root / "python")
         if self.target.is_riscv:
             # no TVM runtime for riscv64 here: the kernels, alone, are checked under qemu
 
@@ -402,24 +407,38 @@ class DistExecutable:
 
 
 _LAUNCH_SCRIPT = """#!/bin/sh
-# Run this bundle on {n} MPI ranks: ./run.sh [-i input.npy ...] [-o out/]
+# Run this bundle on {n} MPI ranks: ./run.sh [run] [-i input.npy ...] [-o out/]
+# A generation bundle: ./run.sh generate --ids 1 2 3 --max-new-tokens 16 [-o out.npy]
 # On several hosts: HOSTS=node0:2,node1 ./run.sh ..., or HOSTFILE=hosts.txt ./run.sh ...
 # (ranks fill each host's slots in order; RSH= is the remote shell, ssh by default). Each
 # host gets its ranks' share for the run, unless the bundle is deployed there (add
 # --dest DIR: tvm-distx deploy) or on a shared filesystem (add --shared-fs). Needs
 # tvm-distx, TVM's runtime and mpi4py at the same Python path on every host.
 HERE="$(cd "$(dirname "$0")" && pwd)"
-exec tvm-distx run "$HERE" -n {n} ${{HOSTS:+--hosts "$HOSTS"}} \\
+COMMAND=run
+case "$1" in
+    run) shift ;;
+    generate) COMMAND=generate; shift ;;
+esac
+if [ "$COMMAND" = run ]; then set -- -n {n} "$@"; fi
+exec tvm-distx "$COMMAND" "$HERE" ${{HOSTS:+--hosts "$HOSTS"}} \\
     ${{HOSTFILE:+--hostfile "$HOSTFILE"}} ${{RSH:+--rsh "$RSH"}} "$@"
 """
 
 
 def _write_launcher(root: Path, num_ranks: int, target: str, signature: FunctionSignature,
                     weights: set[str]) -> None:
-    """A launch script and a README beside the manifest."""
-    script = root / "run.sh"
-    script.write_text(_LAUNCH_SCRIPT.format(n=num_ranks))
-    script.chmod(0o755)
+    """A launch script and a README beside the manifest.
+
+    A RISC-V bundle runs on boards with no TVM: it gets the board's runtime and
+    ``run.sh`` (:func:`tvm_distx.board.payload.write_board_runtime`); any other
+    calls ``tvm-distx``.
+    """
+    board = (root / "python").is_dir()
+    if not board:
+        script = root / "run.sh"
+        script.write_text(_LAUNCH_SCRIPT.format(n=num_ranks))
+        script.chmod(0o755)
     inputs = [p for p in signature.params if p.name not in weights]
     lines = [
         f"# tvm-distx bundle: {signature.name} on {num_ranks} ranks, target {target}",
@@ -430,7 +449,12 @@ def _write_launcher(root: Path, num_ranks: int, target: str, signature: Function
         "entries, signatures, weight files with sha256 |",
         "| `lib.so` | the rank programs (one library for all ranks) |",
         "| `weights/rank<d>.safetensors` | the shards of the weights that rank d holds |",
-        "| `run.sh` | `mpiexec` launch through `tvm-distx run` |",
+        *(["| `plan.json` | the rank programs as data, run with numpy where there is no "
+           "TVM |"] if (root / PLAN).is_file() else []),
+        "| `run.sh` | " + ("`./run.sh run|generate`: the board's `mpiexec` on the plan, "
+                          "no TVM |" if board else "`mpiexec` launch through `tvm-distx run` |"),
+        *(["| `python/` | the board's runtime: the modules of tvm-distx it needs, no TVM |"]
+          if board else []),
         *(["| `kernels/` | the kernels alone (`kernels.so`, their TIR and arguments), "
            "checked under qemu with `tvm_distx.build.rvv.check_kernels` |"]
           if (root / "kernels").is_dir() else []),
@@ -439,11 +463,16 @@ def _write_launcher(root: Path, num_ranks: int, target: str, signature: Function
         + (", ".join(f"`{p.name}` {p.dtype}{list(p.shape)}" for p in inputs) or "none"),
         "",
         "```sh",
-        "./run.sh " + " ".join(f"-i {p.name}.npy" for p in inputs) + " -o out/",
-        "HOSTS=node0,node1 ./run.sh ...   # across hosts, run on node0 (the first)",
-        "```",
-        "",
-        "Every rank needs Python with tvm-distx, TVM's runtime and mpi4py for its machine.",
+        *([("./run.sh run " + " ".join(f"-i {p.name}.npy" for p in inputs) + " -o out/"),
+           "./run.sh run ... --hostfile hosts.txt   # several boards (host[:slots] per line)",
+           "```", "",
+           "A board needs python3, python3-numpy, python3-mpi4py and openmpi-bin; no TVM."]
+          if board else
+          [("./run.sh " + " ".join(f"-i {p.name}.npy" for p in inputs) + " -o out/"),
+           "HOSTS=node0,node1 ./run.sh ...   # across hosts, run on node0 (the first)",
+           "```", "",
+           "Every rank needs Python with tvm-distx, TVM's runtime and mpi4py for its "
+           "machine."]),
     ]
     (root / "README.md").write_text("\n".join(lines) + "\n")
 
