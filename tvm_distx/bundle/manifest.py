@@ -553,33 +553,45 @@ def write_rank_weights(root: Path, rank: int, shards: dict[str, np.ndarray]) -> 
 def _tensor_table(path: Path, where: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
     """``{name: (dtype, shape, file offset)}`` of a safetensors file, validated.
 
-    The safetensors library checks the header (byte ranges inside the file,
-    sizes matching dtypes and shapes); the offsets then come from the header,
-    whose layout is the format's specification: an 8-byte little-endian length,
-    then that many bytes of JSON.
+    Read by the format's specification (an 8-byte little-endian length, that many
+    bytes of JSON naming each tensor's dtype, shape and byte range, then the
+    bytes), with no library: a board has numpy and nothing else. Each range must
+    lie inside the file and hold exactly its dtype and shape's bytes.
     """
-    from safetensors import SafetensorError, safe_open
-
+    bad = None
     try:
-        with safe_open(str(path), framework="numpy"):
-            pass
+        total = path.stat().st_size
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
+            if not 8 + size <= total:
+                raise ValueError(f"its header claims {size} bytes of a {total}-byte file")
             header = json.loads(f.read(size))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise BundleError(f"{where} is not a valid safetensors file ({err})",
-                          hint="the file was replaced or corrupted; export the bundle again") \
-            from None
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+    except (OSError, ValueError) as err:
+        bad = str(err)
     table = {}
-    for name, info in header.items():
+    for name, info in ({} if bad else header).items():
         if name == "__metadata__":
             continue
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        try:
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            shape = tuple(int(n) for n in info["shape"])
+            start, stop = (int(n) for n in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            bad = f"tensor '{name}' has a malformed entry ({type(err).__name__})"
+            break
         if dtype is None:
             raise BundleError(f"{where}: tensor '{name}' has dtype {info['dtype']}, which a "
                               "bundle never stores", hint="export the bundle again")
-        table[name] = (dtype, tuple(int(n) for n in info["shape"]),
-                       8 + size + int(info["data_offsets"][0]))
+        if not (0 <= start <= stop <= total - 8 - size) or \
+                stop - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+            bad = f"tensor '{name}' has bytes {start}..{stop}, which do not fit"
+            break
+        table[name] = (dtype, shape, 8 + size + start)
+    if bad is not None:
+        raise BundleError(f"{where} is not a valid safetensors file ({bad})",
+                          hint="the file was replaced or corrupted; export the bundle again")
     return table
 
 
