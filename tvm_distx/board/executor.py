@@ -512,6 +512,9 @@ class Executor:
         def step(r):
             where, extents = r[storage], r[shape]
             end = offset + math.prod(extents) * itemsize
+            if end > where.array.size:  # the VM checks it too: never write past a storage
+                raise _Fail(f"a tensor of shape {extents} needs {end} bytes of a storage of "
+                            f"{where.array.size} (an extent beyond its upper bound?)")
             view = where.array[offset:end].view(dtype).reshape(extents)
             describe(view, where.address + offset)
             r[dst] = view
