@@ -20,28 +20,16 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from tvm_distx.board.executor import Executor, Kernels
+from tvm_distx.board.executor import Executor, Kernels, aligned
 from tvm_distx.errors import BundleError
 
-__all__ = ["PlanProgram", "read_plan", "aligned", "ALIGNMENT"]
+__all__ = ["PlanProgram", "read_plan", "RUNTIME_LIBRARY"]
+
+#: The compiled board runtime in a bundle (the kernels' hooks in C; see
+#: ``tvm_distx.build.board_plan.build_board_runtime``), when it has one.
+RUNTIME_LIBRARY = "libtvm_distx_board.so"
 
 logger = logging.getLogger(__name__)
-
-#: The byte alignment TVM's kernels assume of every buffer (their vector loads need it).
-ALIGNMENT = 64
-
-
-def aligned(array) -> np.ndarray:
-    """``array`` as a C-contiguous array at an :data:`ALIGNMENT`-byte address (copied if not)."""
-    array = np.asarray(array)
-    if array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0:
-        return array
-    block = np.empty(array.nbytes + ALIGNMENT, np.uint8)
-    start = -block.ctypes.data % ALIGNMENT
-    out = block[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
-    out[...] = array
-    return out
-
 
 def read_plan(manifest) -> dict:
     """The bundle's rank plan, checked to be one.
@@ -80,12 +68,16 @@ class PlanProgram:
         The bundle's rank plan.
     library : path
         The bundle's library (its kernels are called through the tvm-ffi C ABI).
+    runtime : path, optional
+        The bundle's compiled board runtime (the kernels' hooks in C); without it
+        they are Python callbacks, right but slow.
     collectives : mapping of str to callable
         Every ``tvm_distx.ccl.*`` (and TVM's disco builtin) the plan may call, by name,
         taking the plan's arguments (arrays, integers; the output buffer last).
     """
 
-    def __init__(self, plan: dict, library, collectives: Mapping[str, Callable]) -> None:
+    def __init__(self, plan: dict, library, collectives: Mapping[str, Callable],
+                 runtime=None) -> None:
         def collective(name: str, args: list):
             found = collectives.get(name)
             if found is None:
@@ -93,13 +85,14 @@ class PlanProgram:
                                   "provide", hint="build and run with one version of tvm-distx")
             return found(*args)
 
-        self.executor = Executor(plan, Kernels(str(library)), collective)
+        kernels = Kernels(str(library), None if runtime is None else str(runtime))
+        self.executor = Executor(plan, kernels, collective)
 
     def function(self, name: str) -> Callable:
         return functools.partial(self.executor.run, name)
 
     def tensor(self, array: np.ndarray) -> np.ndarray:
-        return aligned(array)
+        return aligned(np.asarray(array))  # kernels' vector loads need 64-byte alignment
 
     def numpy(self, value) -> np.ndarray:
         return np.asarray(value)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from tvm_distx import ccl
-from tvm_distx.board.program import PlanProgram, read_plan
+from tvm_distx.board.program import RUNTIME_LIBRARY, PlanProgram, read_plan
 from tvm_distx.runtime import mpi_rank
 from tvm_distx.runtime.collectives import abi_functions
 from tvm_distx.runtime.mpi_ccl import MpiCollectives
@@ -25,8 +25,10 @@ __all__ = ["plan_program", "main"]
 def plan_program(manifest, comm, count: Callable) -> PlanProgram:
     """The bundle's rank plan over its library, every collective counted by ``count``."""
     functions = abi_functions(MpiCollectives(comm), builtins=ccl.DISCO_PREFIX)
+    runtime = manifest.root / RUNTIME_LIBRARY
     return PlanProgram(read_plan(manifest), manifest.library_path,
-                       {name: count(f) for name, f in functions.items()})
+                       {name: count(f) for name, f in functions.items()},
+                       runtime if runtime.is_file() else None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,12 +32,15 @@ register is emptied, as the VM does), ``"null"`` and ``"alias"`` (a plain value)
 
 from __future__ import annotations
 
+import atexit
 import base64
+import functools
 import logging
 import os
+from pathlib import Path
 import shutil
 import subprocess
-from pathlib import Path
+import tempfile
 
 import numpy as np
 import tvm
@@ -46,10 +49,11 @@ from tvm.ir.expr import GenericConst, StringImm
 from tvm.ir.prim.expr import FloatImm, IntImm
 
 from tvm_distx.board.executor import BUILTINS, COLLECTIVE_PREFIX, DTYPES
+from tvm_distx.board.program import RUNTIME_LIBRARY
 from tvm_distx.errors import CompilerStageError
 
-__all__ = ["FORMAT", "RUNTIME_LIBRARY", "VERSION", "build_board_runtime", "lower_for_vm",
-           "rank_plan"]
+__all__ = ["FORMAT", "RUNTIME_LIBRARY", "VERSION", "board_runtime", "build_board_runtime",
+           "lower_for_vm", "rank_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +62,6 @@ VERSION = 2
 #: Constants of at most this many elements are written as a list of values, others in base64.
 INLINE_ELEMENTS = 16
 
-#: The file name of the compiled board runtime (:func:`build_board_runtime`) in a bundle.
-RUNTIME_LIBRARY = "libtvm_distx_board.so"
 
 _VM_OPS = {"relax.vm.alloc_storage": "alloc_storage", "relax.vm.alloc_tensor": "alloc_tensor",
            "relax.vm.kill_object": "kill", "relax.null_value": "null"}
@@ -120,6 +122,14 @@ def build_board_runtime(folder: str | os.PathLike, cc: str = "gcc") -> Path:
         raise CompilerStageError(f"stage 'board runtime': {cc} failed:\n{done.stderr}",
                                  hint="check the target's C compiler")
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def board_runtime(cc: str = "gcc") -> Path:
+    """The board runtime built once per process for the compiler ``cc`` (what bundles copy)."""
+    folder = Path(tempfile.mkdtemp(prefix="tvm-distx-board-runtime-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return build_board_runtime(folder, cc)
 
 
 def rank_plan(final: tvm.IRModule) -> dict:

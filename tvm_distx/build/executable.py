@@ -46,6 +46,8 @@ from tvm import relax
 
 from tvm_distx import ccl
 from tvm_distx.board.payload import write_board_runtime
+from tvm_distx.board.program import RUNTIME_LIBRARY
+from tvm_distx.build.board_plan import board_runtime
 from tvm_distx.build.rvv import write_kernels
 from tvm_distx.bundle.manifest import (FORMAT, MANIFEST, VERSION, WeightLink, sha256_file,
                                        write_rank_weights)
@@ -359,8 +361,10 @@ class DistExecutable:
         if self.plan is not None:
             (root / PLAN).write_text(json.dumps(self.plan, separators=(",", ":")) + "\n")
             manifest["plan"], manifest["plan_sha256"] = PLAN, sha256_file(root / PLAN)
+            shutil.copyfile(board_runtime(self.target.cc or "gcc"), root / RUNTIME_LIBRARY)
         else:
             (root / PLAN).unlink(missing_ok=True)
+            (root / RUNTIME_LIBRARY).unlink(missing_ok=True)
         (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _write_launcher(root, self.num_ranks, self.target.name, signatures[0],
                         set(weights[functions[0]]))

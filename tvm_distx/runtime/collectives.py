@@ -156,11 +156,15 @@ class Collectives(abc.ABC):
 
 # ---------------------------------------------------------------------- the adapter
 def as_numpy(tensor: Tensor, reduce: bool = False) -> np.ndarray:
-    """A writable numpy view of a TVM tensor (no copy).
+    """A writable numpy view of a TVM tensor (no copy); a numpy array as it is.
 
     A dtype numpy lacks (bfloat16, float8) is viewed as unsigned integers of
-    its width, which moves the same bytes but cannot be reduced.
+    its width, which moves the same bytes but cannot be reduced. A numpy array
+    (the board's executor calls with them) is not passed through DLPack, whose
+    view of it is read-only in some numpy versions (2.2, Debian's).
     """
+    if isinstance(tensor, np.ndarray):
+        return tensor
     try:
         return np.from_dlpack(tensor)
     except RuntimeError as err:  # "Unsupported dtype in DLTensor"
