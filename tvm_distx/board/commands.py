@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tvm_distx.board.job import run_job
+from tvm_distx.board.job import MARK, run_job
 from tvm_distx.board.launch import launch
 from tvm_distx.bundle.generation import read_generation
 from tvm_distx.errors import ArgumentError, DistxError
@@ -138,7 +138,7 @@ def _job(args) -> int:
             if args.output is not None:
                 np.save(args.output, out[None, :])
             sys.stdout.write(" ".join(str(t) for t in out) + "\n")
-            sys.stderr.write(f"generated {len(tokens)} tokens: prefill "
+            sys.stderr.write(f"{MARK}generated {len(tokens)} tokens: prefill "
                              f"{lm.stats.prefill_seconds:.2f} s, decode "
                              f"{lm.stats.decode_tokens_per_second:.2f} tokens/s\n")
     return run_job(args.bundle, command)

@@ -124,6 +124,9 @@ def launch(command: str, bundle: str, arguments: Sequence[str], *, hostfile: str
     if verbose or (done.returncode == 0 and os.environ.get("TVM_DISTX_VERBOSE")):
         sys.stderr.write(text)
     if done.returncode == 0:
+        if not verbose:  # the job's own lines (its timings), not MPI's
+            sys.stderr.write("".join(line[len(MARK):] + "\n" for line in text.splitlines()
+                                     if line.startswith(MARK)))
         return 0
     mine = [line[len(MARK):] for line in text.splitlines() if line.startswith(MARK)]
     if mine:  # a rank's own line, with its own hint

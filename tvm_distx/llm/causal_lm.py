@@ -69,6 +69,8 @@ class CausalLM(Generator):
         self.exe = exe
         #: the global weights given to the session (to export them again)
         self.weights = weights
+        #: the sharded global-view program (None when opened from a bundle)
+        self.annotated = None
 
     @classmethod
     def from_hf(cls, model, num_ranks: int = 2, *, backend: str = "mpi", plan=None,
@@ -238,25 +240,40 @@ class CausalLM(Generator):
         logger.info("CausalLM: %s on %d ranks, up to %d tokens, %d bytes per rank per token%s",
                     type(model).__name__, num_ranks, max_length, per_token,
                     f", batches of {batch_cache.batch}" if batch_cache else "")
-        return cls(program.cache, session, exe=exe, weights=weights,
-                   eos_token_id=getattr(generation, "eos_token_id", None),
-                   pad_token_id=getattr(generation, "pad_token_id", None),
-                   bytes_per_token=per_token, batch_cache=batch_cache)
+        lm = cls(program.cache, session, exe=exe, weights=weights,
+                 eos_token_id=getattr(generation, "eos_token_id", None),
+                 pad_token_id=getattr(generation, "pad_token_id", None),
+                 bytes_per_token=per_token, batch_cache=batch_cache)
+        lm.annotated = annotated  # compiled again by export(target=...) for another target
+        return lm
 
     # ------------------------------------------------------------------ bundles
-    def export(self, directory):
+    def export(self, directory, *, target: str | None = None, **target_options):
         """Write a bundle that ``tvm-distx generate`` (or :meth:`from_bundle`) serves.
 
         The bundle holds ``prefill`` and ``decode`` (and ``prefill_batch`` and
         ``decode_batch`` when compiled), each rank's weight shards once, and
         ``generation.json``: the caches' layouts and the model's end and pad
         tokens. Returns the bundle's path.
+
+        Parameters
+        ----------
+        directory : path
+            Where the bundle goes.
+        target : str, optional
+            Compile the same sharded program for this target first (``"rvv"``: a
+            bundle for RISC-V boards, which they run with ``./run.sh generate``
+            and no TVM). None: the program this object runs.
+        **target_options
+            Options of that target (for ``"rvv"``: ``vlen``, ``cc``).
         """
         if self.exe is None:
             raise ArgumentError("this CausalLM was opened from a bundle; it has nothing to "
                                 "export", hint="copy the bundle directory instead")
-        root = self.exe.export(directory, params=self.weights,
-                               function=_functions(self.batch_cache))
+        exe = self.exe
+        if target is not None:
+            exe = compile_module(self.annotated, target=target, **target_options)
+        root = exe.export(directory, params=self.weights, function=_functions(self.batch_cache))
         GenerationInfo(self.cache, self.batch_cache, self.eos_token_id, self.pad_token_id,
                        self.stats.bytes_per_token).write(root)
         return Path(root)
