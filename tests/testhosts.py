@@ -186,8 +186,12 @@ def _lock(k: int) -> int | None:
 
 
 @contextlib.contextmanager
-def hosts_up(n: int = 3) -> Iterator[NamespaceHosts]:
-    """``n`` test hosts for the ``with`` block: down at its end, at exit, on Ctrl-C, on error."""
+def hosts_up(n: int = 3, root: Path | None = None) -> Iterator[NamespaceHosts]:
+    """``n`` test hosts for the ``with`` block: down at its end, at exit, on Ctrl-C, on error.
+
+    With ``root`` (a board's root file system, ``scripts/rvv-board``), the hosts are emulated
+    RISC-V boards: the remote shell runs commands inside the board.
+    """
     if os.geteuid() != 0:
         pytest.fail("the test hosts need root (network namespaces): run the suite as root",
                     pytrace=False)
@@ -198,7 +202,7 @@ def hosts_up(n: int = 3) -> Iterator[NamespaceHosts]:
         atexit.register(down)
         try:
             script("down", f"--id={k}")  # whatever an earlier run crashed out of
-            script("up", str(n), f"--id={k}")
+            script("up", str(n), f"--id={k}", *(["--root", str(root)] if root else []))
             yield NamespaceHosts.of(k)
         finally:
             atexit.unregister(down)

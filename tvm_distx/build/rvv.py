@@ -210,23 +210,9 @@ def run_kernel(folder: str | os.PathLike, kernel: Kernel, inputs: Sequence[np.nd
     """
     cpu = f"rv64,v=true,vlen={vlen}" if vector else "rv64"
     with tempfile.TemporaryDirectory(prefix="tvm-distx-rvv-") as tmp:
-        command = [_tool(QEMU), "-cpu", cpu, "-L", SYSROOT, str(harness),
-                   str(Path(folder).resolve() / "kernels.so"), kernel.name, str(len(kernel.args))]
-        given = iter(inputs)
-        outputs = []
-        for index, arg in enumerate(kernel.args):
-            dtype = np.dtype(arg.dtype)
-            code = _DLPACK_CODES[{"i": "int", "u": "uint", "f": "float"}[dtype.kind]]
-            path = Path(tmp) / f"arg{index}.bin"
-            command += [str(code), str(dtype.itemsize * 8), str(len(arg.shape)),
-                        *map(str, arg.shape)]
-            if arg.output:
-                command += ["out", str(path)]
-                outputs.append((path, arg))
-            else:
-                value = np.ascontiguousarray(next(given), dtype=dtype)
-                value.tofile(path)
-                command += ["in", str(path)]
+        args, outputs = harness_arguments(Path(folder).resolve() / "kernels.so", kernel,
+                                          inputs, tmp)
+        command = [_tool(QEMU), "-cpu", cpu, "-L", SYSROOT, str(harness), *args]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             illegal = "Illegal instruction" in done.stderr or done.returncode in (-4, 132)
@@ -237,6 +223,32 @@ def run_kernel(folder: str | os.PathLike, kernel: Kernel, inputs: Sequence[np.nd
                 hint="run it on a CPU with the vector extension (v=true)" if illegal else None,
             )
         return [np.fromfile(path, dtype=arg.dtype).reshape(arg.shape) for path, arg in outputs]
+
+
+def harness_arguments(library: str | os.PathLike, kernel: Kernel, inputs: Sequence[np.ndarray],
+                      folder: str | os.PathLike) -> tuple[list[str], list[tuple[Path, KernelArg]]]:
+    """The harness's arguments that run ``kernel`` of ``library`` on ``inputs``.
+
+    Each input is written to ``folder/arg<i>.bin``; each output will be read from the path
+    returned with its argument, once the harness has run (``harness *arguments``, on any
+    riscv64 machine: under qemu here, or on a board).
+    """
+    command = [str(library), kernel.name, str(len(kernel.args))]
+    given = iter(inputs)
+    outputs = []
+    for index, arg in enumerate(kernel.args):
+        dtype = np.dtype(arg.dtype)
+        code = _DLPACK_CODES[{"i": "int", "u": "uint", "f": "float"}[dtype.kind]]
+        path = Path(folder) / f"arg{index}.bin"
+        command += [str(code), str(dtype.itemsize * 8), str(len(arg.shape)),
+                    *map(str, arg.shape)]
+        if arg.output:
+            command += ["out", str(path)]
+            outputs.append((path, arg))
+        else:
+            np.ascontiguousarray(next(given), dtype=dtype).tofile(path)
+            command += ["in", str(path)]
+    return command, outputs
 
 
 def check_kernels(folder: str | os.PathLike, *, vlen: int = 128, seed: int = 0,
