@@ -362,6 +362,8 @@ class DistExecutable:
             (root / PLAN).write_text(json.dumps(self.plan, separators=(",", ":")) + "\n")
             manifest["plan"], manifest["plan_sha256"] = PLAN, sha256_file(root / PLAN)
             shutil.copyfile(board_runtime(self.target.cc or "gcc"), root / RUNTIME_LIBRARY)
+            python = sorted(str(p.relative_to(root)) for p in (root / "python").rglob("*.py"))
+            manifest["program_files"] = [PLAN, RUNTIME_LIBRARY, *python]
         else:
             (root / PLAN).unlink(missing_ok=True)
             (root / RUNTIME_LIBRARY).unlink(missing_ok=True)

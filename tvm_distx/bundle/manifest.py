@@ -22,6 +22,10 @@ The manifest (``"format": "tvm-distx-bundle"``, ``"version": 2``) holds:
     names), its sha256 and the TVM target it was built for.
     :func:`check_library` checks the library before any rank starts: an ELF
     shared library, for this host's architecture, with that sha256.
+``program_files`` (optional)
+    The files beside the library that every rank's host needs: the plan, the
+    compiled board runtime and, for a board bundle, its ``python/`` modules
+    (:meth:`Manifest.program_files`); deployment copies them to every host.
 ``plan``, ``plan_sha256`` (optional)
     The rank plan's file name and sha256: the program the library's virtual
     machine runs, written as data (:mod:`tvm_distx.build.board_plan`), which the
@@ -170,6 +174,13 @@ class Manifest:
     derivations: dict[str, Derivations] = field(default_factory=dict)
     weight_links: tuple[WeightLink, ...] = ()
     plan: str | None = None
+    #: the files beside the library every host needs (see ``program_files`` above)
+    program_files: tuple[str, ...] = ()
+
+    @property
+    def board_python(self) -> str | None:
+        """The bundle's own Python modules for hosts with no tvm-distx (``python``), if any."""
+        return "python" if any(f.startswith("python/") for f in self.program_files) else None
 
     @property
     def library_path(self) -> Path:
@@ -383,10 +394,13 @@ def _parse(root: Path, data: dict) -> Manifest:
     if plan is not None:
         plan = _require(data, "plan", str, "at the top level")
         _inside(root, plan, "the rank plan")
+    program = tuple(str(f) for f in data.get("program_files", []))
+    for name in program:
+        _inside(root, name, "a program file")
     return Manifest(root, num_ranks, library, dict(data.get("target") or {}), meshes,
                     functions, entries, weights, tuple(files),
                     tuple(str(c) for c in data.get("collectives", [])), data, derivations,
-                    tuple(links), plan)
+                    tuple(links), plan, program)
 
 
 def _inside(root: Path, relative: str, what: str) -> None:

@@ -7,7 +7,8 @@
     check_deployed(manifest, placement, "/srv/llama")   # before each launch: quick
     split("bundle/", placement, "out/")              # out/<host>/, locally
 
-Each host's copy at ``dest`` holds the bundle's ``manifest.json``, its library,
+Each host's copy at ``dest`` holds the bundle's ``manifest.json``, its library, its program
+files (the plan, the board runtime and a board bundle's ``python/``),
 its ``run.sh`` (when the bundle has one) and the weight files of the ranks the
 placement gives that host; no other rank's weights. It goes through the remote
 shell (:mod:`tvm_distx.hosts.rsh`) as a tar stream written straight into
@@ -218,6 +219,8 @@ def _members(manifest: Manifest, ranks: Sequence[int], shared_fs: bool) -> Itera
     """A host's files, the manifest last (its weight files' sha256 are known only then)."""
     root = manifest.root
     yield _file_member(root, manifest.library)
+    for name in manifest.program_files:
+        yield _file_member(root, name)
     if (root / LAUNCHER).is_file():
         yield _file_member(root, LAUNCHER, 0o755)
     linked = sorted({link.rank for link in manifest.weight_links if link.rank in ranks})
@@ -361,8 +364,12 @@ def _reply(result: RemoteResult, hints: dict) -> dict:
 
 
 def _remote_command(python: list[str], command: str, dest: str, host: str,
-                    ranks: Sequence[int], sha: str) -> list[str]:
-    return [*python, "-m", "tvm_distx.hosts.remote", command, dest, "--host", host,
+                    ranks: Sequence[int], sha: str, manifest: Manifest) -> list[str]:
+    """``python -m tvm_distx.hosts.remote ...`` on a host; with a board bundle's own modules
+    on ``PYTHONPATH`` (a board has no tvm-distx installed)."""
+    own = [] if manifest.board_python is None else \
+        ["env", f"PYTHONPATH={dest}/{manifest.board_python}"]
+    return [*own, *python, "-m", "tvm_distx.hosts.remote", command, dest, "--host", host,
             "--ranks", ",".join(map(str, ranks)), "--bundle", sha]
 
 
@@ -432,7 +439,8 @@ def deploy(bundle: str | os.PathLike, placement: RankPlacement, dest: str | os.P
              "cli_hint": None}
     # reading the weights back for their sha256 takes time: at least 20 MB/s per host
     slowest = max(t.get("bytes", 0) for t in totals.values())
-    verified = run_on_hosts({h: _remote_command(_python(python), "verify", dest, h, ranks, sha)
+    verified = run_on_hosts({h: _remote_command(_python(python), "verify", dest, h, ranks, sha,
+                                             manifest)
                              for h, ranks in by_host.items()}, rsh=rsh,
                             timeout=timeout + slowest / 20e6)
     for result in verified.values():
@@ -522,7 +530,8 @@ def check_deployed(manifest: Manifest | str | os.PathLike, placement: RankPlacem
     dest = _remote_dest(dest)
     sha = bundle_sha256(manifest)
     hints = _redeploy_hints(manifest.root, placement, dest)
-    results = run_on_hosts({h: _remote_command(_python(python), "check", dest, h, ranks, sha)
+    results = run_on_hosts({h: _remote_command(_python(python), "check", dest, h, ranks, sha,
+                                            manifest)
                             for h, ranks in placement.by_host.items()}, rsh=rsh, timeout=timeout)
     failures = []
     for result in results.values():

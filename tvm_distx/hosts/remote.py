@@ -74,8 +74,12 @@ def verify_copy(dest: Path, host: str, ranks: list[int], bundle: str) -> dict:
         check_weights(manifest, ranks)
     except BundleError as err:
         raise DeployError(err.message) from None
-    files = [MANIFEST, manifest.library, *([LAUNCHER] if (dest / LAUNCHER).is_file() else []),
+    files = [MANIFEST, manifest.library, *manifest.program_files,
+             *([LAUNCHER] if (dest / LAUNCHER).is_file() else []),
              *sorted({w.file for w in manifest.weight_files if w.rank in ranks})]
+    missing = [f for f in files if not (dest / f).is_file()]
+    if missing:
+        raise DeployError(f"{dest / missing[0]} is missing", file=str(dest / missing[0]))
     sizes = {f: (dest / f).stat().st_size for f in files}
     data = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "host": host, "ranks": ranks,
             "bundle": bundle, "files": sizes}
