@@ -133,8 +133,9 @@ def build(folder: Path, config: dict, prompt: int, new_tokens: int, ranks: list[
                 if "embed_tokens" not in n)
     for p in ranks:
         started = time.perf_counter()
-        # from the checkpoint transformers wrote, as users serve one: each block read lazily
-        with CausalLM.from_pretrained(folder / "model", num_ranks=p,
+        # from the checkpoint transformers wrote, as users serve one: each block read lazily;
+        # emulated ranks (threads here): writing the bundle needs no launch of MPI ranks
+        with CausalLM.from_pretrained(folder / "model", num_ranks=p, backend="emulate",
                                       max_length=prompt + new_tokens) as lm:
             root = lm.export(folder / f"bundle_{p}")
         manifest = read_manifest(root)
@@ -221,9 +222,9 @@ def ours_job(data: str, out: str, ranks: int, new_tokens: int, hosts: str | None
                                      "comm": stats.bytes_per_token}))
 
 
-def stream_job(out: str, start: float, mib: int) -> None:
+def stream_job(out: str, start: float, mib: int, window: float = 2.0) -> None:
     """:func:`stream` from the wall-clock time ``start`` (jobs started together overlap)."""
-    Path(out).write_text(json.dumps(stream(mib, start)))
+    Path(out).write_text(json.dumps(stream(mib, start, window)))
 
 
 #: Seconds each kernel of :func:`stream` runs: long enough that processes started
@@ -231,10 +232,11 @@ def stream_job(out: str, start: float, mib: int) -> None:
 STREAM_WINDOW = 2.0
 
 
-def stream(mib: int, start: float | None = None) -> dict[str, float]:
+def stream(mib: int, start: float | None = None,
+           window: float = STREAM_WINDOW) -> dict[str, float]:
     """STREAM-like read, copy and triad on float64 arrays of ``mib`` MiB, bytes/s.
 
-    Each kernel repeats for :data:`STREAM_WINDOW` seconds from its own slot of
+    Each kernel repeats for ``window`` seconds (:data:`STREAM_WINDOW`) from its own slot of
     wall-clock time (``start``, then every window plus a margin), so that
     processes started together measure the bandwidth each gets while all of
     them stream (a best-of-few short trial would pick a moment when the others
@@ -264,9 +266,9 @@ def stream(mib: int, start: float | None = None) -> dict[str, float]:
     result = {}
     for slot, (name, kernel, arrays) in enumerate((("read", read, 1), ("copy", copy, 2),
                                                    ("triad", triad, 3))):
-        time.sleep(max(0.0, start + slot * (STREAM_WINDOW + 0.5) - time.time()))
+        time.sleep(max(0.0, start + slot * (window + 0.5) - time.time()))
         began, runs = time.perf_counter(), 0
-        while time.perf_counter() - began < STREAM_WINDOW:
+        while time.perf_counter() - began < window:
             kernel()
             runs += 1
         result[name] = runs * arrays * n * 8 / (time.perf_counter() - began)
@@ -355,13 +357,14 @@ def launch(kind: str, arg, folder: Path, new_tokens: int, timeout: float,
     return run_job(f"{kind}{arg}", command, env, out, timeout)
 
 
-def bandwidth(folder: Path, processes: int, mib: int) -> float:
+def bandwidth(folder: Path, processes: int, mib: int, window: float = STREAM_WINDOW) -> float:
     """Bytes/s one process gets when ``processes`` run the stream job at once (median)."""
     start = time.time() + 1.5  # every process allocated and waiting
     outs = [folder / f"stream{processes}_{i}.json" for i in range(processes)]
     env = child_env(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     jobs = [subprocess.Popen([sys.executable, SCRIPT, "--stream-job", str(start), "--out",
-                              str(o), "--mib", str(mib)], env=env) for o in outs]
+                              str(o), "--mib", str(mib), "--stream-window", str(window)],
+                             env=env) for o in outs]
     if any(j.wait(timeout=300) for j in jobs):
         raise SystemExit("the bandwidth job failed")
     return median(json.loads(o.read_text())["read"] for o in outs)
@@ -382,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="matrix-vector shapes (default: decode's, see MATVEC_SHAPES)")
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
     parser.add_argument("--mib", type=int, default=256, help="MiB per array of the stream job")
+    parser.add_argument("--stream-window", type=float, default=STREAM_WINDOW,
+                        help="seconds each kernel of the bandwidth job runs")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     parser.add_argument("--json", help="also write the per-round figures to this JSON file")
     parser.add_argument("--hosts", action="store_true",
@@ -404,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         ours_job(opts.data, opts.out, opts.ours_job, opts.new_tokens, opts.on_hosts, opts.rsh)
         return 0
     if opts.stream_job:
-        stream_job(opts.out, opts.stream_job, opts.mib)
+        stream_job(opts.out, opts.stream_job, opts.mib, opts.stream_window)
         return 0
     if opts.kernels_job:
         kernels_job(opts.out, shapes, opts.rounds, opts.mib)
@@ -441,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"decode {median(got['steps']) * 1e3:.1f} ms/token", file=sys.stderr,
                       flush=True)
             for processes in (1, 2):
-                bw[processes].append(bandwidth(folder, processes, opts.mib))
+                bw[processes].append(bandwidth(folder, processes, opts.mib,
+                                               opts.stream_window))
             print(f"  round {r + 1}: bandwidth {bw[1][-1] / 1e9:.1f} GB/s alone, "
                   f"{bw[2][-1] / 1e9:.1f} GB/s per process with two", file=sys.stderr, flush=True)
         if not opts.no_kernels:

@@ -66,7 +66,8 @@ BENCHES = [
     ("llm_decode", "Llama token generation",
      [], ["--small", "--rounds", "1", "--kernels", "1024x4096"],
      ["--hidden", "64", "--layers", "1", "--prompt", "4", "--new-tokens", "4", "--ranks", "2",
-      "--threads", "1", "--rounds", "1", "--mib", "16", "--kernels", "64x256"]),
+      "--threads", "1", "--rounds", "1", "--mib", "16", "--stream-window", "0.2",
+      "--kernels", "64x256"]),
 ]
 
 
