@@ -110,9 +110,8 @@ LAZY_ANYWHERE = {"torch", "transformers", "accelerate", "scipy", "safetensors", 
 #: a rank's driver and the command line's start load) import it when a function needs it.
 LAZY_TVM_IN = ("tvm_distx/layout/", "tvm_distx/bundle/", "tvm_distx/runtime/",
                "tvm_distx/errors.py", "tvm_distx/ccl.py")
-#: The command line's dispatch loads only what a subcommand needs; the board's entry checks
-#: that numpy and mpi4py exist before it imports anything that needs them.
-LAZY_ALL_IN = ("tvm_distx/cli/", "tvm_distx/board/__main__.py")
+#: The command line's dispatch loads only what a subcommand needs.
+LAZY_ALL_IN = ("tvm_distx/cli/",)
 
 
 def _sources():

@@ -14,14 +14,13 @@ import threading
 
 import numpy as np
 import pytest
-import tvm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
 from tvm_distx.board.executor import Executor, Kernels, aligned  # noqa: E402
-from tvm_distx.build.board_plan import build_board_runtime, lower_for_vm, rank_plan  # noqa: E402
+from tvm_distx.build.board_plan import build_board_runtime  # noqa: E402
 from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.runtime.collectives import abi_functions  # noqa: E402
 from tvm_distx.runtime.emulated import EmulatedCollectives, _Exchange, emulate  # noqa: E402
@@ -38,12 +37,11 @@ class Compiled:
     """One model compiled for 2 ranks: its VM, and its plan with the same library."""
 
     def __init__(self, annotated, weights, folder) -> None:
-        self.exe = td.compile(annotated)
+        self.exe = td.compile(annotated)  # the VM's executable and its plan, of one module
         self.weights = weights
-        final = lower_for_vm(self.exe.built, self.exe.target.target)
-        self.vm = tvm.compile(final, target=self.exe.target.target, relax_pipeline=None)
+        self.vm = self.exe.vm_exec
         self.vm.export_library(str(folder / "lib.so"))
-        self.plan = json.loads(json.dumps(rank_plan(final)))
+        self.plan = json.loads(json.dumps(self.exe.plan))  # as bundles hold it
         self.kernels = Kernels(str(folder / "lib.so"), str(build_board_runtime(folder)))
 
     def inputs(self, function: str, *inputs) -> list[list[np.ndarray]]:

@@ -52,7 +52,7 @@ def test_deploy_from_a_hostfile_over_rsh(bundle, hosts, tmp_path, capsys):
                 "--dest", str(dest), "--rsh", RSH]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out] == ["t1", "t2"]
-    assert out[1].startswith(f"t2: ranks 1: 4 files, ") and out[1].endswith(f"at {dest} (checked)")
+    assert out[1].startswith(f"t2: ranks 1: 6 files, ") and out[1].endswith(f"at {dest} (checked)")
     for host, rank in (("t1", 0), ("t2", 1)):
         copy = roots / host / "dest"
         assert _weights(copy) == [f"rank{rank}.safetensors"]
@@ -65,7 +65,7 @@ def test_split_only_writes_each_hosts_copy_here(bundle, tmp_path, capsys):
     assert cli(["deploy", str(bundle), "--hosts", "a:2", "--split-only",
                 str(tmp_path / "out")]) == 0
     assert _weights(tmp_path / "out" / "a") == ["rank0.safetensors", "rank1.safetensors"]
-    assert "a: ranks 0,1: 5 files" in capsys.readouterr().out
+    assert "a: ranks 0,1: 7 files" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message, code", [

@@ -65,10 +65,13 @@ def _files(directory: Path) -> set[str]:
 
 
 def _assert_holds_only(copy: Path, source: Path, ranks, host: str) -> None:
-    """``copy`` has the library, manifest, run.sh and exactly ``ranks``' weight files, whole."""
+    """``copy`` has the library, its program files, manifest, run.sh and exactly ``ranks``'
+    weight files, whole."""
     manifest = read_manifest(copy)
     files = sorted({w.file for w in manifest.weight_files if w.rank in ranks})
-    assert _files(copy) == {"manifest.json", "lib.so", "run.sh", "deployment.json", *files}
+    assert manifest.program_files == ("plan.json", "board_runtime.so")
+    assert _files(copy) == {"manifest.json", "lib.so", "run.sh", "deployment.json",
+                            *manifest.program_files, *files}
     for w in manifest.weight_files:
         if w.rank in ranks:
             assert sha256_file(copy / w.file) == w.sha256
@@ -89,7 +92,7 @@ def test_split_writes_each_host_only_its_ranks_files(bundle, tmp_path):
         assert (copy / "manifest.json").read_bytes() == (bundle / "manifest.json").read_bytes()
         assert (copy / f"weights/rank{rank}.safetensors").read_bytes() == \
             (bundle / f"weights/rank{rank}.safetensors").read_bytes()
-        assert reports[host].ranks == (rank,) and reports[host].files == 4
+        assert reports[host].ranks == (rank,) and reports[host].files == 6
     one = split(bundle, place_ranks("t1:2", 2), tmp_path / "one")
     _assert_holds_only(tmp_path / "one" / "t1", bundle, [0, 1], "t1")
     assert one["t1"].ranks == (0, 1)
@@ -100,7 +103,7 @@ def test_deploy_streams_each_host_its_copy_and_check_deployed_accepts_it(bundle,
     placement = place_ranks("t1,t2", 2)
     reports = deploy(bundle, placement, dest, rsh=FAKE_RSH)
     assert list(reports) == ["t1", "t2"] and reports["t2"].ranks == (1,)
-    assert reports["t1"].files == 4 and reports["t1"].bytes > 0
+    assert reports["t1"].files == 6 and reports["t1"].bytes > 0
     assert not dest.exists() or not any(dest.iterdir())  # nothing here: all on the hosts
     for host, rank in (("t1", 0), ("t2", 1)):
         _assert_holds_only(seen[host], bundle, [rank], host)
@@ -254,4 +257,4 @@ def test_a_shared_checkpoint_keeps_its_links(linked, tmp_path):
     copy = tmp_path / "out" / "t1"
     assert (copy / "manifest.json").read_bytes() == (linked / "manifest.json").read_bytes()
     assert _files(copy) == {"manifest.json", "lib.so", "run.sh", "deployment.json",
-                            "weights/rank0.safetensors"}
+                            "plan.json", "board_runtime.so", "weights/rank0.safetensors"}

@@ -84,7 +84,7 @@ class Kernels:
         The library: the VM executable's exported ``lib.so`` (``__tvm_ffi_<kernel>``
         entries and the ``__TVMBackend*`` hook variables).
     runtime : str, optional
-        The compiled board runtime (``libtvm_distx_board.so``, see
+        The compiled board runtime (``board_runtime.so``, see
         ``tvm_distx.build.board_plan.build_board_runtime``): the hooks and the error
         reporter in C. Without it they are Python callbacks, correct but slow: kernels
         allocate workspace inside their parallel loops, thousands of times per step.

@@ -34,7 +34,7 @@ from typing import Sequence
 from tvm_distx.board.job import MARK
 from tvm_distx.board.program import read_plan
 from tvm_distx.bundle.manifest import check_library, check_weights, read_manifest
-from tvm_distx.errors import ArgumentError, LaunchError
+from tvm_distx.errors import LaunchError
 from tvm_distx.hosts.hostfile import place_ranks, read_hostfile
 
 __all__ = ["launch", "mpiexec_command"]

@@ -46,6 +46,13 @@ if ! command -v python3 >/dev/null 2>&1; then
     echo "hint: apt install python3-minimal python3-numpy python3-mpi4py openmpi-bin" >&2
     exit 2
 fi
+# numpy and mpi4py are looked for, not imported (an import takes seconds under emulation)
+python3 -c "import importlib.util as u, sys
+for module, package in (('numpy', 'python3-numpy'), ('mpi4py', 'python3-mpi4py')):
+    if u.find_spec(module) is None:
+        sys.exit('error: this machine has no ' + module + ' for python3' + chr(10) + 'hint: apt '
+                 'install ' + package + ' (a board needs python3-numpy, python3-mpi4py and '
+                 'openmpi-bin)')" || exit 2
 if [ $# -lt 1 ]; then
     echo "usage: ./run.sh run|generate ... (./run.sh run --help)" >&2
     exit 2

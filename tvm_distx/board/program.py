@@ -27,7 +27,7 @@ __all__ = ["PlanProgram", "read_plan", "RUNTIME_LIBRARY"]
 
 #: The compiled board runtime in a bundle (the kernels' hooks in C; see
 #: ``tvm_distx.build.board_plan.build_board_runtime``), when it has one.
-RUNTIME_LIBRARY = "libtvm_distx_board.so"
+RUNTIME_LIBRARY = "board_runtime.so"
 
 logger = logging.getLogger(__name__)
 

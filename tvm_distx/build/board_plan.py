@@ -96,7 +96,7 @@ def build_board_runtime(folder: str | os.PathLike, cc: str = "gcc") -> Path:
     Parameters
     ----------
     folder : path
-        Where ``libtvm_distx_board.so`` is written.
+        Where ``board_runtime.so`` is written.
     cc : str
         The target's C compiler (``riscv64-linux-gnu-gcc`` for RVV boards).
 

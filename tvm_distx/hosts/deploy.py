@@ -8,8 +8,8 @@
     split("bundle/", placement, "out/")              # out/<host>/, locally
 
 Each host's copy at ``dest`` holds the bundle's ``manifest.json``, its library, its program
-files (the plan, the board runtime and a board bundle's ``python/``),
-its ``run.sh`` (when the bundle has one) and the weight files of the ranks the
+files (the plan, the board runtime and a board bundle's ``python/``), a generation bundle's
+``generation.json``, its ``run.sh`` (when the bundle has one) and the weight files of the ranks the
 placement gives that host; no other rank's weights. It goes through the remote
 shell (:mod:`tvm_distx.hosts.rsh`) as a tar stream written straight into
 ``RSH HOST 'mkdir -p DEST && cd DEST && tar -x'``: no copy of the bundle is
@@ -59,6 +59,7 @@ from tvm_distx.bundle.manifest import (_SAFETENSORS_DTYPES, MANIFEST, Manifest, 
                                        read_manifest)
 from tvm_distx.errors import ArgumentError, ArgumentTypeError, BundleError, DeployError
 from tvm_distx.hosts.hostfile import RankPlacement, place_ranks
+from tvm_distx.bundle.generation import GENERATION_FILE
 from tvm_distx.hosts.remote import LAUNCHER, RECORD, verify_copy
 from tvm_distx.hosts.rsh import DEFAULT_TIMEOUT, RemoteResult, run_on_hosts
 
@@ -221,6 +222,8 @@ def _members(manifest: Manifest, ranks: Sequence[int], shared_fs: bool) -> Itera
     yield _file_member(root, manifest.library)
     for name in manifest.program_files:
         yield _file_member(root, name)
+    if (root / GENERATION_FILE).is_file():  # a generation bundle's cache layout and tokens
+        yield _file_member(root, GENERATION_FILE)
     if (root / LAUNCHER).is_file():
         yield _file_member(root, LAUNCHER, 0o755)
     linked = sorted({link.rank for link in manifest.weight_links if link.rank in ranks})

@@ -39,6 +39,7 @@ from pathlib import Path
 import sys
 from typing import Sequence
 
+from tvm_distx.bundle.generation import GENERATION_FILE
 from tvm_distx.bundle.manifest import MANIFEST, check_library, check_weights, read_manifest
 from tvm_distx.errors import BundleError, DeployError
 
@@ -76,6 +77,7 @@ def verify_copy(dest: Path, host: str, ranks: list[int], bundle: str) -> dict:
         raise DeployError(err.message) from None
     files = [MANIFEST, manifest.library, *manifest.program_files,
              *([LAUNCHER] if (dest / LAUNCHER).is_file() else []),
+             *([GENERATION_FILE] if (dest / GENERATION_FILE).is_file() else []),
              *sorted({w.file for w in manifest.weight_files if w.rank in ranks})]
     missing = [f for f in files if not (dest / f).is_file()]
     if missing:
