@@ -104,7 +104,7 @@ _MOVED_MODULES = {f"tvm_distx.{old}": f"tvm_distx.{new}" for old, new in {
     "torch_moe": "frontend.torch_moe", "presets": "plans.presets",
     "tp_plan": "plans.tensor_parallel", "tp_summary": "plans.summary", "vocab_plan": "plans.vocab",
     "hf_plan": "plans.hf", "moe": "plans.moe", "moe_dispatch": "plans.moe_dispatch",
-    "llm_batch": "runtime.batch", "llm.batch": "runtime.batch", "demo": "cli.demo",
+    "llm_batch": "runtime.batch", "demo": "cli.demo",
 }.items()}
 MovedModules(_MOVED_MODULES).install()
 

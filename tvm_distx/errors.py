@@ -46,6 +46,8 @@ __all__ = [
     "MemoryBudgetError",
     "QemuError",
     "InternalError",
+    "PlanError",
+    "PlanCheckError",
     "CollectiveGroupError",
     "PeerFailedError",
 ]
@@ -390,6 +392,17 @@ class QemuError(_RuntimeErrorBase, RuntimeError):
     """A RISC-V kernel could not be built or run under qemu (:mod:`tvm_distx.build.rvv`)."""
 
     rule = "qemu"
+
+
+class PlanError(_RuntimeErrorBase, RuntimeError):
+    """A rank plan asks for something the board's executor cannot do, or a check of the
+    program failed while it ran (:mod:`tvm_distx.board.executor`)."""
+
+    rule = "board"
+
+
+class PlanCheckError(PlanError):
+    """A check of the program failed in one instruction (the executor adds where)."""
 
 
 class InternalError(_RuntimeErrorBase, RuntimeError):

@@ -12,7 +12,7 @@ from operator import itemgetter
 
 import numpy as np
 
-from tvm_distx.errors import DistxError
+from tvm_distx.errors import PlanCheckError as _Fail, PlanError
 
 __all__ = ["BUILTINS", "PlanError", "aligned"]
 
@@ -20,35 +20,6 @@ _ALIGN = 64
 # match_shape / make_shape codes of TVM's VM (src/runtime/vm/builtin.h)
 _ASSERT_IMM, _STORE, _NOOP, _ASSERT_LOAD = 0, 1, 2, 3
 _USE_IMM, _LOAD = 0, 1
-
-
-class PlanError(DistxError, RuntimeError):
-    """The plan asks for something this executor cannot do, or a check of the program failed.
-
-    Parameters
-    ----------
-    message : str
-        What failed, with the function and instruction.
-    hint : str, optional
-        What to do about it.
-    """
-
-    rule = "board"
-
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
-        self.message, self.hint = message, hint
-        super().__init__(f"[{self.rule}] {message}" + (f"\nhint: {hint}" if hint else ""))
-
-    def __reduce__(self):
-        return _plan_error, (self.message, self.hint)
-
-
-def _plan_error(message: str, hint: str | None) -> PlanError:
-    return PlanError(message, hint=hint)
-
-
-class _Fail(Exception):
-    """A check of the program failed (the executor adds where)."""
 
 
 def aligned(array: np.ndarray) -> np.ndarray:

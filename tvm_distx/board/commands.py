@@ -19,6 +19,7 @@ from tvm_distx.board.launch import launch
 from tvm_distx.bundle.generation import read_generation
 from tvm_distx.errors import ArgumentError, DistxError
 from tvm_distx.runtime.generation import Generator
+from tvm_distx.runtime.inputs import load_array, read_inputs, split_item
 
 __all__ = ["main"]
 
@@ -69,39 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(path: Path, what: str) -> np.ndarray:
-    if not path.is_file():
-        raise ArgumentError(f"{what} {path} does not exist", hint="give an existing .npy file")
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise ArgumentError(f"{what} {path} is not a .npy array ({err})",
-                            hint="write it with numpy.save") from None
-
-
-def _inputs(items: list[str]) -> tuple[list, dict]:
-    inputs, named = [], {}
-    for item in items:
-        name, sep, path = str(item).partition("=")
-        if not sep or Path(item).is_file() or not name.isidentifier():
-            name, path = None, item
-        value = _load(Path(path), "input file")
-        if name is None:
-            if named:
-                raise ArgumentError(f"input {item} comes after named inputs",
-                                    hint="give the inputs in order first, then NAME=PATH ones")
-            inputs.append(value)
-        elif name in named:
-            raise ArgumentError(f"input '{name}' is given twice", hint="give each input once")
-        else:
-            named[name] = value
-    return inputs, named
-
-
 def _prompt(args) -> np.ndarray:
     if args.ids:
         return np.asarray(args.ids, np.int64)
-    return _load(args.input, "--input file").astype(np.int64).reshape(-1)
+    return load_array(args.input, "--input file").astype(np.int64).reshape(-1)
 
 
 def _check_output(args) -> None:
@@ -118,7 +90,7 @@ def _check_output(args) -> None:
 
 def _job(args) -> int:
     if args.what == "run":
-        inputs, named = _inputs(args.inputs)
+        inputs, named = read_inputs(args.inputs)
 
         def command(session):
             results = session.run(*inputs, params=named, function=args.function)
@@ -152,7 +124,7 @@ def main(argv: list[str]) -> int:
             return _job(args)
         _check_output(args)
         if args.command == "run":
-            _inputs(args.inputs)  # refused here, before any rank starts
+            read_inputs(args.inputs)  # refused here, before any rank starts
         else:
             _prompt(args)
             read_generation(args.bundle)
@@ -174,11 +146,8 @@ def _job_arguments(args) -> list[str]:
     if args.command == "run":
         out = []
         for item in args.inputs:
-            name, sep, path = str(item).partition("=")
-            if not sep or Path(item).is_file() or not name.isidentifier():
-                out += ["-i", absolute(item)]
-            else:
-                out += ["-i", f"{name}={absolute(path)}"]
+            name, path = split_item(item)
+            out += ["-i", absolute(path) if name is None else f"{name}={absolute(path)}"]
         return out + ["-o", absolute(args.output), "--function", args.function]
     out = ["--ids", *map(str, args.ids)] if args.ids else ["--input", absolute(args.input)]
     out += ["--max-new-tokens", str(args.max_new_tokens)]

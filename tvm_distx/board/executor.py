@@ -327,14 +327,19 @@ class Executor:
             for step, run in enumerate(code.steps):
                 run(registers)
             return code.result(registers)
+        except _Fail as err:  # a check of the program: the inputs do not fit it
+            raise PlanError(f"{self._where(code, step)}: {err.message}",
+                            hint="the inputs do not fit the program") from err
         except DistxError:
             raise
         except Exception as err:  # noqa: BLE001 - any failure, named where it happened
-            where = f"function '{code.name}', instruction {step} ({code.labels[step]})"
-            raise PlanError(f"{where}: {err}", hint="the inputs do not fit the program"
-                            if isinstance(err, _Fail) else "a bug of the board executor or "
-                            "of its plan: run the program with backend='mpi' and report it"
-                            ) from err
+            raise PlanError(f"{self._where(code, step)}: {err}", hint="a bug of the board "
+                            "executor or of its plan: run the program with backend='mpi' and "
+                            "report it") from err
+
+    @staticmethod
+    def _where(code, step: int) -> str:
+        return f"function '{code.name}', instruction {step} ({code.labels[step]})"
 
     def _enter(self, array: np.ndarray) -> np.ndarray:
         """An argument as kernels take it: contiguous, 64-byte aligned (else copied), described."""

@@ -572,18 +572,19 @@ def _tensor_table(path: Path, where: str) -> dict[str, tuple[str, tuple[int, ...
     bytes), with no library: a board has numpy and nothing else. Each range must
     lie inside the file and hold exactly its dtype and shape's bytes.
     """
-    bad = None
+    bad, header = None, {}
     try:
         total = path.stat().st_size
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
-            if not 8 + size <= total:
-                raise ValueError(f"its header claims {size} bytes of a {total}-byte file")
-            header = json.loads(f.read(size))
-        if not isinstance(header, dict):
-            raise ValueError("its header is not a JSON object")
+            if 8 + size <= total:
+                header = json.loads(f.read(size))
     except (OSError, ValueError) as err:
         bad = str(err)
+    if bad is None and not 8 + size <= total:
+        bad = f"its header claims {size} bytes of a {total}-byte file"
+    elif bad is None and not isinstance(header, dict):
+        bad = "its header is not a JSON object"
     table = {}
     for name, info in ({} if bad else header).items():
         if name == "__metadata__":

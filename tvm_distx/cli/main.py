@@ -54,6 +54,7 @@ from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_U
                          _writable_file)
 from tvm_distx.errors import ArgumentError, DistxError, LaunchError
 from tvm_distx.runtime.backends import BACKENDS, NAMES, launch
+from tvm_distx.runtime.inputs import read_inputs
 
 __all__ = ["main"]
 
@@ -271,26 +272,8 @@ def _bundle(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     _output_directory(args.output, "-o")  # before any rank starts, not after the run
-    inputs, named = [], {}
-    for item in args.inputs:
-        # "-i x.npy" is the next input in parameter order; "-i A=A.npy" names its parameter
-        name, sep, path = str(item).partition("=")
-        if not sep or Path(item).is_file() or not name.isidentifier():
-            name, path = None, Path(item)
-        _input_file(Path(path), "input file")
-        try:
-            value = np.load(path, allow_pickle=False)
-        except ValueError as err:
-            raise ArgumentError(f"input file {path} is not a .npy array ({err})") from None
-        if name is None:
-            if named:
-                raise ArgumentError(f"input {item} comes after named inputs",
-                                    hint="give the inputs in order first, then NAME=PATH ones")
-            inputs.append(value)
-        elif name in named:
-            raise ArgumentError(f"input '{name}' is given twice", hint="give each input once")
-        else:
-            named[name] = value
+    # "-i x.npy" is the next input in parameter order; "-i A=A.npy" names its parameter
+    inputs, named = read_inputs(args.inputs)
     options = session_options(args)
     with _progress(f"running {args.n} ranks ({args.backend})"):
         results = launch(args.bundle, inputs, params=named, num_ranks=args.n,
