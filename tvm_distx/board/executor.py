@@ -42,12 +42,14 @@ from tvm_distx.board._builtins import (_ALIGN, _BUILTINS, BUILTINS, PlanError, _
                                         _getter, aligned)
 from tvm_distx.errors import DistxError
 
-__all__ = ["BUILTINS", "COLLECTIVE_PREFIX", "DTYPES", "Executor", "Kernels", "PlanError",
+__all__ = ["BUILTINS", "COLLECTIVE_PREFIX", "DTYPES", "FORMAT", "VERSIONS", "Executor", "Kernels",
+           "PlanError", "check_plan",
            "aligned"]
 
 logger = logging.getLogger(__name__)
 
-#: The plan versions this executor runs.
+#: What a rank plan says it is (``"format"``), and the versions this executor runs.
+FORMAT = "tvm-distx-board-plan"
 VERSIONS = (2,)
 COLLECTIVE_PREFIX = "tvm_distx.ccl."
 #: Data types of tensors and constants: their DLPack (code, bits).
@@ -256,6 +258,21 @@ class _Code:
     __slots__ = ("name", "template", "params", "steps", "labels", "result")
 
 
+def check_plan(plan) -> None:
+    """Refuse what is not a rank plan of a version this executor runs.
+
+    Raises
+    ------
+    PlanError
+        Naming the format and version found.
+    """
+    found = plan if isinstance(plan, dict) else {}
+    if found.get("format") != FORMAT or found.get("version") not in VERSIONS:
+        raise PlanError(f"not a board plan this executor runs (format {found.get('format')!r}, "
+                        f"version {found.get('version')!r}; runs {VERSIONS})",
+                        hint="write the plan and run it with the same tvm_distx")
+
+
 class Executor:
     """Runs the functions of one rank's plan (one executor per rank; not shared by threads).
 
@@ -276,10 +293,7 @@ class Executor:
     """
 
     def __init__(self, plan: dict, kernels: Kernels, collective) -> None:
-        if plan.get("format") != "tvm-distx-board-plan" or plan.get("version") not in VERSIONS:
-            raise PlanError(f"not a board plan this executor runs (format {plan.get('format')!r},"
-                            f" version {plan.get('version')!r}; runs {VERSIONS})",
-                            hint="write the plan and run it with the same tvm_distx")
+        check_plan(plan)
         self.plan, self.kernels, self.collective = plan, kernels, collective
         self.constants = [_decode_constant(c) for c in plan.get("constants", [])]
         self._arena = _Arena()

@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from tvm_distx.board.executor import Executor, Kernels, aligned
+from tvm_distx.board.executor import Executor, Kernels, aligned, check_plan
 from tvm_distx.errors import BundleError
 
 __all__ = ["PlanProgram", "read_plan", "RUNTIME_LIBRARY"]
@@ -38,7 +38,9 @@ def read_plan(manifest) -> dict:
     ------
     BundleError
         If the bundle has no plan (it was written by a version without plans, or
-        its program has a construct the plan cannot write) or the file is not one.
+        its program has a construct the plan cannot write) or the file cannot be read.
+    PlanError
+        If the file is not a plan of a version this runtime runs.
     """
     path: Path | None = manifest.plan_path
     if path is None:
@@ -53,9 +55,7 @@ def read_plan(manifest) -> dict:
     except (OSError, ValueError) as err:
         raise BundleError(f"the rank plan {path} cannot be read ({type(err).__name__})",
                           hint="export the bundle again") from None
-    if not isinstance(plan, dict) or plan.get("format") != "tvm-distx-board-plan":
-        raise BundleError(f"{path} is not a tvm-distx rank plan",
-                          hint="export the bundle again")
+    check_plan(plan)
     return plan
 
 

@@ -48,7 +48,7 @@ from tvm import relax
 from tvm.ir.expr import GenericConst, StringImm
 from tvm.ir.prim.expr import FloatImm, IntImm
 
-from tvm_distx.board.executor import BUILTINS, COLLECTIVE_PREFIX, DTYPES
+from tvm_distx.board.executor import BUILTINS, COLLECTIVE_PREFIX, DTYPES, FORMAT
 from tvm_distx.board.program import RUNTIME_LIBRARY
 from tvm_distx.errors import CompilerStageError
 
@@ -57,7 +57,7 @@ __all__ = ["FORMAT", "RUNTIME_LIBRARY", "VERSION", "board_runtime", "build_board
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "tvm-distx-board-plan"
+#: The plan format this writer writes (the executor's, which checks it) and its version.
 VERSION = 2
 #: Constants of at most this many elements are written as a list of values, others in base64.
 INLINE_ELEMENTS = 16
