@@ -34,7 +34,7 @@ from tvm_distx.board.rank import plan_program
 from tvm_distx.bundle.manifest import check_weights, read_manifest
 from tvm_distx.errors import BundleError, DistxError
 from tvm_distx.runtime.base import Call, RankProcess, Session
-from tvm_distx.runtime.ranks import RankState
+from tvm_distx.runtime.ranks import RankState, one_line
 
 __all__ = ["JobSession", "serve_calls", "run_job", "MARK"]
 
@@ -107,15 +107,14 @@ def _prepare(bundle, comm) -> tuple[RankState | None, str | None]:
 
 
 def _line(rank: int, err: BaseException) -> str:
-    """One line for a rank's error (with its hint, if any)."""
-    if isinstance(err, DistxError):
-        text = str(getattr(err, "message", err)).strip().splitlines()[0]
-        hint = err.cli_hint or getattr(err, "hint", None)
-        return f"rank {rank} on {socket.gethostname()}: {text}" + (f" (hint: {hint})"
-                                                                   if hint else "")
-    lines = str(err).strip().splitlines()
-    return f"rank {rank} on {socket.gethostname()}: {type(err).__name__}: " \
-        f"{lines[0] if lines else ''}"
+    """One line for a rank's error: which rank, where, and what (with its hint)."""
+    return f"rank {rank} on {socket.gethostname()}: {_what(err)}"
+
+
+def _what(err: BaseException) -> str:
+    """An error in one line (:func:`~tvm_distx.runtime.ranks.one_line`), with its hint."""
+    hint = (err.cli_hint or getattr(err, "hint", None)) if isinstance(err, DistxError) else None
+    return one_line(err) + (f" (hint: {hint})" if hint else "")
 
 
 def run_job(bundle, command: Callable[[JobSession], None]) -> int:
@@ -146,7 +145,7 @@ def run_job(bundle, command: Callable[[JobSession], None]) -> int:
     except DistxError as err:
         if session is not None and not session.closed:  # refused before any rank ran it
             session.close()
-            sys.stderr.write(f"{MARK}{_line(rank, err).split(': ', 1)[1]}\n")
+            sys.stderr.write(f"{MARK}{_what(err)}\n")
             return 2
         _abort(comm, rank, err)
     except BaseException as err:  # a failure in a call: every rank stops, told once

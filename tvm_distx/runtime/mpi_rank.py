@@ -52,7 +52,8 @@ from tvm_distx.bundle.manifest import Manifest, check_weights, read_manifest
 from tvm_distx.errors import BundleError
 from tvm_distx.runtime import mpi_ccl
 from tvm_distx.runtime.control import KEY_ENV, DriverLink
-from tvm_distx.runtime.ranks import Program, RankState, VMProgram, fault, inject_fault
+from tvm_distx.runtime.ranks import (Program, RankState, VMProgram, fault, inject_fault,
+                                     one_line)
 
 __all__ = ["serve", "threads_per_rank", "counted", "vm_program", "main"]
 
@@ -124,21 +125,12 @@ def serve(bundle: Path, driver: str, program: ProgramMaker = vm_program) -> None
         _serve(bundle, link, comm, rank, program)
     except BaseException as err:  # any failure stops every rank, with the reason told
         text = traceback.format_exc()
-        summary = _summary(err)
+        summary = one_line(err)
         if link is not None:
             link.finish(("error", text, summary))
         sys.stderr.write(f"[tvm_distx] rank {rank} on {host}: {summary}\n{text}")
         sys.stderr.flush()
         comm.Abort(1)
-
-
-def _summary(err: BaseException) -> str:
-    """One line for an error: a tvm_distx error's message, else ``Type: first line``."""
-    message = getattr(err, "message", None)
-    if isinstance(message, str) and message.strip():
-        return message.strip().splitlines()[0]
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def _lost(rank: int, host: str, why: str) -> None:

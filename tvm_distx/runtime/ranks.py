@@ -34,7 +34,7 @@ from tvm_distx.errors import LaunchError
 from tvm_distx.layout.arrays import first_holder
 
 __all__ = ["RankState", "Program", "VMProgram", "FAULT_ENV", "fault", "inject_fault",
-           "to_numpy"]
+           "one_line", "to_numpy"]
 
 #: The test hook: ``"<rank>:<kind>"``, kind ``raise``, ``kill`` or ``hang``.
 FAULT_ENV = "TVM_DISTX_FAULT"
@@ -202,6 +202,15 @@ def to_numpy(value, numpy: Callable = lambda v: v.numpy()):
     if isinstance(value, np.ndarray) or hasattr(value, "numpy"):
         return numpy(value)
     return tuple(to_numpy(v, numpy) for v in value)
+
+
+def one_line(err: BaseException) -> str:
+    """A rank's error in one line: a tvm_distx error's message, else ``Type: first line``."""
+    message = getattr(err, "message", None)
+    if isinstance(message, str) and message.strip():
+        return message.strip().splitlines()[0]
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def fault(rank: int) -> str | None:
