@@ -143,65 +143,71 @@ def _make_prim_value(executor, dst, regs, literals):
     return step
 
 
-def _check_tensor_info(executor, dst, regs, literals):
-    value = regs[0]
-    ndim, dtype = _literals("check_tensor_info", literals, 1, 3)
-    dtype = None if dtype in ("", "void") else np.dtype(dtype)
-    context = _context(literals)
+def _check(name: str, stop: int, prepare):
+    """A ``vm.builtin.check_*_info``: ``prepare(*literals)``, once per instruction, gives the
+    test of the value, which says what is wrong with it (or None).
 
-    def step(r):
-        found = r[value]
+    The literals are the builtin's after its value, up to the error context (which
+    :func:`_context` reads); the check leaves None in its register.
+    """
+    def make(executor, dst, regs, literals):
+        value = regs[0]
+        problem = prepare(*_literals(name, literals, 1, stop))
+        context = _context(literals)
+
+        def step(r):
+            wrong = problem(r[value])
+            if wrong:
+                raise _Fail(f"{context}: {wrong}")
+            r[dst] = None
+        return step
+    return make
+
+
+def _tensor_test(ndim, dtype):
+    wanted = None if dtype in ("", "void") else np.dtype(dtype)
+
+    def problem(found):
         if not isinstance(found, np.ndarray):
-            raise _Fail(f"{context}: expected a tensor, got {type(found).__name__}")
-        if (ndim != -1 and found.ndim != ndim) or (dtype is not None and found.dtype != dtype):
-            raise _Fail(f"{context}: got {found.dtype}{list(found.shape)}")
-        r[dst] = None
-    return step
+            return f"expected a tensor, got {type(found).__name__}"
+        if (ndim != -1 and found.ndim != ndim) or (wanted is not None and found.dtype != wanted):
+            return f"got {found.dtype}{list(found.shape)}"
+        return None
+    return problem
 
 
-def _check_shape_info(executor, dst, regs, literals):
-    value = regs[0]
-    ndim, = _literals("check_shape_info", literals, 1, 2)
-    context = _context(literals)
-
-    def step(r):
-        found = r[value]
+def _shape_test(ndim):
+    def problem(found):
         if not isinstance(found, tuple) or (ndim != -1 and len(found) != ndim):
-            raise _Fail(f"{context}: expected a shape of {ndim} dimensions, got {found!r}")
-        r[dst] = None
-    return step
+            return f"expected a shape of {ndim} dimensions, got {found!r}"
+        return None
+    return problem
 
 
-def _check_prim_value_info(executor, dst, regs, literals):
-    value = regs[0]
-    dtype, = _literals("check_prim_value_info", literals, 1, 2)
-    kind = np.dtype("bool" if dtype == "bool" else dtype).kind if dtype not in ("", "void") \
-        else None
-    context = _context(literals)
+def _prim_value_test(dtype):
+    kind = None if dtype in ("", "void") else np.dtype(dtype).kind
 
-    def step(r):
-        found = r[value]
+    def problem(found):
         ok = (isinstance(found, (bool, np.bool_)) if kind == "b" else
               isinstance(found, (int, np.integer)) and not isinstance(found, bool)
               if kind in "iu" else isinstance(found, (int, float, np.number))) \
             if kind else True
-        if not ok:
-            raise _Fail(f"{context}: expected a {dtype} value, got {found!r}")
-        r[dst] = None
-    return step
+        return None if ok else f"expected a {dtype} value, got {found!r}"
+    return problem
 
 
-def _check_tuple_info(executor, dst, regs, literals):
-    value = regs[0]
-    size, = _literals("check_tuple_info", literals, 1, 2)
-    context = _context(literals)
-
-    def step(r):
-        found = r[value]
+def _tuple_test(size):
+    def problem(found):
         if not isinstance(found, tuple) or len(found) != size:
-            raise _Fail(f"{context}: expected a tuple of {size}, got {type(found).__name__}")
-        r[dst] = None
-    return step
+            return f"expected a tuple of {size}, got {type(found).__name__}"
+        return None
+    return problem
+
+
+_check_tensor_info = _check("check_tensor_info", 3, _tensor_test)
+_check_shape_info = _check("check_shape_info", 2, _shape_test)
+_check_prim_value_info = _check("check_prim_value_info", 2, _prim_value_test)
+_check_tuple_info = _check("check_tuple_info", 2, _tuple_test)
 
 
 def _tuple_getitem(executor, dst, regs, literals):
