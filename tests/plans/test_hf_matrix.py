@@ -55,11 +55,6 @@ NO_HF_PLAN = ("gpt2", "opt")
 #: Weights every rank holds whole by design, per family (globs over parameter names),
 #: beside vectors (norms, row-parallel biases) and position tables.
 _WHOLE = {
-    # the import's copy of a table tied to the LM head, which the program never reads
-    # (the lookups and the head read the head's weight, split on the vocabulary)
-    "gpt2": ("*wte_weight",),
-    "gemma": ("*embed_tokens_weight",),
-    "opt": ("*embed_tokens_weight",),
     # routers, and Qwen2-MoE's one-output shared-expert gate
     "mixtral": ("*mlp_gate_weight",),
     "qwen2_moe": ("*mlp_gate_weight", "*shared_expert_gate_weight"),

@@ -193,8 +193,9 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
     mod, detached = relax.frontend.detach_params(mod)
     main = mod["main"]
     count = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else 0
-    names = [p.name for p in main.params[count:]]
-    values = detached.get("main", [])
+    values = list(detached.get("main", []))
+    mod, values = _without_unread_weights(mod, count, values)
+    names = [p.name for p in mod["main"].params[count:]]
     if with_weights:
         weights = {name: value.numpy() for name, value in zip(names, values)}
     else:  # shapes and dtypes only: the placeholders' memory is never touched
@@ -202,3 +203,28 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
                    for name, value in zip(names, values)}
     logger.info("imported %s: %d inputs, %d weights", type(module).__name__, count, len(weights))
     return mod, weights
+
+
+def _without_unread_weights(mod: tvm.IRModule, count: int, values: list
+                            ) -> tuple[tvm.IRModule, list]:
+    """``mod`` without the weights ``main`` never reads, and the values of those it keeps.
+
+    torch.export lifts a tied weight under each of its names (an LM head tied to
+    the token embedding is two parameters of one tensor); the program reads one
+    of them. A parameter nothing reads would still be a weight every rank holds
+    whole, so it is left out of the program.
+    """
+    main = mod["main"]
+    read = {v for v in relax.analysis.free_vars(main.body)}
+    weights = main.params[count:]
+    kept = [i for i, p in enumerate(weights) if p in read]
+    if len(kept) == len(weights):
+        return mod, values
+    logger.debug("from_torch: %s never read, left out",
+                 ", ".join(p.name for i, p in enumerate(weights) if i not in kept))
+    func = relax.Function(list(main.params[:count]) + [weights[i] for i in kept], main.body,
+                          main.ret_ty, main.is_pure, main.attrs)
+    out = mod.clone() if hasattr(mod, "clone") else mod
+    out["main"] = func
+    return out, [values[i] for i in kept]
+
