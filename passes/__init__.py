@@ -6,6 +6,8 @@
 - :class:`SplitFusedProjections` gives each segment of a fused projection
   (q|k|v, gate|up) its own weight parameter, recording how it is cut from the
   user's weight (:func:`derivations_of`).
+- :func:`quantize` stores weights as 16-bit floats or int8/int4 groups and
+  decodes them in the program before each read.
 - :class:`VocabParallelEmbedding` writes the lookups of a vocabulary-split
   embedding table as masked, offset lookups summed over the ranks.
 
@@ -19,7 +21,8 @@ from tvm_distx.passes.annotate_sharding import AnnotateSharding
 from tvm_distx.passes.propagate_sharding import PropagateSharding, propagate
 from tvm_distx.passes.grouped_attention import GroupedQueryAttention
 from tvm_distx.passes.split_fused import SplitFusedProjections, derivations_of
+from tvm_distx.passes.quantize import quantize
 from tvm_distx.passes.vocab_parallel import VocabParallelEmbedding, vocab_lookups
 
 __all__ = ["AnnotateSharding", "GroupedQueryAttention", "PropagateSharding", "SplitFusedProjections",
-           "VocabParallelEmbedding", "derivations_of", "propagate", "vocab_lookups"]
+           "VocabParallelEmbedding", "derivations_of", "propagate", "quantize", "vocab_lookups"]

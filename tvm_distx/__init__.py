@@ -9,6 +9,7 @@ The top level holds what a user of the package needs (see ``__all__``):
   :class:`PropagateSharding`;
 - importing: :func:`load_module` (TVMScript), :func:`from_torch`,
   :func:`export_decoder` (a Hugging Face decoder with its KV cache);
+- storing weights in 16 bits or quantized (:func:`quantize`);
 - compiling and running: :func:`compile`, :func:`lower_to_ranks` (the rank
   programs, before building), :class:`DistExecutable`, :class:`CausalLM`;
 - choosing and reading plans: :func:`auto_shard`, :func:`explain`, :func:`comm_report`;
@@ -74,6 +75,7 @@ _LAZY = {
     "load_module": "tvm_distx.frontend.script",
     "from_torch": "tvm_distx.frontend.pytorch",  # imports torch
     "export_decoder": "tvm_distx.frontend.decoder",  # imports torch and transformers
+    "quantize": "tvm_distx.passes.quantize",
     "compile": "tvm_distx.build.pipeline",
     "lower_to_ranks": "tvm_distx.build.pipeline",
     "DistExecutable": "tvm_distx.build.executable",
@@ -147,6 +149,8 @@ __all__ = [
     "load_module",
     "from_torch",
     "export_decoder",
+    # weights stored as 16-bit floats or quantized groups, decoded in the program
+    "quantize",
     # compiling and running
     "compile",
     "lower_to_ranks",
