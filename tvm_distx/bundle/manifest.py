@@ -89,6 +89,7 @@ from typing import Sequence
 import numpy as np
 
 from tvm_distx.bundle.checkpoint import LazyTensor
+from tvm_distx.bundle.formats import EncodedPart, numpy_dtype, weight_format
 from tvm_distx.bundle.signature import FEEDS, SHARDS, FunctionSignature, TensorSpec
 from tvm_distx.errors import BundleError
 from tvm_distx.layout.derived import Derivations
@@ -122,7 +123,13 @@ class WeightFile:
 
 @dataclass(frozen=True)
 class WeightLink:
-    """One rank's shard of one weight, read from a checkpoint file by the rank itself."""
+    """One rank's shard of one weight, read from a checkpoint file by the rank itself.
+
+    ``start`` and ``stop`` bound the block of the checkpoint's tensor. With an
+    ``encoding`` (a format of :mod:`tvm_distx.bundle.formats`), the shard is
+    that block encoded, the ``part`` of it the program takes (``"data"`` or
+    ``"scale"``): the rank quantizes its own slice as it reads it.
+    """
 
     rank: int
     name: str
@@ -132,28 +139,53 @@ class WeightLink:
     stop: tuple[int, ...]
     stored_dtype: str
     dtype: str
+    encoding: str | None = None
+    part: str = "data"
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.start, self.stop))
+        block = tuple(b - a for a, b in zip(self.start, self.stop))
+        if self.encoding is None:
+            return block
+        return weight_format(self.encoding).part_shape(self.part, block)
 
     def lazy(self):
-        """The block as a :class:`tvm_distx.bundle.checkpoint.LazyTensor` (nothing read)."""
-
-        return LazyTensor(Path(self.checkpoint), self.tensor, tuple(zip(self.start, self.stop)),
-                          np.dtype(self.dtype), self.stored_dtype)
+        """The shard, read on demand (a lazy checkpoint block, encoded when linked so)."""
+        block = LazyTensor(Path(self.checkpoint), self.tensor, tuple(zip(self.start, self.stop)),
+                           np.dtype("float32") if self.encoding else numpy_dtype(self.dtype),
+                           self.stored_dtype)
+        if self.encoding is None:
+            return block
+        return EncodedPart(block, weight_format(self.encoding), self.part)
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "name": self.name, "checkpoint": self.checkpoint,
-                "tensor": self.tensor, "start": list(self.start), "stop": list(self.stop),
-                "stored_dtype": self.stored_dtype, "dtype": self.dtype}
+        out = {"rank": self.rank, "name": self.name, "checkpoint": self.checkpoint,
+               "tensor": self.tensor, "start": list(self.start), "stop": list(self.stop),
+               "stored_dtype": self.stored_dtype, "dtype": self.dtype}
+        if self.encoding is not None:
+            out.update(encoding=self.encoding, part=self.part)
+        return out
+
+    @classmethod
+    def linkable(cls, value) -> bool:
+        """Whether ``value`` is a checkpoint block (or one encoded from one) a rank can read."""
+        if isinstance(value, EncodedPart):
+            value = value.source
+        return isinstance(value, LazyTensor)
 
     @classmethod
     def of(cls, rank: int, name: str, block) -> "WeightLink":
-        """The link to ``block``, a lazy checkpoint tensor (sliced to the rank's shard)."""
+        """The link to ``block``: a lazy checkpoint tensor or an encoded part of one, sliced
+        to the rank's shard."""
+        encoding, part, dtype = None, "data", str(block.dtype)
+        if isinstance(block, EncodedPart):
+            encoding, part = block.fmt.name, block.part
+            bounds = block._source_bounds()
+            source = block.source
+            block = source[tuple(slice(a, b) for a, b in bounds)]
         return cls(rank, name, str(Path(block.path).resolve()), block.key,
                    tuple(a for a, _ in block.bounds), tuple(b for _, b in block.bounds),
-                   block.stored_dtype, str(block.dtype))
+                   block.stored_dtype, dtype, encoding, part)
 
 
 @dataclass(frozen=True)
@@ -382,7 +414,8 @@ def _parse(root: Path, data: dict) -> Manifest:
             links.append(WeightLink(int(w["rank"]), str(w["name"]), str(w["checkpoint"]),
                                     str(w["tensor"]), tuple(int(n) for n in w["start"]),
                                     tuple(int(n) for n in w["stop"]), str(w["stored_dtype"]),
-                                    str(w["dtype"])))
+                                    str(w["dtype"]), w.get("encoding"),
+                                    str(w.get("part", "data"))))
     library = _require(data, "library", str, "at the top level")
     _inside(root, library, "the library")
     for w in files:
@@ -541,7 +574,8 @@ def _check_link(link: WeightLink, local_shape) -> None:
 #: safetensors' dtype names, as numpy's.
 _SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16",
                        "I16": "int16", "U32": "uint32", "I32": "int32", "U64": "uint64",
-                       "I64": "int64", "F16": "float16", "F32": "float32", "F64": "float64"}
+                       "I64": "int64", "F16": "float16", "F32": "float32", "F64": "float64",
+                       "BF16": "bfloat16"}
 
 
 def write_rank_weights(root: Path, rank: int, shards: dict[str, np.ndarray]) -> dict:
@@ -616,6 +650,7 @@ def _map_tensor(path: Path, table: dict, name: str) -> np.ndarray:
         raise BundleError(f"{path} holds no tensor '{name}'", hint="export the bundle again")
     dtype, shape, offset = table[name]
     if 0 in shape:
-        return np.zeros(shape, dtype)
-    flat = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(int(np.prod(shape)),))
+        return np.zeros(shape, numpy_dtype(dtype))
+    flat = np.memmap(path, dtype=numpy_dtype(dtype), mode="r", offset=offset,
+                     shape=(int(np.prod(shape)),))
     return flat.reshape(shape)
