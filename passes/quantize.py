@@ -293,7 +293,7 @@ class _Decode:
         rewriter = _Rewriter(self.mod, self.gv.name_hint, self.stored)
         body = rewriter.visit_with_new_scope(func.body)
         new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs)
-        out = rewriter.builder_.get()
+        out = rewriter.builder_.get().clone()  # the builder's module is the caller's
         out[self.gv] = new
         return out
 
