@@ -52,6 +52,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm_distx.bundle.formats import FORMATS, EncodedPart, WeightFormat, weight_format
 from tvm_distx.errors import ArgumentError
 from tvm_distx.ir import helpers as _ir
+from tvm_distx.layout.derived import is_deferred
 from tvm_distx.layout.mesh import DeviceMesh
 from tvm_distx.layout.placement import Placement, Shard
 
@@ -254,6 +255,10 @@ def _parts(name: str, value, fmt: WeightFormat) -> dict:
         return dict(value.parts)
     if fmt.name == "f32" and np.dtype(getattr(value, "dtype", "float32")) == np.float32:
         return {"data": value}
+    if not fmt.quantized and is_deferred(value) and hasattr(value, "astype"):
+        # a checkpoint's tensor read in the 16-bit dtype (as it is stored, for a bfloat16
+        # checkpoint served in bfloat16): a rank's link then reads its block as it is
+        return {"data": value.astype(fmt.part_dtype("data"))}
     return {part: EncodedPart(value, fmt, part) for part in fmt.parts}
 
 
