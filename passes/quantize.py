@@ -142,7 +142,8 @@ def quantize(mod: tvm.IRModule, weights: Mapping, fmt="q8", *, dtype: str | None
                                     "functions, so it takes no single format",
                                     hint="give it a format in a mapping: quantize(mod, weights, "
                                     f"{{'{param.name}': 'f32'}})")
-        stored = {p: _stored(p, chosen[p.name]) for p in uses if p.name in chosen}
+        stored = {p: _stored(p, chosen[p.name]) for p in uses
+                  if p.name in chosen and not _unchanged(p, chosen[p.name])}
         for var, call in _annotations(func):
             if call.args[0] in stored:
                 _check_groups(gv.name_hint, stored[call.args[0]], var.name, call)
@@ -156,7 +157,7 @@ def quantize(mod: tvm.IRModule, weights: Mapping, fmt="q8", *, dtype: str | None
     logger.info("quantize: %s", ", ".join(f"{n} weights {k}" for k, n in counted.items())
                 or "no weight to store differently")
     formats = dict(weight_formats(out))
-    formats.update({name: f.name for name, f in chosen.items()})
+    formats.update({name: f.name for name, f in chosen.items() if f.name != "f32"})
     return out.with_attr(FORMATS_ATTR, formats), new_weights
 
 
@@ -234,6 +235,11 @@ def _choose(param: relax.Var, use: str, value, explicit, default, rest) -> Weigh
     if default.quantized and (use != "reduce-last" or shape[-1] % default.group):
         return rest
     return default if default.name != "f32" or rest is None else rest
+
+
+def _unchanged(param: relax.Var, fmt: WeightFormat) -> bool:
+    """Whether storing ``param`` in ``fmt`` leaves the program as it is (float32 as float32)."""
+    return fmt.name == "f32" and str(param.ty.dtype) == "float32"
 
 
 def _stored(param: relax.Var, fmt: WeightFormat) -> _Stored:

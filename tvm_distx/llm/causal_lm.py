@@ -39,6 +39,7 @@ import tvm
 from tvm_distx.build.pipeline import compile as compile_module, run_stages
 from tvm_distx.bundle.checkpoint import open_checkpoint
 from tvm_distx.bundle.formats import QUANTIZED
+from tvm_distx.bundle.gguf import open_gguf
 from tvm_distx.bundle.generation import GENERATION_FILE, GenerationInfo, read_generation
 from tvm_distx.bundle.manifest import read_manifest
 from tvm_distx.bundle.signature import weight_bytes_per_rank
@@ -175,9 +176,7 @@ class CausalLM(Generator):
             If the directory is not a checkpoint, or lacks a weight the model
             needs, or holds one of another shape.
         """
-        import torch
         import transformers
-        from transformers.initialization import no_init_weights
 
 
         check_backend(backend, options)  # before the export and the compile
@@ -193,34 +192,13 @@ class CausalLM(Generator):
         storage = _storage(dtype if dtype is not None else _checkpoint_dtype(tensors),
                            quantization, "CausalLM.from_pretrained")
         config = transformers.AutoConfig.from_pretrained(root)
-        with no_init_weights():  # placeholders: allocated, never written or read
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32).eval()
-        model.tie_weights()  # skipped with the initialisation; ties are part of the graph
+        model = _placeholder_model(config)
         program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
                                  with_weights=False, max_batch=max_batch)
-        # each program weight is a model tensor, known in the checkpoint under one of the
-        # names it has in the model (tied weights have several)
-        aliases: dict[int, list[str]] = {}
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            aliases.setdefault(id(tensor), []).append(name)
-        by_relax = {relax_name("model." + name): names for names in aliases.values()
-                    for name in names}
-        weights = {}
-        for name, spec in program.weights.items():
-            names = by_relax.get(name, [])
-            found = next((n for n in names if n in tensors), None)
-            if found is None:
-                raise ArgumentError(
-                    f"the checkpoint in {root} has no tensor {' or '.join(names) or name}, "
-                    f"which {type(model).__name__} needs",
-                    hint="save the whole model with save_pretrained, in one directory")
-            if tensors[found].shape != tuple(spec.shape):
-                raise ArgumentError(
-                    f"tensor {found} of the checkpoint has shape {list(tensors[found].shape)}, "
-                    f"but config.json gives {type(model).__name__} {list(spec.shape)}",
-                    hint="use the config.json saved with these weights")
-            weights[name] = tensors[found].astype(spec.dtype)
+        weights = {name: tensor.astype(spec.dtype) for name, (tensor, spec) in
+                   _program_weights(model, program, tensors, f"the checkpoint in {root}",
+                                    "save the whole model with save_pretrained, in one "
+                                    "directory").items()}
         del model  # the placeholders: only the traced program is kept
         lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
                         storage=storage, timeout=timeout, **options)
@@ -228,6 +206,58 @@ class CausalLM(Generator):
                       if (root / "generation_config.json").is_file() else config)
         lm.eos_token_id = getattr(generation, "eos_token_id", None)
         lm.pad_token_id = getattr(generation, "pad_token_id", None)
+        return lm
+
+    @classmethod
+    def from_gguf(cls, path, num_ranks: int = 2, *, backend: str = "mpi", plan=None,
+                  max_length: int = 256, prompt_length: int | None = None,
+                  max_batch: int | None = None, requantize: str | None = None,
+                  timeout: float = 300.0, **options) -> "CausalLM":
+        """Serve a llama.cpp GGUF file, each tensor in its stored format, each rank mapping its blocks.
+
+        The architecture and the configuration come from the file's metadata
+        (:func:`tvm_distx.bundle.gguf.open_gguf`: llama, qwen2, qwen3). Every
+        tensor is served as stored: ``F32``, ``F16``, ``BF16``, and ``Q8_0`` and
+        ``Q4_0`` as the ``q8`` and ``q4`` formats (:mod:`tvm_distx.bundle.formats`),
+        never widened to float32 in memory; the kernels decode them in registers.
+        This process reads no weight: each rank memory-maps the file and reads
+        the blocks it holds.
+
+        Parameters
+        ----------
+        path : path
+            A ``.gguf`` file (one file, not a split model).
+        requantize : {"q8", "q4", "f16", "bf16", "f32"}, optional
+            The format for tensors of other types (``Q4_K``, ``Q6_K``...), which
+            each rank then decodes and encodes as it reads its block; without it
+            such a file is refused, naming the tensor.
+        num_ranks, backend, plan, max_length, prompt_length, max_batch, timeout, **options
+            As for :meth:`from_hf`.
+
+        Raises
+        ------
+        ArgumentError
+            If the file is not a GGUF file, its architecture or a tensor type is
+            not supported, or a tensor does not fit its configuration.
+        """
+        check_backend(backend, options)  # before the export and the compile
+        if num_ranks < 1:
+            raise ArgumentError(f"CausalLM.from_gguf(num_ranks={num_ranks}): need at least one "
+                                "rank", hint="CausalLM.from_gguf(path, num_ranks=2)")
+        gguf = open_gguf(path, requantize=requantize)
+        model = _placeholder_model(gguf.hf_config())
+        program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
+                                 with_weights=False, max_batch=max_batch)
+        found = _program_weights(model, program, gguf.tensors, f"the GGUF file {path}",
+                                 "give a GGUF file of the whole model, as llama.cpp's "
+                                 "converter writes it")
+        weights = {name: tensor for name, (tensor, _) in found.items()}
+        formats = {name: tensor.format.name for name, tensor in weights.items()}
+        del model
+        lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
+                        storage=(formats, None), timeout=timeout, **options)
+        lm.eos_token_id = gguf.tokenizer.eos_id
+        lm.pad_token_id = gguf.tokenizer.pad_id
         return lm
 
     @classmethod
@@ -357,6 +387,47 @@ class CausalLM(Generator):
             manifest.functions, {n for names in manifest.weights.values() for n in names},
             manifest.num_ranks)
         return lm
+
+
+def _placeholder_model(config):
+    """A transformers causal LM of ``config`` whose weights are never initialised."""
+    import torch
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # placeholders: allocated, never written or read
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # skipped with the initialisation; ties are part of the graph
+    return model.eval()
+
+
+def _program_weights(model, program, tensors: dict, source, hint: str) -> dict:
+    """Each program weight's tensor of ``tensors`` (by the model's parameter names) and spec.
+
+    A program weight is a model tensor, known in ``tensors`` under one of the names
+    it has in the model (tied weights have several).
+    """
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(tensor), []).append(name)
+    by_relax = {relax_name("model." + name): names for names in aliases.values()
+                for name in names}
+    weights = {}
+    for name, spec in program.weights.items():
+        names = by_relax.get(name, [])
+        found = next((n for n in names if n in tensors), None)
+        if found is None:
+            raise ArgumentError(
+                f"{source} has no tensor {' or '.join(names) or name}, which "
+                f"{type(model).__name__} needs",
+                hint=hint)
+        if tuple(tensors[found].shape) != tuple(spec.shape):
+            raise ArgumentError(
+                f"tensor {found} of {source} has shape {list(tensors[found].shape)}, but the "
+                f"configuration gives {type(model).__name__} {list(spec.shape)}",
+                hint="use the configuration saved with these weights")
+        weights[name] = (tensors[found], spec)
+    return weights
 
 
 #: ``dtype=`` values and the weight format each stores.
