@@ -197,3 +197,17 @@ def test_bad_formats_are_refused_with_the_choices(call, message):
         return
     with pytest.raises(ArgumentError, match=message):
         call()
+
+
+def test_explain_counts_each_ranks_parameter_bytes_in_their_stored_dtype():
+    legalize = tvm.relax.transform.LegalizeOps()
+    annotated = AnnotateSharding(RULES)(presets.set_device_meshes(MLP, [(2,)]))
+    mod, _ = td.quantize(annotated, _weights(), "q4")
+    # float32: the table whole (128 KiB), half of up and of down (64 KiB each), the norm, ids
+    (f32,) = td.explain(legalize(annotated)).weights
+    assert (f32.label, f32.per_rank, f32.total) == (
+        "parameters", 131072 + 2 * 65536 + 512 + 16, 3 * 131072 + 512 + 16)
+    # q4: half a byte per value and a float16 scale per 32: 1/7.1 of the float32 bytes
+    (q4,) = td.explain(legalize(mod)).weights
+    assert q4.per_rank == (16384 + 2048) + 2 * (8192 + 1024) + 512 + 16
+    assert "parameters per rank: 36.52 KiB of 54.52 KiB" in str(td.explain(legalize(mod)))

@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from tvm_distx.bundle.formats import bfloat16
 from tvm_distx.errors import ArgumentError, ArgumentIndexError
 
 __all__ = ["LazyTensor", "open_checkpoint"]
@@ -106,15 +107,17 @@ class LazyTensor:
         from safetensors import safe_open
 
         index = tuple(slice(start, stop) for start, stop in self.bounds)
-        if self.stored_dtype in ("BF16", "F8_E4M3", "F8_E5M2"):  # no numpy dtype: via torch
+        if self.stored_dtype in ("F8_E4M3", "F8_E5M2"):  # no numpy dtype: via torch
             import torch
 
             with safe_open(self.path, framework="pt") as f:
                 block = f.get_slice(self.key)[index] if index else f.get_tensor(self.key)
             return block.to(torch.float32).numpy().astype(self.dtype, copy=False)
+        if self.stored_dtype == "BF16":
+            bfloat16()  # registers ml_dtypes' bfloat16, which safetensors' numpy reads return
         with safe_open(self.path, framework="numpy") as f:
             block = f.get_slice(self.key)[index] if index else f.get_tensor(self.key)
-        return np.ascontiguousarray(block, dtype=self.dtype)
+        return np.ascontiguousarray(np.asarray(block).astype(self.dtype, copy=False))
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         block = self.read()
