@@ -57,13 +57,14 @@ import logging
 from typing import Sequence
 
 import tvm
-from tvm import relax, tirx
+from tvm import tirx
 from tvm.s_tir import Schedule
 
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.build.targets import x86_target
 from tvm_distx.build.schedule.base import (MIN_PARALLEL_ELEMENTS, SCHEDULE_ERRORS, Block, CPUTraits,  # noqa: F401
                    Rule, describe_blocks, first_line, use_cpu_threads)
+from tvm_distx.build.schedule.fusion import FuseWeightDecodes, fuse_kernels
 from tvm_distx.build.schedule.injective import InjectiveRule
 from tvm_distx.build.schedule.matmul import MatmulRule
 from tvm_distx.build.schedule.matvec import MatvecRule
@@ -73,6 +74,7 @@ __all__ = [
     "Block",
     "CPUTraits",
     "DEFAULT_RULES",
+    "FuseWeightDecodes",
     "RULE_ATTR",
     "fuse_kernels",
     "SCHEDULED_ATTR",
@@ -212,9 +214,9 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target | None = None, 
     target : tvm.target.Target, optional
         The LLVM CPU target; :func:`x86_target` by default.
     fuse : bool, default True
-        First run ``AnnotateTIROpPattern``, ``FuseOps`` and ``FuseTIR``, so that
-        a matmul and its elementwise consumers become one kernel whose epilogue
-        runs on the register tile.
+        First run :func:`fuse_kernels`, so that a matmul and its elementwise
+        consumers become one kernel whose epilogue runs on the register tile,
+        and each weight decode is the prologue of the kernel that reads it.
 
     Returns
     -------
@@ -224,13 +226,3 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target | None = None, 
     if fuse:
         mod = fuse_kernels(mod)
     return ScheduleCPU(target)(mod)
-
-
-def fuse_kernels(mod: tvm.IRModule) -> tvm.IRModule:
-    """``mod`` with each kernel fused with its elementwise consumers (TVM's FuseOps and FuseTIR)."""
-    if not any(isinstance(func, relax.Function) for func in mod.functions.values()):
-        return mod
-    return tvm.transform.Sequential([relax.transform.AnnotateTIROpPattern(),
-                                     relax.transform.FuseOps(),
-                                     relax.transform.FuseTIR(),
-                                     relax.transform.DeadCodeElimination()])(mod)
