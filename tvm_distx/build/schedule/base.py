@@ -23,6 +23,8 @@ from tvm import s_tir, tirx
 from tvm.ir.expr import Call, Expr, TensorLoad
 from tvm.s_tir import Schedule, ScheduleError
 
+from tvm_distx.ir.weight_decode import is_decode_block
+
 __all__ = [
     "Block",
     "CPUTraits",
@@ -39,6 +41,7 @@ __all__ = [
     "first_divisor",
     "first_line",
     "index_positions",
+    "inline_decodes",
     "loop_extent",
     "loops_over",
     "schedule_flat",
@@ -184,6 +187,15 @@ class Block:
     def reads_own_output(self) -> bool:
         return any(load.source.same_as(self.output) for load in self.loads)
 
+    @property
+    def decode(self) -> bool:
+        """Whether the block is part of a weight decode fused into this kernel.
+
+        :func:`tvm_distx.ir.weight_decode.is_decode_block` says so; such a block
+        is computed where its value is read, never into a buffer of its own.
+        """
+        return is_decode_block(self.stmt)
+
 
 def _walk(expr: Expr, visit) -> None:
     """Call ``visit`` on ``expr`` and on every sub-expression, parents first."""
@@ -238,6 +250,21 @@ def _describe(sch: Schedule, rv: s_tir.schedule.SBlockRV) -> Block:
             value.same_as(sch.get(loop).loop_var)
             for value, loop in zip(realize.iter_values, loops))
     return Block(rv, stmt, spatial, reduce, store, loads, trivial)
+
+
+def inline_decodes(sch: Schedule, blocks: Sequence[Block]) -> list[Block]:
+    """Inline the weight-decode blocks of ``blocks`` into their readers; the blocks left.
+
+    Every decode block is computed where it is read: a lookup then decodes only
+    the rows it reads. Raises :class:`~tvm.s_tir.ScheduleError` when a block
+    cannot be inlined (the recipe is then abandoned).
+    """
+    decodes = [b for b in blocks if b.decode]
+    for block in decodes:
+        sch.compute_inline(block.rv)
+    if not decodes:
+        return list(blocks)
+    return describe_blocks(sch)
 
 
 def loop_extent(sch: Schedule, loop: s_tir.schedule.LoopRV) -> int | None:
