@@ -63,7 +63,7 @@ from tvm.s_tir import Schedule
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.build.targets import x86_target
 from tvm_distx.build.schedule.base import (MIN_PARALLEL_ELEMENTS, SCHEDULE_ERRORS, Block, CPUTraits,  # noqa: F401
-                   Rule, describe_blocks, first_line, use_cpu_threads)
+                   Rule, describe_blocks, first_line, use_cpu_threads, widen_halves)
 from tvm_distx.build.schedule.fusion import FuseWeightDecodes, fuse_kernels
 from tvm_distx.build.schedule.injective import InjectiveRule
 from tvm_distx.build.schedule.matmul import MatmulRule
@@ -133,6 +133,8 @@ def schedule_primfunc(func: tirx.PrimFunc, target: tvm.target.Target | None = No
         rule matches or the matching rule's recipe fails (both logged at INFO).
     """
     cpu = CPUTraits.of(target if target is not None else x86_target())
+    if not cpu.half_vectors:
+        func = widen_halves(func)
     try:
         sch = Schedule(func)
         blocks = describe_blocks(sch)

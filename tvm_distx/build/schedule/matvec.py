@@ -38,6 +38,7 @@ from tvm_distx.build.schedule.base import (REDUCE, Block, CPUTraits, block_bindi
                    index_positions, loop_extent, loops_over, uses_var,
                    vectorize_innermost)
 from tvm_distx.build.schedule.matmul import MatmulMatch, MatmulRule
+from tvm_distx.bundle.formats import GROUP
 
 __all__ = ["MatvecRule"]
 
@@ -116,7 +117,7 @@ class MatvecRule(MatmulRule):
         mm = found.block.rv
         # a weight decode is computed in registers as the weight is read, except its
         # per-group values (the scales, converted to float32): those once per row
-        per_row = _per_group_decodes(found)
+        per_row = _per_group_decodes(found) + _scalar_decodes(found, cpu)
         for producer in found.prologue:
             if producer not in per_row:
                 sch.compute_inline(producer.rv)  # raises: the recipe is abandoned
@@ -131,7 +132,12 @@ class MatvecRule(MatmulRule):
         # long rows: a few side by side, one accumulator each; short rows: one after the other
         side_by_side = depth * found.block.output.dtype.bits // 8 >= self.long_row
         group = first_divisor(n, [self.interleave, 2, 1] if side_by_side else [self.group, 2, 1])
-        unroll = 1 if side_by_side else first_divisor(depth // lanes, [self.unroll, 2, 1])
+        # a decoded weight's vectors cover whole groups: each unrolled vector then knows
+        # its group's half (q4's low or high nibbles) when the kernel is built
+        wanted = [self.unroll, 2, 1]
+        if any(p.decode for p in found.prologue) and GROUP % lanes == 0:
+            wanted = [max(self.unroll, GROUP // lanes)] + wanted
+        unroll = 1 if side_by_side else first_divisor(depth // lanes, wanted)
 
         ko, kv = sch.split(k, [None, unroll * lanes])
         partial = sch.rfactor(kv, factor_axis=len(found.block.spatial))
@@ -161,7 +167,8 @@ class MatvecRule(MatmulRule):
         for producer in reversed(per_row):  # consumers first
             sch.compute_at(producer.rv, jo)
             sch.set_scope(producer.rv, 0, "local")
-            vectorize_innermost(sch, producer.rv, cpu.lanes(producer.output.dtype))
+            if cpu.half_vectors or not _reads_half(producer):
+                vectorize_innermost(sch, producer.rv, cpu.lanes(producer.output.dtype))
         sch.set_scope(partial, 0, "local")
         if summed is not None:
             s_lane, (s_unroll,) = _lane_loop(sch, summed), loops_over(sch, summed, REDUCE)
@@ -255,6 +262,25 @@ def _per_group_decodes(found: MatmulMatch) -> list[Block]:
         out.append(block)
         small.add(block.output)
     return out
+
+
+def _scalar_decodes(found: MatmulMatch, cpu: CPUTraits) -> list[Block]:
+    """The decode blocks that convert 16-bit floats on a target that cannot in vectors.
+
+    They decode each weight row into a small float32 buffer, with scalar
+    instructions, before the vectorized product reads it (see
+    :attr:`~tvm_distx.build.schedule.base.CPUTraits.half_vectors`). Only a decode
+    of one block qualifies (``bf16`` and ``f16`` weights are one ``astype``).
+    """
+    decodes = [b for b in found.prologue if b.decode]
+    if cpu.half_vectors or len(decodes) != 1 or not _reads_half(decodes[0]):
+        return []
+    return decodes
+
+
+def _reads_half(block: Block) -> bool:
+    """Whether a block reads 16-bit floats."""
+    return any(str(load.source.dtype) in ("float16", "bfloat16") for load in block.loads)
 
 
 def _elements(shape) -> int | None:
