@@ -33,6 +33,16 @@ numpy. :class:`ScheduleCPU` gives each kernel a hand-written
     on the rows of the output block, all blocks are computed per row inside one
     parallel loop; otherwise every block is scheduled on its own.
 
+**Weights stored in another format** (:func:`tvm_distx.quantize`) reach the
+rules as kernels whose prologue decodes the weight: :func:`fuse_kernels` fuses
+each decode into the kernel that reads it and marks its blocks
+(:func:`tvm_distx.ir.weight_decode.is_decode_block`, :attr:`Block.decode`).
+The matvec recipe decodes in registers as it reads each row (the per-group
+scales and offsets once per row, read with broadcast loads), the matmul recipe
+decodes into each packed panel (once per panel, not per row tile), and a
+lookup (the reduction and injective recipes) decodes only the rows it reads.
+No schedule writes a float copy of a weight.
+
 A kernel that no rule matches keeps TVM's default lowering, with an INFO log
 line naming it. A rule whose recipe raises a :class:`tvm.s_tir.ScheduleError`
 is abandoned the same way. Schedule primitives check their own legality, so a
