@@ -13,8 +13,18 @@ any other: ``W``'s axis 0 is the output features, axis 1 the reduced input
 features, so a column-parallel ``S[0]`` or row-parallel ``S[1]`` split of the
 weight means what it meant before.
 
-Only a ``permute_dims`` (with no other use) of a 2-D function parameter, or of
-its sharding annotation, is folded; everything else is left to ``LegalizeOps``.
+The same holds for a weight stored in another format and decoded by the
+program (:func:`tvm_distx.quantize`: ``astype``, the groups' ``multiply``, the
+nibbles of ``q4``, through the sharding annotations of the stored parts): the
+matmul reads the decoded weight ``W[j, k]`` in its stored ``(out, in)`` layout,
+and the decode stays a chain of operators that propagation shards as before.
+:func:`tvm_distx.build.schedule.fuse_kernels` later fuses that decode into the
+matmul's kernel, so it happens in registers.
+
+Only a ``permute_dims`` (with no other use) of a 2-D function parameter, of its
+sharding annotation or of a decode of parameters
+(:func:`tvm_distx.ir.weight_decode.decodes_parameters`) is folded; everything
+else is left to ``LegalizeOps``.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.ir.module_pass import module_pass
+from tvm_distx.ir.weight_decode import decodes_parameters
 
 __all__ = ["LegalizeLinear"]
 
@@ -80,7 +91,7 @@ class _Folder(PyExprMutator):
             self.uses[operand] = self.uses.get(operand, 0) + 1
 
     def _transposed_weight(self, expr) -> relax.Var | None:
-        """The 2-D parameter ``W`` if ``expr`` is a single-use ``permute_dims(W)``."""
+        """The 2-D weight ``W`` if ``expr`` is a single-use ``permute_dims(W)``."""
         if not isinstance(expr, relax.Var) or self.uses.get(expr, 0) != 1:
             return None
         bound = self.lookup_binding(expr)
@@ -96,12 +107,8 @@ class _Folder(PyExprMutator):
         return weight
 
     def _is_weight(self, var: relax.Var) -> bool:
-        """A parameter, or a parameter's sharding annotation."""
-        if var in self.params:
-            return True
-        bound = self.lookup_binding(var)
-        return _ir.is_call_to(bound, "relax.dist.annotate_sharding") and \
-            bound.args[0] in self.params
+        """A parameter, its sharding annotation, or a decode of parameters."""
+        return decodes_parameters(var, self.lookup_binding, self.params)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         if not _ir.is_call_to(call, "relax.matmul"):

@@ -133,17 +133,22 @@ def vocab_lookups(mod: tvm.IRModule, function: str = "main") -> dict[str, str]:
 
 def _kernel(blocks: int, rows: int, hidden: int, ids_shape, id_dtype: str,
             dtype: str) -> tirx.PrimFunc:
-    """The masked, offset lookup summed over the vocabulary blocks (see the module doc)."""
+    """The masked, offset lookup summed over the vocabulary blocks (see the module doc).
+
+    Its extents are ``int64``, as ``LegalizeOps`` writes them, so that ``FuseTIR``
+    can fuse the kernel with one that writes its table (a decoded weight).
+    """
+    blocks, rows, hidden = (tirx.IntImm("int64", v) for v in (blocks, rows, hidden))
     table = te.placeholder((blocks, rows, hidden), dtype, "table")
     ids = te.placeholder(tuple(ids_shape), id_dtype, "ids")
     offsets = te.placeholder((blocks,), id_dtype, "offsets")
-    block = te.reduce_axis((0, blocks), "block")
+    block = te.reduce_axis((tirx.IntImm("int64", 0), blocks), "block")
 
     def lookup(*index):
         *token, h = index
         local = ids[tuple(token)] - offsets[block]
-        inside = tirx.all(local >= 0, local < rows)
-        row = tirx.max(tirx.min(local, tirx.const(rows - 1, id_dtype)),
+        inside = tirx.all(local >= 0, local < tirx.const(int(rows), id_dtype))
+        row = tirx.max(tirx.min(local, tirx.const(int(rows) - 1, id_dtype)),
                        tirx.const(0, id_dtype))
         value = tirx.if_then_else(inside, table[block, row, h], tirx.const(0, dtype))
         return te.sum(value, axis=block)

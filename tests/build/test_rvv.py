@@ -14,8 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tvm
+from tvm import relax
 
 import tvm_distx as td
+from tvm_distx.build.pipeline import legalize_ops
+from tvm_distx.build.schedule import RULE_ATTR, ScheduleCPU, fuse_kernels
+from tvm_distx.build.targets import resolve_target
+from tvm_distx.bundle import formats
 from tvm_distx import ShardingRule
 from tvm_distx.build import rvv
 from tvm_distx.passes import AnnotateSharding
@@ -116,3 +122,38 @@ def test_target_errors_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(rvv.QemuError, match="qemu-riscv64 is not installed") as info:
         rvv.run_kernel(tmp_path, rvv.Kernel("k", ()), [], harness=tmp_path / "harness")
     assert "qemu-user" in str(info.value)
+
+
+@pytest.mark.parametrize("fmt, widen", [("q8", ("vle8.v", "vsext.vf2", "vfwcvt.f.x.v")),
+                                        ("q4", ("vle8.v", "vand.vi", "vsrl.vi", "vfwcvt.f.xu.v"))])
+def test_q8_and_q4_matvec_kernels_decode_in_vector_registers_and_equal_numpy_under_qemu(
+        fmt, widen, tmp_path):
+    rng = np.random.default_rng(7)
+    weight = rng.standard_normal((48, 256), dtype="float32")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 256), "float32"))
+    w = relax.Var("w", relax.TensorType((48, 256), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
+        bb.emit_func_output(out)
+    mod, stored = td.quantize(bb.get(), {"w": weight}, fmt)
+    target = resolve_target("rvv").target
+    built = ScheduleCPU(target)(fuse_kernels(legalize_ops(mod)))
+    (kernel,) = rvv.write_kernels(built, target, tmp_path)
+    (prim,) = [f for f in built.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert prim.attrs[RULE_ATTR] == "matvec"
+    words = (tmp_path / "kernels.s").read_text().split()
+    for mnemonic in ("vsetvli", "vfmacc.vv") + widen:
+        assert mnemonic in words, mnemonic
+    parts = {"data": np.asarray(stored["w"]), "scale": np.asarray(stored["w_scale"])}
+    vector = rng.standard_normal((1, 256), dtype="float32")
+    by_name = {"w": parts["data"], "w_scale": parts["scale"], "x": vector}
+    inputs = [by_name[str(p.name)] for p in prim.params[:-1]]
+    want = vector @ formats.decode(parts, fmt).T
+    harness = rvv.build_harness(tmp_path)
+    for vlen in (128, 256):
+        (got,) = rvv.run_kernel(tmp_path, kernel, inputs, harness=harness, vlen=vlen)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(rvv.QemuError, match="illegal instruction"):
+        rvv.run_kernel(tmp_path, kernel, inputs, harness=harness, vector=False)

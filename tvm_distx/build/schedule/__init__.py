@@ -33,6 +33,16 @@ numpy. :class:`ScheduleCPU` gives each kernel a hand-written
     on the rows of the output block, all blocks are computed per row inside one
     parallel loop; otherwise every block is scheduled on its own.
 
+**Weights stored in another format** (:func:`tvm_distx.quantize`) reach the
+rules as kernels whose prologue decodes the weight: :func:`fuse_kernels` fuses
+each decode into the kernel that reads it and marks its blocks
+(:func:`tvm_distx.ir.weight_decode.is_decode_block`, :attr:`Block.decode`).
+The matvec recipe decodes in registers as it reads each row (the per-group
+scales and offsets once per row, read with broadcast loads), the matmul recipe
+decodes into each packed panel (once per panel, not per row tile), and a
+lookup (the reduction and injective recipes) decodes only the rows it reads.
+No schedule writes a float copy of a weight.
+
 A kernel that no rule matches keeps TVM's default lowering, with an INFO log
 line naming it. A rule whose recipe raises a :class:`tvm.s_tir.ScheduleError`
 is abandoned the same way. Schedule primitives check their own legality, so a
@@ -57,13 +67,14 @@ import logging
 from typing import Sequence
 
 import tvm
-from tvm import relax, tirx
+from tvm import tirx
 from tvm.s_tir import Schedule
 
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.build.targets import x86_target
 from tvm_distx.build.schedule.base import (MIN_PARALLEL_ELEMENTS, SCHEDULE_ERRORS, Block, CPUTraits,  # noqa: F401
-                   Rule, describe_blocks, first_line, use_cpu_threads)
+                   Rule, describe_blocks, first_line, use_cpu_threads, widen_halves)
+from tvm_distx.build.schedule.fusion import FuseWeightDecodes, fuse_kernels
 from tvm_distx.build.schedule.injective import InjectiveRule
 from tvm_distx.build.schedule.matmul import MatmulRule
 from tvm_distx.build.schedule.matvec import MatvecRule
@@ -73,6 +84,7 @@ __all__ = [
     "Block",
     "CPUTraits",
     "DEFAULT_RULES",
+    "FuseWeightDecodes",
     "RULE_ATTR",
     "fuse_kernels",
     "SCHEDULED_ATTR",
@@ -131,6 +143,8 @@ def schedule_primfunc(func: tirx.PrimFunc, target: tvm.target.Target | None = No
         rule matches or the matching rule's recipe fails (both logged at INFO).
     """
     cpu = CPUTraits.of(target if target is not None else x86_target())
+    if not cpu.half_vectors:
+        func = widen_halves(func)
     try:
         sch = Schedule(func)
         blocks = describe_blocks(sch)
@@ -212,9 +226,9 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target | None = None, 
     target : tvm.target.Target, optional
         The LLVM CPU target; :func:`x86_target` by default.
     fuse : bool, default True
-        First run ``AnnotateTIROpPattern``, ``FuseOps`` and ``FuseTIR``, so that
-        a matmul and its elementwise consumers become one kernel whose epilogue
-        runs on the register tile.
+        First run :func:`fuse_kernels`, so that a matmul and its elementwise
+        consumers become one kernel whose epilogue runs on the register tile,
+        and each weight decode is the prologue of the kernel that reads it.
 
     Returns
     -------
@@ -224,13 +238,3 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target | None = None, 
     if fuse:
         mod = fuse_kernels(mod)
     return ScheduleCPU(target)(mod)
-
-
-def fuse_kernels(mod: tvm.IRModule) -> tvm.IRModule:
-    """``mod`` with each kernel fused with its elementwise consumers (TVM's FuseOps and FuseTIR)."""
-    if not any(isinstance(func, relax.Function) for func in mod.functions.values()):
-        return mod
-    return tvm.transform.Sequential([relax.transform.AnnotateTIROpPattern(),
-                                     relax.transform.FuseOps(),
-                                     relax.transform.FuseTIR(),
-                                     relax.transform.DeadCodeElimination()])(mod)

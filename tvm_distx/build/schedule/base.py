@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import tvm
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir.expr import Call, Expr, TensorLoad
 from tvm.s_tir import Schedule, ScheduleError
+
+from tvm_distx.ir.weight_decode import is_decode_block
 
 __all__ = [
     "Block",
@@ -39,12 +42,14 @@ __all__ = [
     "first_divisor",
     "first_line",
     "index_positions",
+    "inline_decodes",
     "loop_extent",
     "loops_over",
     "schedule_flat",
     "trip_count",
     "uses_var",
     "vectorize_innermost",
+    "widen_halves",
 ]
 
 logger = logging.getLogger(__name__)
@@ -103,10 +108,17 @@ class CPUTraits:
         Width of one SIMD register: 512 with AVX-512, 256 with AVX2, else 128.
     cores : int
         Cores that parallel loops are spread over.
+    half_vectors : bool
+        Whether vectors of 16-bit floats (``float16``, ``bfloat16``) convert to
+        float32 in vector registers: x86 with F16C does; RISC-V without the
+        ``Zvfhmin`` extension does not (LLVM cannot build such a conversion for
+        RVV, and TVM's bfloat16 legalization of a vector fails), so a decode
+        from 16-bit floats runs scalar there, once per weight row.
     """
 
     vector_bits: int
     cores: int
+    half_vectors: bool = True
 
     @classmethod
     def of(cls, target: tvm.target.Target) -> "CPUTraits":
@@ -120,11 +132,56 @@ class CPUTraits:
             except SCHEDULE_ERRORS:  # not an x86 target
                 break
         cores = int(target.attrs.get("num-cores", 0) or os.cpu_count() or 1)
-        return cls(vector_bits=bits, cores=cores)
+        return cls(vector_bits=bits, cores=cores, half_vectors=_half_vectors(target))
 
     def lanes(self, dtype: str) -> int:
         """Elements of ``dtype`` in one vector register."""
         return max(1, self.vector_bits // tvm.runtime.DataType(dtype).bits)
+
+
+def _half_vectors(target: tvm.target.Target) -> bool:
+    """Whether ``target`` converts vectors of 16-bit floats (see :class:`CPUTraits`)."""
+    if "riscv" not in str(target.attrs.get("mtriple", "")):
+        return True
+    mattr = [str(a) for a in target.attrs.get("mattr", [])]
+    return any(a in mattr for a in ("+zvfhmin", "+zvfh"))
+
+
+def widen_halves(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with every float16 to float32 conversion written as integer operations.
+
+    For targets without :attr:`CPUTraits.half_vectors` (RISC-V without
+    ``Zvfhmin``). There LLVM converts a float16 by calling ``__extendhfsf2``
+    with the value in a float register, while the definition TVM links reads it
+    from an integer register: the result is wrong whenever the two differ.
+    The integer form is exact for every float16 (normal, subnormal, zero,
+    infinite, NaN) and needs no call.
+    """
+
+    def convert(node):
+        if str(node.ty) == "float32" and str(node.value.ty) == "float16":
+            return _half_to_float(node.value)
+        return node
+
+    return tvm_ffi.structural_map(func, [(tirx.Cast, convert)])
+
+
+def _half_to_float(value: Expr) -> Expr:
+    """The float32 of a float16 expression, from its bits."""
+
+    def u32(v: int) -> Expr:
+        return tirx.const(v, "uint32")
+
+    bits = tirx.Cast("uint32", tirx.reinterpret("uint16", value))
+    magnitude = tirx.bitwise_and(bits, u32(0x7FFF))
+    shifted = tirx.shift_left(magnitude, u32(13))
+    normal = tirx.reinterpret("float32", shifted + u32(112 << 23))     # exponent 15 -> 127
+    special = tirx.reinterpret("float32", shifted + u32(224 << 23))    # infinity, NaN
+    tiny = tirx.Cast("float32", magnitude) * tirx.const(2.0 ** -24, "float32")  # subnormal
+    value32 = tirx.Select(magnitude >= u32(0x7C00), special,
+                          tirx.Select(magnitude >= u32(0x0400), normal, tiny))
+    sign = tirx.shift_left(tirx.bitwise_and(bits, u32(0x8000)), u32(16))
+    return tirx.reinterpret("float32", tirx.reinterpret("uint32", value32) | sign)
 
 
 # --------------------------------------------------------------------------- analysis
@@ -184,6 +241,15 @@ class Block:
     def reads_own_output(self) -> bool:
         return any(load.source.same_as(self.output) for load in self.loads)
 
+    @property
+    def decode(self) -> bool:
+        """Whether the block is part of a weight decode fused into this kernel.
+
+        :func:`tvm_distx.ir.weight_decode.is_decode_block` says so; such a block
+        is computed where its value is read, never into a buffer of its own.
+        """
+        return is_decode_block(self.stmt)
+
 
 def _walk(expr: Expr, visit) -> None:
     """Call ``visit`` on ``expr`` and on every sub-expression, parents first."""
@@ -238,6 +304,21 @@ def _describe(sch: Schedule, rv: s_tir.schedule.SBlockRV) -> Block:
             value.same_as(sch.get(loop).loop_var)
             for value, loop in zip(realize.iter_values, loops))
     return Block(rv, stmt, spatial, reduce, store, loads, trivial)
+
+
+def inline_decodes(sch: Schedule, blocks: Sequence[Block]) -> list[Block]:
+    """Inline the weight-decode blocks of ``blocks`` into their readers; the blocks left.
+
+    Every decode block is computed where it is read: a lookup then decodes only
+    the rows it reads. Raises :class:`~tvm.s_tir.ScheduleError` when a block
+    cannot be inlined (the recipe is then abandoned).
+    """
+    decodes = [b for b in blocks if b.decode]
+    for block in decodes:
+        sch.compute_inline(block.rv)
+    if not decodes:
+        return list(blocks)
+    return describe_blocks(sch)
 
 
 def loop_extent(sch: Schedule, loop: s_tir.schedule.LoopRV) -> int | None:

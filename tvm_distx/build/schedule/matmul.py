@@ -61,7 +61,7 @@ class MatmulRule(Rule):
     name = "matmul"
 
     #: The most spatial axes (batch axes, rows, columns) of a matmul block the rule takes.
-    max_spatial = 3
+    max_spatial = 4
 
     def __init__(self, rows: int | None = None, vectors: int | None = None,
                  pack: bool = True) -> None:
@@ -136,7 +136,10 @@ class MatmulRule(Rule):
     def apply(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits) -> Schedule:
         mm = found.block.rv
         dtype = found.block.output.dtype
-        for producer in found.prologue:
+        # a weight decode is computed where the packed panel is written (once per panel),
+        # never per row tile: it waits until the panel exists
+        decodes = [p for p in found.prologue if p.decode]
+        for producer in (p for p in found.prologue if not p.decode):
             try:
                 sch.compute_inline(producer.rv)
             except ScheduleError:
@@ -178,9 +181,11 @@ class MatmulRule(Rule):
         # The packed panel sits between jo and io, so jo (with the batch) is then
         # the parallel loop: pack only when it has work for every core.
         panels = (n // nr) * (trip_count(sch, batch) or 1)
-        pack = self.pack and nr > 1 and panels >= cpu.cores
+        pack = self.pack and nr > 1 and (panels >= cpu.cores or bool(decodes))
         if pack:
             self._pack_panel(sch, found, nr, jo)
+        for producer in decodes:  # into the panel's copy, else into the micro-kernel
+            sch.compute_inline(producer.rv)
         sch.reverse_compute_at(acc_store, io)
         vectorize_innermost(sch, acc_store, cpu.lanes(dtype))
         for consumer in separate:

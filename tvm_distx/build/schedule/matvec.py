@@ -38,6 +38,7 @@ from tvm_distx.build.schedule.base import (REDUCE, Block, CPUTraits, block_bindi
                    index_positions, loop_extent, loops_over, uses_var,
                    vectorize_innermost)
 from tvm_distx.build.schedule.matmul import MatmulMatch, MatmulRule
+from tvm_distx.bundle.formats import GROUP
 
 __all__ = ["MatvecRule"]
 
@@ -114,8 +115,12 @@ class MatvecRule(MatmulRule):
 
     def apply(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits) -> Schedule:
         mm = found.block.rv
+        # a weight decode is computed in registers as the weight is read, except its
+        # per-group values (the scales, converted to float32): those once per row
+        per_row = _per_group_decodes(found) + _scalar_decodes(found, cpu)
         for producer in found.prologue:
-            sch.compute_inline(producer.rv)  # raises: the recipe is abandoned
+            if producer not in per_row:
+                sch.compute_inline(producer.rv)  # raises: the recipe is abandoned
         for producer in found.side:
             sch.compute_inline(producer.rv)
         if _columns_contiguous(found):
@@ -127,7 +132,12 @@ class MatvecRule(MatmulRule):
         # long rows: a few side by side, one accumulator each; short rows: one after the other
         side_by_side = depth * found.block.output.dtype.bits // 8 >= self.long_row
         group = first_divisor(n, [self.interleave, 2, 1] if side_by_side else [self.group, 2, 1])
-        unroll = 1 if side_by_side else first_divisor(depth // lanes, [self.unroll, 2, 1])
+        # a decoded weight's vectors cover whole groups: each unrolled vector then knows
+        # its group's half (q4's low or high nibbles) when the kernel is built
+        wanted = [self.unroll, 2, 1]
+        if any(p.decode for p in found.prologue) and GROUP % lanes == 0:
+            wanted = [max(self.unroll, GROUP // lanes)] + wanted
+        unroll = 1 if side_by_side else first_divisor(depth // lanes, wanted)
 
         ko, kv = sch.split(k, [None, unroll * lanes])
         partial = sch.rfactor(kv, factor_axis=len(found.block.spatial))
@@ -150,19 +160,53 @@ class MatvecRule(MatmulRule):
             _, s_lane = sch.split(lane, [unroll, lanes])
             summed = sch.rfactor(s_lane, factor_axis=len(found.block.spatial))
             sch.reverse_compute_at(summed, jo)
+        halves = self._halve(sch, mm, lanes, len(found.block.spatial), jo)
         sch.reverse_compute_at(mm, jo)
         for consumer in found.epilogue:
             sch.reverse_compute_at(consumer.rv, jo)
+        for producer in reversed(per_row):  # consumers first
+            sch.compute_at(producer.rv, jo)
+            sch.set_scope(producer.rv, 0, "local")
+            if cpu.half_vectors or not _reads_half(producer):
+                vectorize_innermost(sch, producer.rv, cpu.lanes(producer.output.dtype))
         sch.set_scope(partial, 0, "local")
         if summed is not None:
             s_lane, (s_unroll,) = _lane_loop(sch, summed), loops_over(sch, summed, REDUCE)
             sch.reorder(s_unroll, s_lane)
             sch.vectorize(s_lane)
             sch.set_scope(summed, 0, "local")
+        for half in halves:
+            (h_pair,) = loops_over(sch, half, REDUCE)
+            h_lane = _lane_loop(sch, half)
+            if h_lane is not None:
+                sch.reorder(h_pair, h_lane)
+                sch.vectorize(h_lane)
+            sch.unroll(h_pair)
+            sch.set_scope(half, 0, "local")
         if cpu.cores > 1 and n // group > 1:
             sch.parallel(jo)
         decompose_init(sch, partial)
         return sch
+
+    @staticmethod
+    def _halve(sch: Schedule, block, lanes: int, axis: int, at: LoopRV) -> list:
+        """Sum a vector of ``lanes`` accumulators as a tree: each level adds two halves.
+
+        ``block`` sums its last loop's ``lanes`` values; each level before it adds
+        the upper half of a vector to its lower half (one vector instruction), so
+        the lanes are summed in log2(lanes) steps instead of one after the other.
+        Returns the levels' blocks, computed at ``at``.
+        """
+        levels = []
+        width = lanes
+        while width > 1 and width % 2 == 0:
+            *_, lane = sch.get_loops(block)
+            _, half = sch.split(lane, [2, width // 2])
+            level = sch.rfactor(half, factor_axis=axis)
+            sch.reverse_compute_at(level, at)
+            levels.append(level)
+            width //= 2
+        return levels
 
     def _apply_columns(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits) -> Schedule:
         """A right operand stored ``(in, out)`` (attention's ``q @ k^T`` and ``p @ v``).
@@ -195,6 +239,59 @@ class MatvecRule(MatmulRule):
         return sch
 
 
+def _per_group_decodes(found: MatmulMatch) -> list[Block]:
+    """The decode blocks that compute a value per group of the weight from a parameter.
+
+    A decode block that reads only the kernel's parameters (or such blocks) and
+    writes at most one value per :data:`_PER_GROUP` weights (a row's scales,
+    converted to float32, and ``q4``'s offsets) is computed once per row into a
+    small buffer, which the weight's decode then reads with a broadcast load;
+    every other decode block is inlined.
+    """
+    if _columns_contiguous(found):
+        return []
+    weight = _elements(found.rhs.source.shape)
+    made = {b.output for b in found.prologue}
+    out, small = [], set()
+    for block in found.prologue:
+        size = _elements(block.output.shape)
+        if not block.decode or not weight or not size or size * _PER_GROUP > weight:
+            continue
+        if any(load.source in made and load.source not in small for load in block.loads):
+            continue
+        out.append(block)
+        small.add(block.output)
+    return out
+
+
+def _scalar_decodes(found: MatmulMatch, cpu: CPUTraits) -> list[Block]:
+    """The decode blocks that convert 16-bit floats on a target that cannot in vectors.
+
+    They decode each weight row into a small float32 buffer, with scalar
+    instructions, before the vectorized product reads it (see
+    :attr:`~tvm_distx.build.schedule.base.CPUTraits.half_vectors`). Only a decode
+    of one block qualifies (``bf16`` and ``f16`` weights are one ``astype``).
+    """
+    decodes = [b for b in found.prologue if b.decode]
+    if cpu.half_vectors or len(decodes) != 1 or not _reads_half(decodes[0]):
+        return []
+    return decodes
+
+
+def _reads_half(block: Block) -> bool:
+    """Whether a block reads 16-bit floats."""
+    return any(str(load.source.dtype) in ("float16", "bfloat16") for load in block.loads)
+
+
+def _elements(shape) -> int | None:
+    total = 1
+    for extent in shape:
+        if not isinstance(extent, tirx.IntImm):
+            return None
+        total *= int(extent)
+    return total
+
+
 def _columns_contiguous(found: MatmulMatch) -> bool:
     """Whether the right operand is stored ``(.., in, out)``: its columns innermost."""
     last = len(found.rhs.indices) - 1
@@ -202,14 +299,21 @@ def _columns_contiguous(found: MatmulMatch) -> bool:
             and index_positions(found.rhs.indices, found.k) != [last])
 
 
-def _lane_loop(sch: Schedule, block) -> LoopRV:
-    """The loop over the last axis of the buffer ``block`` writes (its vector lanes)."""
+def _lane_loop(sch: Schedule, block) -> LoopRV | None:
+    """The loop over the last axis of the buffer ``block`` writes (its vector lanes).
+
+    None when that axis has one element (no loop drives it).
+    """
     stmt = sch.get(block)
     lane = stmt.writes[0].region[-1].min
     value = next(v for iv, v in zip(stmt.iter_vars, block_binding(sch, block))
                  if iv.var.same_as(lane))
-    return next(loop for loop in sch.get_loops(block) if uses_var(value, sch.get(loop).loop_var))
+    return next((loop for loop in sch.get_loops(block)
+                 if uses_var(value, sch.get(loop).loop_var)), None)
 
+
+#: A decode block writing at most one value per this many weights is computed per row.
+_PER_GROUP = 16
 
 #: The narrowest vector the recipe uses (four float32 lanes: SSE, NEON, RVV at VLEN 128).
 _MIN_LANES = 4

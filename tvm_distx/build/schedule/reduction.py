@@ -14,7 +14,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import Schedule, ScheduleError
 
 from tvm_distx.build.schedule.base import (REDUCE, Block, CPUTraits, Rule, block_binding, decompose_init, first_divisor,
-                   first_line, index_positions, loop_extent, loops_over, schedule_flat,
+                   first_line, index_positions, inline_decodes, loop_extent, loops_over, schedule_flat,
                    trip_count, uses_var, vectorize_innermost)
 
 __all__ = ["ReductionRule"]
@@ -38,6 +38,7 @@ class ReductionRule(Rule):
         return blocks
 
     def apply(self, sch: Schedule, found: list[Block], cpu: CPUTraits) -> Schedule:
+        found = inline_decodes(sch, found)  # a lookup decodes only the rows it reads
         rows = min([b.leading_spatial for b in found if not b.is_spatial]
                    + [found[-1].leading_spatial])
         # Rows are worth sharing when the reductions run along them; a reduction

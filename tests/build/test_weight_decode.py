@@ -1,0 +1,221 @@
+"""Weights stored in another format are decoded inside the kernels that read them.
+
+:func:`tvm_distx.quantize` writes each decode as Relax operators before the read;
+``legalize_ops`` folds the transpose of a linear's decoded ``(out, in)`` weight into
+its matmul, :func:`~tvm_distx.build.schedule.fuse_kernels` fuses the decode into the
+kernel that reads it, and the schedules decode in registers (matvec), into packed
+panels (matmul) or only the rows a lookup reads. Every kernel equals numpy on the
+decoded weight (:func:`tvm_distx.bundle.formats.decode`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import tvm_distx as td
+from tvm_distx.build.pipeline import legalize_ops
+from tvm_distx.build.schedule import (RULE_ATTR, CPUTraits, FuseWeightDecodes, schedule_module,
+                                      x86_target)
+from tvm_distx.bundle import formats
+from tvm_distx.ir.weight_decode import DECODE_ATTR
+
+TARGET = x86_target()
+FORMATS = ["bf16", "f16", "q8", "q4"]
+
+
+def linear(rows, out: int, depth: int, fmt: str, *, bias: bool = False, silu: bool = False):
+    """``silu?(x @ W.T (+ b))`` with ``W`` stored in ``fmt``; the module, its weights, ``W``."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((rows, depth), "float32"))
+    w = relax.Var("w", relax.TensorType((out, depth), "float32"))
+    b = relax.Var("b", relax.TensorType((out,), "float32"))
+    with bb.function("main", [x, w, b] if bias else [x, w]):
+        with bb.dataflow():
+            y = relax.op.matmul(x, relax.op.permute_dims(w))
+            y = relax.op.add(y, b) if bias else y
+            result = bb.emit_output(relax.op.nn.silu(y) if silu else y)
+        bb.emit_func_output(result)
+    rng = np.random.default_rng(out + depth)
+    weights = {"w": rng.standard_normal((out, depth), dtype="float32"),
+               "b": rng.standard_normal((out,), dtype="float32")}
+    mod, stored = td.quantize(bb.get(), {"w": weights["w"]}, fmt)
+    stored = {name: np.asarray(value) for name, value in stored.items()}
+    parts = {"data": stored["w"], "scale": stored.get("w_scale")}
+    stored["b"] = weights["b"]
+    return mod, stored, formats.decode(parts, fmt)
+
+
+def kernels(mod: tvm.IRModule) -> dict[str, tvm.tirx.PrimFunc]:
+    return {gv.name_hint: f for gv, f in mod.functions.items()
+            if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+def run(mod: tvm.IRModule, stored: dict, x: np.ndarray) -> np.ndarray:
+    vm = relax.VirtualMachine(tvm.compile(mod, target=TARGET), tvm.cpu())
+    names = [p.name for p in mod["main"].params]
+    args = [x if name == "x" else stored[name] for name in names]
+    return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+
+
+def silu(t: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return t / (1 + np.exp(-t))
+
+
+# --------------------------------------------------------------------------- matvec
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows, out, depth", [(1, 96, 256), (3, 30, 96)])
+def test_a_matvec_decodes_its_weight_in_registers_in_one_kernel(fmt, rows, out, depth):
+    mod, stored, weight = linear(rows, out, depth, fmt)
+    built = schedule_module(legalize_ops(mod), TARGET)
+    (kernel,) = kernels(built).values()  # the decode is no kernel of its own
+    assert kernel.attrs[RULE_ATTR] == "matvec"
+    # the kernel reads the stored parts; no buffer of it holds the float weight
+    assert {str(p.dtype) for p in kernel.params} == {"float32", formats.FORMATS[fmt].data_dtype}\
+        | ({"float16"} if formats.FORMATS[fmt].quantized else set())
+    assert f"T.int64({out}), T.int64({depth})), scope" not in kernel.script()
+    x = np.random.default_rng(rows).standard_normal((rows, depth), dtype="float32")
+    np.testing.assert_allclose(run(built, stored, x), x @ weight.T, rtol=1e-5,
+                               atol=1e-5 * np.abs(x @ weight.T).max())
+
+
+def test_a_decoded_matvec_keeps_its_epilogue_in_the_kernel():
+    mod, stored, weight = linear(1, 64, 128, "q4", bias=True, silu=True)
+    built = schedule_module(legalize_ops(mod), TARGET)
+    (kernel,) = kernels(built).values()
+    assert kernel.attrs[RULE_ATTR] == "matvec"
+    x = np.random.default_rng(0).standard_normal((1, 128), dtype="float32")
+    np.testing.assert_allclose(run(built, stored, x), silu(x @ weight.T + stored["b"]),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt, mnemonics", [
+    ("q8", ("vpmovsxbd", "vcvtdq2ps", "vfmadd")), ("q4", ("vpmovzxbd", "vcvtdq2ps", "vfmadd")),
+    ("f16", ("vcvtph2ps", "vfmadd")), ("bf16", ("vpmovzxwd", "vpslld", "vfmadd"))])
+def test_the_x86_matvec_widens_each_format_in_vector_registers(fmt, mnemonics):
+    mod, _, _ = linear(1, 64, 512, fmt)
+    (kernel,) = kernels(schedule_module(legalize_ops(mod), TARGET)).values()
+    asm = tvm.tirx.build(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}),
+                         target=TARGET).inspect_source("asm")
+    words = asm.split()
+    for mnemonic in mnemonics:
+        assert any(w.startswith(mnemonic) for w in words), (fmt, mnemonic)
+    if CPUTraits.of(TARGET).vector_bits == 512:  # the product runs on whole registers
+        assert "%zmm" in asm
+
+
+# --------------------------------------------------------------------------- matmul
+@pytest.mark.parametrize("fmt", ["q8", "q4", "bf16"])
+@pytest.mark.parametrize("rows", [8, None])  # a prompt: static, or symbolic
+def test_a_matmul_decodes_its_weight_into_packed_panels(fmt, rows):
+    mod, stored, weight = linear(rows or tvm.tirx.Var("n", "int64"), 96, 128, fmt)
+    built = schedule_module(legalize_ops(mod), TARGET)
+    (kernel,) = kernels(built).values()
+    assert kernel.attrs[RULE_ATTR] == "matmul"
+    assert "_global" in kernel.script()  # the packed panels, decoded once each
+    x = np.random.default_rng(1).standard_normal((rows or 5, 128), dtype="float32")
+    np.testing.assert_allclose(run(built, stored, x), x @ weight.T, rtol=1e-5,
+                               atol=1e-5 * np.abs(x @ weight.T).max())
+
+
+# --------------------------------------------------------------------------- fusion
+def test_fuse_weight_decodes_groups_a_decode_with_its_one_reader_and_marks_its_blocks():
+    mod, _, _ = linear(1, 32, 64, "q8")
+    fused = relax.transform.FuseTIR()(relax.transform.FuseOps()(
+        relax.transform.AnnotateTIROpPattern()(legalize_ops(mod))))
+    assert len(kernels(fused)) == 2  # TVM's fusion keeps the decode apart
+    grouped = relax.transform.FuseTIR()(FuseWeightDecodes()(fused))
+    grouped = relax.transform.DeadCodeElimination()(grouped)
+    (name,) = kernels(grouped)
+    assert name == "fused_decode_matmul_weight_transposed"
+    script = grouped[name].script()
+    assert DECODE_ATTR in script and "sblock(\"matmul\")" in script
+    (call,) = [b.value for block in grouped["main"].body.blocks for b in block.bindings]
+    assert [a.name for a in call.args[1].fields] == ["w", "w_scale", "x"]
+
+
+def test_a_decode_read_twice_or_by_a_non_kernel_stays_apart():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 64), "float32"))
+    w = relax.Var("w", relax.TensorType((64, 64), "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            decoded = relax.op.astype(w, "float32")
+            out = bb.emit_output(relax.op.add(relax.op.matmul(x, decoded),
+                                              relax.op.sum(decoded, axis=[0])))
+        bb.emit_func_output(out)
+    fused = relax.transform.FuseTIR()(relax.transform.FuseOps()(
+        relax.transform.AnnotateTIROpPattern()(relax.transform.LegalizeOps()(bb.get()))))
+    assert FuseWeightDecodes()(fused).same_as(fused)
+
+
+# --------------------------------------------------------------------------- a model
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """One layer, tied embedding; its FFN (128) splits into whole groups on 2 ranks."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def decoded_model(model, stored: dict):
+    """``model`` with each stored weight replaced by its decoded values (the reference)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters(remove_duplicate=False):
+            key = "p_model_" + name.replace(".", "_")
+            part = stored.get(key)
+            if isinstance(part, formats.EncodedPart):
+                parts = {"data": np.asarray(part)}
+                if part.fmt.quantized:
+                    parts["scale"] = np.asarray(stored[key + "_scale"])
+                param.copy_(torch.from_numpy(formats.decode(parts, part.fmt)))
+    return model
+
+
+def test_a_q4_tiny_llama_on_two_ranks_decodes_in_its_kernels_and_equals_transformers(
+        tiny_llama):
+    from tvm_distx import export_decoder
+    from tvm_distx.ir.weight_decode import is_decode_kernel, weight_params
+    from tvm_distx.plans import presets
+
+    program = export_decoder(tiny_llama, max_length=16)
+    annotated = presets.set_device_meshes(program.mod, [(2,)])
+    for function in ("prefill", "decode"):
+        annotated = presets.tensor_parallel().apply(annotated, function)
+    mod, stored = td.quantize(annotated, program.weights, "q4")
+    exe = td.compile(mod)
+    # every kernel is scheduled by a rule, and no kernel decodes a weight on its own
+    unscheduled = [name for name, f in kernels(exe.built).items()
+                   if f.attrs is None or RULE_ATTR not in f.attrs]
+    assert not unscheduled
+    for gv, func in exe.built.functions.items():
+        if isinstance(func, relax.Function):
+            params = weight_params(func)
+            for block in func.body.blocks:
+                for b in block.bindings:
+                    assert not is_decode_kernel(b.value, exe.built, params), (gv, b.var)
+    rules = {f.attrs[RULE_ATTR] for name, f in kernels(exe.built).items() if "decode" in name}
+    assert {"matvec", "matmul", "reduction"} <= rules  # decode, prefill, the table's lookup
+
+    model = decoded_model(tiny_llama, stored)
+    ids = np.array([[3, 14, 15, 9]])
+    cache = [np.zeros(s, "float32") for s in program.cache.shapes]
+    prefill = exe.run(ids, np.arange(4), *cache, params=stored, function="prefill",
+                      backend="emulate")
+    token = int(prefill[0][0, -1].argmax())
+    step = exe.run(np.array([[token]]), np.array([4]), *prefill[1:], params=stored,
+                   function="decode", backend="emulate")
+    with torch.no_grad():
+        want = model(torch.from_numpy(np.concatenate([ids, [[token]]], axis=1))).logits.numpy()
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(prefill[0], want[:, :4], atol=1e-4 * scale, rtol=0)
+    np.testing.assert_allclose(step[0], want[:, 4:], atol=1e-4 * scale, rtol=0)
