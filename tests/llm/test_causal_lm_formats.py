@@ -21,7 +21,7 @@ from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
 from tvm_distx.passes.quantize import weight_formats  # noqa: E402
 
 PROMPT = np.array([[5, 17, 99, 4, 250]])
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def checkpoints(tmp_path_factory):
     """A tiny Llama (grouped-query attention, untied head) saved in float32 and in bfloat16."""
     torch.manual_seed(5)
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(config).eval()
     saved = {}
@@ -72,7 +72,7 @@ def test_each_format_gives_transformers_logits_and_tokens_on_mpi_ranks(
     else:
         directory = checkpoints["float32"]
         options = {"dtype": "float16"} if fmt == "f16" else {"quantization": fmt}
-    with CausalLM.from_pretrained(directory, num_ranks=ranks, max_length=24, **options) as lm:
+    with CausalLM.from_pretrained(directory, num_ranks=ranks, max_length=16, **options) as lm:
         names = lm.cache.names
         (logits,) = lm.session.run(PROMPT, np.arange(PROMPT.shape[1]), function="prefill",
                                    state={n: n for n in names},

@@ -23,11 +23,11 @@ from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
 from gguf_files import train_tokenizer, write_gguf  # noqa: E402
 
 PROMPT = np.array([[2, 40, 7, 99, 150]])
-NEW_TOKENS = 10
+NEW_TOKENS = 8
 
 
 def _model(arch: str):
-    common = dict(vocab_size=192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   bos_token_id=0, eos_token_id=1)
     if arch == "llama":
@@ -73,7 +73,7 @@ def test_a_gguf_file_generates_the_tokens_of_its_decoded_weights(arch, kind, tok
         return original(self)
 
     monkeypatch.setattr(gguf_reader.GGUFBlock, "read", recording)
-    with CausalLM.from_gguf(path, num_ranks=2, max_length=24) as lm:
+    with CausalLM.from_gguf(path, num_ranks=2, max_length=16) as lm:
         tokens = lm.generate(PROMPT, max_new_tokens=NEW_TOKENS)
         links = lm.session.manifest.weight_links
         held = lm.weight_bytes_per_rank
