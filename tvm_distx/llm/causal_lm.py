@@ -479,4 +479,5 @@ def _only(mod, functions):
 
     return tvm.IRModule({gv: func for gv, func in mod.functions.items()
                          if func.attrs is None or "global_symbol" not in func.attrs
-                         or gv.name_hint in functions})
+                         or gv.name_hint in functions},
+                        attrs=mod.attrs, global_infos=mod.global_infos)  # meshes, formats
