@@ -121,6 +121,33 @@ def test_a_matmul_decodes_its_weight_into_packed_panels(fmt, rows):
                                atol=1e-5 * np.abs(x @ weight.T).max())
 
 
+# --------------------------------------------------------------------------- lookup
+@pytest.mark.parametrize("fmt", ["q8", "q4", "bf16"])
+def test_a_lookup_decodes_only_the_rows_it_reads(fmt):
+    bb = relax.BlockBuilder()
+    ids = relax.Var("ids", relax.TensorType((3,), "int64"))
+    table = relax.Var("t", relax.TensorType((128, 64), "float32"))
+    with bb.function("main", [ids, table]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.take(table, ids, axis=0))
+        bb.emit_func_output(out)
+    before = bb.get()
+    values = np.random.default_rng(5).standard_normal((128, 64), dtype="float32")
+    mod, stored = td.quantize(before, {"t": values}, fmt)
+    assert [p.name for p in before["main"].params] == ["ids", "t"]  # the caller's module
+    built = schedule_module(legalize_ops(mod), TARGET)
+    (kernel,) = kernels(built).values()  # TVM's FuseOps leaves a lookup (opaque) alone
+    assert kernel.attrs[RULE_ATTR] == "injective"
+    assert "sblock_alloc_buffer" not in kernel.script()  # no decoded table, whole or not
+    parts = {"data": np.asarray(stored["t"])}
+    if "t_scale" in stored:
+        parts["scale"] = np.asarray(stored["t_scale"])
+    rows = np.array([5, 77, 127])
+    vm = relax.VirtualMachine(tvm.compile(built, target=TARGET), tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(a) for a in [rows, *parts.values()]]).numpy()
+    np.testing.assert_array_equal(got, formats.decode(parts, fmt)[rows])
+
+
 # --------------------------------------------------------------------------- fusion
 def test_fuse_weight_decodes_groups_a_decode_with_its_one_reader_and_marks_its_blocks():
     mod, _, _ = linear(1, 32, 64, "q8")
