@@ -107,6 +107,30 @@ def test_the_x86_matvec_widens_each_format_in_vector_registers(fmt, mnemonics):
         assert "%zmm" in asm
 
 
+def test_float16_widened_by_integer_operations_is_exact_for_every_value():
+    """What a target without half-float vectors (RVV without Zvfhmin) runs instead of a call."""
+    from tvm import te
+
+    from tvm_distx.build.schedule import WidenHalves
+    from tvm_distx.build.targets import resolve_target
+
+    half = te.placeholder((65536,), "float16", "h")
+    out = te.compute((65536,), lambda i: half[i].astype("float32"), name="widen")
+    mod = tvm.IRModule({"main": te.create_prim_func([half, out])})
+    assert WidenHalves(TARGET)(mod).same_as(mod)  # x86 converts in vector registers
+    widened = WidenHalves(resolve_target("rvv").target)(mod)
+    assert "T.reinterpret" in widened["main"].script()
+    lib = tvm.compile(widened, target=TARGET).mod
+    values = np.arange(65536, dtype=np.uint16).view(np.float16)
+    got = tvm.runtime.tensor(np.zeros(65536, "float32"))
+    lib["main"](tvm.runtime.tensor(values), got)
+    want = values.astype(np.float32)
+    numbers = ~np.isnan(want)
+    np.testing.assert_array_equal(got.numpy()[numbers].view(np.uint32),
+                                  want[numbers].view(np.uint32))
+    assert np.isnan(got.numpy()[~numbers]).all()
+
+
 # --------------------------------------------------------------------------- matmul
 @pytest.mark.parametrize("fmt", ["q8", "q4", "bf16"])
 @pytest.mark.parametrize("rows", [8, None])  # a prompt: static, or symbolic

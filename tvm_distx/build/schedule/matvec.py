@@ -257,6 +257,8 @@ def _per_group_decodes(found: MatmulMatch) -> list[Block]:
         size = _elements(block.output.shape)
         if not block.decode or not weight or not size or size * _PER_GROUP > weight:
             continue
+        if size < 2 * int(block.output.shape[0]):
+            continue  # one group per row: nothing to share (and no loop to compute it in)
         if any(load.source in made and load.source not in small for load in block.loads):
             continue
         out.append(block)
