@@ -52,6 +52,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm_distx.bundle.formats import FORMATS, EncodedPart, WeightFormat, weight_format
 from tvm_distx.errors import ArgumentError
 from tvm_distx.ir import helpers as _ir
+from tvm_distx.layout.derived import is_deferred
 from tvm_distx.layout.mesh import DeviceMesh
 from tvm_distx.layout.placement import Placement, Shard
 
@@ -141,7 +142,8 @@ def quantize(mod: tvm.IRModule, weights: Mapping, fmt="q8", *, dtype: str | None
                                     "functions, so it takes no single format",
                                     hint="give it a format in a mapping: quantize(mod, weights, "
                                     f"{{'{param.name}': 'f32'}})")
-        stored = {p: _stored(p, chosen[p.name]) for p in uses if p.name in chosen}
+        stored = {p: _stored(p, chosen[p.name]) for p in uses
+                  if p.name in chosen and not _unchanged(p, chosen[p.name])}
         for var, call in _annotations(func):
             if call.args[0] in stored:
                 _check_groups(gv.name_hint, stored[call.args[0]], var.name, call)
@@ -155,7 +157,7 @@ def quantize(mod: tvm.IRModule, weights: Mapping, fmt="q8", *, dtype: str | None
     logger.info("quantize: %s", ", ".join(f"{n} weights {k}" for k, n in counted.items())
                 or "no weight to store differently")
     formats = dict(weight_formats(out))
-    formats.update({name: f.name for name, f in chosen.items()})
+    formats.update({name: f.name for name, f in chosen.items() if f.name != "f32"})
     return out.with_attr(FORMATS_ATTR, formats), new_weights
 
 
@@ -235,6 +237,11 @@ def _choose(param: relax.Var, use: str, value, explicit, default, rest) -> Weigh
     return default if default.name != "f32" or rest is None else rest
 
 
+def _unchanged(param: relax.Var, fmt: WeightFormat) -> bool:
+    """Whether storing ``param`` in ``fmt`` leaves the program as it is (float32 as float32)."""
+    return fmt.name == "f32" and str(param.ty.dtype) == "float32"
+
+
 def _stored(param: relax.Var, fmt: WeightFormat) -> _Stored:
     shape = tuple(int(d) for d in _ir.static_shape(param.ty) or ())
     if None in shape:
@@ -254,6 +261,10 @@ def _parts(name: str, value, fmt: WeightFormat) -> dict:
         return dict(value.parts)
     if fmt.name == "f32" and np.dtype(getattr(value, "dtype", "float32")) == np.float32:
         return {"data": value}
+    if not fmt.quantized and is_deferred(value) and hasattr(value, "astype"):
+        # a checkpoint's tensor read in the 16-bit dtype (as it is stored, for a bfloat16
+        # checkpoint served in bfloat16): a rank's link then reads its block as it is
+        return {"data": value.astype(fmt.part_dtype("data"))}
     return {part: EncodedPart(value, fmt, part) for part in fmt.parts}
 
 
@@ -293,7 +304,7 @@ class _Decode:
         rewriter = _Rewriter(self.mod, self.gv.name_hint, self.stored)
         body = rewriter.visit_with_new_scope(func.body)
         new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs)
-        out = rewriter.builder_.get()
+        out = rewriter.builder_.get().clone()  # the builder's module is the caller's
         out[self.gv] = new
         return out
 

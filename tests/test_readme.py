@@ -85,6 +85,11 @@ def _causal_lm(out: str, scratch: Path) -> None:
     assert "tokens/s" in out
 
 
+def _quantized(out: str, scratch: Path) -> None:
+    assert "['down', 'down_scale', 'up', 'up_scale']" in out
+    assert _error(out, "quantized max |error|:") < 1e-4
+
+
 #: A phrase only one block contains, and what that block must print.
 CHECKS = {
     "seed_pipeline.py": _annotate,
@@ -99,6 +104,7 @@ CHECKS = {
     "auto_shard max |error|": _auto_shard,
     "kv decode tokens": _kv,
     "CausalLM equals transformers": _causal_lm,
+    "quantized max |error|": _quantized,
 }
 
 

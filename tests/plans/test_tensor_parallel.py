@@ -159,7 +159,10 @@ def test_gpt2_fused_qkv_is_split_per_segment_and_its_tied_head_split_with_its_lo
     mod, weights = _import(model, tokens(8))
     preset = presets.tensor_parallel()
     plan = preset.plan(preset.prepare(presets.set_device_meshes(mod, [(2,)])))
-    head = plan.role("p_lm_head_weight")  # also the token embedding: one table, vocab split
+    # the LM head is tied to the token embedding: one parameter, the table, split on the
+    # vocabulary for both its lookups and the head
+    assert "p_lm_head_weight" not in weights
+    head = plan.role("p_transformer_wte_weight")
     assert head.role == "lm_head" and head.axis == 0 and head.lookup and "tied" in head.reason
     assert plan.role("p_transformer_wpe_weight").role == "replicated"  # positions
     segments = [n for n, p in plan.placements().items() if "c_attn_weight_seg" in n]

@@ -55,7 +55,7 @@ from tvm_distx.bundle.signature import SHARDS, FunctionSignature
 from tvm_distx.errors import ArgumentError
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout import MeshTable, shard_bounds
-from tvm_distx.layout.derived import Derivations, host_array, is_deferred
+from tvm_distx.layout.derived import Derivations, host_array
 from tvm_distx.layout.mesh import DeviceMesh
 from tvm_distx.runtime.backends import check_backend, launch, open_session
 
@@ -345,7 +345,7 @@ class DistExecutable:
             for name, (signature, spec, value) in stored.items():
                 if not signature.fed(spec, rank):  # not held, or TVM's feed off rank 0
                     continue
-                if link_checkpoint and is_deferred(value) and signature.feed == SHARDS:
+                if link_checkpoint and WeightLink.linkable(value) and signature.feed == SHARDS:
                     bounds = shard_bounds(spec.sharding, value.shape, rank)  # read by the rank
                     links.append(WeightLink.of(rank, name,
                                                value[tuple(slice(a, b) for a, b in bounds)]))

@@ -15,14 +15,17 @@ block layout needs.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 
+from tvm_distx.bundle.formats import bfloat16
 from tvm_distx.errors import ArgumentError, ArgumentIndexError
 
 __all__ = ["LazyTensor", "open_checkpoint"]
@@ -106,15 +109,43 @@ class LazyTensor:
         from safetensors import safe_open
 
         index = tuple(slice(start, stop) for start, stop in self.bounds)
-        if self.stored_dtype in ("BF16", "F8_E4M3", "F8_E5M2"):  # no numpy dtype: via torch
+        if self.stored_dtype in ("F8_E4M3", "F8_E5M2"):  # no numpy dtype: via torch
             import torch
 
             with safe_open(self.path, framework="pt") as f:
                 block = f.get_slice(self.key)[index] if index else f.get_tensor(self.key)
             return block.to(torch.float32).numpy().astype(self.dtype, copy=False)
+        if self.stored_dtype == "BF16":
+            bfloat16()  # registers ml_dtypes' bfloat16, which safetensors' numpy reads return
+        rows = self._read_rows()
+        if rows is not None:
+            return np.ascontiguousarray(rows.astype(self.dtype, copy=False))
         with safe_open(self.path, framework="numpy") as f:
             block = f.get_slice(self.key)[index] if index else f.get_tensor(self.key)
-        return np.ascontiguousarray(block, dtype=self.dtype)
+        return np.ascontiguousarray(np.asarray(block).astype(self.dtype, copy=False))
+
+    def _read_rows(self) -> np.ndarray | None:
+        """The block read from the file with one ``read``, when it is whole rows (else None).
+
+        A block of whole rows (a rank's shard of a weight split on its first axis, or
+        the whole tensor) is one contiguous range of the file: it is read into a new
+        array without mapping the file, so the rank's memory holds it once, not also
+        as mapped pages of the file while it is copied.
+        """
+        stat = os.stat(self.path)  # the header of the file as it is now
+        shape = _stored_shapes(self.path, stat.st_mtime_ns, stat.st_size).get(self.key)
+        if shape is None or self.stored_dtype not in _NUMPY_DTYPES or not self.bounds:
+            return None
+        dims, offset = shape
+        if any(bound != (0, d) for bound, d in zip(self.bounds[1:], dims[1:])):
+            return None
+        stored = (bfloat16() if self.stored_dtype == "BF16"
+                  else np.dtype(_NUMPY_DTYPES[self.stored_dtype]))
+        row = int(np.prod(dims[1:], dtype=np.int64))
+        start, stop = self.bounds[0]
+        block = np.fromfile(self.path, dtype=stored, count=(stop - start) * row,
+                            offset=offset + start * row * stored.itemsize)
+        return block.reshape(self.shape)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         block = self.read()
@@ -128,6 +159,20 @@ class LazyTensor:
 _NUMPY_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "float32",
                  "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
                  "BOOL": "bool", "F8_E4M3": "float32", "F8_E5M2": "float32"}
+
+
+@functools.lru_cache(maxsize=64)
+def _stored_shapes(path: Path, mtime_ns: int, size: int) -> dict[str, tuple[tuple[int, ...], int]]:
+    """``{tensor: (shape, byte offset of its data)}`` of a safetensors file, from its header.
+
+    Cached by the file's path, modification time and size, so a file written again
+    is read again.
+    """
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {key: (tuple(int(d) for d in info["shape"]), 8 + size + int(info["data_offsets"][0]))
+            for key, info in header.items() if key != "__metadata__"}
 
 
 def open_checkpoint(directory, dtype=None) -> dict[str, LazyTensor]:

@@ -54,7 +54,7 @@ import numpy as np
 from tvm_distx.errors import ArgumentError, ArgumentIndexError
 
 __all__ = ["FORMATS", "GROUP", "QUANTIZED", "EncodedPart", "WeightFormat", "bfloat16",
-           "decode", "encode", "weight_format"]
+           "decode", "encode", "numpy_dtype", "weight_format"]
 
 #: Values per group of the quantized formats (one float16 scale each).
 GROUP = 32
@@ -65,6 +65,13 @@ def bfloat16() -> np.dtype:
     import ml_dtypes
 
     return np.dtype(ml_dtypes.bfloat16)
+
+
+def numpy_dtype(name) -> np.dtype:
+    """The numpy dtype named ``name``, ``"bfloat16"`` included (numpy lacks it)."""
+    if str(name) == "bfloat16":
+        return bfloat16()
+    return np.dtype(name)
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,7 @@ class WeightFormat:
         """The numpy dtype of ``part``."""
         if part == "scale":
             return np.dtype("float16")
-        return bfloat16() if self.data_dtype == "bfloat16" else np.dtype(self.data_dtype)
+        return numpy_dtype(self.data_dtype)
 
     def bytes_per_value(self) -> float:
         """Stored bytes per weight value, scales included."""

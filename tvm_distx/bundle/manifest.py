@@ -89,6 +89,8 @@ from typing import Sequence
 import numpy as np
 
 from tvm_distx.bundle.checkpoint import LazyTensor
+from tvm_distx.bundle.formats import EncodedPart, numpy_dtype, weight_format
+from tvm_distx.bundle.gguf import GGUFBlock
 from tvm_distx.bundle.signature import FEEDS, SHARDS, FunctionSignature, TensorSpec
 from tvm_distx.errors import BundleError
 from tvm_distx.layout.derived import Derivations
@@ -122,7 +124,16 @@ class WeightFile:
 
 @dataclass(frozen=True)
 class WeightLink:
-    """One rank's shard of one weight, read from a checkpoint file by the rank itself."""
+    """One rank's shard of one weight, read from a checkpoint file by the rank itself.
+
+    ``start`` and ``stop`` bound the block of the checkpoint's tensor. With an
+    ``encoding`` (a format of :mod:`tvm_distx.bundle.formats`), the shard is
+    that block encoded, the ``part`` of it the program takes (``"data"`` or
+    ``"scale"``): the rank quantizes its own slice as it reads it. With ``gguf``
+    (a :class:`~tvm_distx.bundle.gguf.GGUFBlock` as JSON), the shard is that block
+    of a GGUF file's tensor, in its stored format: ``start`` and ``stop`` bound
+    the part itself.
+    """
 
     rank: int
     name: str
@@ -132,28 +143,65 @@ class WeightLink:
     stop: tuple[int, ...]
     stored_dtype: str
     dtype: str
+    encoding: str | None = None
+    part: str = "data"
+    gguf: dict | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.start, self.stop))
+        block = tuple(b - a for a, b in zip(self.start, self.stop))
+        if self.encoding is None or self.gguf is not None:
+            return block
+        return weight_format(self.encoding).part_shape(self.part, block)
 
     def lazy(self):
-        """The block as a :class:`tvm_distx.bundle.checkpoint.LazyTensor` (nothing read)."""
-
-        return LazyTensor(Path(self.checkpoint), self.tensor, tuple(zip(self.start, self.stop)),
-                          np.dtype(self.dtype), self.stored_dtype)
+        """The shard, read on demand (a lazy checkpoint block, encoded when linked so)."""
+        if self.gguf is not None:
+            return GGUFBlock.from_json(self.gguf)
+        block = LazyTensor(Path(self.checkpoint), self.tensor, tuple(zip(self.start, self.stop)),
+                           np.dtype("float32") if self.encoding else numpy_dtype(self.dtype),
+                           self.stored_dtype)
+        if self.encoding is None:
+            return block
+        return EncodedPart(block, weight_format(self.encoding), self.part)
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "name": self.name, "checkpoint": self.checkpoint,
-                "tensor": self.tensor, "start": list(self.start), "stop": list(self.stop),
-                "stored_dtype": self.stored_dtype, "dtype": self.dtype}
+        out = {"rank": self.rank, "name": self.name, "checkpoint": self.checkpoint,
+               "tensor": self.tensor, "start": list(self.start), "stop": list(self.stop),
+               "stored_dtype": self.stored_dtype, "dtype": self.dtype}
+        if self.encoding is not None:
+            out["encoding"] = self.encoding
+        if self.part != "data":
+            out["part"] = self.part
+        if self.gguf is not None:
+            out["gguf"] = self.gguf
+        return out
+
+    @classmethod
+    def linkable(cls, value) -> bool:
+        """Whether ``value`` is a checkpoint block (or one encoded from one) a rank can read."""
+        if isinstance(value, EncodedPart):
+            value = value.source
+        return isinstance(value, (LazyTensor, GGUFBlock))
 
     @classmethod
     def of(cls, rank: int, name: str, block) -> "WeightLink":
-        """The link to ``block``, a lazy checkpoint tensor (sliced to the rank's shard)."""
+        """The link to ``block``: a lazy checkpoint tensor or an encoded part of one, sliced
+        to the rank's shard."""
+        encoding, part, dtype = None, "data", str(block.dtype)
+        if isinstance(block, GGUFBlock):
+            return cls(rank, name, str(Path(block.path).resolve()), block.tensor,
+                       tuple(a for a, _ in block.bounds), tuple(b for _, b in block.bounds),
+                       block.ggml_type, dtype, None, block.part,
+                       dict(block.to_json(), path=str(Path(block.path).resolve())))
+        if isinstance(block, EncodedPart):
+            encoding, part = block.fmt.name, block.part
+            bounds = block._source_bounds()
+            source = block.source
+            block = source[tuple(slice(a, b) for a, b in bounds)]
         return cls(rank, name, str(Path(block.path).resolve()), block.key,
                    tuple(a for a, _ in block.bounds), tuple(b for _, b in block.bounds),
-                   block.stored_dtype, str(block.dtype))
+                   block.stored_dtype, dtype, encoding, part)
 
 
 @dataclass(frozen=True)
@@ -382,7 +430,8 @@ def _parse(root: Path, data: dict) -> Manifest:
             links.append(WeightLink(int(w["rank"]), str(w["name"]), str(w["checkpoint"]),
                                     str(w["tensor"]), tuple(int(n) for n in w["start"]),
                                     tuple(int(n) for n in w["stop"]), str(w["stored_dtype"]),
-                                    str(w["dtype"])))
+                                    str(w["dtype"]), w.get("encoding"),
+                                    str(w.get("part", "data")), w.get("gguf")))
     library = _require(data, "library", str, "at the top level")
     _inside(root, library, "the library")
     for w in files:
@@ -516,16 +565,10 @@ def _check_link(link: WeightLink, local_shape) -> None:
         raise BundleError(f"{where}: the checkpoint file is missing",
                           hint="the ranks read the checkpoint themselves: it must be at the "
                           "same path on every host")
-    try:
-        from safetensors import SafetensorError, safe_open
-
-        with safe_open(str(path), framework="numpy") as f:
-            part = f.get_slice(link.tensor)
-            shape, stored = tuple(int(d) for d in part.get_shape()), part.get_dtype()
-    except (SafetensorError, OSError, ValueError) as err:
-        raise BundleError(f"{where} cannot be read ({err})",
-                          hint="the checkpoint changed since the bundle was made; make it "
-                          "again") from None
+    if link.gguf is not None:  # the file's tensor table was read when the link was made
+        shape, stored = GGUFBlock.from_json(link.gguf).part_shape(), link.stored_dtype
+    else:
+        shape, stored = _safetensors_block(path, link.tensor, where)
     inside = len(shape) == len(link.start) and all(
         0 <= a <= b <= n for a, b, n in zip(link.start, link.stop, shape))
     if stored != link.stored_dtype or not inside:
@@ -538,10 +581,26 @@ def _check_link(link: WeightLink, local_shape) -> None:
                           hint="the manifest was edited; export the bundle again")
 
 
+def _safetensors_block(path: Path, tensor: str, where: str) -> tuple[tuple[int, ...], str]:
+    """The shape and stored dtype of ``tensor`` in a safetensors file."""
+    try:
+        from safetensors import SafetensorError, safe_open
+
+        with safe_open(str(path), framework="numpy") as f:
+            part = f.get_slice(tensor)
+            shape, stored = tuple(int(d) for d in part.get_shape()), part.get_dtype()
+    except (SafetensorError, OSError, ValueError) as err:
+        raise BundleError(f"{where} cannot be read ({err})",
+                          hint="the checkpoint changed since the bundle was made; make it "
+                          "again") from None
+    return shape, stored
+
+
 #: safetensors' dtype names, as numpy's.
 _SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16",
                        "I16": "int16", "U32": "uint32", "I32": "int32", "U64": "uint64",
-                       "I64": "int64", "F16": "float16", "F32": "float32", "F64": "float64"}
+                       "I64": "int64", "F16": "float16", "F32": "float32", "F64": "float64",
+                       "BF16": "bfloat16"}
 
 
 def write_rank_weights(root: Path, rank: int, shards: dict[str, np.ndarray]) -> dict:
@@ -616,6 +675,7 @@ def _map_tensor(path: Path, table: dict, name: str) -> np.ndarray:
         raise BundleError(f"{path} holds no tensor '{name}'", hint="export the bundle again")
     dtype, shape, offset = table[name]
     if 0 in shape:
-        return np.zeros(shape, dtype)
-    flat = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(int(np.prod(shape)),))
+        return np.zeros(shape, numpy_dtype(dtype))
+    flat = np.memmap(path, dtype=numpy_dtype(dtype), mode="r", offset=offset,
+                     shape=(int(np.prod(shape)),))
     return flat.reshape(shape)

@@ -32,16 +32,19 @@ is given.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Mapping
 
 import numpy as np
 
+from tvm_distx.bundle.formats import numpy_dtype
 from tvm_distx.errors import ArgumentError, SymbolicExtentError, UnsupportedProgramError
 from tvm_distx.layout import MeshTable, Placement, TensorSharding
 from tvm_distx.layout.arrays import shard_array
 from tvm_distx.layout.derived import host_array, is_deferred
 from tvm_distx.layout.mesh import DeviceMesh
 
-__all__ = ["TensorSpec", "FunctionSignature", "SHARDS", "WORKER0", "FEEDS"]
+__all__ = ["TensorSpec", "FunctionSignature", "SHARDS", "WORKER0", "FEEDS",
+           "weight_bytes_per_rank"]
 
 #: Each rank takes its shard of every parameter (our ``LowerDistIR``).
 SHARDS = "shards"
@@ -355,3 +358,31 @@ def _checked(spec: TensorSpec, value, function: str) -> np.ndarray:
 def _fits(shape: tuple[int, ...], expected: tuple) -> bool:
     return len(shape) == len(expected) and all(
         isinstance(e, str) or e == s for s, e in zip(shape, expected))
+
+
+def weight_bytes_per_rank(signatures: Mapping[str, "FunctionSignature"], weights,
+                          num_ranks: int) -> list[int]:
+    """The bytes of the weights each rank holds, each weight counted once across functions.
+
+    Parameters
+    ----------
+    signatures : mapping of str to FunctionSignature
+        The public functions.
+    weights : collection of str
+        The parameter names that are weights (not inputs).
+    num_ranks : int
+        The ranks.
+    """
+    out, seen = [0] * num_ranks, set()
+    for signature in signatures.values():
+        for spec in signature.params:
+            if spec.name not in weights or spec.name in seen:
+                continue
+            seen.add(spec.name)
+            size = numpy_dtype(spec.dtype).itemsize
+            for rank in range(num_ranks):
+                if signature.fed(spec, rank):
+                    out[rank] += int(np.prod(signature.input_shape(spec, rank),
+                                             dtype=np.int64)) * size
+    return out
+

@@ -1,12 +1,20 @@
-"""``tvm-distx generate``: greedy tokens from a generation bundle (``CausalLM.export``).
+"""``tvm-distx generate``: greedy tokens from a generation bundle, a checkpoint or a GGUF file.
 
-``BUNDLE --ids 1 15 22 [--backend mpi|disco|emulate] [-n N] [--max-new-tokens K]``
-serves the bundle with :meth:`tvm_distx.llm.causal_lm.CausalLM.from_bundle` on the
-chosen backend (on several hosts with ``--hostfile``, see :mod:`tvm_distx.cli.hosts`)
-and prints the prompt followed by the new tokens, with a
-progress display on a terminal. The bundle fixes the rank count: ``-n`` only
-checks it, before any rank starts. Errors are those of :mod:`tvm_distx.cli.main`:
-one line with a hint in flags.
+``MODEL --ids 1 15 22 [--backend mpi|disco|emulate] [-n N] [--max-new-tokens K]``
+serves MODEL on the chosen backend (on several hosts with ``--hostfile``, see
+:mod:`tvm_distx.cli.hosts`) and prints the prompt followed by the new tokens, with a
+progress display on a terminal. MODEL is
+
+* a generation bundle (``CausalLM.export``), served with
+  :meth:`~tvm_distx.llm.causal_lm.CausalLM.from_bundle`: the bundle fixes the rank
+  count, so ``-n`` only checks it, before any rank starts;
+* a Hugging Face checkpoint directory (``config.json``), served with
+  :meth:`~tvm_distx.llm.causal_lm.CausalLM.from_pretrained` on ``-n`` ranks (2),
+  its weights as stored or as ``--dtype`` and ``--quantization`` say;
+* a llama.cpp ``.gguf`` file, served with
+  :meth:`~tvm_distx.llm.causal_lm.CausalLM.from_gguf` in its stored formats.
+
+Errors are those of :mod:`tvm_distx.cli.main`: one line with a hint in flags.
 """
 
 from __future__ import annotations
@@ -43,6 +51,46 @@ def _check_rank_count(bundle: Path, ranks: int | None) -> None:
                             f"of {built} ranks", hint=f"--ranks {built}, or leave --ranks out")
 
 
+def _magic(path: Path) -> bytes:
+    """The first four bytes of a file."""
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
+def _open(args: argparse.Namespace, prompt: np.ndarray, causal_lm):
+    """The model of ``args.bundle`` (a bundle, a checkpoint or a GGUF file), its ranks started."""
+    path = args.bundle
+    is_gguf = path.suffix == ".gguf" or (path.is_file() and _magic(path) == b"GGUF")
+    checkpoint = path.is_dir() and (path / "config.json").is_file()
+    if not (is_gguf or checkpoint):
+        for flag in ("dtype", "quantization", "max_length"):
+            if getattr(args, flag) is not None:
+                raise ArgumentError(f"--{flag.replace('_', '-')} applies to a checkpoint or a "
+                                    f"GGUF file; {path} is a bundle, whose weights and cache "
+                                    "were fixed when it was exported",
+                                    hint=f"leave --{flag.replace('_', '-')} out")
+        _check_rank_count(path, args.ranks)
+        with _progress(f"starting the ranks of {path} ({args.backend})"):
+            return causal_lm.from_bundle(path, backend=args.backend, num_ranks=args.ranks,
+                                         timeout=args.timeout, **session_options(args))
+    if is_gguf and not path.is_file():
+        raise ArgumentError(f"{path} does not exist", hint="give the path of a .gguf file")
+    ranks = args.ranks or 2
+    length = args.max_length or len(prompt) + args.max_new_tokens
+    common = dict(backend=args.backend, max_length=length, timeout=args.timeout,
+                  **session_options(args))
+    with _progress(f"compiling {path} for {ranks} ranks and starting them ({args.backend})"):
+        if is_gguf:
+            if args.dtype is not None or args.quantization is not None:
+                raise ArgumentError("--dtype and --quantization apply to a checkpoint; a GGUF "
+                                    "file is served in the formats it stores",
+                                    hint="leave them out, or convert the file with "
+                                    "llama-quantize")
+            return causal_lm.from_gguf(path, ranks, **common)
+        return causal_lm.from_pretrained(path, ranks, dtype=args.dtype,
+                                         quantization=args.quantization, **common)
+
+
 def generate(args: argparse.Namespace) -> int:
     """``tvm-distx generate``: greedy tokens from a generation bundle on its ranks."""
     from rich.console import Console
@@ -63,11 +111,8 @@ def generate(args: argparse.Namespace) -> int:
     else:
         raise ArgumentError("generate needs a prompt", hint="give token ids: --ids 1 15 22, "
                             "or --input prompt.npy")
-    _check_rank_count(args.bundle, args.ranks)
     console = Console(stderr=True)
-    with _progress(f"starting the ranks of {args.bundle} ({args.backend})"):
-        lm = CausalLM.from_bundle(args.bundle, backend=args.backend, num_ranks=args.ranks,
-                                  timeout=args.timeout, **session_options(args))
+    lm = _open(args, prompt, CausalLM)
     with lm, Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[rate]}"), console=console, transient=True,
                       disable=not console.is_terminal) as progress:

@@ -13,7 +13,7 @@ subcommand      what it does
 ``bundle``      as ``compile``, and for ``--target rvv`` every kernel is checked under qemu
 ``run``         ``BUNDLE -n N [--backend mpi|disco|emulate] [-i X.npy ...] [-o OUT]`` -> results;
                 on several hosts with ``--hostfile F`` (or ``--hosts a:2,b``)
-``generate``    ``BUNDLE --ids 1 15 22 [--backend mpi|disco|emulate] [-n N]`` -> greedy
+``generate``    ``MODEL --ids 1 15 22 [--backend mpi|disco|emulate] [-n N]`` -> greedy
                 tokens from a generation bundle (``CausalLM.export``)
 ``deploy``      ``BUNDLE (--hostfile F | --hosts a:2,b) --dest DIR [--rsh PROGRAM]`` -> each
                 host a copy with only its ranks' weights, checked there
@@ -425,15 +425,26 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_run)
 
     p = sub.add_parser("generate", help="greedy tokens from a generation bundle "
-                       "(CausalLM.export), on its ranks")
-    p.add_argument("bundle", type=Path, help="a directory written by CausalLM.export")
+                       "(CausalLM.export), a Hugging Face checkpoint or a GGUF file")
+    p.add_argument("bundle", type=Path, metavar="MODEL",
+                   help="a directory written by CausalLM.export, a checkpoint directory "
+                   "written by save_pretrained, or a llama.cpp .gguf file")
     p.add_argument("--ids", type=int, nargs="+", help="the prompt's token ids")
     p.add_argument("--input", type=Path, help="the prompt's token ids as a .npy array")
     p.add_argument("--max-new-tokens", type=_positive(int), default=32)
     p.add_argument("--backend", default=NAMES[0], metavar="|".join(NAMES),
                    help=_BACKEND_HELP)
     p.add_argument("-n", "--ranks", type=_positive(int), default=None,
-                   help="the rank count; the bundle fixes it, so this only checks it")
+                   help="the rank count (2 for a checkpoint or a GGUF file); a bundle fixes "
+                   "it, so for a bundle this only checks it")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="a checkpoint's weights on the ranks (default: as the checkpoint "
+                   "stores them)")
+    p.add_argument("--quantization", choices=("q8", "q4"),
+                   help="store a checkpoint's linear weights as int8 or int4 groups of 32")
+    p.add_argument("--max-length", type=_positive(int), default=None,
+                   help="a checkpoint's or GGUF file's cache length (default: the prompt "
+                   "and the new tokens)")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="stop at the model's end token (kept in the output)")
     p.add_argument("-o", "--output", type=Path,

@@ -194,6 +194,7 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
     main = mod["main"]
     count = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else 0
     values = list(detached.get("main", []))
+    mod = _one_parameter_per_tensor(mod, count, _tied_names(module, exported))
     mod, values = _without_unread_weights(mod, count, values)
     names = [p.name for p in mod["main"].params[count:]]
     if with_weights:
@@ -227,4 +228,49 @@ def _without_unread_weights(mod: tvm.IRModule, count: int, values: list
     out = mod.clone() if hasattr(mod, "clone") else mod
     out["main"] = func
     return out, [values[i] for i in kept]
+
+
+def _tied_names(module, exported) -> dict[str, str]:
+    """Each lifted parameter that is another's tensor (a tied weight) -> the first one's name.
+
+    torch.export lifts a tensor once per name it is read under: an LM head tied to
+    the token embedding, read by the lookup under one name and by the head under
+    the other, becomes two inputs of one tensor.
+    """
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(module.named_buffers(remove_duplicate=False))
+    first: dict[int, str] = {}
+    tied = {}
+    for spec in exported.graph_signature.input_specs:
+        target = getattr(spec, "target", None)
+        tensor = tensors.get(target) if target is not None else None
+        if tensor is None:
+            continue
+        name = first.setdefault(id(tensor), spec.arg.name)
+        if name != spec.arg.name:
+            tied[spec.arg.name] = name
+    return tied
+
+
+def _one_parameter_per_tensor(mod: tvm.IRModule, count: int, tied: dict[str, str]
+                              ) -> tvm.IRModule:
+    """``main`` reading each tied weight through one parameter (the others left unread)."""
+    main = mod["main"]
+    params = {p.name: p for p in main.params[count:]}
+    remap = {params[other]: params[name] for other, name in tied.items()
+             if other in params and name in params}
+    if not remap:
+        return mod
+
+    @relax.expr_functor.mutator
+    class Tie(relax.PyExprMutator):
+        def visit_var_(self, var):
+            return remap.get(var, var)
+
+    logger.debug("from_torch: %s read as their tied weights",
+                 ", ".join(f"{a.name} as {b.name}" for a, b in remap.items()))
+    body = Tie().visit_expr(main.body)
+    out = mod.clone() if hasattr(mod, "clone") else mod
+    out["main"] = relax.Function(main.params, body, main.ret_ty, main.is_pure, main.attrs)
+    return out
 

@@ -57,6 +57,7 @@ import numpy as np
 
 from tvm_distx.bundle.manifest import (_SAFETENSORS_DTYPES, MANIFEST, Manifest, WeightLink,
                                        read_manifest)
+from tvm_distx.bundle.formats import numpy_dtype
 from tvm_distx.errors import ArgumentError, ArgumentTypeError, BundleError, DeployError
 from tvm_distx.hosts.hostfile import RankPlacement, place_ranks
 from tvm_distx.bundle.generation import GENERATION_FILE
@@ -172,7 +173,7 @@ def _materialized(manifest: Manifest, rank: int, digest: dict) -> tuple[_Member,
     for link in manifest.weight_links:
         if link.rank != rank:
             continue
-        dtype = np.dtype(link.dtype)
+        dtype = numpy_dtype(link.dtype)
         if dtype.name not in _ST_DTYPES:
             raise BundleError(f"weight '{link.name}' of rank {rank} is linked as {dtype}, which "
                               "a bundle cannot store", hint="export the bundle again")

@@ -33,15 +33,20 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import tvm
 
 from tvm_distx.build.pipeline import compile as compile_module, run_stages
 from tvm_distx.bundle.checkpoint import open_checkpoint
+from tvm_distx.bundle.formats import QUANTIZED
+from tvm_distx.bundle.gguf import open_gguf
 from tvm_distx.bundle.generation import GENERATION_FILE, GenerationInfo, read_generation
 from tvm_distx.bundle.manifest import read_manifest
+from tvm_distx.bundle.signature import weight_bytes_per_rank
 from tvm_distx.errors import ArgumentError, DistxError
 from tvm_distx.frontend.decoder import BATCH_SUFFIX, FUNCTIONS, export_decoder
 from tvm_distx.frontend.pytorch import relax_name
+from tvm_distx.passes.quantize import quantize
 from tvm_distx.plans import presets
 from tvm_distx.reports.comm_report import comm_report
 from tvm_distx.runtime.backends import check_backend, open_session
@@ -71,11 +76,14 @@ class CausalLM(Generator):
         self.weights = weights
         #: the sharded global-view program (None when opened from a bundle)
         self.annotated = None
+        #: the bytes of the weights each rank holds, by rank
+        self.weight_bytes_per_rank: list[int] = []
 
     @classmethod
     def from_hf(cls, model, num_ranks: int = 2, *, backend: str = "mpi", plan=None,
                 max_length: int = 256, prompt_length: int | None = None,
-                max_batch: int | None = None, timeout: float = 300.0,
+                max_batch: int | None = None, dtype: str | None = None,
+                quantization: str | None = None, timeout: float = 300.0,
                 **options) -> "CausalLM":
         """Export, shard, compile and launch ``model`` on ``num_ranks`` ranks.
 
@@ -103,6 +111,12 @@ class CausalLM(Generator):
             step (:mod:`tvm_distx.runtime.batch`). None: prompts run one by one; so
             they do, with a logged reason, when the model's masks do not export
             or its batched functions do not shard or compile.
+        dtype : {"float32", "bfloat16", "float16"}, optional
+            How the weights are stored on the ranks (float32 by default);
+            arithmetic stays float32 (:func:`tvm_distx.quantize`).
+        quantization : {"q8", "q4"}, optional
+            Store the linear weights and the token table as int8 or int4 groups
+            of 32 with a float16 scale each; the other weights take ``dtype``.
         timeout : float
             Seconds for the ranks to start and for each call.
         **options
@@ -116,15 +130,17 @@ class CausalLM(Generator):
         if num_ranks < 1:
             raise ArgumentError(f"CausalLM.from_hf(num_ranks={num_ranks}): need at least one "
                                 "rank", hint="CausalLM.from_hf(model, num_ranks=2)")
+        storage = _storage(dtype, quantization, "CausalLM.from_hf")
         program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
                                  max_batch=max_batch)
         return cls._serve(model, program, program.weights, num_ranks, backend=backend,
-                          plan=plan, timeout=timeout, **options)
+                          plan=plan, storage=storage, timeout=timeout, **options)
 
     @classmethod
     def from_pretrained(cls, directory, num_ranks: int = 2, *, backend: str = "mpi",
                         plan=None, max_length: int = 256, prompt_length: int | None = None,
-                        max_batch: int | None = None, timeout: float = 300.0,
+                        max_batch: int | None = None, dtype: str | None = None,
+                        quantization: str | None = None, timeout: float = 300.0,
                         **options) -> "CausalLM":
         """Serve a Hugging Face checkpoint directory, each rank's weights read from it lazily.
 
@@ -143,7 +159,14 @@ class CausalLM(Generator):
         ----------
         directory : path
             Written by ``save_pretrained``: ``config.json`` and one or more
-            ``*.safetensors`` files. Weights are served in float32.
+            ``*.safetensors`` files.
+        dtype : {"float32", "bfloat16", "float16"}, optional
+            How the weights are stored on the ranks. By default as in the
+            checkpoint: a bfloat16 checkpoint stays bfloat16 (half the bytes of
+            float32 per token); arithmetic is float32 either way.
+        quantization : {"q8", "q4"}, optional
+            As for :meth:`from_hf`: each rank quantizes its own slice as it
+            reads it.
         num_ranks, backend, plan, max_length, prompt_length, max_batch, timeout, **options
             As for :meth:`from_hf`.
 
@@ -153,9 +176,7 @@ class CausalLM(Generator):
             If the directory is not a checkpoint, or lacks a weight the model
             needs, or holds one of another shape.
         """
-        import torch
         import transformers
-        from transformers.initialization import no_init_weights
 
 
         check_backend(backend, options)  # before the export and the compile
@@ -168,38 +189,19 @@ class CausalLM(Generator):
                                 "least one rank",
                                 hint="CausalLM.from_pretrained(directory, num_ranks=2)")
         tensors = open_checkpoint(root, dtype="float32")
+        storage = _storage(dtype if dtype is not None else _checkpoint_dtype(tensors),
+                           quantization, "CausalLM.from_pretrained")
         config = transformers.AutoConfig.from_pretrained(root)
-        with no_init_weights():  # placeholders: allocated, never written or read
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32).eval()
-        model.tie_weights()  # skipped with the initialisation; ties are part of the graph
+        model = _placeholder_model(config)
         program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
                                  with_weights=False, max_batch=max_batch)
-        # each program weight is a model tensor, known in the checkpoint under one of the
-        # names it has in the model (tied weights have several)
-        aliases: dict[int, list[str]] = {}
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            aliases.setdefault(id(tensor), []).append(name)
-        by_relax = {relax_name("model." + name): names for names in aliases.values()
-                    for name in names}
-        weights = {}
-        for name, spec in program.weights.items():
-            names = by_relax.get(name, [])
-            found = next((n for n in names if n in tensors), None)
-            if found is None:
-                raise ArgumentError(
-                    f"the checkpoint in {root} has no tensor {' or '.join(names) or name}, "
-                    f"which {type(model).__name__} needs",
-                    hint="save the whole model with save_pretrained, in one directory")
-            if tensors[found].shape != tuple(spec.shape):
-                raise ArgumentError(
-                    f"tensor {found} of the checkpoint has shape {list(tensors[found].shape)}, "
-                    f"but config.json gives {type(model).__name__} {list(spec.shape)}",
-                    hint="use the config.json saved with these weights")
-            weights[name] = tensors[found].astype(spec.dtype)
+        weights = {name: tensor.astype(spec.dtype) for name, (tensor, spec) in
+                   _program_weights(model, program, tensors, f"the checkpoint in {root}",
+                                    "save the whole model with save_pretrained, in one "
+                                    "directory").items()}
         del model  # the placeholders: only the traced program is kept
         lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
-                        timeout=timeout, **options)
+                        storage=storage, timeout=timeout, **options)
         generation = (transformers.GenerationConfig.from_pretrained(root)
                       if (root / "generation_config.json").is_file() else config)
         lm.eos_token_id = getattr(generation, "eos_token_id", None)
@@ -207,9 +209,64 @@ class CausalLM(Generator):
         return lm
 
     @classmethod
+    def from_gguf(cls, path, num_ranks: int = 2, *, backend: str = "mpi", plan=None,
+                  max_length: int = 256, prompt_length: int | None = None,
+                  max_batch: int | None = None, requantize: str | None = None,
+                  timeout: float = 300.0, **options) -> "CausalLM":
+        """Serve a llama.cpp GGUF file, each tensor in its stored format, each rank mapping its blocks.
+
+        The architecture and the configuration come from the file's metadata
+        (:func:`tvm_distx.bundle.gguf.open_gguf`: llama, qwen2, qwen3). Every
+        tensor is served as stored: ``F32``, ``F16``, ``BF16``, and ``Q8_0`` and
+        ``Q4_0`` as the ``q8`` and ``q4`` formats (:mod:`tvm_distx.bundle.formats`),
+        never widened to float32 in memory; the kernels decode them in registers.
+        This process reads no weight: each rank memory-maps the file and reads
+        the blocks it holds.
+
+        Parameters
+        ----------
+        path : path
+            A ``.gguf`` file (one file, not a split model).
+        requantize : {"q8", "q4", "f16", "bf16", "f32"}, optional
+            The format for tensors of other types (``Q4_K``, ``Q6_K``...), which
+            each rank then decodes and encodes as it reads its block; without it
+            such a file is refused, naming the tensor.
+        num_ranks, backend, plan, max_length, prompt_length, max_batch, timeout, **options
+            As for :meth:`from_hf`.
+
+        Raises
+        ------
+        ArgumentError
+            If the file is not a GGUF file, its architecture or a tensor type is
+            not supported, or a tensor does not fit its configuration.
+        """
+        check_backend(backend, options)  # before the export and the compile
+        if num_ranks < 1:
+            raise ArgumentError(f"CausalLM.from_gguf(num_ranks={num_ranks}): need at least one "
+                                "rank", hint="CausalLM.from_gguf(path, num_ranks=2)")
+        gguf = open_gguf(path, requantize=requantize)
+        model = _placeholder_model(gguf.hf_config())
+        program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
+                                 with_weights=False, max_batch=max_batch)
+        found = _program_weights(model, program, gguf.tensors, f"the GGUF file {path}",
+                                 "give a GGUF file of the whole model, as llama.cpp's "
+                                 "converter writes it")
+        weights = {name: tensor for name, (tensor, _) in found.items()}
+        formats = {name: tensor.format.name for name, tensor in weights.items()}
+        del model
+        lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
+                        storage=(formats, None), timeout=timeout, **options)
+        lm.eos_token_id = gguf.tokenizer.eos_id
+        lm.pad_token_id = gguf.tokenizer.pad_id
+        return lm
+
+    @classmethod
     def _serve(cls, model, program, weights, num_ranks: int, *, backend: str, plan,
-               timeout: float, **options) -> "CausalLM":
-        """Shard and compile ``program``, and launch its session with ``weights``."""
+               storage: tuple | None = None, timeout: float, **options) -> "CausalLM":
+        """Shard and compile ``program``, and launch its session with ``weights``.
+
+        ``storage``: the ``(format, dtype)`` of :func:`tvm_distx.quantize`, or None.
+        """
 
         max_length = program.cache.max_length
         preset = plan if plan is not None else presets.tensor_parallel()
@@ -223,7 +280,8 @@ class CausalLM(Generator):
                 batched = annotated
                 for function in functions[len(_functions(None)):]:
                     batched = preset.apply(batched, function)
-                exe, annotated = compile_module(batched), batched
+                stored, stored_weights = _stored(batched, weights, storage)
+                exe, annotated, weights = compile_module(stored), stored, stored_weights
             except DistxError as err:
                 logger.warning("%s: the batched functions do not shard or compile (%s); "
                                "batches of prompts run one prompt after another",
@@ -231,6 +289,7 @@ class CausalLM(Generator):
                 batch_cache, functions = None, _functions(None)
                 annotated = _only(annotated, functions)
         if exe is None:
+            annotated, weights = _stored(annotated, weights, storage)
             exe = compile_module(annotated)
         rows = comm_report(run_stages(annotated)["local_view"]).rows
         per_token = sum(r.bytes_per_rank for r in rows if r.function == "decode")
@@ -245,6 +304,9 @@ class CausalLM(Generator):
                  pad_token_id=getattr(generation, "pad_token_id", None),
                  bytes_per_token=per_token, batch_cache=batch_cache)
         lm.annotated = annotated  # compiled again by export(target=...) for another target
+        lm.weight_bytes_per_rank = weight_bytes_per_rank(
+            exe.signatures, set(weights), exe.num_ranks)
+        logger.info("CausalLM: weights per rank %s bytes", lm.weight_bytes_per_rank)
         return lm
 
     # ------------------------------------------------------------------ bundles
@@ -319,7 +381,91 @@ class CausalLM(Generator):
                     hint=f"CausalLM.from_bundle(directory, num_ranks={built}), or leave "
                     "num_ranks out", cli_hint=f"--ranks {built}, or leave --ranks out")
         session = open_session(directory, backend=backend, timeout=timeout, **options)
-        return cls.on(info, session)
+        lm = cls.on(info, session)
+        manifest = read_manifest(directory)
+        lm.weight_bytes_per_rank = weight_bytes_per_rank(
+            manifest.functions, {n for names in manifest.weights.values() for n in names},
+            manifest.num_ranks)
+        return lm
+
+
+def _placeholder_model(config):
+    """A transformers causal LM of ``config`` whose weights are never initialised."""
+    import torch
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # placeholders: allocated, never written or read
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # skipped with the initialisation; ties are part of the graph
+    return model.eval()
+
+
+def _program_weights(model, program, tensors: dict, source, hint: str) -> dict:
+    """Each program weight's tensor of ``tensors`` (by the model's parameter names) and spec.
+
+    A program weight is a model tensor, known in ``tensors`` under one of the names
+    it has in the model (tied weights have several).
+    """
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(tensor), []).append(name)
+    by_relax = {relax_name("model." + name): names for names in aliases.values()
+                for name in names}
+    weights = {}
+    for name, spec in program.weights.items():
+        names = by_relax.get(name, [])
+        found = next((n for n in names if n in tensors), None)
+        if found is None:
+            raise ArgumentError(
+                f"{source} has no tensor {' or '.join(names) or name}, which "
+                f"{type(model).__name__} needs",
+                hint=hint)
+        if tuple(tensors[found].shape) != tuple(spec.shape):
+            raise ArgumentError(
+                f"tensor {found} of {source} has shape {list(tensors[found].shape)}, but the "
+                f"configuration gives {type(model).__name__} {list(spec.shape)}",
+                hint="use the configuration saved with these weights")
+        weights[name] = (tensors[found], spec)
+    return weights
+
+
+#: ``dtype=`` values and the weight format each stores.
+_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def _storage(dtype, quantization, where: str) -> tuple[str, str | None] | None:
+    """The ``(format, dtype)`` :func:`tvm_distx.quantize` takes, or None for float32 weights."""
+    name = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}.get(dtype, dtype)
+    if name is not None and name not in _DTYPES:
+        raise ArgumentError(f"{where}(dtype={dtype!r}): not a weight dtype",
+                            hint=f"{where}(..., dtype=\"bfloat16\"), or one of "
+                            f"{', '.join(map(repr, _DTYPES))}")
+    if quantization is not None and quantization not in QUANTIZED:
+        raise ArgumentError(f"{where}(quantization={quantization!r}): not a quantization",
+                            hint=f"{where}(..., quantization=\"q8\"), or one of "
+                            f"{', '.join(map(repr, QUANTIZED))}")
+    rest = _DTYPES[name] if name is not None else "f32"
+    if quantization is not None:
+        return quantization, rest if rest != "f32" else None
+    return None if rest == "f32" else (rest, None)
+
+
+def _stored(annotated, weights, storage):
+    """The program and weights with the weights in ``storage``'s format (as they are: None)."""
+    if storage is None:
+        return annotated, weights
+    return quantize(annotated, weights, storage[0], dtype=storage[1])
+
+
+def _checkpoint_dtype(tensors) -> str:
+    """The dtype most of a checkpoint's floating-point bytes are stored in."""
+    stored: dict[str, int] = {}
+    for tensor in tensors.values():
+        name = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(tensor.stored_dtype)
+        if name is not None:
+            stored[name] = stored.get(name, 0) + int(np.prod(tensor.shape, dtype=np.int64))
+    return max(stored, key=stored.get) if stored else "float32"
 
 
 def _functions(batch_cache) -> tuple[str, ...]:
