@@ -128,7 +128,7 @@ def quantize(mod: tvm.IRModule, weights: Mapping, fmt="q8", *, dtype: str | None
         raise ArgumentError(f"quantize(dtype={dtype!r}): the other weights take a float format",
                             hint='quantize(mod, weights, "q4", dtype="bf16")')
     chosen: dict[str, WeightFormat] = {}
-    out = mod.clone()  # the rewrite builds on it: never the caller's module
+    out = mod
     for gv, func in list(_ir.relax_functions(mod)):
         if functions is not None and gv.name_hint not in functions:
             continue
