@@ -73,7 +73,8 @@ from tvm.s_tir import Schedule
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.build.targets import x86_target
 from tvm_distx.build.schedule.base import (MIN_PARALLEL_ELEMENTS, SCHEDULE_ERRORS, Block, CPUTraits,  # noqa: F401
-                   Rule, describe_blocks, first_line, use_cpu_threads, widen_halves)
+                   Rule, describe_blocks, first_line, tidy_indices, use_cpu_threads,
+                   widen_halves)
 from tvm_distx.build.schedule.fusion import FuseWeightDecodes, fuse_kernels
 from tvm_distx.build.schedule.injective import InjectiveRule
 from tvm_distx.build.schedule.matmul import MatmulRule
@@ -147,7 +148,7 @@ def schedule_primfunc(func: tirx.PrimFunc, target: tvm.target.Target | None = No
     if not cpu.half_vectors:
         func = widen_halves(func)
     try:
-        sch = Schedule(func)
+        sch = Schedule(tidy_indices(func))
         blocks = describe_blocks(sch)
     except SCHEDULE_ERRORS as err:
         logger.info("schedule: %s has no block structure the rules read; keeping TVM's "
