@@ -135,8 +135,9 @@ def _kernel(blocks: int, rows: int, hidden: int, ids_shape, id_dtype: str,
             dtype: str) -> tirx.PrimFunc:
     """The masked, offset lookup summed over the vocabulary blocks (see the module doc).
 
-    Its extents are ``int64``, as ``LegalizeOps`` writes them, so that ``FuseTIR``
-    can fuse the kernel with one that writes its table (a decoded weight).
+    Its extents and the row it reads are ``int64``, as ``LegalizeOps`` writes
+    them, so that ``FuseTIR`` can fuse the kernel with one that writes its table
+    (a decoded weight) and the fused indices have one type.
     """
     blocks, rows, hidden = (tirx.IntImm("int64", v) for v in (blocks, rows, hidden))
     table = te.placeholder((blocks, rows, hidden), dtype, "table")
@@ -148,8 +149,8 @@ def _kernel(blocks: int, rows: int, hidden: int, ids_shape, id_dtype: str,
         *token, h = index
         local = ids[tuple(token)] - offsets[block]
         inside = tirx.all(local >= 0, local < tirx.const(int(rows), id_dtype))
-        row = tirx.max(tirx.min(local, tirx.const(int(rows) - 1, id_dtype)),
-                       tirx.const(0, id_dtype))
+        row = tirx.Cast("int64", tirx.max(tirx.min(local, tirx.const(int(rows) - 1, id_dtype)),
+                                          tirx.const(0, id_dtype)))
         value = tirx.if_then_else(inside, table[block, row, h], tirx.const(0, dtype))
         return te.sum(value, axis=block)
 

@@ -1,4 +1,4 @@
-"""Benchmark our scheduled x86 matmul against numpy, side by side in one run.
+"""Benchmark our scheduled x86 kernels: matmuls against numpy, matvecs per weight format.
 
 For every shape it builds ``R.matmul`` through ``LegalizeOps`` and
 :class:`tvm_distx.build.schedule.ScheduleCPU`, compiles the kernel with
@@ -14,16 +14,36 @@ The two thread pools spin for a while after each call, so the script pauses
 between the two sides. The machine may be shared: compare the ratios, and
 repeat runs.
 
+**Matrix-vector products per weight format** (``--matvec``): one token times
+a weight stored ``(out, in)`` in each format of
+:mod:`tvm_distx.bundle.formats` (``f32``, ``bf16``, ``f16``, ``q8``, ``q4``),
+compiled as a program compiles it: :func:`tvm_distx.quantize` writes the
+decode, ``legalize_ops`` folds the transpose, :func:`tvm_distx.build.schedule.fuse_kernels`
+fuses the decode into the matvec kernel and :class:`~tvm_distx.build.schedule.ScheduleCPU`
+schedules it. Each kernel is checked against numpy on the decoded weight, then
+timed on 1 thread (``--threads``) cycling through enough copies of the stored
+weight to exceed ``--mib`` MiB, so that the weight comes from memory as in a
+decode step. The table gives the GB/s of *stored* bytes (data and scales), their
+fraction of the read bandwidth one thread gets (``llm_decode.py``'s STREAM-like
+numpy read, measured right after each kernel; decode is bound by that
+bandwidth, and the issue asks for at least 0.6 of it in every format), and
+their ratio to the float32 kernel's GB/s on the same shape (the float32 matvec
+streams its weight with one multiply-add per value: on a loaded host, where
+numpy's read drops below it, it is the steadier yardstick).
+
 Usage::
 
     python scripts/bench/kernels.py                      # the default shapes
     python scripts/bench/kernels.py --sizes 512 1024 --rounds 7
     python scripts/bench/kernels.py --shapes 128x128x64  # M x K x N
+    python scripts/bench/kernels.py --matvec             # every format, LLM shapes, 1 thread
+    python scripts/bench/kernels.py --matvec --formats q8 q4 --weights 4096x1024
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -31,9 +51,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tvm_distx.build.schedule import (  # noqa: E402 - the path above comes first
-    DEFAULT_RULES, MatmulRule, ScheduleCPU, use_cpu_threads, x86_target)
+from tvm_distx.build.schedule import (  # noqa: E402 - the paths above come first
+    DEFAULT_RULES, RULE_ATTR, MatmulRule, ScheduleCPU, fuse_kernels, use_cpu_threads,
+    x86_target)
+from llm_decode import stream  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tvm  # noqa: E402
@@ -121,6 +144,115 @@ def bench(label: str, m: int, k: int, n: int, target, rounds: int, pause: float,
     return row
 
 
+# ------------------------------------------------------------ matvecs per weight format
+#: Weight shapes ``(out, in)`` of the matrix-vector family: a 1024-wide model's
+#: FFN up (4096 x 1024) and down (1024 x 4096) projections, and a 2816-wide FFN.
+MATVEC_WEIGHTS = [(4096, 1024), (1024, 4096), (2816, 1024)]
+#: The weight formats, in the order of the table.
+MATVEC_FORMATS = ("f32", "bf16", "f16", "q8", "q4")
+
+
+def matvec_kernel(fmt: str, n: int, k: int, target):
+    """Our compiled ``(1, k) @ W.T`` for ``W`` ``(n, k)`` stored in ``fmt``, as compile builds it.
+
+    Returns the kernel, the stored parts of a random ``W`` (``{"data", "scale"}``)
+    and the rule that scheduled the kernel.
+    """
+    import tvm_distx as td
+    from tvm_distx.build.pipeline import legalize_ops
+    from tvm_distx.bundle import formats
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, k), "float32"))
+    w = relax.Var("w", relax.TensorType((n, k), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
+        bb.emit_func_output(out)
+    weight = np.random.default_rng(n + k).standard_normal((n, k), dtype="float32")
+    mod = bb.get()
+    if fmt != "f32":
+        mod, _ = td.quantize(mod, {"w": weight}, fmt)
+    mod = ScheduleCPU(target)(fuse_kernels(legalize_ops(mod)))
+    kernels = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    if len(kernels) != 1:
+        raise RuntimeError(f"the {fmt} matvec {n}x{k} is {len(kernels)} kernels, not one")
+    (kernel,) = kernels
+    rule = kernel.attrs.get(RULE_ATTR, "none") if kernel.attrs is not None else "none"
+    built = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}),
+                        target=target).mod
+    names = [str(p.name) for p in kernel.params]
+    return built["main"], names, formats.encode(weight, fmt), str(rule)
+
+
+def bench_matvec(fmt: str, n: int, k: int, target, rounds: int, mib: int,
+                 window: float) -> dict:
+    """Time one format's matvec cycling through ``mib`` MiB of weight copies; bandwidth too."""
+    from tvm_distx.bundle import formats
+
+    func, names, parts, rule = matvec_kernel(fmt, n, k, target)
+    stored = sum(int(v.nbytes) for v in parts.values())
+    copies = max(1, math.ceil((mib << 20) / stored))
+    x = np.random.default_rng(1).standard_normal((1, k), dtype="float32")
+    by_name = {"x": x, "w": parts["data"], "w_scale": parts.get("scale")}
+
+    def arguments(copy: int) -> list:
+        args = []
+        for name in names[:-1]:  # the last parameter is the output
+            value = by_name[name]
+            args.append(tvm.runtime.tensor(value if copy == 0 or name == "x" else value.copy()))
+        return args + [tvm.runtime.tensor(np.zeros((1, n), "float32"))]
+
+    pool = [arguments(c) for c in range(copies)]
+    func(*pool[0])
+    want = x @ formats.decode(parts, fmt).T
+    np.testing.assert_allclose(pool[0][-1].numpy(), want, rtol=1e-4,
+                               atol=1e-4 * float(np.abs(want).max()))
+    reps = max(1, (4 * (mib << 20)) // (stored * copies))
+    seconds = []
+    for _ in range(rounds):
+        for args in pool:
+            func(*args)
+        began = time.perf_counter()
+        for _ in range(reps):
+            for args in pool:
+                func(*args)
+        seconds.append((time.perf_counter() - began) / (reps * copies))
+    del pool
+    bandwidth = stream(mib, window=window)["read"]  # right after the kernel's rounds
+    return {"format": fmt, "shape": f"{n}x{k}", "rule": rule, "stored": stored,
+            "seconds": statistics.median(seconds), "best": min(seconds),
+            "gbs": stored / statistics.median(seconds) / 1e9,
+            "fraction": stored / statistics.median(seconds) / bandwidth,
+            "fraction_best": stored / min(seconds) / bandwidth, "bandwidth": bandwidth}
+
+
+def matvec_main(opts, target, threads: int) -> int:
+    """The ``--matvec`` table."""
+    weights = [tuple(int(v) for v in text.lower().split("x")) for text in opts.weights] \
+        if opts.weights else MATVEC_WEIGHTS
+    print(f"target: {target.attrs['mcpu']}, TVM threads: {threads}, rounds: {opts.rounds}, "
+          f"weights cycled: {opts.mib} MiB\n")
+    print("| format | weight (out x in) | stored MiB | rule | us/call | GB/s stored | "
+          "G weights/s | read bandwidth GB/s | fraction of it (best round) | "
+          "GB/s over f32's |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|", flush=True)
+    for n, k in weights:
+        f32 = None
+        for fmt in opts.formats:
+            row = bench_matvec(fmt, n, k, target, opts.rounds, opts.mib, opts.window)
+            f32 = row["gbs"] if fmt == "f32" else f32
+            print(f"| {fmt} | {row['shape']} | {row['stored'] / (1 << 20):.2f} | {row['rule']} | "
+                  f"{row['seconds'] * 1e6:.0f} | {row['gbs']:.1f} | "
+                  f"{n * k / row['seconds'] / 1e9:.2f} | {row['bandwidth'] / 1e9:.1f} | "
+                  f"{row['fraction']:.2f} ({row['fraction_best']:.2f}) | "
+                  + (f"{row['gbs'] / f32:.2f} |" if f32 else "- |"), flush=True)
+    print("\nread bandwidth: numpy's sum over a float64 array (llm_decode.py's stream(), 1 "
+          f"thread, {opts.mib} MiB), measured right after each kernel; medians over "
+          f"{opts.rounds} rounds")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="*", default=SQUARE_SIZES,
@@ -140,13 +272,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pack", action="store_true", help="do not pack the B panels")
     parser.add_argument("--baseline", action="store_true",
                         help="also time TVM's default (unscheduled) build, sizes <= 512 only")
+    parser.add_argument("--matvec", action="store_true",
+                        help="the matrix-vector family per weight format instead (1 thread "
+                        "unless --threads)")
+    parser.add_argument("--formats", nargs="*", default=list(MATVEC_FORMATS),
+                        choices=MATVEC_FORMATS, help="--matvec: the weight formats")
+    parser.add_argument("--weights", nargs="*", default=None,
+                        help="--matvec: weight shapes OUTxIN (default 4096x1024 1024x4096 "
+                        "2816x1024)")
+    parser.add_argument("--mib", type=int, default=512,
+                        help="--matvec: MiB of weight copies cycled through, and of the "
+                        "bandwidth's array")
+    parser.add_argument("--window", type=float, default=0.5,
+                        help="--matvec: seconds of each bandwidth measurement")
     opts = parser.parse_args(argv)
+    if opts.matvec and not opts.threads:
+        opts.threads = 1
 
     threads = opts.threads or os.cpu_count() or 1
     if opts.threads:
         os.environ["TVM_NUM_THREADS"] = str(threads)
     tvm_threads = use_cpu_threads(threads)  # before any kernel runs in this thread
     target = x86_target(tvm_threads)
+    if opts.matvec:
+        return matvec_main(opts, target, tvm_threads)
     rule = None
     if opts.rows or opts.vectors or opts.no_pack:
         rule = MatmulRule(rows=opts.rows, vectors=opts.vectors, pack=not opts.no_pack)

@@ -125,8 +125,9 @@ def test_target_errors_name_the_fix(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt, widen", [("q8", ("vle8.v", "vsext.vf2", "vfwcvt.f.x.v")),
-                                        ("q4", ("vle8.v", "vand.vi", "vsrl.vi", "vfwcvt.f.xu.v"))])
-def test_q8_and_q4_matvec_kernels_decode_in_vector_registers_and_equal_numpy_under_qemu(
+                                        ("q4", ("vle8.v", "vand.vi", "vsrl.vi", "vfwcvt.f.xu.v")),
+                                        ("f16", ())])  # float16 widened by integer operations
+def test_quantized_and_f16_matvec_kernels_hold_vector_code_and_equal_numpy_under_qemu(
         fmt, widen, tmp_path):
     rng = np.random.default_rng(7)
     weight = rng.standard_normal((48, 256), dtype="float32")
@@ -146,9 +147,11 @@ def test_q8_and_q4_matvec_kernels_decode_in_vector_registers_and_equal_numpy_und
     words = (tmp_path / "kernels.s").read_text().split()
     for mnemonic in ("vsetvli", "vfmacc.vv") + widen:
         assert mnemonic in words, mnemonic
-    parts = {"data": np.asarray(stored["w"]), "scale": np.asarray(stored["w_scale"])}
+    parts = {"data": np.asarray(stored["w"])}
+    if "w_scale" in stored:
+        parts["scale"] = np.asarray(stored["w_scale"])
     vector = rng.standard_normal((1, 256), dtype="float32")
-    by_name = {"w": parts["data"], "w_scale": parts["scale"], "x": vector}
+    by_name = {"w": parts["data"], "w_scale": parts.get("scale"), "x": vector}
     inputs = [by_name[str(p.name)] for p in prim.params[:-1]]
     want = vector @ formats.decode(parts, fmt).T
     harness = rvv.build_harness(tmp_path)

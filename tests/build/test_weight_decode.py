@@ -107,6 +107,30 @@ def test_the_x86_matvec_widens_each_format_in_vector_registers(fmt, mnemonics):
         assert "%zmm" in asm
 
 
+def test_float16_widened_by_integer_operations_is_exact_for_every_value():
+    """What a target without half-float vectors (RVV without Zvfhmin) runs instead of a call."""
+    from tvm import te
+
+    from tvm_distx.build.schedule import WidenHalves
+    from tvm_distx.build.targets import resolve_target
+
+    half = te.placeholder((65536,), "float16", "h")
+    out = te.compute((65536,), lambda i: half[i].astype("float32"), name="widen")
+    mod = tvm.IRModule({"main": te.create_prim_func([half, out])})
+    assert WidenHalves(TARGET)(mod).same_as(mod)  # x86 converts in vector registers
+    widened = WidenHalves(resolve_target("rvv").target)(mod)
+    assert "T.reinterpret" in widened["main"].script()
+    lib = tvm.compile(widened, target=TARGET).mod
+    values = np.arange(65536, dtype=np.uint16).view(np.float16)
+    got = tvm.runtime.tensor(np.zeros(65536, "float32"))
+    lib["main"](tvm.runtime.tensor(values), got)
+    want = values.astype(np.float32)
+    numbers = ~np.isnan(want)
+    np.testing.assert_array_equal(got.numpy()[numbers].view(np.uint32),
+                                  want[numbers].view(np.uint32))
+    assert np.isnan(got.numpy()[~numbers]).all()
+
+
 # --------------------------------------------------------------------------- matmul
 @pytest.mark.parametrize("fmt", ["q8", "q4", "bf16"])
 @pytest.mark.parametrize("rows", [8, None])  # a prompt: static, or symbolic
@@ -119,6 +143,33 @@ def test_a_matmul_decodes_its_weight_into_packed_panels(fmt, rows):
     x = np.random.default_rng(1).standard_normal((rows or 5, 128), dtype="float32")
     np.testing.assert_allclose(run(built, stored, x), x @ weight.T, rtol=1e-5,
                                atol=1e-5 * np.abs(x @ weight.T).max())
+
+
+# --------------------------------------------------------------------------- lookup
+@pytest.mark.parametrize("fmt", ["q8", "q4", "bf16"])
+def test_a_lookup_decodes_only_the_rows_it_reads(fmt):
+    bb = relax.BlockBuilder()
+    ids = relax.Var("ids", relax.TensorType((3,), "int64"))
+    table = relax.Var("t", relax.TensorType((128, 64), "float32"))
+    with bb.function("main", [ids, table]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.take(table, ids, axis=0))
+        bb.emit_func_output(out)
+    before = bb.get()
+    values = np.random.default_rng(5).standard_normal((128, 64), dtype="float32")
+    mod, stored = td.quantize(before, {"t": values}, fmt)
+    assert [p.name for p in before["main"].params] == ["ids", "t"]  # the caller's module
+    built = schedule_module(legalize_ops(mod), TARGET)
+    (kernel,) = kernels(built).values()  # TVM's FuseOps leaves a lookup (opaque) alone
+    assert kernel.attrs[RULE_ATTR] == "injective"
+    assert "sblock_alloc_buffer" not in kernel.script()  # no decoded table, whole or not
+    parts = {"data": np.asarray(stored["t"])}
+    if "t_scale" in stored:
+        parts["scale"] = np.asarray(stored["t_scale"])
+    rows = np.array([5, 77, 127])
+    vm = relax.VirtualMachine(tvm.compile(built, target=TARGET), tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(a) for a in [rows, *parts.values()]]).numpy()
+    np.testing.assert_array_equal(got, formats.decode(parts, fmt)[rows])
 
 
 # --------------------------------------------------------------------------- fusion

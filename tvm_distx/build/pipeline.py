@@ -24,7 +24,7 @@ import tvm
 from tvm_distx._deprecated import deprecated_names
 from tvm_distx.build.board_plan import lower_for_vm, rank_plan
 from tvm_distx.build.executable import DistExecutable
-from tvm_distx.build.schedule import SCHEDULED_ATTR, ScheduleCPU, fuse_kernels
+from tvm_distx.build.schedule import SCHEDULED_ATTR, ScheduleCPU, WidenHalves, fuse_kernels
 from tvm_distx.build.schedule.experts import SparseExperts
 from tvm_distx.build.targets import resolve_target
 from tvm_distx.bundle.signature import FunctionSignature, WORKER0
@@ -168,6 +168,8 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
 
     # the experts kernels run as a sparse dispatch over each rank's own experts
     built = unscheduled = SparseExperts()(lowered)
+    if resolved.schedulable:  # float16 conversions the target's LLVM would get wrong
+        built = unscheduled = WidenHalves(resolved.target)(built)
     if schedule and resolved.schedulable:
 
         unscheduled = fuse_kernels(unscheduled)

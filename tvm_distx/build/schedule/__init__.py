@@ -73,7 +73,8 @@ from tvm.s_tir import Schedule
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.build.targets import x86_target
 from tvm_distx.build.schedule.base import (MIN_PARALLEL_ELEMENTS, SCHEDULE_ERRORS, Block, CPUTraits,  # noqa: F401
-                   Rule, describe_blocks, first_line, use_cpu_threads, widen_halves)
+                   Rule, describe_blocks, first_line, tidy_indices, use_cpu_threads,
+                   widen_halves)
 from tvm_distx.build.schedule.fusion import FuseWeightDecodes, fuse_kernels
 from tvm_distx.build.schedule.injective import InjectiveRule
 from tvm_distx.build.schedule.matmul import MatmulRule
@@ -94,6 +95,7 @@ __all__ = [
     "ReductionRule",
     "Rule",
     "ScheduleCPU",
+    "WidenHalves",
     "describe_blocks",
     "schedule_module",
     "schedule_primfunc",
@@ -146,7 +148,7 @@ def schedule_primfunc(func: tirx.PrimFunc, target: tvm.target.Target | None = No
     if not cpu.half_vectors:
         func = widen_halves(func)
     try:
-        sch = Schedule(func)
+        sch = Schedule(tidy_indices(func))
         blocks = describe_blocks(sch)
     except SCHEDULE_ERRORS as err:
         logger.info("schedule: %s has no block structure the rules read; keeping TVM's "
@@ -196,6 +198,7 @@ class ScheduleCPU:
 
     def transform_module(self, mod: tvm.IRModule,
                          _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        mod = WidenHalves(self.target)(mod)
         scheduled = {}
         for gvar, func in mod.functions.items():
             if not isinstance(func, tirx.PrimFunc):
@@ -210,6 +213,40 @@ class ScheduleCPU:
             return mod
         mod = mod.clone()  # never update the caller's module in place
         for gvar, func in scheduled.items():
+            mod.update_func(gvar, func)
+        return mod
+
+
+@module_pass("tvm_distx.WidenHalves")
+class WidenHalves:
+    """Convert float16 to float32 with integer operations in every kernel, where needed.
+
+    On a target without :attr:`CPUTraits.half_vectors` (RISC-V without
+    ``Zvfhmin``), LLVM converts a float16 by a call whose argument TVM's own
+    definition reads from the wrong register, so every kernel, scheduled or
+    not, converts by :func:`~tvm_distx.build.schedule.base.widen_halves`
+    instead. Other targets keep their kernels.
+
+    Parameters
+    ----------
+    target : tvm.target.Target
+        The LLVM CPU target.
+    """
+
+    def __init__(self, target: tvm.target.Target) -> None:
+        self.target = target
+
+    def transform_module(self, mod: tvm.IRModule,
+                         _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        if CPUTraits.of(self.target).half_vectors:
+            return mod
+        widened = {gv: widen_halves(f) for gv, f in mod.functions.items()
+                   if isinstance(f, tirx.PrimFunc)}
+        widened = {gv: f for gv, f in widened.items() if not f.same_as(mod[gv])}
+        if not widened:
+            return mod
+        mod = mod.clone()
+        for gvar, func in widened.items():
             mod.update_func(gvar, func)
         return mod
 

@@ -21,8 +21,9 @@ from typing import Sequence
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
-from tvm.ir.expr import Call, Expr, TensorLoad
+from tvm.ir.expr import Call, Expr, Range, TensorLoad
 from tvm.s_tir import Schedule, ScheduleError
+from tvm.sym import Analyzer
 
 from tvm_distx.ir.weight_decode import is_decode_block
 
@@ -42,6 +43,7 @@ __all__ = [
     "first_divisor",
     "first_line",
     "index_positions",
+    "tidy_indices",
     "inline_decodes",
     "loop_extent",
     "loops_over",
@@ -182,6 +184,47 @@ def _half_to_float(value: Expr) -> Expr:
                           tirx.Select(magnitude >= u32(0x0400), normal, tiny))
     sign = tirx.shift_left(tirx.bitwise_and(bits, u32(0x8000)), u32(16))
     return tirx.reinterpret("float32", tirx.reinterpret("uint32", value32) | sign)
+
+
+def tidy_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with every block's buffer indices simplified within its iteration ranges.
+
+    ``LegalizeOps`` writes a reshape's index as the flattened offset split again
+    (``((v1 * 32 + v2) // 256 + v0) % 64``), correct for any index but simplified
+    only where the ranges of the block's variables are known. A fused kernel
+    chains several (a weight decode does), and inlining them into a matmul
+    composes them into an expression no later pass can bound: a buffer computed
+    per row then keeps the size of the whole matrix. Simplified block by block,
+    where ``v0 < 64`` and ``v2 < 32`` are known, each index is the plain one.
+    """
+
+    def block(node: s_tir.SBlock) -> s_tir.SBlock:
+        if not node.iter_vars:
+            return node
+        analyzer = Analyzer()
+        for iv in node.iter_vars:
+            analyzer.bind(iv.var, iv.dom)
+
+        def simple(indices) -> list:  # a plain variable stays itself, unit extent or not
+            return [i if isinstance(i, (tirx.Var, tirx.IntImm)) else analyzer.simplify(i)
+                    for i in indices]
+
+        def load(expr: TensorLoad) -> Expr:
+            return tirx.BufferLoad(expr.source, simple(expr.indices))
+
+        def store(stmt: tirx.BufferStore) -> tirx.BufferStore:
+            return tirx.BufferStore(stmt.buffer, stmt.value, simple(stmt.indices))
+
+        def region(r):
+            return tirx.BufferRegion(r.source, [Range.from_min_extent(
+                analyzer.simplify(x.min), analyzer.simplify(x.extent)) for x in r.region])
+
+        body = tvm_ffi.structural_map(node.body, [(TensorLoad, load), (tirx.BufferStore, store)])
+        return s_tir.SBlock(node.iter_vars, [region(r) for r in node.reads],
+                            [region(r) for r in node.writes], node.name_hint, body, node.init,
+                            node.alloc_buffers, node.match_buffers, node.annotations)
+
+    return tvm_ffi.structural_map(func, [(s_tir.SBlock, block)])
 
 
 # --------------------------------------------------------------------------- analysis

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvm_distx.ir import helpers as _ir
@@ -60,8 +60,8 @@ class FuseWeightDecodes:
     A ``call_tir`` that decodes parameters, whose result has exactly one use,
     an operand of another ``call_tir``, becomes one primitive Relax function
     with that reader; run ``FuseTIR`` afterwards to make it one kernel. A
-    reader that is opaque or already scheduled (the sparse experts kernel) is
-    left alone.
+    reader already scheduled (the sparse experts kernel) or not made of blocks
+    (sort, scan) is left alone; a lookup (``take``, opaque to ``FuseOps``) is not.
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -110,7 +110,11 @@ def _decode_readers(func: relax.Function, mod: tvm.IRModule) -> dict:
 
 
 def _fusible_reader(call, mod: tvm.IRModule) -> bool:
-    """A ``call_tir`` (no run-time scalars) of a kernel that may take a prologue."""
+    """A ``call_tir`` (no run-time scalars) of a kernel that may take a prologue.
+
+    Not a kernel scheduled already (the sparse experts kernel), nor an opaque
+    one that is not made of blocks (the sort and scan kernels).
+    """
     if not _ir.is_call_to(call, "relax.call_tir") or len(call.args) != 2:
         return False
     callee, args = call.args
@@ -121,8 +125,11 @@ def _fusible_reader(call, mod: tvm.IRModule) -> bool:
     if not isinstance(func, tirx.PrimFunc):
         return False
     attrs = func.attrs if func.attrs is not None else {}
-    return int(attrs.get("op_pattern", 0)) != _OP_PATTERN_OPAQUE and \
-        not bool(attrs.get(_SCHEDULED_ATTR, False))
+    if bool(attrs.get(_SCHEDULED_ATTR, False)):
+        return False  # the sparse experts kernel, say: hand-written, no prologue
+    # an opaque kernel (a lookup's data-dependent read) takes one if it is made of blocks
+    return int(attrs.get("op_pattern", 0)) != _OP_PATTERN_OPAQUE or \
+        isinstance(func.body, s_tir.SBlockRealize)
 
 
 @mutator

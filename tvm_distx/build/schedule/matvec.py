@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import logging
 
-from tvm import tirx
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
 from tvm.s_tir import Schedule
 
 from tvm.s_tir.schedule import LoopRV
@@ -130,7 +132,11 @@ class MatvecRule(MatmulRule):
         full = cpu.lanes(found.block.output.dtype)
         lanes = first_divisor(depth, [full, full // 2, full // 4, _MIN_LANES])
         # long rows: a few side by side, one accumulator each; short rows: one after the other
-        side_by_side = depth * found.block.output.dtype.bits // 8 >= self.long_row
+        # (a decoded weight's row is as long as its stored bytes)
+        stored = _stored_weight(found)
+        row_bytes = (depth * found.block.output.dtype.bits // 8 if stored is None else
+                     int(stored.shape[1]) * tvm.runtime.DataType(str(stored.dtype)).bits // 8)
+        side_by_side = row_bytes >= self.long_row
         group = first_divisor(n, [self.interleave, 2, 1] if side_by_side else [self.group, 2, 1])
         # a decoded weight's vectors cover whole groups: each unrolled vector then knows
         # its group's half (q4's low or high nibbles) when the kernel is built
@@ -166,15 +172,15 @@ class MatvecRule(MatmulRule):
             sch.reverse_compute_at(consumer.rv, jo)
         for producer in reversed(per_row):  # consumers first
             sch.compute_at(producer.rv, jo)
-            sch.set_scope(producer.rv, 0, "local")
+            sch.set_scope(producer.rv, 0, "global")
             if cpu.half_vectors or not _reads_half(producer):
                 vectorize_innermost(sch, producer.rv, cpu.lanes(producer.output.dtype))
-        sch.set_scope(partial, 0, "local")
+        sch.set_scope(partial, 0, "global")
         if summed is not None:
             s_lane, (s_unroll,) = _lane_loop(sch, summed), loops_over(sch, summed, REDUCE)
             sch.reorder(s_unroll, s_lane)
             sch.vectorize(s_lane)
-            sch.set_scope(summed, 0, "local")
+            sch.set_scope(summed, 0, "global")
         for half in halves:
             (h_pair,) = loops_over(sch, half, REDUCE)
             h_lane = _lane_loop(sch, half)
@@ -182,11 +188,15 @@ class MatvecRule(MatmulRule):
                 sch.reorder(h_pair, h_lane)
                 sch.vectorize(h_lane)
             sch.unroll(h_pair)
-            sch.set_scope(half, 0, "local")
+            sch.set_scope(half, 0, "global")
         if cpu.cores > 1 and n // group > 1:
             sch.parallel(jo)
         decompose_init(sch, partial)
-        return sch
+        if stored is None:
+            return sch
+        rows = [sch.get(jo).loop_var * group + sch.get(ji).loop_var] if not side_by_side else \
+            [sch.get(jo).loop_var * group + g for g in range(group)]
+        return _prefetched(sch, stored, rows, sch.get(p_ko), unroll * lanes, depth)
 
     @staticmethod
     def _halve(sch: Schedule, block, lanes: int, axis: int, at: LoopRV) -> list:
@@ -257,11 +267,64 @@ def _per_group_decodes(found: MatmulMatch) -> list[Block]:
         size = _elements(block.output.shape)
         if not block.decode or not weight or not size or size * _PER_GROUP > weight:
             continue
+        if size < 2 * int(block.output.shape[0]):
+            continue  # one group per row: nothing to share (and no loop to compute it in)
         if any(load.source in made and load.source not in small for load in block.loads):
             continue
         out.append(block)
         small.add(block.output)
     return out
+
+
+def _stored_weight(found: MatmulMatch) -> tirx.Buffer | None:
+    """The stored data of a decoded weight: the largest 2-D parameter its decode reads."""
+    made = {b.output for b in found.prologue}
+    read = {load.source for b in found.prologue if b.decode for load in b.loads
+            if load.source not in made and len(load.source.shape) == 2}
+    sized = [(_elements(buf.shape) or 0, buf) for buf in read]
+    return max(sized, key=lambda item: item[0])[1] if sized else None
+
+
+def _prefetched(sch: Schedule, data: tirx.Buffer, rows: list, chunk_loop, weights: int,
+                depth: int) -> Schedule:
+    """``sch``'s kernel with the stored weight prefetched :data:`_PREFETCH_BYTES` ahead.
+
+    A decoded weight's rows are read one after the other, each with more
+    instructions per byte than a float32 row, and the hardware prefetchers then
+    do not run far enough ahead: a matvec from memory would take about its
+    compute time plus its memory time. At the start of each chunk of
+    ``weights`` values of a row, the kernel asks for the cache lines of the
+    bytes :data:`_PREFETCH_BYTES` further on in the weight (the same row, or
+    the next ones), one request per line of the chunk.
+    """
+    n, columns = (int(d) for d in data.shape)
+    itemsize = max(1, tvm.runtime.DataType(str(data.dtype)).bits // 8)
+    per_chunk = weights * columns // depth          # stored elements per chunk of a row
+    lines = max(1, per_chunk * itemsize // _LINE)
+    ahead = _PREFETCH_BYTES // itemsize
+    last = n * columns - 1
+    loop = chunk_loop.loop_var
+    calls = []
+    for row in rows:
+        for line in range(lines):
+            flat = (tirx.Cast("int64", row) * columns + tirx.Cast("int64", loop) * per_chunk
+                    + line * _LINE // itemsize + ahead)
+            flat = tirx.min(flat, tirx.const(last, "int64"))
+            address = tirx.address_of(tirx.BufferLoad(data, [flat // columns, flat % columns]))
+            calls.append(tirx.Evaluate(tirx.call_intrin("void", "tirx.prefetch", address,
+                                                        0, 3, 1)))
+    block = s_tir.SBlock([], [], [], "prefetch", calls[0] if len(calls) == 1 else
+                         tirx.SeqStmt(calls))
+    request = s_tir.SBlockRealize([], True, block)
+
+    def add(node):
+        if not node.loop_var.same_as(loop):
+            return node
+        return tirx.For(node.loop_var, node.min, node.extent, node.kind,
+                        tirx.SeqStmt([request, node.body]), node.thread_binding,
+                        node.annotations)
+
+    return Schedule(tvm_ffi.structural_map(sch.mod["main"], [(tirx.For, add)]))
 
 
 def _scalar_decodes(found: MatmulMatch, cpu: CPUTraits) -> list[Block]:
@@ -314,6 +377,10 @@ def _lane_loop(sch: Schedule, block) -> LoopRV | None:
 
 #: A decode block writing at most one value per this many weights is computed per row.
 _PER_GROUP = 16
+
+#: How far ahead a decoded weight is prefetched, and the cache line size.
+_PREFETCH_BYTES = 4096
+_LINE = 64
 
 #: The narrowest vector the recipe uses (four float32 lanes: SSE, NEON, RVV at VLEN 128).
 _MIN_LANES = 4
