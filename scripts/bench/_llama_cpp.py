@@ -9,7 +9,7 @@ Not a benchmark itself (``_common.py`` style helper). Three parts:
   llama.cpp with ``GGML_NATIVE=ON`` (``-march=native``: the host's AVX-512
   here) and without the multimodal library (``LLAVA_BUILD=OFF``: not used),
   under ``nice -n 19`` with ``CMAKE_BUILD_PARALLEL_LEVEL`` (default 2) jobs:
-  about 20 minutes on a 2-core machine. Only
+  about 10 minutes on a 2-core machine. Only
   ``llm_decode.py --build-llama-cpp`` (or ``python _llama_cpp.py --build``)
   builds it; the test suite never does. Beside the venv, ``convert/`` holds
   the sdist's converter (``vendor/llama.cpp``: ``convert_hf_to_gguf.py``,
@@ -269,7 +269,7 @@ def select(formats: list[str], leave_out: bool, build_it: bool,
         built = build(folder, sdist)
     if built is None:
         print(f"llama.cpp: no environment in {folder}; left out (build it once with "
-              "`llm_decode.py --build-llama-cpp`, about 20 minutes)", file=sys.stderr)
+              "`llm_decode.py --build-llama-cpp`, 10-20 minutes)", file=sys.stderr)
         return [], (f"llama.cpp: not run (no environment in {folder}; "
                     "`llm_decode.py --build-llama-cpp` builds it).")
     return formats, (f"llama.cpp: llama-cpp-python {built['version']} built from its sdist "

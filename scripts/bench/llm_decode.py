@@ -27,8 +27,8 @@ not timed; a short generation warms each one up first):
   benchmark's own cached environment, on GGUF files converted from the same
   checkpoint with llama.cpp's converter and quantize API, one per format
   (``--formats``: F32, F16, Q8_0, Q4_0); see ``_llama_cpp.py``. Used when
-  that environment is present: ``--build-llama-cpp`` builds it once (about
-  20 minutes on 2 cores), ``--no-llama-cpp`` leaves it out (the test suite's
+  that environment is present: ``--build-llama-cpp`` builds it once (10-20
+  minutes on 2 cores), ``--no-llama-cpp`` leaves it out (the test suite's
   smoke run does). Each decode step is one ``Llama.eval`` of one token and
   the argmax of its logits, timed as the caller sees it, like ours.
 * **ours in the matching format**: f16, q8 and q4 bundles made by
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="weight formats, comma-separated (default: %(default)s)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     parser.add_argument("--build-llama-cpp", action="store_true",
-                        help="build llama.cpp's cached environment if absent (about 20 min)")
+                        help="build llama.cpp's cached environment if absent (10-20 min)")
     parser.add_argument("--llama-cpp-sdist", help="a local llama_cpp_python sdist to build")
     parser.add_argument("--rounds", type=int, default=2, help="launches of every contender")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
@@ -648,7 +648,8 @@ def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_ro
           f"{', '.join(about['ours']) or 'none'}), prompt "
           f"{opts.prompt} tokens + {opts.new_tokens} greedy tokens, batch 1, "
           f"{os.cpu_count()} cores (load average {load[0]:.1f} before, {load[1]:.1f} after), "
-          f"{opts.rounds} rounds ({elapsed:.0f} s)\n\n{about['llama']}\n")
+          f"{opts.rounds} round{'s' if opts.rounds > 1 else ''} ({elapsed:.0f} s)\n\n"
+          f"{about['llama']}\n")
     print(table(["contender", "prefill ms", "decode ms/token (median)", "tokens/s",
                  "tokens = transformers 1 thread (/ on the format's weights)",
                  "peak RSS per process",
