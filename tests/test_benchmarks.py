@@ -39,6 +39,8 @@ def test_every_benchmark_runs_at_its_smallest_size_and_writes_the_results(tmp_pa
     assert "## 6. Llama token generation" in results
     assert re.search(r"\| ours, 2 ranks over MPI \(1 thread each\) \|[^\n]* \| yes \|", results)
     assert "| 1x64 @ 64x256 | matvec |" in results
+    # the smoke run never builds or runs llama.cpp (llm_decode.py --build-llama-cpp does)
+    assert "llama.cpp: not run (--no-llama-cpp)." in results
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -22,23 +22,48 @@ not timed; a short generation warms each one up first):
   :attr:`~tvm_distx.llm.causal_lm.CausalLM.stats`: each decode step is one call of the
   session as the caller sees it, socket round trip and argmax included.
 
-Every contender's tokens are compared with those of transformers on 1 thread.
+* **llama.cpp, t threads** (t = 1, 2): ``llama-cpp-python`` built from its
+  source distribution with the host's instruction set (AVX-512 here) into the
+  benchmark's own cached environment, on GGUF files converted from the same
+  checkpoint with llama.cpp's converter and quantize API, one per format
+  (``--formats``: F32, F16, Q8_0, Q4_0); see ``_llama_cpp.py``. Used when
+  that environment is present: ``--build-llama-cpp`` builds it once (10-20
+  minutes on 2 cores), ``--no-llama-cpp`` leaves it out (the test suite's
+  smoke run does). Each decode step is one ``Llama.eval`` of one token and
+  the argmax of its logits, timed as the caller sees it, like ours.
+* **ours in the matching format**: f16, q8 and q4 bundles made by
+  ``CausalLM.from_pretrained(checkpoint, num_ranks=p, dtype="float16")`` or
+  ``quantization="q8"|"q4"``, run as the float32 ones, where this checkout's
+  ``from_pretrained`` takes those options (the report says which formats ran).
+
+Every contender's greedy tokens are compared with those of transformers
+(float32) on 1 thread; a 16-bit or quantized contender's also with those of
+transformers on that format's weights (every 2-D weight encoded and decoded
+by :mod:`tvm_distx.bundle.formats`, whose q8 and q4 are llama.cpp's Q8_0 and
+Q4_0; run once, not timed), and ours in each format with llama.cpp's in that
+format. Float32 ones should agree throughout; others may part after a few
+tokens (random weights leave small gaps between the top logits, and
+llama.cpp's Q8_0 and Q4_0 products also round the activations to 8 bits), so
+the tables give how many leading tokens agree.
 The peak resident memory of every process that holds weights (``VmHWM`` of
-``/proc/<pid>/status``: the transformers process; each of our ranks) is read
-after the run.
+``/proc/<pid>/status``: the transformers and llama.cpp processes; each of our
+ranks) is read after the run.
 
 **Roofline.** Decoding one token reads every weight a rank holds once (all but
 the token embedding, of which it reads one row), so memory bandwidth bounds
 it: the lower bound of a step is the weight bytes per rank divided by the
-bandwidth one process gets. That bandwidth is measured in the same run by a
-STREAM-like numpy read (a sum, as decode reads its weights), copy and triad
-on 256 MiB arrays, one thread, each kernel repeated for two seconds: once
-alone (for the 1-thread contenders) and once in two processes streaming
-during the same seconds (per process, for 2 ranks; twice that for torch on 2
+bandwidth one process gets. The bytes are each format's: our bundle's
+weights as a rank stores them (data and scales), the GGUF file's tensors for
+llama.cpp. That bandwidth is measured in the same run by a STREAM-like numpy
+read (a sum, as decode reads its weights), copy and triad on 256 MiB arrays,
+one thread, each kernel repeated for two seconds: once alone (for the
+1-thread contenders) and once in two processes streaming during the same
+seconds (per process, for 2 ranks; twice that for torch and llama.cpp on 2
 threads). The read bandwidth makes the bound. A second column takes one
-process's bandwidth alone for every process, as on separate machines: on this
-host, where two ranks share one memory system, it is the stricter bound. The cache read per step (under
-1% of the weights here) is left out of the bound.
+process's bandwidth alone for every process, as on separate machines: on
+this host, where two ranks share one memory system, it is the stricter bound.
+The cache read per step (under 1% of the weights here) is left out of the
+bound.
 
 **Bandwidth scaling.** On one host, two ranks share its memory system. The
 report prints what two processes streaming at once got together over what
@@ -68,14 +93,18 @@ TCP between namespaces measures the network stack, not a wire.
 
 Usage::
 
+    python scripts/bench/llm_decode.py --build-llama-cpp  # once: llama.cpp's environment
     python scripts/bench/llm_decode.py                  # 443M parameters, 2 rounds
-    python scripts/bench/llm_decode.py --small --rounds 1
+    python scripts/bench/llm_decode.py --quick          # 4 layers, 1 round, no kernels
+    python scripts/bench/llm_decode.py --formats f32,q8 --no-kernels
     python scripts/bench/llm_decode.py --hosts --small --rounds 3   # on 2 test hosts
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -86,6 +115,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _llama_cpp  # noqa: E402
 from _common import (child_env, fmt_bytes, llama_parameters, median, run_job,  # noqa: E402
                      spread, table, test_hosts)
 
@@ -100,53 +130,110 @@ MODEL = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 4096,
 #: ``(K, N)`` of the matrix-vector products: ``(1, K) @ W.T`` with ``W`` stored ``(N, K)``.
 MATVEC_SHAPES = [(1024, 4096), (4096, 1024), (4096, 8192), (1024, 32000)]
 
+#: The weight formats (``--formats``) and how ours is asked for each.
+FORMATS = {"f32": {}, "f16": {"dtype": "float16"}, "q8": {"quantization": "q8"},
+           "q4": {"quantization": "q4"}}
 
-def contenders(ranks: list[int], torch_threads: list[int]) -> list[tuple[str, str, str, int]]:
-    """``(key, label, kind, ranks or threads)`` of every contender of this run."""
-    rows = [(f"hf{t}", f"transformers generate, torch eager, {t} thread{'s' if t > 1 else ''}",
-             "hf", t) for t in torch_threads]
-    rows += [(f"ours{p}", f"ours, {p} rank{'s' if p > 1 else ''} over MPI (1 thread each)",
-              "ours", p) for p in ranks]
+
+def our_formats(formats: list[str]) -> list[str]:
+    """The ``formats`` this checkout's ``CausalLM.from_pretrained`` can serve."""
+    from tvm_distx.llm.causal_lm import CausalLM
+
+    takes = inspect.signature(CausalLM.from_pretrained).parameters
+    return [f for f in formats if all(option in takes for option in FORMATS[f])]
+
+
+def key_of(kind: str, arg: int, fmt: str) -> str:
+    """A contender's key: ``hf1``, ``ours2`` (float32), ``ours2-q8``, ``llama1-f32``."""
+    return f"{kind}{arg}" + ("" if fmt == "f32" and kind != "llama" else f"-{fmt}")
+
+
+def contenders(ranks: list[int], torch_threads: list[int], formats: list[str] = ("f32",),
+               llama: list[str] = ()) -> list[tuple[str, str, str, int, str]]:
+    """``(key, label, kind, ranks or threads, format)`` of every contender of this run.
+
+    ``formats``: ours; ``llama``: llama.cpp's (none when it is not run).
+    """
+    def threads(t: int) -> str:
+        return f"{t} thread{'s' if t > 1 else ''}"
+
+    rows = [(f"hf{t}", f"transformers generate, torch eager, {threads(t)}", "hf", t, "f32")
+            for t in torch_threads]
+    for fmt in formats:
+        name = "ours" if fmt == "f32" else f"ours {fmt}"
+        rows += [(key_of("ours", p, fmt),
+                  f"{name}, {p} rank{'s' if p > 1 else ''} over MPI (1 thread each)",
+                  "ours", p, fmt) for p in ranks]
+    for fmt in llama:
+        rows += [(key_of("llama", t, fmt), f"llama.cpp {_llama_cpp.GGUF_TYPES[fmt]}, {threads(t)}",
+                  "llama", t, fmt) for t in torch_threads]
     return rows
 
 
-def build(folder: Path, config: dict, prompt: int, new_tokens: int, ranks: list[int]) -> dict:
-    """Save the model and the prompt in ``folder`` and a generation bundle per rank count.
+def checkpoint(folder: Path, config: dict, positions: int) -> None:
+    """The random-weight Llama of ``config`` saved by ``save_pretrained`` in ``folder``.
 
-    Returns the weight bytes a decode step reads, per rank, by contender key.
+    Skipped when ``folder`` already holds it (a ``complete`` file is written last).
     """
     import torch
     import transformers
 
+    if (folder / "complete").exists():
+        return
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **config, max_position_embeddings=positions, tie_word_embeddings=False)).eval()
+    model.save_pretrained(folder)
+    (folder / "complete").write_text("")
+
+
+def cached_checkpoint(config: dict, positions: int) -> Path:
+    """Where the llama.cpp runs keep the checkpoint and its GGUF files (by config and versions)."""
+    import torch
+    import transformers
+
+    key = hashlib.sha256(json.dumps([config, positions, torch.__version__,
+                                     transformers.__version__], sort_keys=True).encode())
+    return _llama_cpp.cache_dir() / "models" / key.hexdigest()[:12] / "model"
+
+
+def build(folder: Path, config: dict, prompt: int, new_tokens: int, ranks: list[int],
+          formats: list[str] = ("f32",), model: Path | None = None) -> dict:
+    """The checkpoint (``model``, default ``folder/model``), prompt and our bundles.
+
+    ``folder/model`` links to ``model``; one generation bundle per format and
+    rank count. Returns the weight bytes a decode step reads, per rank, by
+    contender key (``whole``: the float32 model's).
+    """
     from tvm_distx.bundle.manifest import read_manifest
     from tvm_distx.llm.causal_lm import CausalLM
 
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **config, max_position_embeddings=max(512, prompt + new_tokens),
-        tie_word_embeddings=False)).eval()
-    model.save_pretrained(folder / "model")
+    positions = max(512, prompt + new_tokens)
+    if model is None:
+        model = folder / "model"
+    else:
+        (folder / "model").symlink_to(model, target_is_directory=True)
+    checkpoint(model, config, positions)
     ids = np.random.default_rng(0).integers(0, config["vocab_size"], (1, prompt))
     np.save(folder / "ids.npy", ids)
-    read = {}
-    whole = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                if "embed_tokens" not in n)
-    for p in ranks:
-        started = time.perf_counter()
-        # from the checkpoint transformers wrote, as users serve one: each block read lazily;
-        # emulated ranks (threads here): writing the bundle needs no launch of MPI ranks
-        with CausalLM.from_pretrained(folder / "model", num_ranks=p, backend="emulate",
-                                      max_length=prompt + new_tokens) as lm:
-            root = lm.export(folder / f"bundle_{p}")
-        manifest = read_manifest(root)
-        decode = set(manifest.weights.get("decode", ()))
-        read[f"ours{p}"] = max(
-            sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in manifest.files_of(r)
-                if w.name in decode and "embed_tokens" not in w.name)
-            for r in range(p))
-        print(f"  compiled and exported for {p} rank(s) in {time.perf_counter() - started:.0f} s",
-              file=sys.stderr, flush=True)
-    read["whole"] = whole
+    read = {"whole": 4 * (llama_parameters(config) - config["vocab_size"] * config["hidden_size"])}
+    for fmt in formats:
+        for p in ranks:
+            started = time.perf_counter()
+            # from the checkpoint transformers wrote, as users serve one: each block read lazily;
+            # emulated ranks (threads here): writing the bundle needs no launch of MPI ranks
+            with CausalLM.from_pretrained(folder / "model", num_ranks=p, backend="emulate",
+                                          max_length=prompt + new_tokens, **FORMATS[fmt]) as lm:
+                root = lm.export(folder / f"bundle_{fmt}_{p}")
+            manifest = read_manifest(root)
+            decode = set(manifest.weights.get("decode", ()))
+            read[key_of("ours", p, fmt)] = max(
+                sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize
+                    for w in manifest.files_of(r)
+                    if w.name in decode and "embed_tokens" not in w.name)
+                for r in range(p))
+            print(f"  compiled and exported {fmt} for {p} rank(s) in "
+                  f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return read
 
 
@@ -159,15 +246,28 @@ def peak_rss(pid: int | str = "self") -> int:
     return 0
 
 
-def hf_job(data: str, out: str, threads: int, new_tokens: int) -> None:
-    """transformers ``generate`` in this process, torch on ``threads`` threads."""
+def hf_job(data: str, out: str, threads: int, new_tokens: int, fmt: str = "f32") -> None:
+    """transformers ``generate`` in this process, torch on ``threads`` threads.
+
+    ``fmt`` other than f32: the tokens' reference for that format, every 2-D
+    weight (the linears, the embedding and the LM head, as llama.cpp's files
+    have them) replaced by its value encoded in ``fmt`` and decoded
+    (:mod:`tvm_distx.bundle.formats`).
+    """
     import torch
     import transformers
+
+    from tvm_distx.bundle.formats import decode, encode
 
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         Path(data) / "model", dtype=torch.float32).eval()
+    if fmt != "f32":
+        with torch.no_grad():
+            for weight in model.parameters():
+                if weight.ndim == 2:
+                    weight.copy_(torch.from_numpy(decode(encode(weight.numpy(), fmt), fmt)))
     ids = torch.from_numpy(np.load(Path(data) / "ids.npy"))
 
     class Clock(transformers.LogitsProcessor):
@@ -196,8 +296,8 @@ def hf_job(data: str, out: str, threads: int, new_tokens: int) -> None:
 
 
 def ours_job(data: str, out: str, ranks: int, new_tokens: int, hosts: str | None = None,
-             rsh: str | None = None) -> None:
-    """A session on our generation bundle, one TVM thread per rank.
+             rsh: str | None = None, fmt: str = "f32") -> None:
+    """A session on our generation bundle of format ``fmt``, one TVM thread per rank.
 
     ``hosts`` (``"a,b"``) and ``rsh`` place the ranks on other hosts; their
     memory is then not read (their processes are not this host's).
@@ -206,7 +306,7 @@ def ours_job(data: str, out: str, ranks: int, new_tokens: int, hosts: str | None
 
     ids = np.load(Path(data) / "ids.npy")
     where = {"hosts": hosts, "rsh": rsh} if hosts else {}
-    with CausalLM.from_bundle(Path(data) / f"bundle_{ranks}",
+    with CausalLM.from_bundle(Path(data) / f"bundle_{fmt}_{ranks}",
                               env={"TVM_NUM_THREADS": "1"}, **where) as lm:
         def memory() -> list[int]:
             return [] if hosts else [peak_rss(r.pid) for r in lm.session.ranks]
@@ -346,15 +446,24 @@ def kernels_job(out: str, shapes: list[tuple[int, int]], rounds: int, mib: int) 
 
 # ---------------------------------------------------------------------- the controller
 def launch(kind: str, arg, folder: Path, new_tokens: int, timeout: float,
-           where: tuple[str, ...] = ()) -> dict:
-    """Run one contender's job (``where``: its ``--on-hosts`` and ``--rsh``); returns its JSON."""
-    out = folder / f"{kind}{arg}.json"
+           where: tuple[str, ...] = (), fmt: str = "f32", gguf: str | None = None) -> dict:
+    """Run one contender's job; returns its JSON.
+
+    ``where``: ours' ``--on-hosts`` and ``--rsh``; ``fmt``: ours' bundle format;
+    ``gguf``: llama.cpp's file (its job runs on the llama.cpp environment's Python).
+    """
+    key = key_of(kind, arg, fmt)
+    out = folder / f"{key}.json"
     out.unlink(missing_ok=True)
-    threads = str(arg) if kind == "hf" else "1"
-    command = [sys.executable, SCRIPT, f"--{kind}-job", str(arg), "--data", str(folder),
-               "--out", str(out), "--new-tokens", str(new_tokens), *where]
+    threads = "1" if kind == "ours" else str(arg)
+    if kind == "llama":
+        command = [str(_llama_cpp.python(_llama_cpp.cache_dir())), _llama_cpp.__file__,
+                   "--job", gguf, "--threads", str(arg)]
+    else:
+        command = [sys.executable, SCRIPT, f"--{kind}-job", str(arg), "--format", fmt, *where]
+    command += ["--data", str(folder), "--out", str(out), "--new-tokens", str(new_tokens)]
     env = child_env(OMP_NUM_THREADS=threads, TVM_NUM_THREADS="1")
-    return run_job(f"{kind}{arg}", command, env, out, timeout)
+    return run_job(key, command, env, out, timeout)
 
 
 def bandwidth(folder: Path, processes: int, mib: int, window: float = STREAM_WINDOW) -> float:
@@ -373,12 +482,20 @@ def bandwidth(folder: Path, processes: int, mib: int, window: float = STREAM_WIN
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="4 layers: a quick run")
+    parser.add_argument("--quick", action="store_true",
+                        help="a try-out: --small, 1 round, no kernels, 1 s bandwidth windows")
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help="weight formats, comma-separated (default: %(default)s)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
+    parser.add_argument("--build-llama-cpp", action="store_true",
+                        help="build llama.cpp's cached environment if absent (10-20 min)")
+    parser.add_argument("--llama-cpp-sdist", help="a local llama_cpp_python sdist to build")
     parser.add_argument("--rounds", type=int, default=2, help="launches of every contender")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated")
     parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2], help="our rank counts")
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2],
-                        help="torch threads of the transformers contenders")
+                        help="threads of the transformers and llama.cpp contenders")
     parser.add_argument("--hidden", type=int, help="hidden size (heads of 64)")
     parser.add_argument("--layers", type=int, help="decoder layers")
     parser.add_argument("--kernels", nargs="*", default=None, metavar="KxN",
@@ -395,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rsh", help=argparse.SUPPRESS)
     parser.add_argument("--hf-job", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ours-job", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--format", default="f32", help=argparse.SUPPRESS)
     parser.add_argument("--stream-job", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--kernels-job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -403,10 +521,11 @@ def main(argv: list[str] | None = None) -> int:
     shapes = ([tuple(int(v) for v in s.lower().split("x")) for s in opts.kernels]
               if opts.kernels else MATVEC_SHAPES)
     if opts.hf_job:
-        hf_job(opts.data, opts.out, opts.hf_job, opts.new_tokens)
+        hf_job(opts.data, opts.out, opts.hf_job, opts.new_tokens, opts.format)
         return 0
     if opts.ours_job:
-        ours_job(opts.data, opts.out, opts.ours_job, opts.new_tokens, opts.on_hosts, opts.rsh)
+        ours_job(opts.data, opts.out, opts.ours_job, opts.new_tokens, opts.on_hosts, opts.rsh,
+                 opts.format)
         return 0
     if opts.stream_job:
         stream_job(opts.out, opts.stream_job, opts.mib, opts.stream_window)
@@ -415,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         kernels_job(opts.out, shapes, opts.rounds, opts.mib)
         return 0
 
+    if opts.quick:
+        opts.small, opts.rounds, opts.no_kernels, opts.stream_window = True, 1, True, 1.0
     config = dict(MODEL)
     if opts.small:
         config["num_hidden_layers"] = 4
@@ -428,19 +549,36 @@ def main(argv: list[str] | None = None) -> int:
         config["num_hidden_layers"] = opts.layers
     if opts.hosts:
         return across_hosts(opts, config)
-    rows = contenders(opts.ranks, opts.threads)
+    formats = [f.strip() for f in opts.formats.split(",") if f.strip()]
+    if unknown := sorted(set(formats) - set(FORMATS)):
+        raise SystemExit(f"unknown formats {unknown}: choose from {', '.join(FORMATS)}")
+    ours = our_formats(formats)
+    llama, note = _llama_cpp.select(formats, opts.no_llama_cpp, opts.build_llama_cpp,
+                                    opts.llama_cpp_sdist)
+    rows = contenders(opts.ranks, opts.threads, ours, llama)
     started = time.perf_counter()
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="tvm-distx-bench-") as tmp:
         folder = Path(tmp)
-        read = build(folder, config, opts.prompt, opts.new_tokens, opts.ranks)
+        # llama.cpp's files are cached beside the checkpoint, so it is kept too
+        model = cached_checkpoint(config, max(512, opts.prompt + opts.new_tokens)) if llama \
+            else None
+        read = build(folder, config, opts.prompt, opts.new_tokens, opts.ranks, ours, model)
+        gguf = _llama_cpp.gguf_files(model, llama, _llama_cpp.cache_dir(),
+                                     config["vocab_size"]) if llama else {}
+        read.update({key_of("llama", t, fmt): gguf[fmt]["bytes"]
+                     for fmt in llama for t in opts.threads})
+        # each 16-bit or quantized format's reference tokens: transformers on its weights
+        refs = {fmt: launch("hf", 1, folder, opts.new_tokens, opts.timeout, fmt=fmt)["tokens"]
+                for fmt in formats if fmt != "f32" and any(f == fmt for *_, f in rows)}
         runs: dict[str, list[dict]] = {key: [] for key, *_ in rows}
         bw: dict[int, list[float]] = {1: [], 2: []}
         kernel_rows = None
         for r in range(opts.rounds):
             order = rows[r % len(rows):] + rows[:r % len(rows)]
-            for key, _, kind, arg in order:
-                got = launch(kind, arg, folder, opts.new_tokens, opts.timeout)
+            for key, _, kind, arg, fmt in order:
+                got = launch(kind, arg, folder, opts.new_tokens, opts.timeout, fmt=fmt,
+                             gguf=gguf.get(fmt, {}).get("path"))
                 runs[key].append(got)
                 print(f"  round {r + 1}: {key} prefill {got['prefill'] * 1e3:.0f} ms, "
                       f"decode {median(got['steps']) * 1e3:.1f} ms/token", file=sys.stderr,
@@ -460,26 +598,37 @@ def main(argv: list[str] | None = None) -> int:
                 OMP_NUM_THREADS="1", TVM_NUM_THREADS="1"), out, opts.timeout)
     elapsed = time.perf_counter() - started
     load.append(os.getloadavg()[0])
-    report(opts, config, rows, runs, bw, read, kernel_rows, elapsed, load)
+    report(opts, config, rows, runs, bw, read, kernel_rows, elapsed, load,
+           {"formats": formats, "ours": ours, "llama": note, "gguf": gguf, "refs": refs})
     return 0
 
 
 def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_rows,
-           elapsed: float, load: list[float]) -> None:
-    """Print the tables (and write the JSON) of a finished run."""
+           elapsed: float, load: list[float], about: dict) -> None:
+    """Print the tables (and write the JSON) of a finished run.
+
+    ``about``: the formats asked for (``formats``), ours among them (``ours``),
+    the llama.cpp line (``llama``) and its files (``gguf``).
+    """
     reference = runs[rows[0][0]][0]["tokens"]
     step = {key: [median(run["steps"]) for run in runs[key]] for key in runs}
     table_rows, fractions = [], {}
-    for key, label, kind, arg in rows:
+    for key, label, kind, arg, fmt in rows:
         procs = arg if kind == "ours" else 1
+        threads = 1 if kind == "ours" else arg  # one process's threads share its bandwidth
         per_proc = bw[2] if arg == 2 else bw[1]  # two ranks or two threads share the memory
-        nbytes = read[key] if kind == "ours" else read["whole"]
-        bound = [nbytes / (b * (arg if kind == "hf" else 1)) for b in per_proc]
+        nbytes = read.get(key, read["whole"])
+        bound = [nbytes / (b * threads) for b in per_proc]
         fractions[key] = [lo / t for lo, t in zip(bound, step[key])]
         # as if every process had one process's bandwidth to itself (separate machines)
-        alone = [nbytes / (b * (arg if kind == "hf" else 1)) / t
-                 for b, t in zip(bw[1], step[key])]
-        same = all(run["tokens"] == reference for run in runs[key])
+        alone = [nbytes / (b * threads) / t for b, t in zip(bw[1], step[key])]
+        same = []
+        for tokens in (reference, about["refs"].get(fmt)):
+            if tokens is not None:
+                agree = min(_llama_cpp.agreeing(run["tokens"], tokens, opts.prompt)
+                            for run in runs[key])
+                same.append("yes" if agree == opts.new_tokens
+                            else f"first {agree} of {opts.new_tokens}")
         rss = max(max(run["rss"]) for run in runs[key])
         # what the weights and the caches add to a rank's runtime (ours: before the first call)
         added = max(max(p - b for p, b in zip(run["rss"], run["runtime"])) for run in runs[key]
@@ -487,23 +636,31 @@ def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_ro
         table_rows.append((
             label, f"{median(run['prefill'] for run in runs[key]) * 1e3:.0f}",
             f"{median(step[key]) * 1e3:.1f}", f"{1 / median(step[key]):.1f}",
-            "yes" if same else "**no**", f"{fmt_bytes(rss)} x {procs}",
-            "-" if added is None else fmt_bytes(added),
+            " / ".join(same),
+            f"{fmt_bytes(rss)} x {procs}", "-" if added is None else fmt_bytes(added),
             f"{fmt_bytes(nbytes)}", f"{median(bound) * 1e3:.1f}",
             f"{median(fractions[key]):.2f} ({spread(fractions[key])})",
             f"{median(alone):.2f} ({spread(alone)})"))
     print(f"Llama decode, {llama_parameters(config) / 1e6:.0f}M parameters "
           f"({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, FFN "
-          f"{config['intermediate_size']}, vocabulary {config['vocab_size']}), float32, prompt "
+          f"{config['intermediate_size']}, vocabulary {config['vocab_size']}), checkpoint in "
+          f"float32, formats {', '.join(about['formats'])} (ours in "
+          f"{', '.join(about['ours']) or 'none'}), prompt "
           f"{opts.prompt} tokens + {opts.new_tokens} greedy tokens, batch 1, "
           f"{os.cpu_count()} cores (load average {load[0]:.1f} before, {load[1]:.1f} after), "
-          f"{opts.rounds} rounds ({elapsed:.0f} s)\n")
+          f"{opts.rounds} round{'s' if opts.rounds > 1 else ''} ({elapsed:.0f} s)\n\n"
+          f"{about['llama']}\n")
     print(table(["contender", "prefill ms", "decode ms/token (median)", "tokens/s",
-                 "tokens = transformers 1 thread", "peak RSS per process",
+                 "tokens = transformers 1 thread (/ on the format's weights)",
+                 "peak RSS per process",
                  "of which weights and cache (peak - rank before loading)",
                  "weights read per token per process", "roofline ms/token",
                  "fraction of roofline (min-max)",
                  "fraction at one process's bandwidth each (min-max)"], table_rows))
+    if about["gguf"]:
+        print()
+        print(_llama_cpp.against_ours(opts.prompt, opts.new_tokens, rows, runs, step,
+                                      about, key_of))
     scaling = [2 * two / one for one, two in zip(bw[1], bw[2])]
     print(f"\nBandwidth (STREAM-like numpy read, 2 s per kernel, 1 thread per process): "
           f"{median(bw[1]) / 1e9:.1f} GB/s for one process alone, "
@@ -550,7 +707,8 @@ def report(opts, config: dict, rows, runs: dict, bw: dict, read: dict, kernel_ro
             "labels": {key: label for key, label, *_ in rows}, "steps": step,
             "prefill": {k: [run["prefill"] for run in v] for k, v in runs.items()},
             "fractions": fractions, "bandwidth": bw, "read": read, "kernels": kernel_rows,
-            "parameters": llama_parameters(config)}))
+            "parameters": llama_parameters(config), "gguf": about["gguf"],
+            "tokens": {k: [run["tokens"] for run in v] for k, v in runs.items()}}))
 
 
 def across_hosts(opts, config: dict) -> int:

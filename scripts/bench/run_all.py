@@ -14,8 +14,11 @@ one after the other, each in its own process:
 5. ``llm_prefill.py``: the prefill of a 101M-parameter random Llama on 1, 2
    and 4 ranks against torch eager and transformers' own tensor parallelism.
 6. ``llm_decode.py``: token generation of a 443M-parameter random Llama with
-   ``CausalLM`` on 1 and 2 ranks against transformers' ``generate``, with the
-   memory-bandwidth roofline and matrix-vector kernels against torch.
+   ``CausalLM`` on 1 and 2 ranks against transformers' ``generate`` and, when
+   its cached environment is built (``llm_decode.py --build-llama-cpp``),
+   llama.cpp on the checkpoint's GGUF files (F32, F16, Q8_0, Q4_0), with the
+   memory-bandwidth roofline and matrix-vector kernels against torch. The
+   smoke run leaves llama.cpp out.
 
 ``results.md`` holds each benchmark's tables under the command that made them,
 with the date, the commit and the machine; ``results.png`` plots them (six
@@ -67,7 +70,7 @@ BENCHES = [
      [], ["--small", "--rounds", "1", "--kernels", "1024x4096"],
      ["--hidden", "64", "--layers", "1", "--prompt", "4", "--new-tokens", "4", "--ranks", "2",
       "--threads", "1", "--rounds", "1", "--mib", "16", "--stream-window", "0.2",
-      "--kernels", "64x256"]),
+      "--kernels", "64x256", "--formats", "f32", "--no-llama-cpp"]),
 ]
 
 
