@@ -24,7 +24,7 @@ PUBLIC = {
     "DeviceMesh", "Placement", "Shard", "Replicate", "Partial", "TensorSharding",
     "set_device_meshes",
     "ShardingRule", "AnnotateSharding", "PropagateSharding",
-    "load_module", "from_torch", "export_decoder",
+    "load_module", "from_torch", "export_decoder", "quantize",
     "compile", "lower_to_ranks", "DistExecutable", "CausalLM",
     "auto_shard", "explain", "comm_report",
     "DistxError", "errors",

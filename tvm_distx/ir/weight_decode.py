@@ -36,7 +36,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.s_tir import SBlock, Schedule
 
-from tvm_distx.ir.helpers import is_call_to
+from tvm_distx.ir.helpers import is_call_to, static_shape
 
 __all__ = ["DECODE_ATTR", "DECODE_OPS", "decodes_parameters", "is_decode_block",
            "is_decode_kernel", "is_spatial_kernel", "mark_decode", "weight_params"]
@@ -129,6 +129,15 @@ def is_decode_kernel(call: relax.Expr, mod: tvm.IRModule, params) -> bool:
     if not isinstance(func, tirx.PrimFunc) or not args.fields:
         return False
     if not all(isinstance(a, tvm.ir.Constant) or a in params for a in args.fields):
+        return False
+    # a weight has a static shape; a parameter of a run-time extent (the token ids of a
+    # batch, cast for a lookup) is an input, whatever its position
+    if any(not isinstance(a, tvm.ir.Constant) and None in (static_shape(a.ty) or (None,))
+           for a in args.fields):
+        return False
+    # a decode widens a stored weight (a reshape of a float32 weight is no decode)
+    if not any(not isinstance(a, tvm.ir.Constant) and str(a.ty.dtype) != "float32"
+               for a in args.fields):
         return False
     return is_spatial_kernel(func)
 
