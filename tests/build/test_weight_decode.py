@@ -172,6 +172,29 @@ def test_a_lookup_decodes_only_the_rows_it_reads(fmt):
     np.testing.assert_array_equal(got, formats.decode(parts, fmt)[rows])
 
 
+def test_a_lookup_of_rows_whose_count_its_operands_do_not_define_takes_the_extent_in():
+    """A batch's ``(3, n)`` token ids flattened to ``3 * n`` rows: the fused kernel's
+    operands use ``n`` without defining it, so it is passed in as a shape operand."""
+    n = tvm.tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    ids = relax.Var("ids", relax.TensorType((3, n), "int64"))
+    table = relax.Var("t", relax.TensorType((128, 64), "float32"))
+    with bb.function("main", [ids, table]):
+        with bb.dataflow():
+            flat = bb.emit(relax.op.reshape(ids, (3 * n,)))
+            out = bb.emit_output(relax.op.take(table, flat, axis=0))
+        bb.emit_func_output(out)
+    values = np.random.default_rng(6).standard_normal((128, 64), dtype="float32")
+    mod, stored = td.quantize(bb.get(), {"t": values}, "f16")
+    built = schedule_module(legalize_ops(mod), TARGET)
+    assert any(name.startswith("fused_decode_") for name in kernels(built))
+    rows = np.random.default_rng(7).integers(0, 128, size=(3, 5))
+    vm = relax.VirtualMachine(tvm.compile(built, target=TARGET), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(rows), tvm.runtime.tensor(np.asarray(stored["t"])))
+    np.testing.assert_array_equal(got.numpy(),
+                                  np.asarray(stored["t"]).astype("float32")[rows.reshape(-1)])
+
+
 # --------------------------------------------------------------------------- fusion
 def test_fuse_weight_decodes_groups_a_decode_with_its_one_reader_and_marks_its_blocks():
     mod, _, _ = linear(1, 32, 64, "q8")

@@ -135,10 +135,6 @@ def is_decode_kernel(call: relax.Expr, mod: tvm.IRModule, params) -> bool:
     if any(not isinstance(a, tvm.ir.Constant) and None in (static_shape(a.ty) or (None,))
            for a in args.fields):
         return False
-    # a decode widens a stored weight (a reshape of a float32 weight is no decode)
-    if not any(not isinstance(a, tvm.ir.Constant) and str(a.ty.dtype) != "float32"
-               for a in args.fields):
-        return False
     return is_spatial_kernel(func)
 
 

@@ -176,6 +176,8 @@ def _primitive(decodes: list, kernels: dict, reader: relax.VarBinding):
     inner: list = []
 
     def param(arg):
+        if isinstance(arg.ty, tvm.ir.PrimType):
+            return arg  # a kernel's scalar (an extent FuseOps passes): its vars come in below
         for seen, var in zip(outer, inner):
             if seen.same_as(arg):
                 return var
@@ -190,6 +192,16 @@ def _primitive(decodes: list, kernels: dict, reader: relax.VarBinding):
 
     decoded = {d.var: [param(arg) for arg in d.value.args[1].fields] for d in decodes}
     operands = [None if arg in decoded else param(arg) for arg in reader.value.args[1].fields]
+    # an extent the operands' shapes or scalars use but do not define (the ``3 * n``
+    # rows of a batch) comes in as a shape operand
+    defined = {v for var in inner for v in relax.analysis.definable_tir_vars_in_type(var.ty)}
+    used = [v for ty in [var.ty for var in inner] + [reader.var.ty]
+            for v in relax.analysis.tir_vars_in_type(ty)]
+    used += [v for d in [*decodes, reader] for arg in d.value.args[1].fields
+             if isinstance(arg.ty, tvm.ir.PrimType) for v in tirx.analysis.undefined_vars(arg)]
+    undefined = list(dict.fromkeys(v for v in used if v not in defined))
+    if undefined:
+        param(relax.ShapeExpr(undefined))
     bb = relax.BlockBuilder()
     with bb.function("decoded_reader", list(inner), attrs={"Primitive": True}, private=True):
         with bb.dataflow():
