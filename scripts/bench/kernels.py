@@ -231,8 +231,9 @@ def matvec_main(opts, target, threads: int) -> int:
     """The ``--matvec`` table."""
     weights = [tuple(int(v) for v in text.lower().split("x")) for text in opts.weights] \
         if opts.weights else MATVEC_WEIGHTS
-    print(f"target: {target.attrs['mcpu']}, TVM threads: {threads}, rounds: {opts.rounds}, "
-          f"weights cycled: {opts.mib} MiB\n")
+    print(f"target: {target.attrs['mcpu']} ({target.attrs['num-cores']} cores, as ranks are "
+          f"compiled), TVM threads: {threads}, rounds: {opts.rounds}, weights cycled: "
+          f"{opts.mib} MiB\n")
     print("| format | weight (out x in) | stored MiB | rule | us/call | GB/s stored | "
           "G weights/s | read bandwidth GB/s | fraction of it (best round) | "
           "GB/s over f32's |")
@@ -294,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TVM_NUM_THREADS"] = str(threads)
     tvm_threads = use_cpu_threads(threads)  # before any kernel runs in this thread
     target = x86_target(tvm_threads)
-    if opts.matvec:
-        return matvec_main(opts, target, tvm_threads)
+    if opts.matvec:  # compiled for every core, as a rank's program is, run on --threads
+        return matvec_main(opts, x86_target(), tvm_threads)
     rule = None
     if opts.rows or opts.vectors or opts.no_pack:
         rule = MatmulRule(rows=opts.rows, vectors=opts.vectors, pack=not opts.no_pack)

@@ -161,12 +161,15 @@ class MatvecRule(MatmulRule):
         # the accumulators are summed, and the epilogue applied, per group of columns:
         # first as vectors, then one vector's lanes
         summed = None
-        if unroll > 1:
+        # the accumulators are summed into half a register (LLVM reads a register's
+        # upper half with one instruction, not a half it has to gather lane by lane)
+        width = lanes // 2 if lanes >= 8 else lanes
+        if unroll * lanes > width:
             *_, lane = sch.get_loops(mm)
-            _, s_lane = sch.split(lane, [unroll, lanes])
+            _, s_lane = sch.split(lane, [unroll * lanes // width, width])
             summed = sch.rfactor(s_lane, factor_axis=len(found.block.spatial))
             sch.reverse_compute_at(summed, jo)
-        halves = self._halve(sch, mm, lanes, len(found.block.spatial), jo)
+        halves = self._halve(sch, mm, width, len(found.block.spatial), jo)
         sch.reverse_compute_at(mm, jo)
         for consumer in found.epilogue:
             sch.reverse_compute_at(consumer.rv, jo)
