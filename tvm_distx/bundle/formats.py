@@ -54,7 +54,7 @@ import numpy as np
 from tvm_distx.errors import ArgumentError, ArgumentIndexError
 
 __all__ = ["FORMATS", "GROUP", "QUANTIZED", "EncodedPart", "WeightFormat", "bfloat16",
-           "decode", "encode", "numpy_dtype", "weight_format"]
+           "decode", "encode", "numpy_dtype", "sliced_bounds", "weight_format"]
 
 #: Values per group of the quantized formats (one float16 scale each).
 GROUP = 32
@@ -206,6 +206,53 @@ def decode(parts: dict[str, np.ndarray], fmt: str | WeightFormat) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ encoded on demand
+def sliced_bounds(bounds: tuple[tuple[int, int], ...], index, per_group: int, what: str,
+                  group: int) -> tuple[tuple[int, int], ...]:
+    """The bounds of ``block[index]``, a deferred block of a stored weight's part.
+
+    Parameters
+    ----------
+    bounds : tuple of (int, int)
+        The block's ``[start, stop)`` in the whole part, per dimension.
+    index : slice or tuple of slices
+        The index (slices of step 1: a rank's block is a box).
+    per_group : int
+        The part's elements per group along the last axis (1: any cut is whole).
+    what : str
+        The part, for errors ("a q4 weight's data").
+    group : int
+        Values per group, for errors.
+
+    Raises
+    ------
+    ArgumentIndexError
+        An index that is not a box, or a last-axis cut through a group.
+    """
+    if not isinstance(index, tuple):
+        index = (index,)
+    if len(index) > len(bounds):
+        raise ArgumentIndexError(f"{len(index)} indices for {what} of {len(bounds)} dimensions",
+                                 hint=f"index at most {len(bounds)} dimensions")
+    out = list(bounds)
+    for dim, item in enumerate(index):
+        if not isinstance(item, slice):
+            raise ArgumentIndexError(f"{what} takes slices, not {item!r}",
+                                     hint="write i:i+1 for one index")
+        start, stop = out[dim]
+        first, last, step = item.indices(stop - start)
+        if step != 1:
+            raise ArgumentIndexError(f"{what} takes slices of step 1 only",
+                                     hint="read it, then slice the array")
+        out[dim] = (start + first, start + max(first, last))
+    if out and (out[-1][0] % per_group or out[-1][1] % per_group):
+        raise ArgumentIndexError(
+            f"a block [{out[-1][0]}, {out[-1][1]}) of {what} cuts one of its groups of "
+            f"{group} values",
+            hint="split quantized weights on whole groups (the last axis' extent divided by "
+            "the ranks must be a multiple of the group)")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class EncodedPart:
     """One part of a weight in a format, encoded from its float source when read.
@@ -260,25 +307,10 @@ class EncodedPart:
         return self.fmt.group if self.part == "scale" else self.fmt.per_byte
 
     def __getitem__(self, index) -> "EncodedPart":
-        if not isinstance(index, tuple):
-            index = (index,)
-        if len(index) > self.ndim:
-            raise ArgumentIndexError(f"{len(index)} indices for a weight part of {self.ndim} "
-                                     "dimensions", hint=f"index at most {self.ndim} dimensions")
-        bounds = list(self.bounds)
-        for dim, item in enumerate(index):
-            if not isinstance(item, slice):
-                raise ArgumentIndexError(f"an encoded weight takes slices, not {item!r}",
-                                         hint="write i:i+1 for one index")
-            start, stop = bounds[dim]
-            first, last, step = item.indices(stop - start)
-            if step != 1:
-                raise ArgumentIndexError("an encoded weight takes slices of step 1 only",
-                                         hint="read it, then slice the array")
-            bounds[dim] = (start + first, start + max(first, last))
-        out = EncodedPart(self.source, self.fmt, self.part, tuple(bounds))
-        out._source_bounds()  # a block that cuts a group is refused here
-        return out
+        group = self.fmt.group or 1
+        bounds = sliced_bounds(self.bounds, index, group // self._values_per_element(),
+                               f"a {self.fmt.name} weight's {self.part}", group)
+        return EncodedPart(self.source, self.fmt, self.part, bounds)
 
     def _source_bounds(self) -> tuple[tuple[int, int], ...]:
         """The block of the source this part's block is encoded from."""
@@ -286,14 +318,6 @@ class EncodedPart:
             return ()
         *lead, (start, stop) = self.bounds
         per = self._values_per_element()
-        group = self.fmt.group or 1
-        per_group = group // per  # elements of this part per group
-        if start % per_group or stop % per_group:
-            raise ArgumentIndexError(
-                f"a block [{start}, {stop}) of a {self.fmt.name} weight's {self.part} cuts one "
-                f"of its groups of {group} values",
-                hint="split quantized weights on whole groups (the last axis' extent divided "
-                "by the ranks must be a multiple of the group)")
         return (*lead, (start * per, stop * per))
 
     def read(self) -> np.ndarray:

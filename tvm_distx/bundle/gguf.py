@@ -59,7 +59,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from tvm_distx.bundle.formats import FORMATS, EncodedPart, WeightFormat, decode, weight_format
+from tvm_distx.bundle.formats import (FORMATS, EncodedPart, WeightFormat, decode, sliced_bounds,
+                                      weight_format)
 from tvm_distx.bundle.gguf_header import TensorInfo, read_header
 from tvm_distx.bundle.gguf_tokenizer import GGUFTokenizer, read_tokenizer
 from tvm_distx.errors import ArgumentError, ArgumentIndexError
@@ -201,31 +202,10 @@ class GGUFBlock:
 
     # -- slicing and reading
     def __getitem__(self, index) -> "GGUFBlock":
-        if not isinstance(index, tuple):
-            index = (index,)
-        if len(index) > self.ndim:
-            raise ArgumentIndexError(f"{len(index)} indices for a GGUF tensor part of "
-                                     f"{self.ndim} dimensions",
-                                     hint=f"index at most {self.ndim} dimensions")
-        bounds = list(self.bounds)
-        for dim, item in enumerate(index):
-            if not isinstance(item, slice):
-                raise ArgumentIndexError(f"a GGUF tensor part takes slices, not {item!r}",
-                                         hint="write i:i+1 for one index")
-            start, stop = bounds[dim]
-            first, last, step = item.indices(stop - start)
-            if step != 1:
-                raise ArgumentIndexError("a GGUF tensor part takes slices of step 1 only",
-                                         hint="read it, then slice the array")
-            bounds[dim] = (start + first, start + max(first, last))
-        per = self._per_block()
-        if self.part != "values" and bounds and (bounds[-1][0] % per or bounds[-1][1] % per):
-            raise ArgumentIndexError(
-                f"a block [{bounds[-1][0]}, {bounds[-1][1]}) of the {self.part} of GGUF tensor "
-                f"{self.tensor} ({self.ggml_type}) cuts one of its groups of {self.block[0]} "
-                "values",
-                hint="split quantized weights on whole groups (the last axis' extent divided "
-                "by the ranks must be a multiple of the group)")
+        per = self._per_block() if self.part != "values" else 1
+        bounds = sliced_bounds(self.bounds, index, per,
+                               f"the {self.part} of GGUF tensor {self.tensor} ({self.ggml_type})",
+                               self.block[0])
         return GGUFBlock(self.path, self.tensor, self.offset, self.ggml_type, self.block,
                          self.stored_shape, self.part, self.heads, tuple(bounds))
 
