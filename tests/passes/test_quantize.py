@@ -16,7 +16,7 @@ import tvm_distx as td
 from tvm_distx import AnnotateSharding, ShardingRule
 from tvm_distx.build.pipeline import run_stages
 from tvm_distx.bundle import formats
-from tvm_distx.errors import ArgumentError
+from tvm_distx.errors import ArgumentError, RuleError
 from tvm_distx.passes.quantize import weight_formats
 from tvm_distx.plans import presets
 
@@ -146,6 +146,44 @@ def test_the_stored_parts_share_the_weights_placement_and_the_plan_moves_the_sam
 
     # one all-reduce of the row-parallel linear's (2, 128) float32 result, as in float32
     assert collectives(mod) == collectives(annotated) == [("all_reduce", "P", "R", 1024)]
+
+
+@I.ir_module
+class Residual:
+    """Megatron's MLP block on a residual stream, then an untied head."""
+
+    @R.function
+    def main(x: R.Tensor((2, 128), "float32"), up: R.Tensor((256, 128), "float32"),
+             down: R.Tensor((128, 256), "float32"), head: R.Tensor((64, 128), "float32")):
+        with R.dataflow():
+            h = R.nn.relu(R.matmul(x, R.permute_dims(up, axes=None)))
+            y = R.add(x, R.matmul(h, R.permute_dims(down, axes=None)))
+            logits = R.matmul(y, R.permute_dims(head, axes=None))
+            R.output(logits)
+        return logits
+
+
+def test_tensor_parallel_plans_before_quantize_and_refuses_a_module_quantized_already():
+    meshed = presets.set_device_meshes(Residual, [(2,)])
+    preset = presets.tensor_parallel()
+    weights = {name: value for name, value in _weights(1).items() if name in ("up", "down")}
+    weights["head"] = np.random.default_rng(2).standard_normal((64, 128), dtype="float32")
+    quantized, _ = td.quantize(meshed, weights, "q8")
+    with pytest.raises(RuleError, match="stored quantized already") as err:
+        preset.apply(quantized)
+    assert "td.quantize(annotated, weights, fmt)" in err.value.hint
+    # the order the hint gives: the plan's placements move onto the stored parts
+    assert [preset.plan(meshed).role(n).role for n in ("up", "down")] == ["column", "row"]
+    mod, stored = td.quantize(preset.apply(meshed), weights, "q8")
+    report = td.explain(tvm.relax.transform.LegalizeOps()(mod))
+    placement = {r.value: r.placement for r in report.for_function("main")}
+    assert placement["up"] == placement["up_scale"] == "S[0]"
+    assert placement["down"] == placement["down_scale"] == "S[1]"
+    x = np.random.default_rng(3).standard_normal((2, 128), dtype="float32")
+    out = td.compile(mod).run(x, params=stored, backend="emulate")
+    up, down, head = (_decoded(stored, n) for n in ("up", "down", "head"))
+    want = (x + np.maximum(x @ up.T, 0) @ down.T) @ head.T
+    assert np.abs(out - want).max() <= 1e-4 * np.abs(want).max()
 
 
 def test_a_tied_table_is_decoded_once_per_read():

@@ -63,6 +63,7 @@ from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout.rules import ShardingRule, pattern_entries, rules_for
 from tvm_distx.passes import (SplitFusedProjections, GroupedQueryAttention, VocabParallelEmbedding,
                               AnnotateSharding)
+from tvm_distx.passes.quantize import weight_formats
 from tvm_distx.plans import moe
 from tvm_distx.plans.preset import Preset
 from tvm_distx.plans.structure import (LinearSite, ModelGraph, WeightRole, attention_heads,
@@ -337,6 +338,7 @@ class TensorParallel:
 
     def plan(self, mod: tvm.IRModule, function: str = "main") -> TensorParallelPlan:
         """The plan for ``mod`` (on its mesh's model axis)."""
+        _refuse_stored_formats(mod)
         return plan_tensor_parallel(mod, self.ranks(mod), function)
 
     def summary(self, mod: tvm.IRModule, function: str = "main") -> str:
@@ -433,6 +435,7 @@ class TensorParallel:
         with this plan for every other weight.
         """
 
+        _refuse_stored_formats(mod)
         if self.experts and moe.expert_weights(mod, function):
             # the experts' fused weights are cut, when needed, by the MoE tensor plan
             # (the embedding lookups are rewritten first; the base plan finds them so)
@@ -444,6 +447,24 @@ class TensorParallel:
             return plan.apply(mod, function)
         mod = self.prepare(mod, function)
         return AnnotateSharding(self.rules(mod, function))(mod)
+
+
+def _refuse_stored_formats(mod: tvm.IRModule) -> None:
+    """Refuse a module whose weights :func:`tvm_distx.quantize` stored already.
+
+    The plan reads linears as matmuls of weight parameters; a quantized
+    module's linears read decodes of stored parts instead, which it would
+    leave whole. Quantizing after planning moves each weight's annotation onto
+    its parts, so that order gives the same plan.
+    """
+    stored = sorted(name for name, fmt in weight_formats(mod).items() if fmt != "f32")
+    if stored:
+        raise RuleError(
+            f"tensor_parallel() plans float weights, but {len(stored)} weights of this module "
+            f"are stored quantized already ({', '.join(stored[:3])}"
+            f"{', ...' if len(stored) > 3 else ''})",
+            hint="plan first, then quantize: annotated = preset.apply(mod); "
+            "td.quantize(annotated, weights, fmt) moves each annotation onto the stored parts")
 
 
 def tensor_parallel(model_axis: int = 0, mesh_ndim: int = 1) -> TensorParallel:
