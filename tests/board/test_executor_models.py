@@ -110,10 +110,12 @@ def test_the_test_transformer_equals_the_vm(transformer):
     compiled.check("main", compiled.inputs("main", x.numpy()))
 
 
-def _decoder(model, folder, max_length=32):
+def _decoder(model, folder, max_length=32, fmt=None):
     program = td.export_decoder(model, max_length=max_length)
-    return Compiled(_tensor_parallel(program.mod, ("prefill", "decode")), program.weights,
-                    folder), program.cache
+    annotated, weights = _tensor_parallel(program.mod, ("prefill", "decode")), program.weights
+    if fmt is not None:  # stored quantized: the kernels decode the weights as they read them
+        annotated, weights = td.quantize(annotated, weights, fmt)
+    return Compiled(annotated, weights, folder), program.cache
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +146,19 @@ def _prefill_then_decode(compiled, cache, length: int, steps: int) -> None:
 def test_a_tiny_llama_prefill_and_decode_equal_the_vm(llama, length):
     compiled, cache = llama
     _prefill_then_decode(compiled, cache, length, steps=2)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "f16"])
+def test_a_tiny_llama_with_stored_weights_equals_the_vm(tmp_path, fmt):
+    """int8/uint8 data and float16 scales or weights, as a board holds them."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, initializer_range=0.2)
+    compiled, cache = _decoder(transformers.LlamaForCausalLM(config).eval(), tmp_path,
+                               max_length=16, fmt=fmt)
+    _prefill_then_decode(compiled, cache, 5, steps=1)
 
 
 def test_a_prompt_longer_than_the_cache_is_the_executors_error_not_a_memory_overrun(llama):
