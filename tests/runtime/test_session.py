@@ -82,6 +82,20 @@ def test_calls_reuse_the_ranks_and_their_weights(tensor_parallel):
         session.run(x)
 
 
+def test_a_rank_maps_tvms_runtime_library_and_neither_its_compiler_nor_torch(tensor_parallel):
+    """Three quarters of a rank's memory before its weights, were they loaded."""
+    exe, weights = tensor_parallel
+    with exe.session(params=weights) as session:
+        x = np.ones((128, 128), dtype="float32")
+        np.testing.assert_allclose(session.run(x), _mlp_twice(x, weights), atol=1e-5)
+        for rank in session.ranks:
+            libraries = {Path(line.split()[-1]).name
+                         for line in Path(f"/proc/{rank.pid}/maps").read_text().splitlines()
+                         if line.split()[-1].endswith(".so") or ".so." in line.split()[-1]}
+            assert "libtvm_runtime.so" in libraries
+            assert not {"libtvm_compiler.so", "libtorch_cpu.so"} & libraries
+
+
 def test_a_bad_call_leaves_the_session_usable(tensor_parallel):
     exe, weights = tensor_parallel
     x = np.ones((128, 128), "float32")

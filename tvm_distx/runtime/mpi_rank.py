@@ -101,14 +101,14 @@ def vm_program(manifest: Manifest, comm, count: Callable) -> Program:
     """
     import tvm
     import tvm_ffi
-    from tvm import relax
+    from tvm.runtime.vm import VirtualMachine  # the runtime's (tvm.relax needs the compiler)
 
     mpi_ccl.install(comm)
     disco = [ccl.DISCO_PREFIX + n for n in ccl.DISCO_BUILTINS if n != "worker_id"]
     for name in (*ccl.FUNCTIONS, *disco):  # ours, and TVM's builtins of TVM-lowered programs
         tvm_ffi.register_global_func(name, count(tvm.get_global_func(name)), override=True)
     library = tvm.runtime.load_module(str(manifest.library_path))
-    return VMProgram(relax.VirtualMachine(library, tvm.cpu()))
+    return VMProgram(VirtualMachine(library, tvm.cpu()))
 
 
 def serve(bundle: Path, driver: str, program: ProgramMaker = vm_program) -> None:
@@ -177,9 +177,25 @@ def _serve(bundle: Path, link: DriverLink, comm, rank: int, make: ProgramMaker) 
     link.finish(("done",))
 
 
+def runtime_only_imports() -> None:
+    """Make this process load TVM's runtime library alone, and never torch.
+
+    A rank runs a built program; it never compiles. TVM's package loads its
+    compiler library (about 250 MB) unless ``TVM_USE_RUNTIME_LIB=1``, and TVM's
+    FFI imports torch whenever it is installed (about 200 MB more): together
+    three quarters of a rank's memory before its weights, on every rank of a
+    host. Call this before the first ``import tvm``; a ``TVM_USE_RUNTIME_LIB``
+    the user set is kept.
+    """
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    if "torch" not in sys.modules and "tvm" not in sys.modules:
+        sys.modules["torch"] = None  # ``import torch`` raises ImportError, which TVM's FFI expects
+
+
 def main(argv: list[str] | None = None, program: ProgramMaker = vm_program,
          prog: str = "python -m tvm_distx.runtime.mpi_rank") -> None:
     """Parse the command line and serve this rank with ``program``'s maker."""
+    runtime_only_imports()
     parser = argparse.ArgumentParser(prog=prog,
                                      description="One rank of a tvm-distx session (started "
                                      "by MPISession under mpiexec).")
