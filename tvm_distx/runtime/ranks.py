@@ -22,6 +22,7 @@ which kind.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
@@ -65,13 +66,22 @@ class VMProgram:
     def __init__(self, vm) -> None:
         import tvm
 
-        self.vm, self._tensor = vm, tvm.runtime.tensor
+        self.vm, self._empty, self._cpu = vm, tvm.runtime.empty, tvm.cpu()
+        self._copy = tvm.get_global_func("runtime.TVMTensorCopyFromBytes")
 
     def function(self, name: str) -> Callable:
         return self.vm[name]
 
     def tensor(self, array: np.ndarray) -> object:
-        return self._tensor(np.ascontiguousarray(array))
+        """A TVM tensor holding a copy of ``array``, made with no copy in between.
+
+        (``tvm.runtime.tensor`` copies a ``bfloat16`` array once more through
+        ``tobytes``: three copies of a rank's largest weight at once.)
+        """
+        array = np.ascontiguousarray(array)
+        out = self._empty(array.shape, str(array.dtype), self._cpu)
+        self._copy(out, array.ctypes.data_as(ctypes.c_void_p), array.nbytes)
+        return out
 
     def numpy(self, value) -> np.ndarray:
         return value.numpy()
