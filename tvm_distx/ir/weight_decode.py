@@ -117,8 +117,8 @@ def is_decode_kernel(call: relax.Expr, mod: tvm.IRModule, params) -> bool:
     """Whether ``call`` is a ``call_tir`` that decodes parameters (see the module doc).
 
     Its kernel's blocks are all spatial, its tensor operands are parameters of
-    the enclosing function (``params``) or constants, and it has no run-time
-    scalar arguments.
+    the enclosing function (``params``, one at least) or constants, of static
+    shapes, and it has no run-time scalar arguments.
     """
     if not is_call_to(call, "relax.call_tir") or len(call.args) != 2:
         return False
@@ -130,6 +130,8 @@ def is_decode_kernel(call: relax.Expr, mod: tvm.IRModule, params) -> bool:
         return False
     if not all(isinstance(a, tvm.ir.Constant) or a in params for a in args.fields):
         return False
+    if all(isinstance(a, tvm.ir.Constant) for a in args.fields):
+        return False  # a broadcast constant (a scatter's fill value) decodes no weight
     # a weight has a static shape; a parameter of a run-time extent (the token ids of a
     # batch, cast for a lookup) is an input, whatever its position
     if any(not isinstance(a, tvm.ir.Constant) and None in (static_shape(a.ty) or (None,))

@@ -103,6 +103,7 @@ def vm_program(manifest: Manifest, comm, count: Callable) -> Program:
     import tvm_ffi
     from tvm.runtime.vm import VirtualMachine  # the runtime's (tvm.relax needs the compiler)
 
+    _load_runtime_extras(tvm)
     mpi_ccl.install(comm)
     disco = [ccl.DISCO_PREFIX + n for n in ccl.DISCO_BUILTINS if n != "worker_id"]
     for name in (*ccl.FUNCTIONS, *disco):  # ours, and TVM's builtins of TVM-lowered programs
@@ -190,6 +191,20 @@ def runtime_only_imports() -> None:
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
     if "torch" not in sys.modules and "tvm" not in sys.modules:
         sys.modules["torch"] = None  # ``import torch`` raises ImportError, which TVM's FFI expects
+
+
+def _load_runtime_extras(tvm) -> None:
+    """Load TVM's runtime extras when its compiler library, which loads them, is not loaded.
+
+    ``libtvm_runtime_extra`` holds run-time functions that kernels call by name
+    (``tvm.contrib.sort.topk`` of a router's top-k, say).
+    """
+    from tvm import base, libinfo
+
+    if "tvm_compiler" in base._LOADED_LIBS or "tvm_runtime_extra" in base._LOADED_LIBS:
+        return
+    base._LOADED_LIBS["tvm_runtime_extra"] = base.load_lib_ctypes(
+        "tvm", "tvm_runtime_extra", "RTLD_GLOBAL", extra_lib_paths=libinfo.package_lib_paths())
 
 
 def main(argv: list[str] | None = None, program: ProgramMaker = vm_program,
