@@ -127,12 +127,18 @@ def quantize(mod: tvm.IRModule, weights: Mapping, fmt="q8", *, dtype: str | None
     if rest is not None and rest.quantized:
         raise ArgumentError(f"quantize(dtype={dtype!r}): the other weights take a float format",
                             hint='quantize(mod, weights, "q4", dtype="bf16")')
-    chosen: dict[str, WeightFormat] = {}
-    out = mod
-    for gv, func in list(_ir.relax_functions(mod)):
-        if functions is not None and gv.name_hint not in functions:
-            continue
-        uses = _weight_uses(func, weights)
+    funcs = {gv: f for gv, f in _ir.relax_functions(mod)
+             if functions is None or gv.name_hint in functions}
+    order = _callers_first(funcs)
+    uses_of = _CalleeUses(funcs)
+    chosen: dict[str, WeightFormat] = {}            # by weight name
+    inherited: dict[tuple, tuple] = {}              # (callee, index) -> (format, from where)
+    stored_in: dict = {}                            # function -> {param: _Stored}
+    for gv in order:
+        func = funcs[gv]
+        named = {p: p for p in func.params if p.name in weights and _is_float(p)}
+        uses = _weight_uses(func, named, uses_of)
+        formats: dict = {}
         for param, use in uses.items():
             choice = _choose(param, use, weights[param.name], explicit, default, rest)
             if choice is None:
@@ -142,13 +148,43 @@ def quantize(mod: tvm.IRModule, weights: Mapping, fmt="q8", *, dtype: str | None
                                     "functions, so it takes no single format",
                                     hint="give it a format in a mapping: quantize(mod, weights, "
                                     f"{{'{param.name}': 'f32'}})")
-        stored = {p: _stored(p, chosen[p.name]) for p in uses
-                  if p.name in chosen and not _unchanged(p, chosen[p.name])}
+            formats[param] = choice
+        for index, param in enumerate(func.params):
+            passed = inherited.get((gv, index))
+            if passed is None:
+                continue
+            if param in formats and formats[param] != passed[0]:
+                raise ArgumentError(
+                    f"parameter '{param.name}' of function '{gv.name_hint}' is given weight "
+                    f"'{passed[1]}' in {passed[0].name} but would be stored in "
+                    f"{formats[param].name} by its own name",
+                    hint="give both the same format in a mapping: quantize(mod, weights, "
+                    f"{{'{param.name}': ..., '{passed[1]}': ...}})")
+            formats[param] = passed[0]
+        stored = {p: _stored(p, f) for p, f in formats.items() if not _unchanged(p, f)}
         for var, call in _annotations(func):
             if call.args[0] in stored:
                 _check_groups(gv.name_hint, stored[call.args[0]], var.name, call)
-        if stored:
-            out = _Decode(out, gv, stored).run(func)
+        for callee, index, arg in _passed_weights(func, funcs):
+            if arg not in stored:
+                continue
+            fmt, before = stored[arg].fmt, inherited.get((callee, index))
+            if before is not None and before[0] != fmt:
+                raise ArgumentError(
+                    f"function '{callee.name_hint}' takes weights of two formats as its "
+                    f"parameter {index}: '{before[1]}' ({before[0].name}) and '{arg.name}' "
+                    f"({fmt.name})", hint="give them one format in a mapping: quantize(mod, "
+                    f"weights, {{'{before[1]}': '{fmt.name}', '{arg.name}': '{fmt.name}'}})")
+            inherited[(callee, index)] = (fmt, arg.name)
+        stored_in[gv] = stored
+    passes = {gv: {i for i, p in enumerate(funcs[gv].params) if p in stored_in.get(gv, {})
+                   and (gv, i) in inherited} for gv in funcs}
+    _check_calls(funcs, stored_in, passes)
+    out, renamed = mod, {}
+    for gv in reversed(order):  # callees first: a caller's call then meets their new parameters
+        if stored_in.get(gv):
+            out, renamed[gv] = _Decode(out, gv, stored_in[gv], passes, renamed).run(out[gv])
+    out = _with_global_vars(out, renamed)
     new_weights = dict(weights)
     for name, f in chosen.items():
         for part, value in _parts(name, weights[name], f).items():
@@ -170,16 +206,19 @@ def weight_formats(mod: tvm.IRModule) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------- choosing formats
-def _weight_uses(func: relax.Function, weights: Mapping) -> dict[relax.Var, str]:
-    """Each float weight parameter of ``func`` and how it is read: ``"reduce-last"`` or ``"other"``.
+def _is_float(param: relax.Var) -> bool:
+    return _ir.is_tensor_type(param.ty) and str(param.ty.dtype).startswith(("float", "bfloat"))
+
+
+def _weight_uses(func: relax.Function, params, uses_of: "_CalleeUses") -> dict[relax.Var, str]:
+    """Each of ``params`` (weight parameters of ``func``) and how it is read.
 
     ``"reduce-last"``: every read (through its annotation) is a ``permute_dims``
     feeding a matmul as its right operand, a lookup, or a reshape (the blocks of
-    a vocabulary-parallel table); its last axis is what a linear sums over or
-    what a lookup returns.
+    a vocabulary-parallel table), so its last axis is what a linear sums over or
+    what a lookup returns; a weight passed to another function of the module is
+    read as that function reads its parameter. ``"other"`` otherwise.
     """
-    params = {p: p for p in func.params if p.name in weights and _ir.is_tensor_type(p.ty)
-              and str(p.ty.dtype).startswith(("float", "bfloat"))}
     values, users = {}, {}
     for block in func.body.blocks:
         for b in block.bindings:
@@ -195,11 +234,68 @@ def _weight_uses(func: relax.Function, weights: Mapping) -> dict[relax.Var, str]
                 if _ir.is_call_to(values[user], _ANNOTATE):
                     seen.append(user)
                 else:
-                    reads.append(values[user])
+                    reads.append((var, values[user]))
         last = len(_ir.static_shape(param.ty) or ()) == 2 and reads and all(
-            _reads_last_axis(r, users, values) for r in reads)
+            _reads_last_axis(r, users, values) if not uses_of.is_call(r) else
+            all(uses_of(r.op, i) == "reduce-last" for i, a in enumerate(r.args) if a.same_as(v))
+            for v, r in reads)
         uses[param] = "reduce-last" if last else "other"
     return uses
+
+
+class _CalleeUses:
+    """How each function of the module reads each of its parameters (memoized)."""
+
+    def __init__(self, funcs: dict) -> None:
+        self.funcs, self.memo = funcs, {}
+
+    def is_call(self, value) -> bool:
+        """A call of one of the module's functions (a weight passed on, not read)."""
+        return isinstance(value, relax.Call) and value.op in self.funcs
+
+    def __call__(self, gv, index: int) -> str:
+        key = (gv, index)
+        if key not in self.memo:
+            self.memo[key] = "other"  # a recursive call reads it as "other"
+            param = self.funcs[gv].params[index]
+            self.memo[key] = _weight_uses(self.funcs[gv], [param], self)[param]
+        return self.memo[key]
+
+
+def _callers_first(funcs: dict) -> list:
+    """The functions, each before every function it calls (cycles broken by name order)."""
+    calls = {gv: {c for c, _, _ in _passed_weights(f, funcs, every=True)}
+             for gv, f in funcs.items()}
+    order, placed = [], set()
+
+    def called_by_unplaced(gv) -> bool:
+        return any(gv in callees for caller, callees in calls.items()
+                   if caller not in placed and caller != gv)
+
+    pending = sorted(funcs, key=lambda g: g.name_hint)
+    while pending:
+        ready = [g for g in pending if not called_by_unplaced(g)] or pending[:1]
+        for gv in ready:
+            order.append(gv)
+            placed.add(gv)
+        pending = [g for g in pending if g not in placed]
+    return order
+
+
+def _passed_weights(func: relax.Function, funcs: dict, every: bool = False):
+    """``(callee, index, parameter)`` for each parameter of ``func`` (or its annotation)
+    passed as argument ``index`` of a call to a module function (``every``: any argument,
+    parameter or not, with ``None``)."""
+    origin = {p: p for p in func.params}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            value = b.value
+            if _ir.is_call_to(value, _ANNOTATE) and value.args[0] in origin:
+                origin[b.var] = origin[value.args[0]]
+            if isinstance(value, relax.Call) and value.op in funcs:
+                for index, arg in enumerate(value.args):
+                    if arg in origin or every:
+                        yield value.op, index, origin.get(arg)
 
 
 def _annotations(func: relax.Function):
@@ -289,35 +385,107 @@ def _check_groups(function: str, s: _Stored, var: str, call: relax.Call) -> None
             f"{groups}, or leave it out of the quantization")
 
 
+def _check_calls(funcs: dict, stored_in: dict, passes: dict) -> None:
+    """Every call passes a stored parameter of a function a weight stored in its format."""
+    for gv, func in funcs.items():
+        for callee, index, arg in _passed_weights(func, funcs, every=True):
+            if index not in passes.get(callee, ()):
+                continue
+            want = stored_in[callee][funcs[callee].params[index]]
+            got = stored_in.get(gv, {}).get(arg) if arg is not None else None
+            if got is None or got.fmt != want.fmt:
+                raise ArgumentError(
+                    f"function '{gv.name_hint}' calls '{callee.name_hint}' with "
+                    f"{'a value' if arg is None else repr(arg.name)} as parameter "
+                    f"'{want.name}', which takes a weight stored in {want.fmt.name}",
+                    hint="pass weights of one format in that position, or leave "
+                    f"'{callee.name_hint}' out: quantize(..., functions=[...])")
+
+
+def _with_global_vars(mod: tvm.IRModule, renamed: dict) -> tvm.IRModule:
+    """``mod`` with each function of ``renamed`` (old -> new GlobalVar) under its new one.
+
+    A GlobalVar carries its function's signature, and a function whose weight
+    parameters became stored parts has another; every call of it is retargeted.
+    """
+    renamed = {old: new for old, new in renamed.items() if not new.same_as(old)}
+    if not renamed:
+        return mod
+    out = tvm.IRModule({}, attrs=mod.attrs, global_infos=mod.global_infos)
+    retarget = _Retarget(renamed)
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            out[renamed.get(gv, gv)] = retarget.visit_expr(func)
+        else:
+            out[gv] = func
+    return out
+
+
+@mutator
+class _Retarget(PyExprMutator):
+    """Replaces GlobalVars (old -> new)."""
+
+    def __init__(self, renamed: dict) -> None:
+        super().__init__()
+        self.renamed = renamed
+
+    def visit_global_var_(self, gv):
+        return self.renamed.get(gv, gv)
+
+
 # ------------------------------------------------------------------------- the rewrite
 class _Decode:
     """Rewrite one function: weights become their stored parts, decoded before each read."""
 
-    def __init__(self, mod: tvm.IRModule, gv: tvm.ir.GlobalVar, stored: dict) -> None:
-        self.mod, self.gv, self.stored = mod, gv, stored
+    def __init__(self, mod: tvm.IRModule, gv: tvm.ir.GlobalVar, stored: dict,
+                 passes: dict, renamed: dict) -> None:
+        self.mod, self.gv, self.stored, self.passes = mod, gv, stored, passes
+        self.renamed = renamed  # callees rewritten before: old -> new GlobalVar
 
     def run(self, func: relax.Function) -> tvm.IRModule:
         params = []
         for p in func.params:
             s = self.stored.get(p)
             params += [p] if s is None else [s.data] + ([s.scale] if s.scale is not None else [])
-        rewriter = _Rewriter(self.mod, self.gv.name_hint, self.stored)
+        rewriter = _Rewriter(self.mod, self.gv.name_hint, self.stored, self.passes,
+                             self.renamed)
         body = rewriter.visit_with_new_scope(func.body)
         new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs)
         out = rewriter.builder_.get().clone()  # the builder's module is the caller's
         out[self.gv] = new
-        return out
+        # a function its callers pass stored weights to gets a GlobalVar of its new signature
+        if not self.passes.get(self.gv):
+            return out, self.gv
+        typed = tvm.ir.GlobalVar(self.gv.name_hint)
+        relax.expr._update_type(typed, new.ty)  # a fresh variable: the caller's keeps its type
+        return out, typed
 
 
 @mutator
 class _Rewriter(PyExprMutator):
     """Moves annotations onto the stored parts and decodes each read of a weight."""
 
-    def __init__(self, mod: tvm.IRModule, function: str, stored: dict) -> None:
+    def __init__(self, mod: tvm.IRModule, function: str, stored: dict, passes: dict,
+                 renamed: dict) -> None:
         super().__init__(mod)
         self.function = function
         self.stored = stored   # parameter -> _Stored
         self.aliases = {}      # an annotation of a stored weight -> _Stored of the annotated parts
+        self.passes = passes   # callee -> the indices of its parameters stored as passed
+        self.renamed = renamed  # callee -> its GlobalVar of the new signature
+
+    def visit_call_(self, call):
+        taken = self.passes.get(call.op) if isinstance(call.op, tvm.ir.GlobalVar) else None
+        if not taken:
+            return super().visit_call_(call)
+        args = []
+        for index, arg in enumerate(call.args):
+            entry = self.stored.get(arg) or self.aliases.get(arg)
+            if entry is not None and index in taken:  # passed on stored: the callee decodes
+                args += [entry.data] + ([entry.scale] if entry.scale is not None else [])
+            else:
+                args.append(self.visit_expr(arg))
+        return relax.Call(self.renamed.get(call.op, call.op), args, call.attrs, call.ty_args)
 
     def visit_var_binding_(self, binding) -> None:
         value = binding.value

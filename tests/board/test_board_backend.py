@@ -99,6 +99,21 @@ def test_board_errors_are_one_line(bundle, tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_a_bfloat16_program_has_no_rank_plan_and_says_so_with_the_dtype_to_use(tmp_path):
+    """numpy on a board has no bfloat16 (it comes from ml_dtypes): the plan refuses it."""
+    mod = AnnotateSharding(RULES)(td.load_module(TESTS_DIR / "data" / "seed_tensor_parallel.py"))
+    rng = np.random.default_rng(6)
+    weights = {n: 0.1 * rng.standard_normal((128, 128), dtype="float32") for n in "AB"}
+    stored, stored_weights = td.quantize(mod, weights, "bf16")
+    exe = td.compile(stored)
+    assert exe.plan is None and "bfloat16" in exe.plan_refusal
+    bundle = exe.export(tmp_path / "bundle", params=stored_weights)
+    np.save(tmp_path / "x.npy", np.ones((128, 128), "float32"))
+    done = _board("run", str(bundle), "-i", "x.npy", "-o", "out", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "no rank plan" in done.stderr and "is bfloat16" in done.stderr
+
+
 def test_a_library_for_another_cpu_is_one_line(bundle, tmp_path):
     manifest = bundle / "manifest.json"
     text = manifest.read_text()

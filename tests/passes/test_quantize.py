@@ -186,6 +186,57 @@ def test_tensor_parallel_plans_before_quantize_and_refuses_a_module_quantized_al
     assert np.abs(out - want).max() <= 1e-4 * np.abs(want).max()
 
 
+@I.ir_module
+class Calls:
+    """One linear, a private function called with two weights (Megatron's pair)."""
+
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function(private=True)
+    def linear(x: R.Tensor((2, 64), "float32"), w: R.Tensor((64, 64), "float32")):
+        with R.dataflow():
+            y = R.matmul(x, R.permute_dims(w, axes=None))
+            R.output(y)
+        return y
+
+    @R.function
+    def main(x: R.Tensor((2, 64), "float32"), up: R.Tensor((64, 64), "float32"),
+             down: R.Tensor((64, 64), "float32")):
+        cls = Calls
+        with R.dataflow():
+            up_ann = R.dist.annotate_sharding(up, device_mesh="mesh[0]", placement="S[0]")
+            down_ann = R.dist.annotate_sharding(down, device_mesh="mesh[0]", placement="S[1]")
+            h = R.nn.relu(cls.linear(x, up_ann))
+            y = cls.linear(h, down_ann)
+            R.output(y)
+        return y
+
+
+@pytest.mark.parametrize("fmt", ["q8", "bf16"])
+def test_a_weight_passed_to_a_private_function_is_passed_stored_and_decoded_where_read(fmt):
+    rng = np.random.default_rng(4)
+    weights = {n: rng.standard_normal((64, 64), dtype="float32") for n in ("up", "down")}
+    mod, stored = td.quantize(Calls, weights, fmt)
+    # the callee takes the stored parts; the caller passes them on and decodes nothing
+    params = [(p.name, str(p.ty.dtype)) for p in mod["linear"].params]
+    assert params == [("x", "float32"), ("w", "int8"), ("w_scale", "float16")] if fmt == "q8" \
+        else params == [("x", "float32"), ("w", "bfloat16")]
+    assert "astype" not in mod["main"].script()
+    x = rng.standard_normal((2, 64), dtype="float32")
+    out = td.compile(mod).run(x, params=stored, backend="emulate")
+    up, down = (_decoded(stored, n) for n in ("up", "down"))
+    want = np.maximum(x @ up.T, 0) @ down.T
+    assert np.abs(out - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_a_private_function_given_weights_of_two_formats_in_one_place_is_refused():
+    rng = np.random.default_rng(4)
+    weights = {n: rng.standard_normal((64, 64), dtype="float32") for n in ("up", "down")}
+    with pytest.raises(ArgumentError, match="'linear' takes weights of two formats") as err:
+        td.quantize(Calls, weights, {"up": "q8", "down": "q4"})
+    assert "quantize(mod, weights, {" in err.value.hint
+
+
 def test_a_tied_table_is_decoded_once_per_read():
     mod, _ = td.quantize(MLP, _weights(), "q8")
     text = mod["main"].script()

@@ -44,8 +44,9 @@ def read_plan(manifest) -> dict:
     """
     path: Path | None = manifest.plan_path
     if path is None:
+        why = manifest.raw.get("plan_refusal")
         raise BundleError(f"the bundle at {manifest.root} has no rank plan, so only TVM's "
-                          "virtual machine runs it",
+                          "virtual machine runs it" + (f" ({why})" if why else ""),
                           hint="run it with backend='mpi', or export it again with this "
                           "version of tvm-distx",
                           cli_hint="run it with --backend mpi, or export it again with this "

@@ -366,6 +366,11 @@ class DistExecutable:
             manifest["program_files"] = [PLAN, RUNTIME_LIBRARY, *python]
         else:
             (root / PLAN).unlink(missing_ok=True)
+            if self.plan_refusal:  # why boards cannot run it, for their error
+                manifest["plan_refusal"] = self.plan_refusal
+            if self.target.is_riscv:
+                logger.warning("this bundle has no rank plan, so boards without TVM cannot run "
+                               "it: %s", self.plan_refusal)
             (root / RUNTIME_LIBRARY).unlink(missing_ok=True)
         (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _write_launcher(root, self.num_ranks, self.target.name, signatures[0],

@@ -30,7 +30,7 @@ The manifest (``"format": "tvm-distx-bundle"``, ``"version": 2``) holds:
     The rank plan's file name and sha256: the program the library's virtual
     machine runs, written as data (:mod:`tvm_distx.build.board_plan`), which the
     board's ranks run with the library's kernels and no TVM. Absent when the
-    program has a construct the plan cannot write.
+    program has a construct the plan cannot write; ``plan_refusal`` then says which.
 ``meshes``
     ``[{"name", "shape", "devices"}]``, every mesh of the program.
 ``ranks``
