@@ -130,6 +130,37 @@ def quantize(mod: tvm.IRModule, weights: Mapping, fmt="q8", *, dtype: str | None
     funcs = {gv: f for gv, f in _ir.relax_functions(mod)
              if functions is None or gv.name_hint in functions}
     order = _callers_first(funcs)
+    chosen, stored_in, inherited = _choose_formats(funcs, order, weights, explicit, default,
+                                                   rest)
+    passes = {gv: {i for i, p in enumerate(funcs[gv].params) if p in stored_in.get(gv, {})
+                   and (gv, i) in inherited} for gv in funcs}
+    _check_calls(funcs, stored_in, passes)
+    out, renamed = mod, {}
+    for gv in reversed(order):  # callees first: a caller's call then meets their new parameters
+        if stored_in.get(gv):
+            out, renamed[gv] = _Decode(out, gv, stored_in[gv], passes, renamed).run(out[gv])
+    out = _with_global_vars(out, renamed)
+    new_weights = dict(weights)
+    for name, f in chosen.items():
+        for part, value in _parts(name, weights[name], f).items():
+            new_weights[name if part == "data" else name + SCALE_SUFFIX] = value
+    counted = {f.name: sum(1 for c in chosen.values() if c == f) for f in chosen.values()}
+    logger.info("quantize: %s", ", ".join(f"{n} weights {k}" for k, n in counted.items())
+                or "no weight to store differently")
+    formats = dict(weight_formats(out))
+    formats.update({name: f.name for name, f in chosen.items() if f.name != "f32"})
+    return out.with_attr(FORMATS_ATTR, formats), new_weights
+
+
+def _choose_formats(funcs: dict, order: list, weights: Mapping, explicit, default, rest):
+    """Each function's stored weight parameters, callers before callees.
+
+    A parameter named in ``weights`` takes the format its reads suit (see
+    :func:`_choose`); a parameter a caller passes a stored weight to takes that
+    weight's format. Returns ``(chosen, stored_in, inherited)``: the format of
+    each weight by name, ``{function: {param: _Stored}}``, and ``{(callee,
+    index): (format, the caller's weight)}``.
+    """
     uses_of = _CalleeUses(funcs)
     chosen: dict[str, WeightFormat] = {}            # by weight name
     inherited: dict[tuple, tuple] = {}              # (callee, index) -> (format, from where)
@@ -177,24 +208,7 @@ def quantize(mod: tvm.IRModule, weights: Mapping, fmt="q8", *, dtype: str | None
                     f"weights, {{'{before[1]}': '{fmt.name}', '{arg.name}': '{fmt.name}'}})")
             inherited[(callee, index)] = (fmt, arg.name)
         stored_in[gv] = stored
-    passes = {gv: {i for i, p in enumerate(funcs[gv].params) if p in stored_in.get(gv, {})
-                   and (gv, i) in inherited} for gv in funcs}
-    _check_calls(funcs, stored_in, passes)
-    out, renamed = mod, {}
-    for gv in reversed(order):  # callees first: a caller's call then meets their new parameters
-        if stored_in.get(gv):
-            out, renamed[gv] = _Decode(out, gv, stored_in[gv], passes, renamed).run(out[gv])
-    out = _with_global_vars(out, renamed)
-    new_weights = dict(weights)
-    for name, f in chosen.items():
-        for part, value in _parts(name, weights[name], f).items():
-            new_weights[name if part == "data" else name + SCALE_SUFFIX] = value
-    counted = {f.name: sum(1 for c in chosen.values() if c == f) for f in chosen.values()}
-    logger.info("quantize: %s", ", ".join(f"{n} weights {k}" for k, n in counted.items())
-                or "no weight to store differently")
-    formats = dict(weight_formats(out))
-    formats.update({name: f.name for name, f in chosen.items() if f.name != "f32"})
-    return out.with_attr(FORMATS_ATTR, formats), new_weights
+    return chosen, stored_in, inherited
 
 
 def weight_formats(mod: tvm.IRModule) -> dict[str, str]:
@@ -442,7 +456,8 @@ class _Decode:
         self.mod, self.gv, self.stored, self.passes = mod, gv, stored, passes
         self.renamed = renamed  # callees rewritten before: old -> new GlobalVar
 
-    def run(self, func: relax.Function) -> tvm.IRModule:
+    def run(self, func: relax.Function) -> tuple[tvm.IRModule, tvm.ir.GlobalVar]:
+        """The module with ``func`` rewritten, and the GlobalVar its callers call it by."""
         params = []
         for p in func.params:
             s = self.stored.get(p)
