@@ -38,6 +38,7 @@ forever) in the rank's first collective.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -56,6 +57,8 @@ from tvm_distx.runtime.ranks import (Program, RankState, VMProgram, fault, injec
                                      one_line)
 
 __all__ = ["serve", "threads_per_rank", "counted", "vm_program", "main"]
+
+logger = logging.getLogger(__name__)
 
 #: ``maker(manifest, comm, count)`` gives the rank's program; ``count`` wraps each collective
 #: function so that the driver hears how many this rank entered (see :func:`counted`).
@@ -203,8 +206,12 @@ def _load_runtime_extras(tvm) -> None:
 
     if "tvm_compiler" in base._LOADED_LIBS or "tvm_runtime_extra" in base._LOADED_LIBS:
         return
-    base._LOADED_LIBS["tvm_runtime_extra"] = base.load_lib_ctypes(
-        "tvm", "tvm_runtime_extra", "RTLD_GLOBAL", extra_lib_paths=libinfo.package_lib_paths())
+    try:
+        base._LOADED_LIBS["tvm_runtime_extra"] = base.load_lib_ctypes(
+            "tvm", "tvm_runtime_extra", "RTLD_GLOBAL",
+            extra_lib_paths=libinfo.package_lib_paths())
+    except (OSError, RuntimeError) as err:  # a TVM build without it: kernels name what they miss
+        logger.debug("no TVM runtime extras: %s", err)
 
 
 def main(argv: list[str] | None = None, program: ProgramMaker = vm_program,
