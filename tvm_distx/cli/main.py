@@ -37,13 +37,16 @@ input, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
 import zipfile
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -458,12 +461,51 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _on_ctrl_c(signum: int, frame) -> None:
+    """SIGINT handler: raise KeyboardInterrupt, but never while a module is being imported.
+
+    The commands import TVM and torch lazily, and a KeyboardInterrupt raised inside an
+    extension module's initialisation can abort the process (torch's C++ start-up turns it
+    into ``std::terminate``). During an import the Ctrl-C is held: the handler sends itself
+    the signal again a moment later, until the import has finished.
+    """
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            again = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+            again.daemon = True
+            again.start()
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
+
+
+def _interrupted(err: BaseException) -> bool:
+    """Whether ``err`` stands for a Ctrl-C: Python wraps a KeyboardInterrupt raised in some
+    places (a class body's ``__set_name__`` while a library imports) in another exception."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
-        # from here on Ctrl-C raises KeyboardInterrupt, caught below after cleaning up
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = signal.getsignal(signal.SIGINT)
+    if (threading.current_thread() is not threading.main_thread()
+            or previous in (signal.SIG_IGN, None)):
+        return _command(argv)
+    signal.signal(signal.SIGINT, _on_ctrl_c)  # Ctrl-C: KeyboardInterrupt, caught in _command
+    try:
+        return _command(argv)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _command(argv: list[str] | None) -> int:
+    """Parse ``argv`` and run its command; errors and Ctrl-C become exit codes."""
     try:
         parser = _parser()
         args = parser.parse_args(argv)
@@ -471,17 +513,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         sys.stderr.write(f"tvm-distx: error: {err}\n")
         raise SystemExit(EXIT_USAGE) from None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as err:
+        if not _interrupted(err):
+            raise
         sys.stderr.write("interrupted\n")
         return EXIT_INTERRUPTED
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        return EXIT_INTERRUPTED
-    except DistxError as err:
+    except (KeyboardInterrupt, Exception) as err:
+        if _interrupted(err):
+            sys.stderr.write("interrupted\n")
+            return EXIT_INTERRUPTED
+        if not isinstance(err, DistxError):
+            raise
         if args.verbose:
             logger.exception("tvm-distx failed")
             if getattr(err, "details", ""):
@@ -490,5 +536,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED if isinstance(err, LaunchError) else EXIT_USAGE
 
 
+def console() -> NoReturn:
+    """The ``tvm-distx`` process: run :func:`main` and exit with its code.
+
+    A Ctrl-C that lands while an extension module runs Python code of its own (TVM's import
+    does) leaves CPython marked to kill itself with SIGINT once it finalizes, even though
+    :func:`main` caught the interrupt and cleaned up. The process therefore leaves through
+    ``os._exit`` after the interpreter's exit handlers, so the shell always sees exit 130.
+    """
+    code = main()
+    if code != EXIT_INTERRUPTED:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()
