@@ -96,6 +96,25 @@ def test_a_rank_maps_tvms_runtime_library_and_neither_its_compiler_nor_torch(ten
             assert not {"libtvm_compiler.so", "libtorch_cpu.so"} & libraries
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_ranks_between_calls_sleep_and_each_gets_its_own_message(tensor_parallel):
+    """An idle session costs no CPU: no rank spins in an MPI collective waiting for the next
+    call (it would take a core from the caller and from rank 0 on every call)."""
+    exe, weights = tensor_parallel
+    with exe.session(params=weights) as session:
+        x = np.ones((128, 128), dtype="float32")
+        session.run(x)
+        before = {r.pid: _cpu_seconds(r.pid) for r in session.ranks}
+        time.sleep(2.0)
+        used = {pid: _cpu_seconds(pid) - seconds for pid, seconds in before.items()}
+        assert all(u < 0.2 for u in used.values()), used
+        np.testing.assert_allclose(session.run(x), _mlp_twice(x, weights), atol=1e-5)
+
+
 def test_a_bad_call_leaves_the_session_usable(tensor_parallel):
     exe, weights = tensor_parallel
     x = np.ones((128, 128), "float32")

@@ -32,6 +32,7 @@ is given.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Mapping
 
 import numpy as np
@@ -79,7 +80,7 @@ class TensorSpec:
         """Whether ``device`` holds a shard of this tensor."""
         return device in self.sharding.mesh.device_range
 
-    @property
+    @cached_property
     def symbolic(self) -> bool:
         """Whether some dimension is a run-time extent."""
         return any(isinstance(d, str) for d in self.shape)
@@ -231,10 +232,23 @@ class FunctionSignature:
         given.update(params)
         return [_checked(spec, given[spec.name], self.name) for spec in self.params]
 
-    @property
+    @cached_property
     def symbolic(self) -> bool:
-        """Whether some parameter or result has a run-time extent."""
+        """Whether some parameter or result has a run-time extent (asked on every call)."""
         return any(s.symbolic for s in (*self.params, *self.results))
+
+    @cached_property
+    def _without(self) -> dict:
+        return {}
+
+    def without(self, names: frozenset[str]) -> "FunctionSignature":
+        """This signature without the parameters named in ``names`` (made once per set:
+        a session asks for the same one on every call)."""
+        found = self._without.get(names)
+        if found is None:
+            found = self._without[names] = replace(
+                self, params=tuple(p for p in self.params if p.name not in names))
+        return found
 
     def specialize(self, sizes: dict[str, int]) -> "FunctionSignature":
         """The concrete signature of a run with symbolic ``sizes``."""

@@ -31,9 +31,8 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -100,8 +99,12 @@ class Call(tuple):
         return self[4]
 
 
-def bind_inputs(manifest: Manifest, function: str, inputs: Sequence, params: Mapping | None):
+def bind_inputs(manifest: Manifest, function: str, inputs: Sequence, params: Mapping | None,
+                from_state: Collection[str] = ()):
     """Check a call's run-time inputs against a bundle's function, before any rank runs.
+
+    ``from_state`` names the parameters the ranks take from values they keep
+    (``state=``): like stored weights, they are neither inputs nor free.
 
     Returns
     -------
@@ -128,9 +131,16 @@ def bind_inputs(manifest: Manifest, function: str, inputs: Sequence, params: Map
         raise ArgumentError(f"{', '.join(sorted(overlap))} are weights stored in the bundle",
                             hint="do not pass them again")
     # bind the run-time inputs against the parameters that are not stored weights
-    free = replace(signature, params=tuple(p for p in signature.params if p.name not in stored))
+    free = signature.without(frozenset(stored.union(from_state)))
     values = free.bind(list(inputs), runtime_params)
     sizes = free.sizes(values)  # symbolic extents: checked here, before any rank starts
+    for spec in (p for p in signature.params if p.name in from_state):
+        unsized = [d for d in spec.shape if isinstance(d, str) and d not in sizes]
+        if unsized:
+            raise ArgumentError(f"'{function}' takes '{spec.name}' from state, but its extent "
+                                f"{unsized[0]} is not set by any input of the call",
+                                hint="pass an input whose shape sets it, or keep a value of "
+                                "static shape")
     signature = signature.specialize(sizes) if signature.symbolic else signature
     free = free.specialize(sizes) if free.symbolic else free
     return signature, free, values, sizes
@@ -260,11 +270,10 @@ class Session:
         keep = {int(k): str(v) for k, v in (keep or {}).items()}
         signature = self.manifest.function(function)
         check_state(signature, state, keep)
-        placeholders = {name: _placeholder(signature, name) for name in state}
-        _, free, values, sizes = bind_inputs(self.manifest, function, inputs,
-                                             {**(params or {}), **placeholders})
-        return Call((function, {spec.name: value for spec, value in zip(free.params, values)
-                                if spec.name not in state}, sizes, state, keep))
+        _, free, values, sizes = bind_inputs(self.manifest, function, inputs, params,
+                                             from_state=state)
+        return Call((function, {spec.name: value for spec, value in zip(free.params, values)},
+                     sizes, state, keep))
 
     def _rank_values(self, call: Call) -> list[dict]:
         """Per rank, what it takes of the call's run-time inputs: its shards, by name.
@@ -276,9 +285,10 @@ class Session:
         signature = self.manifest.function(call.function)
         if signature.symbolic:
             signature = signature.specialize(call.sizes)
-        return [{spec.name: signature.rank_input(spec, call.values[spec.name], rank)
-                 for spec in signature.params
-                 if spec.name in call.values and spec.held_by(rank)}
+        values = call.values
+        given = [spec for spec in signature.params if spec.name in values]
+        return [{spec.name: signature.rank_input(spec, values[spec.name], rank)
+                 for spec in given if spec.held_by(rank)}
                 for rank in range(self.manifest.num_ranks)]
 
     def _messages(self, call: Call) -> list[tuple]:
@@ -377,14 +387,3 @@ def check_state(signature, state: dict, keep: dict) -> None:
     if keep and count == len(keep):
         raise ArgumentError(f"keep= keeps every result of '{signature.name}' on the ranks",
                             hint="return at least one result (the logits, say)")
-
-
-def _placeholder(signature, name: str):
-    """A zero-size stand-in that satisfies the input check of a parameter given by state.
-
-    The check only reads shapes and dtypes; a broadcast view of one zero has the
-    parameter's shape without its memory, and is never sent.
-    """
-    spec = next(p for p in signature.params if p.name == name)
-    shape = tuple(1 if d is None else int(d) for d in spec.shape)
-    return np.broadcast_to(np.zeros((), spec.dtype), shape)

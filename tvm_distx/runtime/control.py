@@ -11,9 +11,9 @@ whether it runs on the driver's host or on another one. Over it:
 * a rank that fails sends its traceback and the error's one line
   (``("error", text, summary)``) before it aborts
   the job, and a rank that ends cleanly says ``("done",)``;
-* rank 0 alone also carries the calls: it says ``("ready", ranks)`` once every
-  rank has built its virtual machine, receives ``("run", messages)`` and
-  ``("close",)``, and answers ``("ok", replies)``;
+* the calls: rank 0 says ``("ready", ranks)`` once every rank has built its
+  virtual machine; then every rank receives ``("run", message)`` (its own) and
+  answers ``("ok", rank, reply)``, until ``("close",)``;
 * the driver sends every rank ``("beat",)`` every :data:`BEAT` seconds.
 
 So the driver learns of a rank's end wherever it runs: a rank that raised
@@ -226,12 +226,16 @@ class RankLinks:
         """Send ``message`` to ``rank``; a connection that fails is left to the watcher.
 
         With ``wait=False`` (the watcher's heartbeats) nothing is sent while
-        another send to that rank is under way.
+        another send to that rank is under way, nor while its connection is
+        backed up: a call's message to a rank whose host went away fills the
+        connection's buffer, and the watcher must go on beating the others.
         """
         conn = self._conns.get(rank)
         if conn is None or not self._locks[rank].acquire(blocking=wait):
             return
         try:
+            if not wait and not select.select([], [conn], [], 0)[1]:
+                return
             send_message(conn, message)
         except OSError:  # a send that stalls for LOST seconds gives up too
             pass
@@ -289,6 +293,7 @@ class RankLinks:
 
     def _accept(self) -> None:
         conn, peer = self._server.accept()
+        _no_delay(conn)
         conn.settimeout(_HANDSHAKE_TIMEOUT)
         try:
             hello = receive_message(conn) if _prove_driver(conn, self._key) else None
@@ -322,7 +327,7 @@ class RankLinks:
             self._fail(Failure("raised", rank, message[1], message[2]))
         elif kind == "done":
             info.finished = True
-        else:  # rank 0's "ready" and "ok"
+        else:  # rank 0's "ready", every rank's "ok"
             self.replies.put(message)
 
 
@@ -353,7 +358,7 @@ class DriverLink:
     collectives : int
         The collectives entered in the current call, sent with every beat.
     requests : queue.Queue
-        The driver's calls (rank 0).
+        The driver's calls and its ``close``.
     """
 
     def __init__(self, address: str, key: bytes, rank: int, pid: int, host: str, *,
@@ -366,6 +371,7 @@ class DriverLink:
         self._closing = False
         where, _, port = address.rpartition(":")
         self._conn = _connect(where, int(port), connect_timeout)
+        _no_delay(self._conn)
         self._conn.settimeout(_HANDSHAKE_TIMEOUT)
         if not _prove_rank(self._conn, key):
             self._conn.close()
@@ -420,6 +426,11 @@ class DriverLink:
                 if message[0] == "close":
                     self._closing = True
                 self.requests.put(message)
+
+
+def _no_delay(conn: socket.socket) -> None:
+    """Send each message at once: a call is a small message waited for, not a stream."""
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _connect(host: str, port: int, timeout: float) -> socket.socket:

@@ -15,8 +15,8 @@ opened, called once and closed. Each rank (:mod:`tvm_distx.runtime.mpi_rank`)
 checks the bundle, loads its library and creates its virtual machine once, and
 loads its stored weights the first time a function needs them. A call's inputs
 are checked against the function (:func:`tvm_distx.runtime.base.bind_inputs`)
-and cut into each rank's shards here; they move over TCP to rank 0 and over MPI
-to the other ranks, never through files, and so do the results.
+and cut into each rank's shards here; each rank's move over TCP to that rank,
+never through files, and so do its results.
 
 Hosts
 -----
@@ -35,7 +35,7 @@ or lacks a file, fails the session in one line naming the host and the file.
 
 Every rank keeps one authenticated TCP connection to this process
 (:mod:`tvm_distx.runtime.control`), wherever it runs: over it each rank says
-who it is and, every second, what it is doing; rank 0 also carries the calls.
+who it is and, every second, what it is doing, and receives its calls.
 
 Failures
 --------
@@ -239,16 +239,22 @@ class MPISession(Session):
 
     # -- calls
     def _call(self, call: Call, timeout: float):
-        self._links.send(0, ("run", self._messages(call)))
-        reply = self._receive(time.monotonic() + timeout, f"running '{call.function}'", timeout)
-        return ({r: blocks for r, (blocks, _) in enumerate(reply[1])},
-                {r: loaded for r, (_, loaded) in enumerate(reply[1])})
+        for rank, message in enumerate(self._messages(call)):
+            self._links.send(rank, ("run", message))
+        deadline, doing = time.monotonic() + timeout, f"running '{call.function}'"
+        replies = {}
+        while len(replies) < self.manifest.num_ranks:
+            _, rank, reply = self._receive(deadline, doing, timeout)
+            replies[rank] = reply
+        return ({r: blocks for r, (blocks, _) in replies.items()},
+                {r: loaded for r, (_, loaded) in replies.items()})
 
     def close(self) -> None:
         """Stop the ranks and clean up; a second call does nothing."""
         if self._closed:
             return
-        self._links.send(0, ("close",))
+        for rank in range(self.manifest.num_ranks):
+            self._links.send(rank, ("close",))
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -17,11 +17,13 @@ processes). It:
    maker's (the board's ranks, :mod:`tvm_distx.board.rank`, run the same loop
    with a program that needs no TVM);
 3. rank 0 tells the driver ``ready`` with every rank's ``(rank, pid, host)``;
-4. serves calls until ``close``: rank 0 receives one message per rank (this
-   rank's shards, see :class:`tvm_distx.runtime.ranks.RankState`) and scatters
-   them; every rank runs its entry, with its stored weights loaded from the
-   bundle the first time a function needs them and kept; rank 0 gathers the
-   result blocks and sends them to the driver.
+4. serves calls until ``close``: every rank receives its own message from the
+   driver (its shards, see :class:`tvm_distx.runtime.ranks.RankState`), runs
+   its entry, with its stored weights loaded from the bundle the first time a
+   function needs them and kept, and sends its result blocks back. Between
+   calls a rank waits on its connection, asleep: a rank spinning in an MPI
+   collective would take a core from the driver and from rank 0 (on a host
+   with as many cores as ranks, that costs about a millisecond per call).
 
 Every collective a rank enters is counted and sent with its beats, so that
 after a timeout the driver can name the rank that never reached the collective
@@ -160,23 +162,17 @@ def _serve(bundle: Path, link: DriverLink, comm, rank: int, make: ProgramMaker) 
     link.status = "ready"
     if rank == 0:
         link.send(("ready", ranks))
-    closing = [("close",)] * comm.Get_size()
     while True:
-        messages = None
-        if rank == 0:
-            request = link.requests.get()
-            messages = closing if request[0] == "close" else request[1]
-        message = comm.scatter(messages, root=0)
-        if message[0] == "close":
+        request = link.requests.get()
+        if request[0] == "close":
             break
+        message = request[1]
         link.collectives = 0
         link.status = f"running {message[1]}"
         inject_fault(rank, ("raise",))
         reply = me.handle(message)
         link.status = "ready"
-        replies = comm.gather(reply, root=0)
-        if rank == 0:
-            link.send(("ok", replies))
+        link.send(("ok", rank, reply))
     link.status = "done"
     link.finish(("done",))
 

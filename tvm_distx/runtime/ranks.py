@@ -27,7 +27,7 @@ import os
 import signal
 import time
 
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -87,6 +87,25 @@ class VMProgram:
         return value.numpy()
 
 
+class _CallLayout(NamedTuple):
+    """What a rank passes and reports for one function at one set of sizes.
+
+    ``params``: per parameter this rank holds, ``(spec, stored, fed)`` (a weight
+    of the bundle; given data rather than a placeholder). ``results``: per
+    result this rank holds, ``(index, position in the entry's results,
+    reported)`` (reported: this rank is the first holder of its block).
+    """
+
+    signature: object
+    entry: str
+    params: tuple
+    results: tuple
+
+
+#: Layouts a rank keeps (one per function and set of symbolic sizes).
+_LAYOUTS_KEPT = 64
+
+
 class RankState:
     """What one rank keeps between calls, and how it runs one call.
 
@@ -115,6 +134,7 @@ class RankState:
         self.manifest, self.rank, self.program = manifest, rank, program
         self.loaded: dict[str, object] = {}
         self.resident: dict[str, object] = {}
+        self._layouts: dict[tuple, _CallLayout | None] = {}
 
     def handle(self, message: tuple):
         """Run one message of the driver (see the module documentation); returns the reply.
@@ -153,45 +173,64 @@ class RankState:
             Per result index not kept, this rank's block when it is the first
             holder of that block (each block is reported by one rank).
         """
-        manifest, rank = self.manifest, self.rank
-        signature = manifest.function(function)
-        if signature.symbolic:
-            signature = signature.specialize(sizes)
-        stored = set(manifest.weights.get(function, ()))
+        layout = self._layout(function, sizes)
         blocks: dict[int, np.ndarray] = {}
-        entry = manifest.entry(function, rank)
-        if entry is None:
+        if layout is None:  # no entry on this rank
             return blocks
         args = []
-        for spec in signature.params:
-            if not spec.held_by(rank):
-                continue
+        for spec, is_stored, is_fed in layout.params:
             if spec.name in state:  # a value kept on the ranks by an earlier call
                 name = state[spec.name]
                 if name not in self.resident:  # first use: zeros of this rank's shard
                     self.resident[name] = self.program.tensor(
                         np.zeros(spec.sharding.local_shape(spec.shape), spec.dtype))
                 args.append(self.resident[name])
-            elif spec.name in stored:
+            elif is_stored:
                 if spec.name not in self.loaded:
                     self.loaded[spec.name] = self.program.tensor(
-                        manifest.read_weight(rank, spec.name)
-                        if signature.fed(spec, rank)  # else TVM's feed: a placeholder
-                        else signature.rank_input(spec, None, rank))
+                        self.manifest.read_weight(self.rank, spec.name)
+                        if is_fed  # else TVM's feed: a placeholder
+                        else layout.signature.rank_input(spec, None, self.rank))
                 args.append(self.loaded[spec.name])
             else:
                 args.append(self.program.tensor(values.get(spec.name)))
-        out = self.program.function(entry)(*args)
-        results = list(out) if signature.tuple_result else [out]
-        held = [spec for spec in signature.results if spec.held_by(rank)]
-        for index, spec in enumerate(signature.results):
-            if not spec.held_by(rank):
-                continue
+        out = self.program.function(layout.entry)(*args)
+        results = list(out) if layout.signature.tuple_result else [out]
+        for index, position, reported in layout.results:
             if index in keep:  # stays on this rank, as it is: nothing moves
-                self.resident[keep[index]] = results[held.index(spec)]
-            elif first_holder(spec.sharding, spec.shape, rank):
-                blocks[index] = self.program.numpy(results[held.index(spec)])
+                self.resident[keep[index]] = results[position]
+            elif reported:
+                blocks[index] = self.program.numpy(results[position])
         return blocks
+
+    def _layout(self, function: str, sizes: dict) -> "_CallLayout | None":
+        """What this rank passes and reports for ``function`` at ``sizes`` (None: no entry).
+
+        Made once per function and sizes, as it walks every parameter (a decoder
+        has hundreds), and asked on every call.
+        """
+        key = (function, tuple(sorted(sizes.items())))
+        if key in self._layouts:
+            return self._layouts[key]
+        manifest, rank = self.manifest, self.rank
+        signature = manifest.function(function)
+        if signature.symbolic:
+            signature = signature.specialize(sizes)
+        entry = manifest.entry(function, rank)
+        layout = None
+        if entry is not None:
+            stored = set(manifest.weights.get(function, ()))
+            params = tuple((spec, spec.name in stored, signature.fed(spec, rank))
+                           for spec in signature.params if spec.held_by(rank))
+            held = [(index, spec) for index, spec in enumerate(signature.results)
+                    if spec.held_by(rank)]
+            results = tuple((index, position, first_holder(spec.sharding, spec.shape, rank))
+                            for position, (index, spec) in enumerate(held))
+            layout = _CallLayout(signature, entry, params, results)
+        if len(self._layouts) >= _LAYOUTS_KEPT:  # prompts of many lengths: keep the newest
+            self._layouts.pop(next(iter(self._layouts)))
+        self._layouts[key] = layout
+        return layout
 
     def run_entry(self, entry: str | None, args) -> object:
         """Run the rank-local function ``entry`` on ``args`` (numpy); its result as numpy.
