@@ -90,16 +90,23 @@ class VMProgram:
 class _CallLayout(NamedTuple):
     """What a rank passes and reports for one function at one set of sizes.
 
-    ``params``: per parameter this rank holds, ``(spec, stored, fed)`` (a weight
-    of the bundle; given data rather than a placeholder). ``results``: per
-    result this rank holds, ``(index, position in the entry's results,
+    ``function`` is the rank's entry, ``arity`` its parameter count.
+    ``stored``: per stored weight, ``(position, spec, fed)`` (fed: given its
+    data rather than a placeholder). ``runtime``: per other parameter (an
+    input, or a value kept on the ranks), ``(position, spec)``. ``results``:
+    per result this rank holds, ``(index, position in the entry's results,
     reported)`` (reported: this rank is the first holder of its block).
+    ``weights``: the arguments with the stored weights in place, filled at the
+    first call (:meth:`RankState._with_weights`).
     """
 
     signature: object
-    entry: str
-    params: tuple
+    function: Callable
+    arity: int
+    stored: tuple
+    runtime: tuple
     results: tuple
+    weights: list
 
 
 #: Layouts a rank keeps (one per function and set of symbolic sizes).
@@ -177,24 +184,17 @@ class RankState:
         blocks: dict[int, np.ndarray] = {}
         if layout is None:  # no entry on this rank
             return blocks
-        args = []
-        for spec, is_stored, is_fed in layout.params:
+        args = list(self._with_weights(layout))  # the stored weights in place, loaded once
+        for position, spec in layout.runtime:
             if spec.name in state:  # a value kept on the ranks by an earlier call
                 name = state[spec.name]
                 if name not in self.resident:  # first use: zeros of this rank's shard
                     self.resident[name] = self.program.tensor(
                         np.zeros(spec.sharding.local_shape(spec.shape), spec.dtype))
-                args.append(self.resident[name])
-            elif is_stored:
-                if spec.name not in self.loaded:
-                    self.loaded[spec.name] = self.program.tensor(
-                        self.manifest.read_weight(self.rank, spec.name)
-                        if is_fed  # else TVM's feed: a placeholder
-                        else layout.signature.rank_input(spec, None, self.rank))
-                args.append(self.loaded[spec.name])
+                args[position] = self.resident[name]
             else:
-                args.append(self.program.tensor(values.get(spec.name)))
-        out = self.program.function(layout.entry)(*args)
+                args[position] = self.program.tensor(values.get(spec.name))
+        out = layout.function(*args)
         results = list(out) if layout.signature.tuple_result else [out]
         for index, position, reported in layout.results:
             if index in keep:  # stays on this rank, as it is: nothing moves
@@ -202,6 +202,21 @@ class RankState:
             elif reported:
                 blocks[index] = self.program.numpy(results[position])
         return blocks
+
+    def _with_weights(self, layout: "_CallLayout") -> list:
+        """The entry's arguments with its stored weights in place (None elsewhere), made at
+        its first call: each weight is loaded the first time a function needs it."""
+        if len(layout.weights) < layout.arity:
+            args = [None] * layout.arity
+            for position, spec, fed in layout.stored:
+                if spec.name not in self.loaded:
+                    self.loaded[spec.name] = self.program.tensor(
+                        self.manifest.read_weight(self.rank, spec.name)
+                        if fed  # else TVM's feed: a placeholder
+                        else layout.signature.rank_input(spec, None, self.rank))
+                args[position] = self.loaded[spec.name]
+            layout.weights[:] = args
+        return layout.weights
 
     def _layout(self, function: str, sizes: dict) -> "_CallLayout | None":
         """What this rank passes and reports for ``function`` at ``sizes`` (None: no entry).
@@ -220,13 +235,16 @@ class RankState:
         layout = None
         if entry is not None:
             stored = set(manifest.weights.get(function, ()))
-            params = tuple((spec, spec.name in stored, signature.fed(spec, rank))
-                           for spec in signature.params if spec.held_by(rank))
+            params = [spec for spec in signature.params if spec.held_by(rank)]
             held = [(index, spec) for index, spec in enumerate(signature.results)
                     if spec.held_by(rank)]
-            results = tuple((index, position, first_holder(spec.sharding, spec.shape, rank))
-                            for position, (index, spec) in enumerate(held))
-            layout = _CallLayout(signature, entry, params, results)
+            layout = _CallLayout(
+                signature, self.program.function(entry), len(params),
+                tuple((i, spec, signature.fed(spec, rank)) for i, spec in enumerate(params)
+                      if spec.name in stored),
+                tuple((i, spec) for i, spec in enumerate(params) if spec.name not in stored),
+                tuple((index, position, first_holder(spec.sharding, spec.shape, rank))
+                      for position, (index, spec) in enumerate(held)), [])
         if len(self._layouts) >= _LAYOUTS_KEPT:  # prompts of many lengths: keep the newest
             self._layouts.pop(next(iter(self._layouts)))
         self._layouts[key] = layout
