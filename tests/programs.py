@@ -44,3 +44,30 @@ class Accumulate:
             out = (total, new)
             R.output(out)
         return out
+
+
+@I.ir_module
+class AccumulateRows:
+    """:class:`Accumulate` over a run-time number of rows, and a kept value of its own extent."""
+
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), acc: R.Tensor(("n", 16), "float32")):
+        with R.dataflow():
+            xs = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[1]")
+            accs = R.dist.annotate_sharding(acc, device_mesh="mesh[0]", placement="S[1]")
+            new = R.add(accs, xs)
+            total = R.sum(new)
+            out = (total, new)
+            R.output(out)
+        return out
+
+    @R.function
+    def other(x: R.Tensor(("n", 16), "float32"), acc: R.Tensor(("m", 16), "float32")):
+        with R.dataflow():
+            xs = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[1]")
+            accs = R.dist.annotate_sharding(acc, device_mesh="mesh[0]", placement="S[1]")
+            total = R.add(R.sum(accs), R.sum(xs))
+            R.output(total)
+        return total
