@@ -102,6 +102,30 @@ def test_two_boards_run_the_seed_program_each_with_its_own_weights(seed_bundle, 
     np.testing.assert_allclose(np.load(out / "out0.npy"), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_two_boards_run_bfloat16_weights_with_numpy_that_has_no_bfloat16(board_hosts,
+                                                                         tmp_path):
+    """A board's numpy has no bfloat16: the ranks hold the weights as 16-bit patterns, and the
+    RVV kernels widen them as they read them."""
+    require_tools()
+    rules = [ShardingRule(param="A", result="S[1]", function="mlp"),
+             ShardingRule(param="B", result="S[0]", function="mlp")]
+    mod = AnnotateSharding(rules)(td.load_module(TESTS_DIR / "data" / "seed_tensor_parallel.py"))
+    rng = np.random.default_rng(12)
+    x, A, B = (0.1 * rng.standard_normal((128, 128), dtype="float32") for _ in range(3))
+    stored, weights = td.quantize(mod, {"A": A, "B": B}, "bf16")
+    bundle = td.compile(stored, target="rvv").export(tmp_path / "bf16", params=weights)
+    hosts, dest = board_hosts, f"{board_hosts.deploy_root}/bf16"
+    assert hosts.run(hosts.names[0], "python3 -c 'import ml_dtypes'", check=False).returncode
+    _deploy(bundle, hosts, dest)
+    np.save(hosts.shared / "x16.npy", x)
+    out = hosts.shared / "bf16-out"
+    hosts.run(hosts.names[0], f"cd {hosts.shared} && {dest}/run.sh run -i x16.npy -o {out} "
+              f"--hostfile {hosts.shared}/boards.txt", timeout=300)
+    decoded = [np.asarray(weights[n]).astype("float32") for n in "AB"]
+    np.testing.assert_allclose(np.load(out / "out0.npy"), mlp_twice(x, *decoded), rtol=1e-4,
+                               atol=1e-4)
+
+
 def test_a_board_without_vectors_dies_of_an_illegal_instruction(seed_bundle, board_hosts):
     """The same deployed bundle, rank 0's board emulated without the vector extension."""
     hosts, dest = board_hosts, f"{board_hosts.deploy_root}/seed"

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
 from tvm_distx.board.executor import Executor, Kernels, aligned  # noqa: E402
+from tvm_distx.bundle.formats import BFLOAT16_BITS, is_bfloat16  # noqa: E402
 from tvm_distx.build.board_plan import build_board_runtime  # noqa: E402
 from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.runtime.collectives import abi_functions  # noqa: E402
@@ -43,6 +44,7 @@ class Compiled:
         self.vm.export_library(str(folder / "lib.so"))
         self.plan = json.loads(json.dumps(self.exe.plan))  # as bundles hold it
         self.kernels = Kernels(str(folder / "lib.so"), str(build_board_runtime(folder)))
+        self.bits = False
 
     def inputs(self, function: str, *inputs) -> list[list[np.ndarray]]:
         """Per rank, every argument of ``function`` (weights included), from global inputs."""
@@ -77,8 +79,17 @@ class Compiled:
         return out
 
     def check(self, function: str, per_rank: list) -> list:
-        """Run ``function`` on the VM and on the executor; assert equal; the VM's results."""
+        """Run ``function`` on the VM and on the executor; assert equal; the VM's results.
+
+        With ``bits``, the executor takes bfloat16 arrays as their 16-bit patterns
+        (:data:`BFLOAT16_BITS`), as a board's numpy, which has no bfloat16, holds them.
+        """
         want = emulate(self.vm, per_rank, RANKS, entry=function)
+        if self.bits:
+            assert any(is_bfloat16(a.dtype) for a in per_rank[0])
+            per_rank = [[a.view(BFLOAT16_BITS) if is_bfloat16(a.dtype) else a for a in args]
+                        for args in per_rank]
+            assert not any(a.dtype.name == "bfloat16" for a in per_rank[0])
         got = self.executor(function, per_rank)
         for device in RANKS:
             expected = want[device] if isinstance(want[device], tuple) else (want[device],)
@@ -148,16 +159,18 @@ def test_a_tiny_llama_prefill_and_decode_equal_the_vm(llama, length):
     _prefill_then_decode(compiled, cache, length, steps=2)
 
 
-@pytest.mark.parametrize("fmt", ["q4", "f16"])
+@pytest.mark.parametrize("fmt", ["q4", "f16", "bf16", "bf16-bits"])
 def test_a_tiny_llama_with_stored_weights_equals_the_vm(tmp_path, fmt):
-    """int8/uint8 data and float16 scales or weights, as a board holds them."""
+    """uint8 data and float16 scales or 16-bit weights, as a board holds them (bfloat16 also
+    as bit patterns: a board's numpy has no bfloat16)."""
     torch.manual_seed(1)
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         tie_word_embeddings=False, initializer_range=0.2)
     compiled, cache = _decoder(transformers.LlamaForCausalLM(config).eval(), tmp_path,
-                               max_length=16, fmt=fmt)
+                               max_length=16, fmt=fmt.removesuffix("-bits"))
+    compiled.bits = fmt.endswith("-bits")
     _prefill_then_decode(compiled, cache, 5, steps=1)
 
 

@@ -12,6 +12,7 @@ from operator import itemgetter
 
 import numpy as np
 
+from tvm_distx.bundle.formats import is_bfloat16
 from tvm_distx.errors import PlanCheckError as _Fail, PlanError
 
 __all__ = ["BUILTINS", "PlanError", "aligned"]
@@ -165,12 +166,14 @@ def _check(name: str, stop: int, prepare):
 
 
 def _tensor_test(ndim, dtype):
-    wanted = None if dtype in ("", "void") else np.dtype(dtype)
+    bf16 = dtype == "bfloat16"  # ml_dtypes' or, on a board, its 16-bit patterns
+    wanted = None if dtype in ("", "void") or bf16 else np.dtype(dtype)
 
     def problem(found):
         if not isinstance(found, np.ndarray):
             return f"expected a tensor, got {type(found).__name__}"
-        if (ndim != -1 and found.ndim != ndim) or (wanted is not None and found.dtype != wanted):
+        if ((ndim != -1 and found.ndim != ndim) or (bf16 and not is_bfloat16(found.dtype))
+                or (wanted is not None and found.dtype != wanted)):
             return f"got {found.dtype}{list(found.shape)}"
         return None
     return problem

@@ -40,6 +40,7 @@ import numpy as np
 from tvm_distx.board import _elf
 from tvm_distx.board._builtins import (_ALIGN, _BUILTINS, BUILTINS, PlanError, _Fail,
                                         _getter, aligned)
+from tvm_distx.bundle.formats import is_bfloat16, numpy_dtype
 from tvm_distx.errors import DistxError
 
 __all__ = ["BUILTINS", "COLLECTIVE_PREFIX", "DTYPES", "FORMAT", "VERSIONS", "Executor", "Kernels",
@@ -57,6 +58,12 @@ DTYPES = {"bool": (6, 8), "int8": (0, 8), "int16": (0, 16), "int32": (0, 32), "i
           "uint8": (1, 8), "uint16": (1, 16), "uint32": (1, 32), "uint64": (1, 64),
           "float16": (2, 16), "float32": (2, 32), "float64": (2, 64)}
 _DL = {np.dtype(name): code for name, code in DTYPES.items()}
+_BFLOAT16 = (4, 16)  # kDLBfloat: ml_dtypes' bfloat16, or its bit patterns (BFLOAT16_BITS)
+
+
+def _dl_code(dtype: np.dtype) -> tuple[int, int] | None:
+    """The DLPack (code, bits) of an array's dtype; None for one kernels do not take."""
+    return _BFLOAT16 if is_bfloat16(dtype) else _DL.get(dtype)
 
 _TENSOR, _INT, _BOOL, _FLOAT = 7, 1, 2, 3  # kTVMFFIDLTensorPtr, kTVMFFIInt, kTVMFFIBool, ...
 _CPU = 1
@@ -357,9 +364,10 @@ class Executor:
 
     def _enter(self, array: np.ndarray) -> np.ndarray:
         """An argument as kernels take it: contiguous, 64-byte aligned (else copied), described."""
-        if array.dtype not in _DL:
+        if _dl_code(array.dtype) is None:
             raise PlanError(f"an argument of dtype {array.dtype}: the board executor runs "
-                            f"{', '.join(DTYPES)}", hint="convert it, or use backend='mpi'")
+                            f"{', '.join(DTYPES)} and bfloat16",
+                            hint="convert it, or use backend='mpi'")
         address = array.ctypes.data
         if address % _ALIGN or not array.flags.c_contiguous:
             array = aligned(array)
@@ -369,7 +377,7 @@ class Executor:
 
     def _describe(self, array: np.ndarray, address: int) -> int:
         """The DLTensor address of ``array`` (data at ``address``) for this run."""
-        descriptor = self._arena.put(address, array.shape, _DL[array.dtype])
+        descriptor = self._arena.put(address, array.shape, _dl_code(array.dtype))
         self._tensors[id(array)] = (array, descriptor, address)
         return descriptor
 
@@ -380,7 +388,7 @@ class Executor:
         if not isinstance(array, np.ndarray):
             raise _Fail(f"a kernel argument is a {type(array).__name__}, not an array")
         address = array.ctypes.data
-        if array.dtype not in _DL or address % _ALIGN or not array.flags.c_contiguous:
+        if _dl_code(array.dtype) is None or address % _ALIGN or not array.flags.c_contiguous:
             raise _Fail(f"a kernel argument ({array.dtype}{list(array.shape)}) is not a "
                         "contiguous 64-byte aligned tensor of a known dtype")
         return self._describe(array, address)
@@ -525,7 +533,7 @@ class Executor:
         if not isinstance(offset, int) or dtype is None:
             raise PlanError("alloc_tensor with a run-time offset or dtype is not run",
                             hint="run this program with backend='mpi'")
-        dtype = np.dtype(dtype)
+        dtype = numpy_dtype(dtype)
         itemsize, describe = dtype.itemsize, self._describe
 
         def step(r):
@@ -561,7 +569,7 @@ def _scalar(value) -> tuple:
 
 
 def _decode_constant(written: dict) -> np.ndarray:
-    dtype = np.dtype(written["dtype"])
+    dtype = numpy_dtype(written["dtype"])
     if "values" in written:
         array = np.array(written["values"], dtype)
     else:

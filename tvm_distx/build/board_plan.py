@@ -179,14 +179,6 @@ class _Function:
         self.registers: dict[relax.Var, int] = {}
 
     def plan(self, func: relax.Function) -> dict:
-        for param in func.params:
-            if str(getattr(param.ty, "dtype", "")) == "bfloat16":
-                # numpy has no bfloat16 on a board (it comes from ml_dtypes, which boards lack)
-                raise CompilerStageError(
-                    f"stage 'board plan': parameter '{param.name}' of function '{self.name}' "
-                    "is bfloat16, which the board executor does not hold",
-                    hint="store 16-bit weights as float16 for boards: dtype='float16' in "
-                    "Python, --dtype float16 on the command line (or backend='mpi')")
         params = [self._define(p) for p in func.params]
         body = func.body
         if not isinstance(body, relax.SeqExpr):

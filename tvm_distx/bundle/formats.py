@@ -53,18 +53,33 @@ import numpy as np
 
 from tvm_distx.errors import ArgumentError, ArgumentIndexError
 
-__all__ = ["FORMATS", "GROUP", "QUANTIZED", "EncodedPart", "WeightFormat", "bfloat16",
-           "decode", "encode", "numpy_dtype", "sliced_bounds", "weight_format"]
+__all__ = ["BFLOAT16_BITS", "FORMATS", "GROUP", "QUANTIZED", "EncodedPart", "WeightFormat",
+           "bfloat16", "decode", "encode", "is_bfloat16", "numpy_dtype", "sliced_bounds",
+           "weight_format"]
 
 #: Values per group of the quantized formats (one float16 scale each).
 GROUP = 32
 
 
-def bfloat16() -> np.dtype:
-    """numpy's ``bfloat16`` (from ``ml_dtypes``, which TVM depends on)."""
-    import ml_dtypes
+#: ``bfloat16`` values held as their 16-bit patterns, where numpy has no ``bfloat16`` (a
+#: board's numpy has no ``ml_dtypes``): they move and are passed to kernels as they are, and
+#: :func:`is_bfloat16` tells them from ``uint16`` (numpy compares the two equal).
+BFLOAT16_BITS = np.dtype(np.uint16, metadata={"dtype": "bfloat16"})
 
+
+def bfloat16() -> np.dtype:
+    """numpy's ``bfloat16``: ``ml_dtypes``' (which TVM depends on), else :data:`BFLOAT16_BITS`."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return BFLOAT16_BITS
     return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` holds bfloat16 values (``ml_dtypes``' or :data:`BFLOAT16_BITS`)."""
+    dtype = np.dtype(dtype)
+    return dtype.name == "bfloat16" or (dtype.metadata or {}).get("dtype") == "bfloat16"
 
 
 def numpy_dtype(name) -> np.dtype:

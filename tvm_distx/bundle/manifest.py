@@ -659,7 +659,7 @@ def _tensor_table(path: Path, where: str) -> dict[str, tuple[str, tuple[int, ...
             raise BundleError(f"{where}: tensor '{name}' has dtype {info['dtype']}, which a "
                               "bundle never stores", hint="export the bundle again")
         if not (0 <= start <= stop <= total - 8 - size) or \
-                stop - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+                stop - start != int(np.prod(shape)) * numpy_dtype(dtype).itemsize:
             bad = f"tensor '{name}' has bytes {start}..{stop}, which do not fit"
             break
         table[name] = (dtype, shape, 8 + size + start)
