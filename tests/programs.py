@@ -35,24 +35,6 @@ class Accumulate:
     I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
 
     @R.function
-    def main(x: R.Tensor((8, 16), "float32"), acc: R.Tensor((8, 16), "float32")):
-        with R.dataflow():
-            xs = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[1]")
-            accs = R.dist.annotate_sharding(acc, device_mesh="mesh[0]", placement="S[1]")
-            new = R.add(accs, xs)
-            total = R.sum(new)
-            out = (total, new)
-            R.output(out)
-        return out
-
-
-@I.ir_module
-class AccumulateRows:
-    """:class:`Accumulate` over a run-time number of rows, and a kept value of its own extent."""
-
-    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
-
-    @R.function
     def main(x: R.Tensor(("n", 16), "float32"), acc: R.Tensor(("n", 16), "float32")):
         with R.dataflow():
             xs = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[1]")
@@ -63,6 +45,7 @@ class AccumulateRows:
             R.output(out)
         return out
 
+    # takes a kept value whose extent m no input sets
     @R.function
     def other(x: R.Tensor(("n", 16), "float32"), acc: R.Tensor(("m", 16), "float32")):
         with R.dataflow():

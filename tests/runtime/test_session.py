@@ -21,7 +21,7 @@ import tvm_distx as td
 from tvm_distx import ShardingRule
 from tvm_distx.passes import AnnotateSharding
 
-from programs import Accumulate, AccumulateRows
+from programs import Accumulate
 from locations import TESTS_DIR
 
 DATA = TESTS_DIR / "data"
@@ -170,8 +170,9 @@ def test_a_session_needs_the_programs_rank_count(tensor_parallel):
 
 
 def test_state_stays_on_the_ranks_between_calls():
-    """An accumulator kept on the ranks (split by columns): each call adds to it in place of
-    the last, and only the scalar result comes back."""
+    """An accumulator kept on the ranks (split by columns, as many rows as the input, a
+    run-time extent): each call adds to it in place of the last, and only the scalar result
+    comes back. A kept value whose extent no input sets is refused, naming it."""
     exe = td.compile(Accumulate)
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal((8, 16), dtype="float32") for _ in range(3)]
@@ -183,27 +184,13 @@ def test_state_stays_on_the_ranks_between_calls():
             session.run(xs[0], state={"acc": "acc"}, keep={0: "t", 1: "acc"})
         with pytest.raises(td.errors.ArgumentError, match="no parameter named accumulator"):
             session.run(xs[0], state={"accumulator": "acc"})
+        with pytest.raises(td.errors.ArgumentError,
+                           match="'other' takes 'acc' from state, but its extent m is not set"):
+            session.run(xs[0], function="other", state={"acc": "acc"})
         # the state survived the refused calls
         (total,) = session.run(np.zeros((8, 16), "float32"), state={"acc": "acc"},
                                keep={1: "acc"})
         np.testing.assert_allclose(total, np.sum(xs), rtol=1e-5, atol=1e-4)
-
-
-def test_state_of_a_run_time_extent_that_an_input_sets():
-    """A kept value whose rows are the input's (symbolic ``n``) starts as zeros of that size;
-    one whose extent no input sets is refused before any rank runs, naming it."""
-    exe = td.compile(AccumulateRows)
-    rng = np.random.default_rng(4)
-    xs = [rng.standard_normal((6, 16), dtype="float32") for _ in range(2)]
-    with exe.session() as session:
-        for step in range(2):
-            (total,) = session.run(xs[step], state={"acc": "acc"}, keep={1: "acc"})
-            np.testing.assert_allclose(total, np.sum(xs[: step + 1]), rtol=1e-5, atol=1e-4)
-        with pytest.raises(td.errors.ArgumentError,
-                           match="'other' takes 'acc' from state, but its extent m is not set"):
-            session.run(xs[0], function="other", state={"acc": "acc"})
-        (total,) = session.run(xs[0], state={"acc": "acc"}, keep={1: "acc"})  # still usable
-        np.testing.assert_allclose(total, np.sum(xs) + np.sum(xs[0]), rtol=1e-5, atol=1e-4)
 
 
 def test_a_host_that_does_not_answer_fails_the_session_before_launch(tensor_parallel, tmp_path):

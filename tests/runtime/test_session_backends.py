@@ -188,7 +188,11 @@ def test_state_stays_on_the_ranks_and_bad_calls_leave_the_session_usable(backend
             np.testing.assert_allclose(total, np.sum(xs[: step + 1]), rtol=1e-5, atol=1e-4)
         with pytest.raises(td.errors.ArgumentError, match="keep= keeps every result"):
             session.run(xs[0], state={"acc": "acc"}, keep={0: "t", 1: "acc"})
-        with pytest.raises(td.errors.ArgumentError, match="has shape \\(4, 16\\)"):
+        with pytest.raises(td.errors.ArgumentError, match="has shape \\(8, 17\\)"):
+            session.run(np.zeros((8, 17), "float32"), state={"acc": "acc"}, keep={1: "acc"})
+        # the rows are a run-time extent: 4 rows do not fit the 8 the ranks keep
+        with pytest.raises(td.errors.ArgumentError, match="the ranks keep 'acc' of shape "
+                           "\\(8, 16\\)"):
             session.run(xs[0][:4], state={"acc": "acc"}, keep={1: "acc"})
         (total,) = session.run(np.zeros((8, 16), "float32"), state={"acc": "acc"},
                                keep={1: "acc"})

@@ -204,6 +204,7 @@ class Session:
         self.calls = 0
         self.weights_loaded: dict[int, int] = {}
         self._owned: list[Path] = []  # directories removed on close (a bundle made for it)
+        self._kept: dict[str, tuple[int, ...]] = {}  # the global shape of each value kept
 
     def _check_bundle(self, manifest: Manifest) -> None:
         """Refuse a bundle this backend cannot run, before anything starts (all run any)."""
@@ -260,6 +261,7 @@ class Session:
             raise
         self.calls += 1
         self.weights_loaded = dict(loaded)
+        self._remember_kept(call)
         logger.debug("%s: '%s' took %.2f ms", self.backend, function,
                      1e3 * (time.monotonic() - started))
         return self._assemble(call, blocks)
@@ -270,10 +272,31 @@ class Session:
         keep = {int(k): str(v) for k, v in (keep or {}).items()}
         signature = self.manifest.function(function)
         check_state(signature, state, keep)
-        _, free, values, sizes = bind_inputs(self.manifest, function, inputs, params,
-                                             from_state=state)
+        concrete, free, values, sizes = bind_inputs(self.manifest, function, inputs, params,
+                                                    from_state=state)
+        for spec in (p for p in concrete.params if p.name in state):
+            kept = self._kept.get(state[spec.name])
+            if kept is not None and kept != tuple(spec.shape):
+                raise ArgumentError(
+                    f"'{function}' takes '{spec.name}' of shape {tuple(spec.shape)} in this "
+                    f"call, but the ranks keep '{state[spec.name]}' of shape {kept}",
+                    hint="give inputs of the sizes the kept value was made with, or keep the "
+                    "value under another name")
         return Call((function, {spec.name: value for spec, value in zip(free.params, values)},
                      sizes, state, keep))
+
+    def _remember_kept(self, call: Call) -> None:
+        """The global shapes of the values the ranks keep after ``call`` (taken, or kept)."""
+        fresh = {p: name for p, name in call.state.items() if name not in self._kept}
+        if not fresh and not call.keep:
+            return
+        signature = self.manifest.function(call.function)
+        if signature.symbolic:
+            signature = signature.specialize(call.sizes)
+        for spec in (p for p in signature.params if p.name in fresh):  # made as zeros
+            self._kept.setdefault(fresh[spec.name], tuple(spec.shape))
+        for index, name in call.keep.items():
+            self._kept[name] = tuple(signature.results[index].shape)
 
     def _rank_values(self, call: Call) -> list[dict]:
         """Per rank, what it takes of the call's run-time inputs: its shards, by name.
