@@ -37,7 +37,7 @@ from typing import Collection, Mapping, Sequence
 import numpy as np
 
 from tvm_distx.bundle.manifest import Manifest, check_library, check_weights, read_manifest
-from tvm_distx.bundle.signature import WORKER0
+from tvm_distx.bundle.signature import WORKER0, FunctionSignature
 from tvm_distx.errors import ArgumentError
 from tvm_distx.layout.arrays import assemble_array
 
@@ -70,10 +70,11 @@ class RankProcess(tuple):
 class Call(tuple):
     """One checked call, as the driver holds it.
 
-    ``(function, values, sizes, state, keep)``: the public function, the global
-    values of its run-time parameters by name (not those taken from ``state``),
-    its symbolic sizes, ``state`` (parameter -> resident name) and ``keep``
-    (result index -> resident name).
+    ``(function, values, sizes, state, keep, signature)``: the public function,
+    the global values of its run-time parameters by name (not those taken from
+    ``state``), its symbolic sizes, ``state`` (parameter -> resident name),
+    ``keep`` (result index -> resident name) and the function's signature at
+    those sizes (made once, when the call is checked).
     """
 
     __slots__ = ()
@@ -97,6 +98,10 @@ class Call(tuple):
     @property
     def keep(self) -> dict:
         return self[4]
+
+    @property
+    def signature(self) -> FunctionSignature:
+        return self[5]
 
 
 def bind_inputs(manifest: Manifest, function: str, inputs: Sequence, params: Mapping | None,
@@ -283,16 +288,14 @@ class Session:
                     hint="give inputs of the sizes the kept value was made with, or keep the "
                     "value under another name")
         return Call((function, {spec.name: value for spec, value in zip(free.params, values)},
-                     sizes, state, keep))
+                     sizes, state, keep, concrete))
 
     def _remember_kept(self, call: Call) -> None:
         """The global shapes of the values the ranks keep after ``call`` (taken, or kept)."""
         fresh = {p: name for p, name in call.state.items() if name not in self._kept}
         if not fresh and not call.keep:
             return
-        signature = self.manifest.function(call.function)
-        if signature.symbolic:
-            signature = signature.specialize(call.sizes)
+        signature = call.signature
         for spec in (p for p in signature.params if p.name in fresh):  # made as zeros
             self._kept.setdefault(fresh[spec.name], tuple(spec.shape))
         for index, name in call.keep.items():
@@ -305,9 +308,7 @@ class Session:
         gets the global values and the other ranks placeholders (see
         :mod:`tvm_distx.bundle.signature`).
         """
-        signature = self.manifest.function(call.function)
-        if signature.symbolic:
-            signature = signature.specialize(call.sizes)
+        signature = call.signature
         values = call.values
         given = [spec for spec in signature.params if spec.name in values]
         return [{spec.name: signature.rank_input(spec, values[spec.name], rank)
@@ -327,9 +328,7 @@ class Session:
         Returns the results not kept, in order: a tuple for a tuple-returning
         function, else the one array.
         """
-        signature = self.manifest.function(call.function)
-        if signature.symbolic:
-            signature = signature.specialize(call.sizes)
+        signature = call.signature
         outputs = []
         for index, spec in enumerate(signature.results):
             if index in call.keep:
