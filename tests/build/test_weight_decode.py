@@ -24,6 +24,12 @@ from tvm_distx.ir.weight_decode import DECODE_ATTR
 
 TARGET = x86_target()
 FORMATS = ["bf16", "f16", "q8", "q4"]
+AVX512 = CPUTraits.of(TARGET).vector_bits == 512
+
+
+def matvec_rule(fmt: str, rows: int) -> str:
+    """The rule that schedules a decoded matvec on this host (q4's table on AVX-512)."""
+    return "matvec-nibbles" if AVX512 and fmt == "q4" and rows == 1 else "matvec"
 
 
 def linear(rows, out: int, depth: int, fmt: str, *, bias: bool = False, silu: bool = False):
@@ -72,7 +78,7 @@ def test_a_matvec_decodes_its_weight_in_registers_in_one_kernel(fmt, rows, out, 
     mod, stored, weight = linear(rows, out, depth, fmt)
     built = schedule_module(legalize_ops(mod), TARGET)
     (kernel,) = kernels(built).values()  # the decode is no kernel of its own
-    assert kernel.attrs[RULE_ATTR] == "matvec"
+    assert kernel.attrs[RULE_ATTR] == matvec_rule(fmt, rows)
     # the kernel reads the stored parts; no buffer of it holds the float weight
     assert {str(p.dtype) for p in kernel.params} == {"float32", formats.FORMATS[fmt].data_dtype}\
         | ({"float16"} if formats.FORMATS[fmt].quantized else set())
@@ -86,7 +92,7 @@ def test_a_decoded_matvec_keeps_its_epilogue_in_the_kernel():
     mod, stored, weight = linear(1, 64, 128, "q4", bias=True, silu=True)
     built = schedule_module(legalize_ops(mod), TARGET)
     (kernel,) = kernels(built).values()
-    assert kernel.attrs[RULE_ATTR] == "matvec"
+    assert kernel.attrs[RULE_ATTR] == matvec_rule("q4", 1)
     x = np.random.default_rng(0).standard_normal((1, 128), dtype="float32")
     np.testing.assert_allclose(run(built, stored, x), silu(x @ weight.T + stored["b"]),
                                rtol=1e-5, atol=1e-5)
@@ -96,6 +102,8 @@ def test_a_decoded_matvec_keeps_its_epilogue_in_the_kernel():
     ("q8", ("vpmovsxbd", "vcvtdq2ps", "vfmadd")), ("q4", ("vpmovzxbd", "vcvtdq2ps", "vfmadd")),
     ("f16", ("vcvtph2ps", "vfmadd")), ("bf16", ("vpmovzxwd", "vpslld", "vfmadd"))])
 def test_the_x86_matvec_widens_each_format_in_vector_registers(fmt, mnemonics):
+    if fmt == "q4" and AVX512:
+        mnemonics = ("vpmovzxbd", "vperm", "vfmadd")  # a table per group, not a conversion
     mod, _, _ = linear(1, 64, 512, fmt)
     (kernel,) = kernels(schedule_module(legalize_ops(mod), TARGET)).values()
     asm = tvm.tirx.build(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}),
@@ -105,6 +113,75 @@ def test_the_x86_matvec_widens_each_format_in_vector_registers(fmt, mnemonics):
         assert any(w.startswith(mnemonic) for w in words), (fmt, mnemonic)
     if CPUTraits.of(TARGET).vector_bits == 512:  # the product runs on whole registers
         assert "%zmm" in asm
+
+
+def nibble_decode(out: int, depth: int, *, high_first: bool = False) -> tvm.IRModule:
+    """``x @ W.T`` with ``W`` decoded from q4's parts by hand (nibble order chosen)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, depth), "float32"))
+    data = relax.Var("w", relax.TensorType((out, depth // 2), "uint8"))
+    scale = relax.Var("w_scale", relax.TensorType((out, depth // 32), "float16"))
+    op = relax.op
+    with bb.function("main", [x, data, scale]):
+        with bb.dataflow():
+            packed = bb.emit(op.reshape(data, (out, depth // 32, 1, 16)))
+            low = op.bitwise_and(packed, relax.const(15, "uint8"))
+            high = op.right_shift(packed, relax.const(4, "uint8"))
+            nibbles = op.concat([high, low] if high_first else [low, high], axis=2)
+            s = bb.emit(op.reshape(op.astype(scale, "float32"), (out, depth // 32, 1, 1)))
+            weight = bb.emit(op.reshape(op.multiply(op.subtract(
+                op.astype(nibbles, "float32"), relax.const(8, "float32")), s), (out, depth)))
+            result = bb.emit_output(op.matmul(x, op.permute_dims(weight)))
+        bb.emit_func_output(result)
+    return bb.get()
+
+
+def nibble_weight(data: np.ndarray, scale: np.ndarray, high_first: bool) -> np.ndarray:
+    low, high = data & 15, data >> 4
+    out, groups = scale.shape
+    halves = [high, low] if high_first else [low, high]
+    nibbles = np.concatenate([h.reshape(out, groups, 16) for h in halves], axis=2)
+    return (nibbles.astype(np.float32) - 8) * scale.astype(np.float32)[:, :, None]
+
+
+@pytest.mark.skipif(not AVX512, reason="the nibble table is an AVX-512 recipe")
+@pytest.mark.parametrize("out, depth, cores", [(30, 32, 1), (17, 96, 2), (64, 544, 1),
+                                               (8, 1024, 2)])
+def test_q4_nibbles_decode_through_a_table_at_any_group_count(out, depth, cores):
+    """One group, odd counts, scales past a whole vector, two cores: all equal numpy."""
+    target = x86_target(cores)
+    mod = nibble_decode(out, depth)
+    (kernel,) = kernels(schedule_module(legalize_ops(mod), target)).values()
+    assert kernel.attrs[RULE_ATTR] == "matvec-nibbles"
+    script = kernel.script()
+    assert "llvm.x86.avx512.permvar.sf.512" in script
+    assert ("T.parallel" in script) == (cores > 1)
+    assert f"T.int64({out}), T.int64({depth})), scope" not in script  # no float weight
+    rng = np.random.default_rng(depth)
+    x = rng.standard_normal((1, depth), dtype="float32")
+    data = rng.integers(0, 256, (out, depth // 2), dtype=np.uint8)
+    scale = rng.uniform(-2, 2, (out, depth // 32)).astype(np.float16)
+    lib = tvm.compile(schedule_module(legalize_ops(mod), target), target=target)
+    vm = relax.VirtualMachine(lib, tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(a) for a in (x, data, scale)]).numpy()
+    want = x @ nibble_weight(data, scale, False).reshape(out, depth).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_decode_of_q4s_shapes_that_means_something_else_keeps_the_generic_recipe():
+    """The rule evaluates the decode: high nibbles first is not q4, and is not taken for it."""
+    mod = nibble_decode(16, 64, high_first=True)
+    (kernel,) = kernels(schedule_module(legalize_ops(mod), TARGET)).values()
+    assert kernel.attrs[RULE_ATTR] == "matvec"
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 64), dtype="float32")
+    data = rng.integers(0, 256, (16, 32), dtype=np.uint8)
+    scale = rng.uniform(-2, 2, (16, 2)).astype(np.float16)
+    vm = relax.VirtualMachine(tvm.compile(schedule_module(legalize_ops(mod), TARGET),
+                                          target=TARGET), tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(a) for a in (x, data, scale)]).numpy()
+    want = x @ nibble_weight(data, scale, True).reshape(16, 64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_float16_widened_by_integer_operations_is_exact_for_every_value():
@@ -278,7 +355,8 @@ def test_a_q4_tiny_llama_on_two_ranks_decodes_in_its_kernels_and_equals_transfor
                 for b in block.bindings:
                     assert not is_decode_kernel(b.value, exe.built, params), (gv, b.var)
     rules = {f.attrs[RULE_ATTR] for name, f in kernels(exe.built).items() if "decode" in name}
-    assert {"matvec", "matmul", "reduction"} <= rules  # decode, prefill, the table's lookup
+    # decode, prefill, the table's lookup
+    assert {matvec_rule("q4", 1), "matmul", "reduction"} <= rules
 
     model = decoded_model(tiny_llama, stored)
     ids = np.array([[3, 14, 15, 9]])

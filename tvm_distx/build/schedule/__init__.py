@@ -12,6 +12,10 @@ numpy. :class:`ScheduleCPU` gives each kernel a hand-written
     weight stored ``(out, in)``: each weight row is read once, contiguously,
     into a vector accumulator (``rfactor`` over the lanes), the output
     columns in parallel, no packing.
+:class:`NibbleTableRule`
+    The same product with a ``q4`` weight, on AVX-512: each group's 16 possible
+    values form one register, and 16 nibbles are decoded by one permute
+    (:mod:`.nibbles`). Tried first; other targets skip it.
 :class:`MatmulRule`
     One reduction block ``C[b.., i, j] += A[.., i, k] * B[.., k, j]`` (either
     operand layout, optional batch axes), with injective prologue blocks
@@ -43,6 +47,10 @@ decodes into each packed panel (once per panel, not per row tile), and a
 lookup (the reduction and injective recipes) decodes only the rows it reads.
 No schedule writes a float copy of a weight.
 
+Every kernel, scheduled or not, then has its float32 ``exp`` and ``sigmoid``
+written as vector arithmetic (:func:`.elementary.vector_exp`): LLVM would call
+libm once per lane.
+
 A kernel that no rule matches keeps TVM's default lowering, with an INFO log
 line naming it. A rule whose recipe raises a :class:`tvm.s_tir.ScheduleError`
 is abandoned the same way. Schedule primitives check their own legality, so a
@@ -54,8 +62,8 @@ use half the cores. Call :func:`use_cpu_threads` before the first kernel runs.
 
 This module dispatches: :func:`schedule_primfunc` tries :data:`DEFAULT_RULES`
 in order, :class:`ScheduleCPU` and :func:`schedule_module` apply it to a
-module. Each kernel family has its own module (:mod:`.matvec`, :mod:`.matmul`,
-:mod:`.injective`, :mod:`.reduction`), and :mod:`.base` holds what they share:
+module. Each kernel family has its own module (:mod:`.matvec`, :mod:`.nibbles`,
+:mod:`.matmul`, :mod:`.injective`, :mod:`.reduction`), and :mod:`.base` holds what they share:
 the target's traits, the blocks of a kernel as rules see them, the
 :class:`Rule` interface and the loop primitives. A new family is a
 :class:`Rule` subclass in a module of its own, added to :data:`DEFAULT_RULES`.
@@ -75,10 +83,12 @@ from tvm_distx.build.targets import x86_target
 from tvm_distx.build.schedule.base import (MIN_PARALLEL_ELEMENTS, SCHEDULE_ERRORS, Block, CPUTraits,  # noqa: F401
                    Rule, describe_blocks, first_line, tidy_indices, use_cpu_threads,
                    widen_halves)
+from tvm_distx.build.schedule.elementary import vector_exp
 from tvm_distx.build.schedule.fusion import FuseWeightDecodes, fuse_kernels
 from tvm_distx.build.schedule.injective import InjectiveRule
 from tvm_distx.build.schedule.matmul import MatmulRule
 from tvm_distx.build.schedule.matvec import MatvecRule
+from tvm_distx.build.schedule.nibbles import NibbleTableRule
 from tvm_distx.build.schedule.reduction import ReductionRule
 
 __all__ = [
@@ -92,6 +102,7 @@ __all__ = [
     "InjectiveRule",
     "MatmulRule",
     "MatvecRule",
+    "NibbleTableRule",
     "ReductionRule",
     "Rule",
     "ScheduleCPU",
@@ -115,7 +126,8 @@ _OP_PATTERN_OPAQUE = 8  # OpPatternKind::kOpaque: FuseOps leaves the kernel alon
 
 
 #: The rules, tried in order; the first that matches schedules the kernel.
-DEFAULT_RULES: tuple[Rule, ...] = (MatvecRule(), MatmulRule(), InjectiveRule(), ReductionRule())
+DEFAULT_RULES: tuple[Rule, ...] = (NibbleTableRule(), MatvecRule(), MatmulRule(), InjectiveRule(),
+                                   ReductionRule())
 
 
 # --------------------------------------------------------------------------- driver
@@ -155,6 +167,8 @@ def schedule_primfunc(func: tirx.PrimFunc, target: tvm.target.Target | None = No
                     "default lowering (%s)", name, first_line(err))
         return None
     for rule in rules:
+        if not rule.supports(cpu):
+            continue
         found = rule.match(blocks)
         if found is None:
             continue
@@ -209,6 +223,10 @@ class ScheduleCPU:
             new = schedule_primfunc(func, self.target, name=gvar.name_hint, rules=self.rules)
             if new is not None:
                 scheduled[gvar] = new.with_attr("op_pattern", _OP_PATTERN_OPAQUE)
+            # exp and sigmoid in vector arithmetic, scheduled or not (LLVM calls libm per lane)
+            rewritten = vector_exp(scheduled.get(gvar, func))
+            if not rewritten.same_as(scheduled.get(gvar, func)):
+                scheduled[gvar] = rewritten
         if not scheduled:
             return mod
         mod = mod.clone()  # never update the caller's module in place

@@ -485,6 +485,10 @@ class Rule:
 
     name = "rule"
 
+    def supports(self, cpu: CPUTraits) -> bool:
+        """Whether the recipe can be built for ``cpu`` (every target, unless a rule says not)."""
+        return True
+
     def match(self, blocks: list[Block]) -> object | None:
         raise NotImplementedError
 
