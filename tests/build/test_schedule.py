@@ -152,6 +152,15 @@ def test_elementwise_kernel_is_parallel_and_vectorized():
     assert "T.parallel" in text and "T.vectorized" in text
 
 
+def test_an_empty_slice_in_an_elementwise_kernel_is_scheduled():
+    """A partial rotary embedding keeps a slice of nothing (phi3's, whole-head rotary)."""
+    def op(x):
+        empty = relax.op.strided_slice(x, axes=[1], begin=[16], end=[16])
+        return relax.op.concat([relax.op.negative(x), empty], axis=1)
+
+    scheduled_run(op, lambda x: -x, (4, 16), rule="injective")
+
+
 @pytest.mark.parametrize("axis", [1, 0])
 def test_sum_reduction(axis):
     mod = scheduled_run(lambda x: relax.op.sum(x, axis=[axis]), lambda x: x.sum(axis),

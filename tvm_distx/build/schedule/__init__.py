@@ -80,9 +80,9 @@ from tvm.s_tir import Schedule
 
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.build.targets import x86_target
-from tvm_distx.build.schedule.base import (MIN_PARALLEL_ELEMENTS, SCHEDULE_ERRORS, Block, CPUTraits,  # noqa: F401
-                   Rule, describe_blocks, first_line, tidy_indices, use_cpu_threads,
-                   widen_halves)
+from tvm_distx.build.schedule.base import (  # noqa: F401
+    MIN_PARALLEL_ELEMENTS, RULE_ATTR, SCHEDULE_ERRORS, SCHEDULED_ATTR, Block, CPUTraits, Rule,
+    describe_blocks, first_line, tidy_indices, use_cpu_threads, widen_halves)
 from tvm_distx.build.schedule.elementary import vector_exp
 from tvm_distx.build.schedule.fusion import FuseWeightDecodes, fuse_kernels
 from tvm_distx.build.schedule.injective import InjectiveRule
@@ -115,12 +115,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Function attribute marking a kernel as scheduled (the one dlight also honours).
-SCHEDULED_ATTR = "tirx.is_scheduled"
-
-#: Function attribute naming the rule that scheduled a kernel.
-RULE_ATTR = "tvm_distx.schedule_rule"
 
 _OP_PATTERN_OPAQUE = 8  # OpPatternKind::kOpaque: FuseOps leaves the kernel alone
 

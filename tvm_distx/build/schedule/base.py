@@ -31,8 +31,10 @@ __all__ = [
     "Block",
     "CPUTraits",
     "MIN_PARALLEL_ELEMENTS",
+    "RULE_ATTR",
     "Rule",
     "SCHEDULE_ERRORS",
+    "SCHEDULED_ATTR",
     "describe_blocks",
     "use_cpu_threads",
     # primitives for recipes
@@ -98,6 +100,13 @@ def use_cpu_threads(num_threads: int | None = None) -> int:
         logger.warning("TVM's thread pool runs %d thread(s), %d asked: call use_cpu_threads() "
                        "before any kernel runs, or set TVM_NUM_THREADS", actual, wanted)
     return actual
+
+
+#: Function attribute marking a kernel as scheduled (the one dlight also honours).
+SCHEDULED_ATTR = "tirx.is_scheduled"
+
+#: Function attribute naming the rule (or the hand-written kernel) that scheduled a kernel.
+RULE_ATTR = "tvm_distx.schedule_rule"
 
 
 @dataclass(frozen=True)
@@ -423,6 +432,8 @@ def schedule_flat(sch: Schedule, block: Block, cpu: CPUTraits) -> None:
     loops = sch.get_loops(block.rv)
     if not loops:  # a 0-d result (one element): nothing to fuse or split
         return
+    if any(loop_extent(sch, loop) == 0 for loop in loops):
+        return  # an empty result (a slice of nothing): its loops never run
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     total = loop_extent(sch, fused) or 0
     vectorized = vectorize_innermost(sch, block.rv, cpu.lanes(block.output.dtype))

@@ -53,6 +53,7 @@ import tvm
 from tvm import te, tirx
 from tvm.script import tirx as T
 
+from tvm_distx.build.schedule.base import RULE_ATTR, SCHEDULED_ATTR
 from tvm_distx.ir.module_pass import module_pass
 
 __all__ = ["EXPERTS_ATTR", "ExpertsKernel", "experts_definition", "sparse_experts",
@@ -289,7 +290,7 @@ def sparse_experts(kernel: ExpertsKernel, *, count: bool = False) -> tirx.PrimFu
             body(x, c, w_up, w_down, out, None, n)
 
     return func.with_attrs({EXPERTS_ATTR: kernel.attrs(), "op_pattern": _OP_PATTERN_OPAQUE,
-                            "tirx.is_scheduled": True})
+                            SCHEDULED_ATTR: True, RULE_ATTR: "experts"})
 
 
 @module_pass("tvm_distx.SparseExperts")
@@ -304,7 +305,7 @@ class SparseExperts:
         out = mod
         for gv, func in mod.functions.items():
             if not isinstance(func, tirx.PrimFunc) or func.attrs is None \
-                    or EXPERTS_ATTR not in func.attrs or "tirx.is_scheduled" in func.attrs:
+                    or EXPERTS_ATTR not in func.attrs or SCHEDULED_ATTR in func.attrs:
                 continue
             kernel = ExpertsKernel.of(func)
             if out is mod:
