@@ -446,7 +446,8 @@ def _unless_in_disco_worker(name: str, ours: Callable) -> Callable:
     return dispatch
 
 
-def register(backend: Collectives, builtins: str | None = None) -> None:
+def register(backend: Collectives, builtins: str | None = None,
+             wrap: Callable[[str, Callable], Callable] | None = None) -> None:
     """Make :func:`abi_functions` of ``backend`` this process's global TVM functions.
 
     A ``relax.VirtualMachine`` resolves its functions once, when it is created:
@@ -455,10 +456,15 @@ def register(backend: Collectives, builtins: str | None = None) -> None:
     but a real disco session's workers, which still reach TVM's (and through it
     their session's CCL): TVM's are kept the first time, so registering again
     (any number of times) replaces ours by ours and never wraps a wrapper.
+    ``wrap(name, function)``, when given, returns what is registered in place of
+    each of ours (a rank counts its collectives so): one Python call, where
+    wrapping the registered function would add a trip through TVM's FFI to each.
     """
     import tvm_ffi
 
     for name, func in abi_functions(backend, builtins).items():
+        if wrap is not None:
+            func = wrap(name, func)
         if builtins == ccl.DISCO_PREFIX and name.startswith(ccl.DISCO_PREFIX):
             if name not in _TVM_DISPATCHERS:
                 found = tvm_ffi.get_global_func(name, allow_missing=True)

@@ -83,7 +83,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -403,7 +403,8 @@ def _plan_move(move: SendRecvSpec, rank: int) -> _P2PPlan:
 _INSTALLED: MpiCollectives | None = None
 
 
-def install(comm: MPI.Comm | None = None) -> MpiCollectives:
+def install(comm: MPI.Comm | None = None,
+            wrap: Callable[[str, Callable], Callable] | None = None) -> MpiCollectives:
     """Register the MPI collectives as this process's ``tvm_distx.ccl.*`` functions.
 
     Call it after ``import tvm`` and before creating a ``relax.VirtualMachine``
@@ -418,6 +419,9 @@ def install(comm: MPI.Comm | None = None) -> MpiCollectives:
     comm : mpi4py.MPI.Comm, optional
         The job's world, rank ``d`` being device ``d`` (``MPI.COMM_WORLD`` by
         default). Collective: every rank of it must call :func:`install`.
+    wrap : callable, optional
+        ``wrap(name, function)`` is registered in place of each function
+        (:func:`tvm_distx.runtime.collectives.register`).
 
     Returns
     -------
@@ -431,7 +435,7 @@ def install(comm: MPI.Comm | None = None) -> MpiCollectives:
     comm = MPI.COMM_WORLD if comm is None else comm
     if _INSTALLED is None or _INSTALLED.comm != comm:
         _INSTALLED = MpiCollectives(comm)
-    register(_INSTALLED, builtins=ccl.DISCO_PREFIX)
+    register(_INSTALLED, builtins=ccl.DISCO_PREFIX, wrap=wrap)
     logger.debug("MPI collectives installed on rank %d of %d", _INSTALLED.rank,
                  _INSTALLED.size)
     return _INSTALLED

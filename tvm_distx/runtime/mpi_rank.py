@@ -105,14 +105,13 @@ def vm_program(manifest: Manifest, comm, count: Callable) -> Program:
     ``count``) are registered before it exists.
     """
     import tvm
-    import tvm_ffi
     from tvm.runtime.vm import VirtualMachine  # the runtime's (tvm.relax needs the compiler)
 
     _load_runtime_extras(tvm)
-    mpi_ccl.install(comm)
-    disco = [ccl.DISCO_PREFIX + n for n in ccl.DISCO_BUILTINS if n != "worker_id"]
-    for name in (*ccl.FUNCTIONS, *disco):  # ours, and TVM's builtins of TVM-lowered programs
-        tvm_ffi.register_global_func(name, count(tvm.get_global_func(name)), override=True)
+    # ours, and TVM's builtins of TVM-lowered programs (worker_id is no collective)
+    collectives = {*ccl.FUNCTIONS, *(ccl.DISCO_PREFIX + n for n in ccl.DISCO_BUILTINS
+                                     if n != "worker_id")}
+    mpi_ccl.install(comm, wrap=lambda name, func: count(func) if name in collectives else func)
     library = tvm.runtime.load_module(str(manifest.library_path))
     return VMProgram(VirtualMachine(library, tvm.cpu()))
 
