@@ -13,6 +13,7 @@ from tvm.script import tirx as T
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
+from tvm_distx.build.pipeline import legalize_ops
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime import emulate, shard_array
 from tvm_distx.build.schedule import (
@@ -142,6 +143,42 @@ def test_matmul_with_a_symbolic_row_count():
         xs = rng.standard_normal((n, 64), dtype="float32")
         ws = rng.standard_normal((64, 96), dtype="float32")
         np.testing.assert_allclose(run(mod, xs, ws), np.maximum(xs @ ws, 0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("epilogue", ["none", "silu_times"])
+def test_a_linear_of_run_time_rows_runs_whole_register_tiles(epilogue):
+    """A prompt's rows are padded to whole tiles; odd counts equal numpy, the epilogue too.
+
+    The (out, in) weight is packed with one vector store per row of the panel (not one
+    value at a time), and no tile row carries a predicate.
+    """
+    bb = relax.BlockBuilder()
+    rows = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((rows, 64), "float32"))
+    w = relax.Var("w", relax.TensorType((128, 64), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = relax.op.matmul(x, relax.op.permute_dims(w))
+            if epilogue == "silu_times":
+                y = relax.op.multiply(relax.op.nn.silu(y), y)
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    mod = schedule_module(legalize_ops(bb.get()), TARGET)
+    (func,) = kernels(mod).values()
+    assert func.attrs[RULE_ATTR] == "matmul"
+    text = func.script()
+    assert "T.where" not in text  # whole tiles: no row predicate
+    assert "x_pad" in text  # the rows' padded copy
+    tile = 4 if CPUTraits.of(TARGET).vector_bits >= 512 else 6
+    assert f"in T.unroll(T.int64({tile}))" in text
+    rng = np.random.default_rng(2)
+    ws = rng.standard_normal((128, 64), dtype="float32")
+    for n in (1, 7, 129):
+        xs = rng.standard_normal((n, 64), dtype="float32")
+        want = xs @ ws.T
+        if epilogue == "silu_times":
+            want = want / (1 + np.exp(-want)) * want
+        np.testing.assert_allclose(run(mod, xs, ws), want, rtol=1e-4, atol=1e-4)
 
 
 def test_elementwise_kernel_is_parallel_and_vectorized():

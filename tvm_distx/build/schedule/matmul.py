@@ -14,8 +14,9 @@ from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad
 from tvm.s_tir import Schedule, ScheduleError
 
-from tvm_distx.build.schedule.base import (Block, CPUTraits, Rule, decompose_init, first_divisor, index_positions,
-                   loop_extent, schedule_flat, trip_count, vectorize_innermost)
+from tvm_distx.build.schedule.base import (Block, CPUTraits, Rule, decompose_init, describe_blocks,
+                   first_divisor, index_positions, loop_extent, schedule_flat, trip_count,
+                   vectorize_innermost)
 
 __all__ = ["MatmulMatch", "MatmulRule"]
 
@@ -148,6 +149,10 @@ class MatmulRule(Rule):
         for producer in found.side:
             # raises ScheduleError when it cannot be inlined: the recipe is abandoned
             sch.compute_inline(producer.rv)
+        # A run-time row count (a prompt's tokens): the rows are padded to whole register
+        # tiles, so that every tile has mr rows and no row needs a predicate
+        rows = self.rows or (4 if cpu.vector_bits >= 512 else 6)
+        padding = self._pad_rows(sch, mm, rows)
         # The accumulator tile; the epilogue then reads it instead of memory.
         acc_store = sch.cache_write(mm, 0, "local")
         # Inline the epilogue into the tile store while it is a chain: a value that a
@@ -172,8 +177,8 @@ class MatmulRule(Rule):
         m, n = loop_extent(sch, i), loop_extent(sch, j)
         if n is None:
             raise ScheduleError("matmul: the recipe needs a static number of columns")
-        # A symbolic row count (tokens, say) gets one-row tiles: no tail to predicate.
-        mr, nr = self.tile(m if m is not None else 1, n, cpu, dtype)
+        mr, nr = self.tile(m if m is not None else (rows if padding is not None else 1), n,
+                           cpu, dtype)
         io, ii = sch.split(i, [None, mr]) if mr > 1 else (i, None)
         jo, ji = sch.split(j, [None, nr])
         sch.reorder(*batch, jo, io, k, *([ii] if ii is not None else []), ji)
@@ -189,8 +194,13 @@ class MatmulRule(Rule):
         sch.reverse_compute_at(acc_store, io)
         vectorize_innermost(sch, acc_store, cpu.lanes(dtype))
         for consumer in separate:
+            if padding:  # they read the valid rows' copy, made after every tile
+                schedule_flat(sch, consumer, cpu)
+                continue
             sch.reverse_compute_at(consumer.rv, io)
             vectorize_innermost(sch, consumer.rv, cpu.lanes(consumer.output.dtype))
+        for block in padding or ():  # the operand's padded copy, the result's valid rows
+            schedule_flat(sch, block, cpu)
         outer = sch.fuse(*batch, jo) if batch else jo
         if not pack:
             outer = sch.fuse(outer, io)
@@ -202,6 +212,27 @@ class MatmulRule(Rule):
             sch.vectorize(ji)
         decompose_init(sch, mm)
         return sch
+
+    @staticmethod
+    def _pad_rows(sch: Schedule, mm: s_tir.schedule.SBlockRV, rows: int) -> list[Block] | None:
+        """Pad a run-time row count to a multiple of ``rows``; the blocks that adds.
+
+        ``pad_einsum`` copies the left operand into a buffer of whole tiles (zero rows
+        after the last), computes the product on it, and copies the valid rows of the
+        result out; an epilogue chain is later inlined into that copy. A static row
+        count needs none (:meth:`tile` picks a row count that divides it): ``[]``.
+        None when the block cannot be padded (one-row tiles then need no predicate).
+        """
+        *batch, i, _, _ = sch.get_loops(mm)
+        if loop_extent(sch, i) is not None:
+            return []
+        before = {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
+        try:
+            sch.pad_einsum(mm, [1] * len(batch) + [rows, 1, 1])
+        except ScheduleError:
+            logger.debug("matmul: run-time rows not padded; one-row tiles")
+            return None
+        return [b for b in describe_blocks(sch) if b.name not in before]
 
     @staticmethod
     def _pack_panel(sch: Schedule, found: MatmulMatch, nr: int,
@@ -222,3 +253,9 @@ class MatmulRule(Rule):
         inner = sch.get_loops(pack)[-1]
         if loop_extent(sch, inner) == nr:
             sch.vectorize(inner)
+        elif j_at < k_at and loop_extent(sch, sch.get_loops(pack)[-2]) == nr:
+            # an (out, in) weight: the panel's columns are rows of it; copy them across
+            # (one vector store of nr values per k) rather than one value at a time
+            rows, depth = sch.get_loops(pack)[-2:]
+            sch.reorder(depth, rows)
+            sch.vectorize(rows)
