@@ -126,16 +126,21 @@ def test_batch_and_odd_matmuls(shapes):
     assert "T.parallel" in script(mod)
 
 
-def test_matmul_with_a_symbolic_row_count():
+def run_time_rows(weight_shape: tuple[int, int], product) -> tvm.IRModule:
+    """A Relax ``main(x, w)`` of ``product(x, w)``, ``x`` of (n, 64) with n known at run time."""
     bb = relax.BlockBuilder()
-    rows = tvm.tirx.Var("n", "int64")
-    x = relax.Var("x", relax.TensorType((rows, 64), "float32"))
-    w = relax.Var("w", relax.TensorType((64, 96), "float32"))
+    x = relax.Var("x", relax.TensorType((tvm.tirx.Var("n", "int64"), 64), "float32"))
+    w = relax.Var("w", relax.TensorType(weight_shape, "float32"))
     with bb.function("main", [x, w]):
         with bb.dataflow():
-            out = bb.emit_output(relax.op.nn.relu(relax.op.matmul(x, w)))
+            out = bb.emit_output(product(x, w))
         bb.emit_func_output(out)
-    mod = schedule_module(relax.transform.LegalizeOps()(bb.get()), TARGET)
+    return bb.get()
+
+
+def test_matmul_with_a_symbolic_row_count():
+    mod = run_time_rows((64, 96), lambda x, w: relax.op.nn.relu(relax.op.matmul(x, w)))
+    mod = schedule_module(relax.transform.LegalizeOps()(mod), TARGET)
     (func,) = kernels(mod).values()
     assert func.attrs[RULE_ATTR] == "matmul"
     rng = np.random.default_rng(1)
@@ -152,18 +157,11 @@ def test_a_linear_of_run_time_rows_runs_whole_register_tiles(epilogue):
     The (out, in) weight is packed with one vector store per row of the panel (not one
     value at a time), and no tile row carries a predicate.
     """
-    bb = relax.BlockBuilder()
-    rows = tvm.tirx.Var("n", "int64")
-    x = relax.Var("x", relax.TensorType((rows, 64), "float32"))
-    w = relax.Var("w", relax.TensorType((128, 64), "float32"))
-    with bb.function("main", [x, w]):
-        with bb.dataflow():
-            y = relax.op.matmul(x, relax.op.permute_dims(w))
-            if epilogue == "silu_times":
-                y = relax.op.multiply(relax.op.nn.silu(y), y)
-            out = bb.emit_output(y)
-        bb.emit_func_output(out)
-    mod = schedule_module(legalize_ops(bb.get()), TARGET)
+    def product(x, w):
+        y = relax.op.matmul(x, relax.op.permute_dims(w))
+        return relax.op.multiply(relax.op.nn.silu(y), y) if epilogue == "silu_times" else y
+
+    mod = schedule_module(legalize_ops(run_time_rows((128, 64), product)), TARGET)
     (func,) = kernels(mod).values()
     assert func.attrs[RULE_ATTR] == "matmul"
     text = func.script()
