@@ -84,7 +84,37 @@ def lower_for_vm(built: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule
         The module ``tvm.compile(final, target=target, relax_pipeline=None)`` builds.
     """
     with target:
-        return relax.get_pipeline("default")(built)
+        final = relax.get_pipeline("default")(built)
+    return _noalias_shape_functions(final)
+
+
+def _noalias_shape_functions(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with its TIR functions of at most one buffer marked ``tirx.noalias``.
+
+    TVM 0.27's LLVM code generator gives each kernel's outlined compute function
+    the no-alias flag of the *last* function it added to the module, not of the
+    kernel. The relax pipeline adds shape functions (one buffer each, no
+    ``tirx.noalias``); when one of them comes last, every kernel loses
+    ``noalias`` on its buffers, and LLVM then keeps a matmul's register tile in
+    memory (a run-time-row matmul ran 2x slower built with its program than
+    alone). A function of one buffer cannot alias anything, so marking it is
+    always true, and the kernels keep their own flag.
+    """
+    marked = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        if func.attrs is not None and "tirx.noalias" in func.attrs:
+            continue
+        buffers = [p for p in func.params if not isinstance(p.ty, tvm.ir.PrimType)]
+        if len(buffers) <= 1:
+            marked[gv] = func.with_attr("tirx.noalias", True)
+    if not marked:
+        return mod
+    mod = mod.clone()
+    for gv, func in marked.items():
+        mod.update_func(gv, func)
+    return mod
 
 
 def build_board_runtime(folder: str | os.PathLike, cc: str = "gcc") -> Path:
