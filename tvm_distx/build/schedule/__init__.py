@@ -213,11 +213,13 @@ class ScheduleCPU:
                 continue
             if func.attrs is not None and bool(func.attrs.get(SCHEDULED_ATTR, False)):
                 logger.debug("schedule: %s is scheduled already", gvar.name_hint)
-                continue
-            new = schedule_primfunc(func, self.target, name=gvar.name_hint, rules=self.rules)
-            if new is not None:
-                scheduled[gvar] = new.with_attr("op_pattern", _OP_PATTERN_OPAQUE)
-            # exp and sigmoid in vector arithmetic, scheduled or not (LLVM calls libm per lane)
+            else:
+                new = schedule_primfunc(func, self.target, name=gvar.name_hint,
+                                        rules=self.rules)
+                if new is not None:
+                    scheduled[gvar] = new.with_attr("op_pattern", _OP_PATTERN_OPAQUE)
+            # exp and sigmoid in vector arithmetic in every kernel, however scheduled (the
+            # experts' silu included): LLVM would call libm once per lane
             rewritten = vector_exp(scheduled.get(gvar, func))
             if not rewritten.same_as(scheduled.get(gvar, func)):
                 scheduled[gvar] = rewritten
