@@ -51,6 +51,7 @@ from tvm.ir.prim.expr import FloatImm, IntImm
 from tvm_distx.board.executor import BUILTINS, COLLECTIVE_PREFIX, DTYPES, FORMAT
 from tvm_distx.board.program import RUNTIME_LIBRARY
 from tvm_distx.errors import CompilerStageError
+from tvm_distx.ir.helpers import with_functions
 
 __all__ = ["FORMAT", "RUNTIME_LIBRARY", "VERSION", "board_runtime", "build_board_runtime",
            "lower_for_vm", "rank_plan"]
@@ -109,12 +110,7 @@ def _noalias_shape_functions(mod: tvm.IRModule) -> tvm.IRModule:
         buffers = [p for p in func.params if not isinstance(p.ty, tvm.ir.PrimType)]
         if len(buffers) <= 1:
             marked[gv] = func.with_attr("tirx.noalias", True)
-    if not marked:
-        return mod
-    mod = mod.clone()
-    for gv, func in marked.items():
-        mod.update_func(gv, func)
-    return mod
+    return with_functions(mod, marked)
 
 
 def build_board_runtime(folder: str | os.PathLike, cc: str = "gcc") -> Path:

@@ -74,6 +74,20 @@ def operand_vars(expr) -> list:
     return [expr] if isinstance(expr, relax.Var) else []
 
 
+def with_functions(mod: tvm.IRModule, updated: dict) -> tvm.IRModule:
+    """``mod`` with the functions of ``updated`` (by global variable) replaced.
+
+    ``mod`` itself when there is nothing to replace; otherwise a copy, so the
+    caller's module is never changed in place.
+    """
+    if not updated:
+        return mod
+    mod = mod.clone()
+    for gvar, func in updated.items():
+        mod.update_func(gvar, func)
+    return mod
+
+
 def relax_functions(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, relax.Function]]:
     """The module's Relax functions in program order.
 

@@ -78,6 +78,7 @@ import tvm
 from tvm import tirx
 from tvm.s_tir import Schedule
 
+from tvm_distx.ir.helpers import with_functions
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.build.targets import x86_target
 from tvm_distx.build.schedule.base import (  # noqa: F401
@@ -223,12 +224,7 @@ class ScheduleCPU:
             rewritten = vector_exp(scheduled.get(gvar, func))
             if not rewritten.same_as(scheduled.get(gvar, func)):
                 scheduled[gvar] = rewritten
-        if not scheduled:
-            return mod
-        mod = mod.clone()  # never update the caller's module in place
-        for gvar, func in scheduled.items():
-            mod.update_func(gvar, func)
-        return mod
+        return with_functions(mod, scheduled)
 
 
 @module_pass("tvm_distx.WidenHalves")
@@ -256,13 +252,8 @@ class WidenHalves:
             return mod
         widened = {gv: widen_halves(f) for gv, f in mod.functions.items()
                    if isinstance(f, tirx.PrimFunc)}
-        widened = {gv: f for gv, f in widened.items() if not f.same_as(mod[gv])}
-        if not widened:
-            return mod
-        mod = mod.clone()
-        for gvar, func in widened.items():
-            mod.update_func(gvar, func)
-        return mod
+        return with_functions(mod, {gv: f for gv, f in widened.items()
+                                    if not f.same_as(mod[gv])})
 
 
 def schedule_module(mod: tvm.IRModule, target: tvm.target.Target | None = None, *,
