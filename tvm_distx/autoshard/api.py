@@ -24,7 +24,7 @@ from tvm_distx.autoshard.ilp import Solution, kernel_seconds, solve, evaluate
 from tvm_distx.autoshard.inline import inline_calls
 from tvm_distx.autoshard.pin import pin_values
 from tvm_distx.autoshard.realized import propagated_placements, realized_choice
-from tvm_distx.build.pipeline import legalize_ops
+from tvm_distx.build.pipeline import legalize_operators
 from tvm_distx.errors import RuleError, MemoryBudgetError
 from tvm_distx.layout.mesh import set_device_meshes
 from tvm_distx.layout.rules import ShardingRule, rules_for
@@ -333,7 +333,7 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     check_sizes(mod[function], function, sizes or {})
 
     meshed = _split_fused(_with_mesh(mod, mesh_shape), function)
-    legal = legalize_ops(inline_calls(meshed, function))
+    legal = legalize_operators(inline_calls(meshed, function), fuse=False)
     graph = extract(legal, mesh_shape, function, legalized=True, sizes=sizes)
     fixed = _fixed_from_rules(graph, rules, meshed, function)
     options = dict(profile=profile, objective=objective, memory_per_rank=memory_per_rank,
@@ -418,7 +418,8 @@ def plan_cost(mod: tvm.IRModule, mesh_shape: Sequence[int], rules, *,
     else:
         prepared, annotated = meshed, AnnotateSharding(list(rules))(meshed)
     graph = extract(prepared, mesh_shape, function, sizes=sizes)
-    propagated = PropagateSharding(require_legalized=True)(legalize_ops(annotated))
+    propagated = PropagateSharding(require_legalized=True)(
+        legalize_operators(annotated, fuse=False))
     choice = realized_choice(graph, propagated_placements(propagated, function))
     solution = evaluate(graph, choice, profile=profile or DEFAULT_PROFILE, objective=objective)
     if memory_per_rank is not None and solution.peak_bytes > memory_per_rank:

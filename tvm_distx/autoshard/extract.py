@@ -1,8 +1,10 @@
 """Reading a Relax function into a :class:`~tvm_distx.autoshard.graph.ShardGraph`.
 
 This is the only part of automatic sharding that reads TVM. The module is
-first legalized as :func:`tvm_distx.compile` legalizes it
-(:func:`tvm_distx.build.pipeline.legalize_ops`), so the problem sees the kernels
+first legalized as :func:`tvm_distx.compile` legalizes it, except that attention
+and the cache writes stay the operators that compute them
+(:func:`tvm_distx.build.pipeline.legalize_operators` with ``fuse=False``: the
+operator costs know them one by one), so the problem sees the kernels
 propagation sees. Each binding of ``main`` becomes a
 :class:`~tvm_distx.autoshard.graph.Node` with the labels of its operator rule
 (:func:`tvm_distx.passes.op_signatures.op_signature`; for a ``call_tir``, the
@@ -26,7 +28,7 @@ import tvm
 
 from tvm_distx import passes  # noqa: F401  (registers the operator rules)
 from tvm_distx.autoshard.graph import Node, ShardGraph
-from tvm_distx.build.pipeline import legalize_ops
+from tvm_distx.build.pipeline import legalize_operators
 from tvm_distx.errors import SymbolicExtentError, UnsupportedProgramError
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.passes.op_signatures import op_signature
@@ -110,8 +112,8 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
             legalized: bool = False, sizes: Mapping[str, int] | None = None) -> ShardGraph:
     """The sharding problem of ``mod[function]`` on a mesh of ``mesh_shape``.
 
-    With ``legalized`` the module is taken as :func:`tvm_distx.build.pipeline.legalize_ops`
-    left it. The graph's ``variables`` are the Relax variables of its nodes.
+    With ``legalized`` the module is taken as legalized already
+    (:func:`tvm_distx.build.pipeline.legalize_operators`, ``fuse=False``). The graph's ``variables`` are the Relax variables of its nodes.
 
     A symbolic extent (``seq``) is priced at ``sizes[name]``, or at the
     variable's upper bound (the function's ``tir_var_upper_bound``, which
@@ -129,7 +131,7 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
     """
 
     if not legalized:
-        mod = legalize_ops(mod)
+        mod = legalize_operators(mod, fuse=False)
     func = mod[function]
     _check_names(func, function, sizes or {})
     known = _Sizes(func, function, sizes)
@@ -258,7 +260,7 @@ def _state(nodes: list[Node], outputs: tuple[int, ...]) -> dict[int, int]:
 
 
 #: Kernels (and operators) that write some positions of a tensor and keep the others.
-WRITE_KERNELS = ("where", "scatter", "scatter_elements", "scatter_nd", "index_put",
+WRITE_KERNELS = ("where", "scatter", "scatter_elements", "scatter_nd", "index_put", "cache_write",
                  "dynamic_update_slice", "index_copy", "slice_scatter")
 
 

@@ -23,9 +23,11 @@ import tvm
 
 from tvm_distx._deprecated import deprecated_names
 from tvm_distx.build.board_plan import lower_for_vm, rank_plan
+from tvm_distx.build.fuse_attention import FuseAttention
+from tvm_distx.build.fuse_cache_writes import FuseCacheWrites
 from tvm_distx.build.executable import DistExecutable
-from tvm_distx.build.schedule import SCHEDULED_ATTR, ScheduleCPU, WidenHalves, fuse_kernels
-from tvm_distx.build.schedule.experts import SparseExperts
+from tvm_distx.build.schedule import (SCHEDULED_ATTR, ScheduleCPU, WidenHalves, fuse_kernels,
+                                      implement_kernels)
 from tvm_distx.build.targets import resolve_target
 from tvm_distx.bundle.signature import FunctionSignature, WORKER0
 from tvm_distx.errors import CompilerStageError, DistxError, UnsupportedProgramError
@@ -35,7 +37,8 @@ from tvm_distx.legalize.linear import LegalizeLinear
 from tvm_distx.legalize.lower_distir import fed_from_worker0, module_devices, rank_entry
 from tvm_distx.passes import PropagateSharding, derivations_of
 
-__all__ = ["STAGES", "compile", "legalize_ops", "lower_to_ranks", "run_stages"]
+__all__ = ["STAGES", "compile", "legalize_operators", "legalize_ops", "lower_to_ranks",
+           "run_stages"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +61,22 @@ def legalize_ops(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     ``LegalizeOps`` has no rule for ``sort``, ``cumsum`` or ``topk`` (used by
     position ids and mixture-of-experts routing); ``DispatchSortScan`` lowers
     them first, to the generic CPU kernels (any LLVM target gets the same ones).
-    Before both, :class:`~tvm_distx.legalize.linear.LegalizeLinear` reads
-    ``(out, in)`` weights in place instead of transposing them on every call.
+    Before both, :class:`~tvm_distx.build.fuse_attention.FuseAttention` and
+    :class:`~tvm_distx.build.fuse_cache_writes.FuseCacheWrites` make each attention
+    and each key-value cache write one kernel, and
+    :class:`~tvm_distx.legalize.linear.LegalizeLinear`
+    reads ``(out, in)`` weights in place instead of transposing them on every call.
     """
 
+    return legalize_operators(mod)
+
+
+def legalize_operators(mod: tvm.IRModule, *, fuse: bool = True) -> tvm.IRModule:
+    """:func:`legalize_ops` as a function; ``fuse=False`` leaves attention and cache
+    writes as the operators that compute them (automatic sharding plans on those:
+    its operator costs and rules know them one by one)."""
+    if fuse:
+        mod = FuseCacheWrites()(FuseAttention()(mod))
     mod = LegalizeLinear()(mod)
     with tvm.target.Target({"kind": "llvm"}):
         mod = relax.backend.DispatchSortScan()(mod)
@@ -166,8 +181,9 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
                   for gv, func in _ir.relax_functions(propagated)
                   if func.attrs is not None and "global_symbol" in func.attrs}
 
-    # the experts kernels run as a sparse dispatch over each rank's own experts
-    built = unscheduled = SparseExperts()(lowered)
+    # the experts kernels run as a sparse dispatch over each rank's own experts, the
+    # attention kernels as an online softmax over tiles of keys, the cache writes in place
+    built = unscheduled = implement_kernels(lowered)
     if resolved.schedulable:  # float16 conversions the target's LLVM would get wrong
         built = unscheduled = WidenHalves(resolved.target)(built)
     if schedule and resolved.schedulable:

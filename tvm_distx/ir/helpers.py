@@ -105,6 +105,21 @@ def relax_functions(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, relax
     return iter(sorted(funcs, key=key))
 
 
+def called_kernels(mod: tvm.IRModule) -> set[str]:
+    """The names of the functions that the Relax functions of ``mod`` call with
+    ``call_tir`` or ``call_tir_inplace``."""
+    called = set()
+    for _, func in relax_functions(mod):
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                value = binding.value
+                if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and \
+                        value.op.name in ("relax.call_tir", "relax.call_tir_inplace") and \
+                        isinstance(value.args[0], tvm.ir.GlobalVar):
+                    called.add(value.args[0].name_hint)
+    return called
+
+
 def tvm_error_reason(err: Exception) -> str:
     """The last line of a TVM error, with printed operators shortened to their names.
 

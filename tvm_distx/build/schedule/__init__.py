@@ -84,7 +84,10 @@ from tvm_distx.build.targets import x86_target
 from tvm_distx.build.schedule.base import (  # noqa: F401
     MIN_PARALLEL_ELEMENTS, RULE_ATTR, SCHEDULE_ERRORS, SCHEDULED_ATTR, Block, CPUTraits, Rule,
     describe_blocks, first_line, tidy_indices, use_cpu_threads, widen_halves)
+from tvm_distx.build.schedule.attention import FlashAttention
+from tvm_distx.build.schedule.cache_write import InPlaceCacheWrites
 from tvm_distx.build.schedule.elementary import vector_exp
+from tvm_distx.build.schedule.experts import SparseExperts
 from tvm_distx.build.schedule.fusion import FuseWeightDecodes, fuse_kernels
 from tvm_distx.build.schedule.injective import InjectiveRule
 from tvm_distx.build.schedule.matmul import MatmulRule
@@ -109,6 +112,7 @@ __all__ = [
     "ScheduleCPU",
     "WidenHalves",
     "describe_blocks",
+    "implement_kernels",
     "schedule_module",
     "schedule_primfunc",
     "use_cpu_threads",
@@ -177,8 +181,12 @@ def schedule_primfunc(func: tirx.PrimFunc, target: tvm.target.Target | None = No
             logger.warning("schedule: the %s recipe crashed on %s (a bug, please report it); "
                            "keeping TVM's default lowering", rule.name, name, exc_info=True)
             return None
-        logger.debug("schedule: %s scheduled by the %s rule", name, rule.name)
-        return sch.mod["main"].with_attrs({SCHEDULED_ATTR: True, RULE_ATTR: rule.name})
+        out = sch.mod["main"]
+        # a recipe that fell back to another rule's names that one
+        used = str(out.attrs[RULE_ATTR]) if out.attrs is not None and RULE_ATTR in out.attrs \
+            else rule.name
+        logger.debug("schedule: %s scheduled by the %s rule", name, used)
+        return out.with_attrs({SCHEDULED_ATTR: True, RULE_ATTR: used})
     logger.info("schedule: no rule matches %s; keeping TVM's default lowering", name)
     return None
 
@@ -258,13 +266,14 @@ class WidenHalves:
 
 def schedule_module(mod: tvm.IRModule, target: tvm.target.Target | None = None, *,
                     fuse: bool = True) -> tvm.IRModule:
-    """Fuse the kernels of a lowered module, then schedule them for the CPU.
+    """Implement, fuse and schedule the kernels of a lowered module for the CPU.
 
     Parameters
     ----------
     mod : tvm.IRModule
         A module whose operators are TIR kernels called with ``R.call_tir``,
-        such as the output of :func:`tvm_distx.lower_to_ranks`.
+        such as the output of :func:`tvm_distx.lower_to_ranks`. The kernels
+        with two forms get their implementations first (:func:`implement_kernels`).
     target : tvm.target.Target, optional
         The LLVM CPU target; :func:`x86_target` by default.
     fuse : bool, default True
@@ -277,6 +286,20 @@ def schedule_module(mod: tvm.IRModule, target: tvm.target.Target | None = None, 
     tvm.IRModule
         The module with scheduled kernels, ready for ``tvm.compile``.
     """
+    mod = implement_kernels(mod)
     if fuse:
         mod = fuse_kernels(mod)
     return ScheduleCPU(target)(mod)
+
+
+def implement_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """Every kernel that has a definition and an implementation given its implementation.
+
+    The experts kernel runs as a sparse dispatch over each rank's experts
+    (:class:`~tvm_distx.build.schedule.experts.SparseExperts`), attention as an
+    online softmax over tiles of keys
+    (:class:`~tvm_distx.build.schedule.attention.FlashAttention`), and the cache
+    writes in place (:class:`~tvm_distx.build.schedule.cache_write.InPlaceCacheWrites`).
+    Run on a rank-local module, before :func:`fuse_kernels`.
+    """
+    return InPlaceCacheWrites()(FlashAttention()(SparseExperts()(mod)))

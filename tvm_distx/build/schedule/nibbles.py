@@ -56,7 +56,7 @@ from tvm.ir.expr import Call, TensorLoad
 from tvm.s_tir import Schedule
 from tvm.tirx import Broadcast, BufferLoad, BufferStore, Cast, Ramp, const
 
-from tvm_distx.build.schedule.base import (Block, CPUTraits, describe_blocks,
+from tvm_distx.build.schedule.base import (RULE_ATTR, Block, CPUTraits, describe_blocks,
                                            vectorize_innermost)
 from tvm_distx.build.schedule.matmul import MatmulMatch
 from tvm_distx.build.schedule.matvec import MatvecRule
@@ -122,8 +122,9 @@ class NibbleTableRule(MatvecRule):
             if not names & removed:
                 body.append(nest)
             elif not placed:
-                if not names <= removed:
-                    return super().apply(sch, mm, cpu)  # a nest shared with another block
+                if not names <= removed:  # a nest shared with another block: the generic
+                    fallback = super().apply(sch, mm, cpu)  # recipe, labelled as such
+                    return Schedule(fallback.mod["main"].with_attr(RULE_ATTR, MatvecRule.name))
                 body.append(kernel)
                 placed = True
         kept = [buf for buf in root.alloc_buffers
