@@ -83,6 +83,31 @@ def test_prompts_of_different_lengths_and_the_stream_without_batched_functions(l
     assert lm.session.calls == calls + 3 * 6
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 5])
+def test_a_prompt_longer_than_a_chunk_is_prefilled_chunk_by_chunk_with_the_same_tokens(
+        llama, chunk, monkeypatch):
+    model, llama_lm = llama
+    lm = CausalLM(llama_lm.cache, llama_lm.session, prefill_chunk=chunk)
+    called, run = [], lm.session.run
+
+    def noted(ids, positions, *args, function="main", **kwargs):
+        called.append((function, np.asarray(positions).tolist()))
+        return run(ids, positions, *args, function=function, **kwargs)
+
+    monkeypatch.setattr(lm.session, "run", noted)
+    prompt = prompt_ids(11, seed=5)
+    out = lm.generate(prompt[None, :], max_new_tokens=4)
+    np.testing.assert_array_equal(out[0], greedy(model, prompt, 4))
+    prefills = [positions for function, positions in called if function == "prefill"]
+    assert prefills == [list(range(b, min(b + chunk, 11))) for b in range(0, 11, chunk)]
+    assert [function for function, _ in called[len(prefills):]] == ["decode"] * 3
+
+
+def test_a_bad_prefill_chunk_is_refused_with_a_hint(llama):
+    with pytest.raises(td.ArgumentError, match=r"prefill_chunk=0.*\n.*hint: prefill_chunk=512"):
+        CausalLM(llama[1].cache, llama[1].session, prefill_chunk=0)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("size", [2, 3])
 def test_a_batch_is_one_prefill_and_one_decode_per_step_with_transformers_tokens(

@@ -8,14 +8,22 @@ functions of the same form::
     decode (input_ids, cache_position, key_0, value_0, key_1, value_1, ..., <weights>)
         -> (logits, key_0', value_0', key_1', value_1', ...)
 
+* ``logits`` are the last position's, ``(batch, 1, vocab)`` (``all_logits=True``:
+  every position's).
 * The cache of layer ``l`` is two tensors ``key_l`` and ``value_l`` of shape
   ``(batch, kv_heads, max_length, head_dim)``: a **static maximum length**.
-  Nothing is mutated: each function returns the caches with the new tokens'
-  keys and values written at ``cache_position``; the caller feeds them back.
+  Each function returns the caches with the new tokens' keys and values
+  written at ``cache_position``; the caller feeds them back. (The compiled
+  program writes those rows into the given cache tensors themselves, see
+  :mod:`tvm_distx.build.schedule.cache_write`: the returned caches are the
+  buffers that went in.)
 * ``cache_position`` holds the absolute positions of ``input_ids``' tokens (as
   in transformers): the **current length** is a run-time value, so one compiled
-  ``decode`` serves every step. Attention reads the whole static cache under
-  the causal mask of those positions.
+  ``decode`` serves every step, and ``prefill`` can continue a cache (a long
+  prompt in chunks). Attention is over the causal mask of those positions; the
+  compiled attention kernel skips the positions the mask hides
+  (:mod:`tvm_distx.build.schedule.attention`), so a step costs its context, not
+  ``max_length``.
 * ``prefill`` takes a prompt of a **symbolic length** ``seq`` (``input_ids`` of
   shape ``(batch, seq)``, ``cache_position = arange(start, start + seq)``), or
   of one static length (``prompt_length=``); ``decode`` takes one token
@@ -45,6 +53,7 @@ with no collective on it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import inspect
 import logging
 
 import numpy as np
@@ -130,16 +139,20 @@ def _cache_layer_class():
     return ExplicitLayer
 
 
-def _step_module(model, layers: int, masked: bool = False):
+def _step_module(model, layers: int, masked: bool = False, all_logits: bool = False):
     """``model`` as a module ``(input_ids, cache_position, *caches) -> (logits, *caches)``.
 
     ``masked``: ``(input_ids, cache_position, position_ids, attention_mask, *caches)``,
     for left-padded batches (``attention_mask`` of shape ``(batch, max_length)``).
+    The logits are the last position's, unless ``all_logits``.
     """
     import torch
     from transformers.cache_utils import Cache
 
     layer_class = _cache_layer_class()
+    # the LM head on the last position only, where the model can be told so
+    keep_last = not all_logits and \
+        "logits_to_keep" in inspect.signature(model.forward).parameters
 
     class DecoderStep(torch.nn.Module):
         def __init__(self) -> None:
@@ -155,10 +168,18 @@ def _step_module(model, layers: int, masked: bool = False):
             cache = Cache(layers=[layer_class(caches[2 * i], caches[2 * i + 1], cache_position)
                                   for i in range(layers)])
             extra = {"attention_mask": mask} if masked else {}
+            # the last position as an index tensor (the token count less one): a slice
+            # ``[-1:]`` of the symbolic length would need a run-time shape check
+            last = (torch.ones_like(cache_position).sum() - 1).reshape(1)
+            if keep_last:
+                extra["logits_to_keep"] = last
             out = self.model(input_ids=input_ids, past_key_values=cache,
                              cache_position=cache_position, position_ids=positions,
                              use_cache=True, **extra)
-            result = [out.logits]
+            logits = out.logits
+            if not all_logits and not keep_last:
+                logits = torch.index_select(logits, 1, last)
+            result = [logits]
             for layer in cache.layers:
                 result += [layer.keys, layer.values]
             return tuple(result)
@@ -203,7 +224,7 @@ def _cache_geometry(model, batch: int) -> list[tuple[tuple[int, ...], tuple[int,
 # ---------------------------------------------------------------------------- the export
 def export_decoder(model, max_length: int, *, batch_size: int = 1,
                    prompt_length: int | None = None, with_weights: bool = True,
-                   max_batch: int | None = None) -> DecoderProgram:
+                   max_batch: int | None = None, all_logits: bool = False) -> DecoderProgram:
     """Import ``model`` as ``prefill`` and ``decode`` with its key-value cache as explicit state.
 
     Parameters
@@ -228,6 +249,12 @@ def export_decoder(model, max_length: int, *, batch_size: int = 1,
         batches of ``max_batch`` prompts (see the module doc). If the model's
         masks cannot be exported, they are left out with a logged reason
         (``batch_cache`` is then None).
+    all_logits : bool
+        ``False`` (the default): every function returns the logits of the last
+        position only, ``(batch, 1, vocab)``, and the LM head runs on that
+        position alone (what generation needs: a long prompt's logits would be
+        its largest tensor). ``True``: the logits of every position, for
+        scoring a prompt.
 
     Returns
     -------
@@ -265,13 +292,14 @@ def export_decoder(model, max_length: int, *, batch_size: int = 1,
     layers = len(geometry)
     cache = _layout(geometry, batch_size, max_length)
     functions = _pair(model, layers, cache, traced, prompt_length, with_weights,
-                      masked=False, suffix="")
+                      masked=False, suffix="", all_logits=all_logits)
     batch_cache = None
     if max_batch is not None:
         batch_cache = _layout(geometry, max_batch, max_length, masked=True)
         try:
             functions.update(_pair(model, layers, batch_cache, traced, prompt_length,
-                                   with_weights, masked=True, suffix=BATCH_SUFFIX))
+                                   with_weights, masked=True, suffix=BATCH_SUFFIX,
+                                   all_logits=all_logits))
         except (ArgumentError, UnsupportedProgramError) as err:
             logger.warning("%s: no batched prefill and decode (%s); batches of prompts run one "
                            "prompt after another", type(model).__name__,
@@ -294,11 +322,11 @@ def _layout(geometry, batch: int, max_length: int, masked: bool = False) -> KVCa
 
 
 def _pair(model, layers: int, cache: KVCacheLayout, traced: int, prompt_length: int | None,
-          with_weights: bool, *, masked: bool, suffix: str) -> dict:
+          with_weights: bool, *, masked: bool, suffix: str, all_logits: bool = False) -> dict:
     """``prefill`` and ``decode`` (names + ``suffix``) over ``cache``, imported."""
     import torch
 
-    step = _step_module(model, layers, masked)
+    step = _step_module(model, layers, masked, all_logits)
     batch, max_length = cache.shapes[0][0], cache.max_length
     caches = tuple(torch.zeros(s, dtype=getattr(torch, cache.dtype)) for s in cache.shapes)
     seq = torch.export.Dim("seq", min=1, max=max_length)

@@ -50,7 +50,7 @@ from tvm_distx.passes.quantize import quantize
 from tvm_distx.plans import presets
 from tvm_distx.reports.comm_report import comm_report
 from tvm_distx.runtime.backends import check_backend, open_session
-from tvm_distx.runtime.generation import GenerationStats, Generator
+from tvm_distx.runtime.generation import PREFILL_CHUNK, GenerationStats, Generator
 
 __all__ = ["CausalLM", "GenerationStats", "GENERATION_FILE"]
 
@@ -66,10 +66,11 @@ class CausalLM(Generator):
     """
 
     def __init__(self, cache, session, *, exe=None, weights=None, eos_token_id=None,
-                 bytes_per_token: int = 0, batch_cache=None, pad_token_id=None) -> None:
+                 bytes_per_token: int = 0, batch_cache=None, pad_token_id=None,
+                 prefill_chunk: int | None = PREFILL_CHUNK) -> None:
         super().__init__(cache, session, eos_token_id=eos_token_id,
                          bytes_per_token=bytes_per_token, batch_cache=batch_cache,
-                         pad_token_id=pad_token_id)
+                         pad_token_id=pad_token_id, prefill_chunk=prefill_chunk)
         #: the compiled program (None when opened from a bundle)
         self.exe = exe
         #: the global weights given to the session (to export them again)

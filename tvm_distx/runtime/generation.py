@@ -7,7 +7,10 @@ The caches never leave the ranks: each call takes them from the ranks' resident
 values and keeps the new ones there (the session's ``state`` and ``keep``);
 only the token ids go in and the logits come out. Greedy decoding, as
 transformers' ``generate(do_sample=False)``; the result is the prompt followed by
-the new tokens. :meth:`Generator.stream` yields the tokens as they come;
+the new tokens. A prompt longer than :attr:`Generator.prefill_chunk` tokens is
+prefilled in chunks of that many, one ``prefill`` call each at its positions
+(the same function, whatever the prompt's length: its activations stay bounded
+by the chunk). :meth:`Generator.stream` yields the tokens as they come;
 :attr:`Generator.stats` has the timings. With batched functions
 (``prefill_batch``, ``decode_batch``) a batch of prompts runs left-padded, one
 prefill and one decode per step (:mod:`tvm_distx.runtime.batch`).
@@ -31,9 +34,12 @@ from tvm_distx.bundle.generation import GenerationInfo, KVCacheLayout
 from tvm_distx.errors import ArgumentError
 from tvm_distx.runtime.batch import generate_batch
 
-__all__ = ["Generator", "GenerationStats", "prompts_of", "stops_of"]
+__all__ = ["Generator", "GenerationStats", "PREFILL_CHUNK", "prompts_of", "stops_of"]
 
 logger = logging.getLogger(__name__)
+
+#: Prompt tokens per ``prefill`` call by default (:attr:`Generator.prefill_chunk`).
+PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -85,11 +91,18 @@ class Generator:
         The batched functions' cache layout; None when they were not exported.
     pad_token_id : int, optional
         The token fed to rows of a batch that have ended (and to their padding).
+    prefill_chunk : int or None
+        The most prompt tokens one ``prefill`` call takes (default
+        :data:`PREFILL_CHUNK`, 512); a longer prompt is prefilled chunk by chunk.
+        None: the whole prompt in one call. Bundles whose ``prefill`` takes
+        one static prompt length are always called with the whole prompt.
     """
 
     def __init__(self, cache: KVCacheLayout, session, *, eos_token_id=None,
                  bytes_per_token: int = 0, batch_cache: KVCacheLayout | None = None,
-                 pad_token_id: int | None = None) -> None:
+                 pad_token_id: int | None = None,
+                 prefill_chunk: int | None = PREFILL_CHUNK) -> None:
+        self.prefill_chunk = prefill_chunk
         self.cache = cache
         self.batch_cache = batch_cache
         self.pad_token_id = pad_token_id
@@ -173,7 +186,7 @@ class Generator:
         if not _keep_stats:
             self.stats = GenerationStats(bytes_per_token=self.stats.bytes_per_token)
         started = time.perf_counter()
-        token = self._step("prefill", prompt[None, :], np.arange(length))
+        token = self._prefill(prompt)
         self.stats.prefill_seconds += time.perf_counter() - started
         yield token
         for step in range(max_new_tokens - 1):
@@ -187,6 +200,38 @@ class Generator:
             self.stats.per_step.append(elapsed)
             self.stats.new_tokens += 1
             yield token
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """The most prompt tokens one ``prefill`` call takes (None: the whole prompt)."""
+        return self._prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, value: int | None) -> None:
+        if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+            raise ArgumentError(f"prefill_chunk={value!r}: a chunk holds 1 or more tokens",
+                                hint="prefill_chunk=512, or None for the whole prompt in one "
+                                "call")
+        self._prefill_chunk = None if value is None else int(value)
+
+    def _prefill(self, prompt: np.ndarray) -> int:
+        """Fill the cache with ``prompt`` (in chunks of :attr:`prefill_chunk`); its next token."""
+        length = len(prompt)
+        chunk = self._prefill_chunk or length
+        if self._static_prompt_length() is not None:
+            chunk = length  # the function takes that one length
+        for begin in range(0, length, chunk):
+            end = min(begin + chunk, length)
+            token = self._step("prefill", prompt[None, begin:end], np.arange(begin, end))
+        return token
+
+    def _static_prompt_length(self) -> int | None:
+        """The prompt length ``prefill`` was exported for; None for any (symbolic)."""
+        manifest = getattr(self.session, "manifest", None)
+        if manifest is None:
+            return None
+        extent = manifest.function("prefill").params[0].shape[1]
+        return extent if isinstance(extent, int) else None
 
     def _step(self, function: str, ids: np.ndarray, positions: np.ndarray) -> int:
         """One call: the caches stay on the ranks; the last position's greedy token."""
