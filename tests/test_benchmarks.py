@@ -35,6 +35,9 @@ def test_every_benchmark_runs_at_its_smallest_size_and_writes_the_results(tmp_pa
         assert contender in results
     for contender in ("ours, 2 ranks over MPI", "DTensor, 2 ranks over gloo", "numpy"):
         assert contender in results
+    # time to first token: ours on 2 ranks gives transformers' first token at every length
+    prefill = results.split("## 5. Llama time to first token")[1].split("## 6.")[0]
+    assert re.search(r"\| ours, 2 ranks over MPI \(1 thread each\) \|[^\n]* \| yes \|", prefill)
     # token generation: our tokens equal transformers', our matrix-vector kernel is chosen
     assert "## 6. Llama token generation" in results
     assert re.search(r"\| ours, 2 ranks over MPI \(1 thread each\) \|[^\n]* \| yes \|", results)

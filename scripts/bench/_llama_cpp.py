@@ -1,4 +1,4 @@
-"""llama.cpp for ``llm_decode.py``: its cached environment, the checkpoint's GGUF files, its job.
+"""llama.cpp for the LLM benchmarks: its cached environment, the checkpoint's GGUF files, its jobs.
 
 Not a benchmark itself (``_common.py`` style helper). Three parts:
 
@@ -31,7 +31,8 @@ Not a benchmark itself (``_common.py`` style helper). Three parts:
   with ``Llama.eval``; the next token is the argmax of the last logits
   (``llama_get_logits_ith``), in numpy. Each decode step is timed as the
   caller sees it, eval and argmax, as our steps are. A 4-token generation
-  warms it up first.
+  warms it up first. :func:`prefill_job` (for ``llm_prefill.py``) times the
+  prompt's evaluation alone, for several prompt lengths.
 """
 
 from __future__ import annotations
@@ -361,6 +362,42 @@ def job(model: str, data: str, out: str, threads: int, new_tokens: int) -> None:
                                      "rss": [rss]}))
 
 
+def prefill_job(model: str, data: str, out: str, threads: int, lengths: list[int],
+                samples: int) -> None:
+    """Time to first token with llama.cpp on ``threads`` threads, for prompts of ``lengths``.
+
+    ``Llama.eval`` of the first ``n`` ids of the saved prompt in one batch and the
+    argmax of the last logits; the fastest of ``samples`` per length. Writes
+    ``times`` and ``tokens`` (by length) and ``rss`` to ``out``.
+    """
+    import llama_cpp
+
+    ids = np.load(Path(data) / "ids.npy")[0].tolist()
+    longest = max(lengths)
+    llm = llama_cpp.Llama(model_path=model, n_threads=threads, n_threads_batch=threads,
+                          n_ctx=longest + 1, n_batch=longest, logits_all=False, verbose=False)
+    vocab = llm.n_vocab()
+
+    def first_token(n: int) -> tuple[int, float]:
+        llm.reset()
+        started = time.perf_counter()
+        llm.eval(ids[:n])
+        token = int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                          shape=(vocab,)).argmax())
+        return token, time.perf_counter() - started
+
+    first_token(min(lengths))  # warm-up
+    times, tokens = {}, {}
+    for n in lengths:
+        runs = [first_token(n) for _ in range(samples)]
+        times[n], tokens[n] = min(t for _, t in runs), runs[0][0]
+    rss = 0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            rss = int(line.split()[1]) * 1024
+    Path(out).write_text(json.dumps({"times": times, "tokens": tokens, "rss": [rss]}))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", action="store_true", help="build the cached environment")
@@ -368,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, help="CMAKE_BUILD_PARALLEL_LEVEL (default 2)")
     parser.add_argument("--quantize", nargs=3, metavar=("SOURCE", "TARGET", "TYPE"))
     parser.add_argument("--job", help="decode with this GGUF file (the venv's Python)")
+    parser.add_argument("--prefill-job", help="time to first token with this GGUF file")
+    parser.add_argument("--tokens", type=int, nargs="*", default=[16], help="prompt lengths")
+    parser.add_argument("--samples", type=int, default=1, help="prefills per prompt length")
     parser.add_argument("--data")
     parser.add_argument("--out")
     parser.add_argument("--threads", type=int, default=1)
@@ -375,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     if opts.quantize:
         quantize(*opts.quantize)
+    elif opts.prefill_job:
+        prefill_job(opts.prefill_job, opts.data, opts.out, opts.threads, opts.tokens,
+                    opts.samples)
     elif opts.job:
         job(opts.job, opts.data, opts.out, opts.threads, opts.new_tokens)
     elif opts.build:

@@ -1,46 +1,58 @@
-"""Prefill of a random-weight Llama: ours on 1, 2 and 4 ranks against torch eager and transformers.
+"""Time to first token of a random-weight Llama: ours on 1 and 2 ranks against llama.cpp and torch.
 
-The model is a ``LlamaForCausalLM`` built from a config in code (no download):
-hidden 768, FFN 2048, 12 layers, 12 query heads and 4 KV heads (grouped-query
-attention), vocabulary 16384, untied LM head: 101M parameters, float32. One
-forward over a prompt of 128 tokens (batch 1) gives the logits of every
-position: the prefill of text generation.
+The model is ``llm_decode.py``'s: a ``LlamaForCausalLM`` built from a config in
+code (no download), hidden 1024, FFN 4096, 24 layers, 16 query heads and 8 KV
+heads, vocabulary 32000, untied LM head: 443M parameters, saved in float32 by
+``save_pretrained``. ``--small`` keeps 4 layers. Prompts of ``--tokens``
+lengths (default 16, 128, 512 and 2048 random token ids, batch 1) are
+prefilled one after the other in every contender's process; the time to first
+token is the call that takes the prompt and gives the first greedy token.
 
-Contenders, each timed inside its own processes (launch, imports, compilation
-and loading are not timed):
+Contenders, each in its own processes (imports, compilation and loading are
+not timed; every contender first prefills the shortest prompt once, untimed):
 
-* **ours, p ranks, MPI** (p = 1, 2, 4): the model imported with
-  :func:`tvm_distx.from_torch`, made tensor parallel with
-  :func:`tvm_distx.plans.presets.tensor_parallel` on a ``(p,)`` mesh, compiled with
-  :func:`tvm_distx.compile` and exported as a bundle; ``mpiexec -n p`` runs
-  this script's rank job, which reads the bundle as our worker does and times
-  ``vm[entry](...)`` and the gather of the logits to rank 0 (transformers'
-  plan gathers them too). One TVM thread per rank. With 4 ranks on a 2-core
-  machine the ranks share cores, so that row measures overhead, not speed.
-* **torch eager, 1 process**: the same ``LlamaForCausalLM`` under
-  ``torch.no_grad()``, ``use_cache=False``, with 1 thread and with 2.
-* **transformers tp_plan, 2 ranks, gloo**: the checkpoint loaded with
-  ``from_pretrained(..., tp_plan="auto")`` (transformers' own tensor
-  parallelism on DTensor, which needs ``accelerate``), ``torch.distributed``
-  on gloo over 127.0.0.1, one thread per rank. Skipped, and said so, where
-  ``accelerate`` is not installed.
+* **ours, p ranks** (p = 1, 2): :class:`tvm_distx.llm.causal_lm.CausalLM` as users
+  serve a checkpoint, ``CausalLM.from_pretrained(checkpoint, num_ranks=p,
+  max_length=...)`` exported as a bundle and served by
+  ``CausalLM.from_bundle`` on ``mpiexec -n p`` ranks that stay up, one TVM
+  thread per rank. One bundle serves every prompt length (its ``max_length`` is
+  the longest prompt plus one). The time is ``generate(ids,
+  max_new_tokens=1)``'s prefill as :attr:`~tvm_distx.llm.causal_lm.CausalLM.stats`
+  has it: the call of the session as the caller sees it, the argmax included.
+* **llama.cpp, t threads** (t = 1, 2): ``llama-cpp-python`` from
+  ``llm_decode.py``'s cached environment (``_llama_cpp.py``), on the
+  checkpoint's GGUF files of each format; ``Llama.eval`` of the prompt in one
+  batch (``n_batch`` = the prompt, the library's default micro-batch) and the
+  argmax of the last logits. Left out, and said so, where the environment is
+  not built (``llm_decode.py --build-llama-cpp``).
+* **transformers, t threads**: one forward of the checkpoint in torch eager
+  (``use_cache=True``, as ``generate`` prefills) on ``t`` threads, and the
+  argmax of the last position's logits.
 
-Each round launches every contender once, in an order that rotates from round
-to round; the tables show the median over rounds, and speed-ups as the median
-of per-round ratios. Every contender's logits are checked against torch eager's
-(float32, relative to the largest logit).
+``--formats`` also runs ours and llama.cpp on 16-bit or quantized weights (f16,
+q8, q4: our ``dtype=``/``quantization=`` and llama.cpp's F16, Q8_0, Q4_0).
+Each job prefills every prompt ``--samples`` times and keeps the fastest; each
+round launches every contender once, in an order that rotates from round to
+round; the tables give medians over rounds and ratios as medians of per-round
+ratios (min-max). Every float32 contender's first token is checked against
+transformers' on 1 thread at every length.
+
+Memory: the peak resident size of each of our ranks after the longest prompt
+(``VmHWM``), beside what the rank holds: its weight files and its share of the
+key-value cache (the bundle's manifest and cache layout).
 
 Usage::
 
-    python scripts/bench/llm_prefill.py                 # 2 rounds
-    python scripts/bench/llm_prefill.py --tokens 32 --layers 2 --rounds 1
+    python scripts/bench/llm_prefill.py                       # 443M, 2 rounds
+    python scripts/bench/llm_prefill.py --tokens 128 512 --rounds 3
+    python scripts/bench/llm_prefill.py --small --tokens 16 128 --rounds 1
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import math
 import os
 import sys
 import tempfile
@@ -48,263 +60,264 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (bundle_rank_call, child_env, end_rank_job, free_port,  # noqa: E402
-                     llama_parameters, median,
-                     run_job, spread, table, time_samples)
-
-from tvm_distx.runtime.mpi import mpiexec_path  # noqa: E402
-from tvm_distx.runtime.rank_env import rank_environment  # noqa: E402
+import _llama_cpp  # noqa: E402
+import llm_decode  # noqa: E402
+from _common import (child_env, fmt_bytes, llama_parameters, median, run_job,  # noqa: E402
+                     spread, table)
 
 import numpy as np  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
 
-#: The model (``--hidden``, ``--layers`` ... change it, e.g. for the smoke test).
-MODEL = {"vocab_size": 16384, "hidden_size": 768, "intermediate_size": 2048,
-         "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 4}
 
+def contenders(ranks: list[int], threads: list[int], formats: list[str],
+               llama: list[str]) -> list[tuple[str, str, str, int, str]]:
+    """``(key, label, kind, ranks or threads, format)`` of every contender of this run."""
+    def n_threads(t: int) -> str:
+        return f"{t} thread{'s' if t > 1 else ''}"
 
-def contenders(ranks: list[int], with_hf_tp: bool) -> list[tuple[str, str, str, int, int]]:
-    """``(key, label, kind, ranks, threads per rank)`` of every contender of this run."""
-    rows = [(f"ours{p}", f"ours, {p} rank{'s' if p > 1 else ''} over MPI (1 thread each)",
-             "ours", p, 1) for p in ranks]
-    rows += [("torch1", "torch eager, 1 process, 1 thread", "torch", 1, 1),
-             ("torch2", "torch eager, 1 process, 2 threads", "torch", 1, 2)]
-    if with_hf_tp:
-        rows.append(("hftp2", "transformers tp_plan, 2 ranks over gloo (1 thread each)",
-                     "hftp", 2, 1))
+    rows = [(f"hf{t}", f"transformers forward, torch eager, {n_threads(t)}", "hf", t, "f32")
+            for t in threads]
+    for fmt in formats:
+        name = "ours" if fmt == "f32" else f"ours {fmt}"
+        rows += [(llm_decode.key_of("ours", p, fmt),
+                  f"{name}, {p} rank{'s' if p > 1 else ''} over MPI (1 thread each)",
+                  "ours", p, fmt) for p in ranks]
+    for fmt in llama:
+        rows += [(llm_decode.key_of("llama", t, fmt),
+                  f"llama.cpp {_llama_cpp.GGUF_TYPES[fmt]}, {n_threads(t)}", "llama", t, fmt)
+                 for t in threads]
     return rows
 
 
-def build(folder: Path, config: dict, tokens: int, ranks: list[int]) -> None:
-    """Save the model and its reference logits in ``folder``, and a bundle per rank count."""
-    import torch
-    import transformers
+def held_bytes(bundle: Path, ranks: int) -> list[int]:
+    """Per rank: the bytes of its weight files and of its share of the key-value cache."""
+    from tvm_distx.bundle.generation import read_generation
+    from tvm_distx.bundle.manifest import read_manifest
 
-    import tvm_distx as td
-    from tvm_distx.plans import presets
-
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **config, max_position_embeddings=max(512, tokens), tie_word_embeddings=False)).eval()
-    model.save_pretrained(folder / "model")
-    ids = torch.randint(0, config["vocab_size"], (1, tokens))
-    with torch.no_grad():
-        logits = model(ids, use_cache=False).logits
-    np.save(folder / "ids.npy", ids.numpy())
-    np.save(folder / "logits.npy", logits.numpy())
-    graph, weights = td.from_torch(model, (ids,))
-    input_name = graph["main"].params[0].name
-    (folder / "inputs.json").write_text(json.dumps({"ids": input_name}))
-    for p in ranks:
-        started = time.perf_counter()
-        mod = presets.tensor_parallel().apply(presets.set_device_meshes(graph, [(p,)]))
-        td.compile(mod).export(folder / f"bundle_{p}", params=weights)
-        print(f"  compiled and exported for {p} rank(s) in {time.perf_counter() - started:.0f} s",
-              file=sys.stderr, flush=True)
+    manifest = read_manifest(bundle)
+    cache = read_generation(bundle).cache
+    cache_bytes = sum(math.prod(shape) * np.dtype(cache.dtype).itemsize
+                      for shape in cache.shapes)
+    return [sum(math.prod(w.shape) * np.dtype(w.dtype).itemsize for w in manifest.files_of(r))
+            + cache_bytes // ranks for r in range(ranks)]
 
 
 # ---------------------------------------------------------------------- inside the jobs
-def _error(logits: np.ndarray, data: str) -> float:
-    reference = np.load(Path(data) / "logits.npy")
-    return float(np.abs(np.asarray(logits) - reference).max() / np.abs(reference).max())
+def prompts(data: str, lengths: list[int]) -> dict[int, np.ndarray]:
+    """The first ``n`` ids of the saved prompt, for each ``n``."""
+    ids = np.load(Path(data) / "ids.npy")
+    return {n: ids[:, :n] for n in lengths}
 
 
-def ours_job(bundle: str, data: str, out: str, samples: int, calls: int) -> None:
-    """A rank of ours: load the bundle like our MPI worker, then time ``vm[entry]``."""
-    from mpi4py import MPI
-
-    from tvm_distx.layout.arrays import assemble_results
-
-    comm = MPI.COMM_WORLD
-    name = json.loads((Path(data) / "inputs.json").read_text())["ids"]
-    func, args, signature = bundle_rank_call(bundle, {name: np.load(Path(data) / "ids.npy")},
-                                             comm, with_signature=True)
-
-    def prefill():  # the logits on rank 0, as transformers' gathered output
-        local = func(*args).numpy()
-        shards = comm.gather(local, root=0)
-        return assemble_results(signature, shards) if shards is not None else None
-
-    logits = prefill()
-    error = _error(logits, data) if comm.Get_rank() == 0 else 0.0
-    times = time_samples(prefill, comm.Barrier,
-                         lambda t: comm.allreduce(t, op=MPI.MAX), samples, calls)
-    if comm.Get_rank() == 0:
-        Path(out).write_text(json.dumps({"times": times, "error": error}))
+def timed_prompts(first_token, lengths: list[int], data: str, samples: int) -> dict:
+    """``first_token(ids) -> (token, seconds)`` for every prompt: fastest time, token."""
+    by_length = prompts(data, lengths)
+    first_token(by_length[min(lengths)])  # warm-up
+    times, tokens = {}, {}
+    for n in lengths:
+        runs = [first_token(by_length[n]) for _ in range(samples)]
+        times[n] = min(seconds for _, seconds in runs)
+        tokens[n] = runs[0][0]
+    return {"times": times, "tokens": tokens}
 
 
-def torch_job(data: str, out: str, threads: int, samples: int, calls: int) -> None:
-    """torch eager in this process, with ``threads`` threads."""
+def hf_job(data: str, out: str, threads: int, lengths: list[int], samples: int) -> None:
+    """transformers: one forward per prompt on ``threads`` torch threads."""
     import torch
     import transformers
 
     torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         Path(data) / "model", dtype=torch.float32).eval()
-    ids = torch.from_numpy(np.load(Path(data) / "ids.npy"))
 
-    def forward():
+    def first_token(ids: np.ndarray) -> tuple[int, float]:
+        started = time.perf_counter()
         with torch.no_grad():
-            return model(ids, use_cache=False).logits
+            logits = model(input_ids=torch.from_numpy(ids), use_cache=True).logits
+        token = int(logits[0, -1].argmax())
+        return token, time.perf_counter() - started
 
-    error = _error(forward().numpy(), data)
-    times = time_samples(forward, lambda: None, lambda t: t, samples, calls)
-    Path(out).write_text(json.dumps({"times": times, "error": error}))
+    got = timed_prompts(first_token, lengths, data, samples)
+    Path(out).write_text(json.dumps({**got, "rss": [llm_decode.peak_rss()]}))
 
 
-def hf_tp_job(data: str, out: str, port: int, samples: int, calls: int) -> None:
-    """A rank of transformers' own tensor parallelism (rank and size from MPICH's PMI)."""
-    import warnings
+def ours_job(data: str, out: str, ranks: int, lengths: list[int], samples: int,
+             fmt: str) -> None:
+    """A session on our generation bundle of ``fmt``, one TVM thread per rank."""
+    from tvm_distx.llm.causal_lm import CausalLM
 
-    import torch
-    import torch.distributed as dist
-    import transformers
+    with CausalLM.from_bundle(Path(data) / f"bundle_{fmt}_{ranks}",
+                              env={"TVM_NUM_THREADS": "1"}) as lm:
+        def first_token(ids: np.ndarray) -> tuple[int, float]:
+            token = int(lm.generate(ids, max_new_tokens=1)[0, -1])
+            return token, lm.stats.prefill_seconds
 
-    warnings.filterwarnings("ignore")
-    transformers.logging.set_verbosity_error()
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        Path(data) / "model", dtype=torch.float32, tp_plan="auto").eval()
-    ids = torch.from_numpy(np.load(Path(data) / "ids.npy"))
-
-    def forward():
-        with torch.no_grad():
-            return model(ids, use_cache=False).logits
-
-    error = _error(forward().numpy(), data)
-
-    def slowest(t: float) -> float:
-        value = torch.tensor([t], dtype=torch.float64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return float(value[0])
-
-    times = time_samples(forward, dist.barrier, slowest, samples, calls)
-    dist.destroy_process_group()
-    if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "error": error}))
+        got = timed_prompts(first_token, lengths, data, samples)
+        rss = [llm_decode.peak_rss(r.pid) for r in lm.session.ranks]
+    Path(out).write_text(json.dumps({**got, "rss": rss}))
 
 
 # ---------------------------------------------------------------------- the controller
-def run_contender(key: str, kind: str, ranks: int, threads: int, folder: Path, samples: int,
-                  calls: int, timeout: float) -> dict:
-    """Launch one job of one contender; returns its samples and its error."""
+def launch(kind: str, arg: int, fmt: str, folder: Path, lengths: list[int], samples: int,
+           timeout: float, gguf: str | None = None) -> dict:
+    """Run one contender's job; returns its JSON (times and tokens keyed by prompt length)."""
+    key = llm_decode.key_of(kind, arg, fmt)
     out = folder / f"{key}.json"
     out.unlink(missing_ok=True)
     common = ["--data", str(folder), "--out", str(out), "--samples", str(samples),
-              "--calls", str(calls)]
-    env = child_env(TVM_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-    if kind == "ours":  # the environment our launcher gives ranks
-        command = [mpiexec_path(), "-n", str(ranks), sys.executable, SCRIPT, "--ours-job",
-                   str(folder / f"bundle_{ranks}")] + common
-        env = rank_environment(env)
-    elif kind == "hftp":
-        command = [mpiexec_path(), "-n", str(ranks), sys.executable, SCRIPT, "--hf-tp-job",
-                   str(free_port())] + common
+              "--tokens", *[str(n) for n in lengths]]
+    if kind == "llama":
+        command = [str(_llama_cpp.python(_llama_cpp.cache_dir())), _llama_cpp.__file__,
+                   "--prefill-job", gguf, "--threads", str(arg), *common]
     else:
-        command = [sys.executable, SCRIPT, "--torch-job", str(threads)] + common
-    return run_job(key, command, env, out, timeout)
+        command = [sys.executable, SCRIPT, f"--{kind}-job", str(arg), "--format", fmt, *common]
+    threads = "1" if kind == "ours" else str(arg)
+    got = run_job(key, command, child_env(OMP_NUM_THREADS=threads, TVM_NUM_THREADS="1"), out,
+                  timeout)
+    return {what: {int(n): v for n, v in got[what].items()} if what != "rss" else got[what]
+            for what in got}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="4 layers: a quick run")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 512, 2048],
+                        help="prompt lengths (default: %(default)s)")
+    parser.add_argument("--formats", default="f32",
+                        help="weight formats, comma-separated, of f32, f16, q8, q4 "
+                        "(default: %(default)s)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     parser.add_argument("--rounds", type=int, default=2, help="launches of every contender")
-    parser.add_argument("--samples", type=int, default=3, help="samples per launch")
-    parser.add_argument("--calls", type=int, default=2, help="forwards per sample")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
-    parser.add_argument("--tokens", type=int, default=128, help="prompt length")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4],
-                        help="rank counts of ours")
-    parser.add_argument("--hidden", type=int, help="hidden size (FFN and vocabulary scale)")
+    parser.add_argument("--samples", type=int, default=2,
+                        help="prefills of each prompt per launch (the fastest counts)")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2], help="our rank counts")
+    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2],
+                        help="threads of the transformers and llama.cpp contenders")
+    parser.add_argument("--hidden", type=int, help="hidden size (heads of 64)")
     parser.add_argument("--layers", type=int, help="decoder layers")
-    parser.add_argument("--json", help="also write the per-round times to this JSON file")
-    parser.add_argument("--ours-job", metavar="BUNDLE", help=argparse.SUPPRESS)
-    parser.add_argument("--torch-job", metavar="THREADS", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--hf-tp-job", metavar="PORT", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per job")
+    parser.add_argument("--json", help="also write the per-round figures to this JSON file")
+    parser.add_argument("--hf-job", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--ours-job", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--format", default="f32", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
+    lengths = sorted(set(opts.tokens))
+    if opts.hf_job:
+        hf_job(opts.data, opts.out, opts.hf_job, lengths, opts.samples)
+        return 0
     if opts.ours_job:
-        ours_job(opts.ours_job, opts.data, opts.out, opts.samples, opts.calls)
+        ours_job(opts.data, opts.out, opts.ours_job, lengths, opts.samples, opts.format)
         return 0
-    if opts.torch_job:
-        torch_job(opts.data, opts.out, opts.torch_job, opts.samples, opts.calls)
-        return 0
-    if opts.hf_tp_job:
-        hf_tp_job(opts.data, opts.out, opts.hf_tp_job, opts.samples, opts.calls)
-        end_rank_job()
 
-    config = dict(MODEL)
+    config = dict(llm_decode.MODEL)
+    if opts.small:
+        config["num_hidden_layers"] = 4
     if opts.hidden:
-        scale = opts.hidden / MODEL["hidden_size"]
-        heads = max(4, opts.hidden // 64)  # head_dim 64, at least 4 heads
+        heads = max(4, opts.hidden // 64)
         config.update(hidden_size=opts.hidden, num_attention_heads=heads,
-                      num_key_value_heads=max(2, heads // 3),
-                      intermediate_size=max(8, int(MODEL["intermediate_size"] * scale)),
-                      vocab_size=max(64, int(MODEL["vocab_size"] * scale)))
+                      num_key_value_heads=max(2, heads // 2), intermediate_size=4 * opts.hidden,
+                      vocab_size=max(64, opts.hidden * 32))
     if opts.layers:
         config["num_hidden_layers"] = opts.layers
-    with_hf_tp = importlib.util.find_spec("accelerate") is not None
-    rows = contenders(opts.ranks, with_hf_tp)
+    formats = [f.strip() for f in opts.formats.split(",") if f.strip()]
+    if unknown := sorted(set(formats) - set(llm_decode.FORMATS)):
+        raise SystemExit(f"unknown formats {unknown}: choose from {', '.join(llm_decode.FORMATS)}")
+    llama, note = _llama_cpp.select(formats, opts.no_llama_cpp, False)
+    rows = contenders(opts.ranks, opts.threads, formats, llama)
+    longest = lengths[-1]
     started = time.perf_counter()
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="tvm-distx-bench-") as tmp:
         folder = Path(tmp)
-        build(folder, config, opts.tokens, opts.ranks)
-        times: dict[str, list[float]] = {key: [] for key, *_ in rows}
-        errors: dict[str, float] = {}
+        model = llm_decode.cached_checkpoint(config, max(512, longest + 1)) if llama else None
+        # one bundle per format and rank count, max_length = the longest prompt + 1
+        llm_decode.build(folder, config, longest, 1, opts.ranks, formats, model)
+        held = {llm_decode.key_of("ours", p, fmt): held_bytes(folder / f"bundle_{fmt}_{p}", p)
+                for fmt in formats for p in opts.ranks}
+        gguf = _llama_cpp.gguf_files(model, llama, _llama_cpp.cache_dir(),
+                                     config["vocab_size"]) if llama else {}
+        runs: dict[str, list[dict]] = {key: [] for key, *_ in rows}
         for r in range(opts.rounds):
-            for key, _, kind, ranks, threads in rows[r % len(rows):] + rows[:r % len(rows)]:
-                got = run_contender(key, kind, ranks, threads, folder, opts.samples, opts.calls,
-                                    opts.timeout)
-                times[key].append(median(got["times"]))
-                errors[key] = max(errors.get(key, 0.0), got["error"])
-                print(f"  round {r + 1}: {key} {times[key][-1] * 1e3:.1f} ms", file=sys.stderr,
-                      flush=True)
-    bad = {k: e for k, e in errors.items() if e > 1e-4}
-    if bad:
-        raise SystemExit(f"logits differ from torch eager's: {bad}")
+            order = rows[r % len(rows):] + rows[:r % len(rows)]
+            for key, _, kind, arg, fmt in order:
+                got = launch(kind, arg, fmt, folder, lengths, opts.samples, opts.timeout,
+                             gguf.get(fmt, {}).get("path"))
+                runs[key].append(got)
+                print(f"  round {r + 1}: {key} " + ", ".join(
+                    f"{n}: {got['times'][n] * 1e3:.0f} ms" for n in lengths),
+                    file=sys.stderr, flush=True)
+    elapsed = time.perf_counter() - started
+    load.append(os.getloadavg()[0])
+    report(opts, config, lengths, rows, runs, held, elapsed, load, note)
+    return 0
 
-    base = times["torch1"]
-    table_rows = []
-    for key, label, *_ in rows:
-        speedups = [b / t for b, t in zip(base, times[key])]
-        table_rows.append((label, f"{median(times[key]) * 1e3:.1f}",
-                           f"{opts.tokens / median(times[key]):.0f}",
-                           f"{median(speedups):.2f} ({spread(speedups)})", f"{errors[key]:.1e}"))
-    print(f"Llama prefill, {llama_parameters(config) / 1e6:.0f}M parameters "
-          f"({config['num_hidden_layers']} layers, hidden {config['hidden_size']}), "
-          f"{opts.tokens} tokens, float32, {os.cpu_count()} cores, {opts.rounds} rounds x "
-          f"{opts.samples} samples x {opts.calls} forwards "
-          f"({time.perf_counter() - started:.0f} s)\n")
-    print(table(["contender", "ms per prefill", "tokens/s", "speed-up vs torch eager 1 thread "
-                 "(min-max)", "max error vs torch (relative)"], table_rows))
-    if not with_hf_tp:
-        print("\ntransformers tp_plan: not run (it needs `accelerate`, which is not installed)")
+
+def report(opts, config: dict, lengths: list[int], rows, runs: dict, held: dict,
+           elapsed: float, load: list[float], note: str) -> None:
+    """Print the tables (and write the JSON) of a finished run."""
+    times = {key: {n: [run["times"][n] for run in runs[key]] for n in lengths} for key in runs}
+    reference = runs["hf1"][0]["tokens"] if "hf1" in runs else None
+    lines = []
+    for key, label, kind, arg, fmt in rows:
+        same = "-"
+        if reference is not None and fmt == "f32":
+            equal = all(run["tokens"][n] == reference[n] for run in runs[key] for n in lengths)
+            same = "yes" if equal else "NO"
+        lines.append([label, *[f"{median(times[key][n]) * 1e3:,.0f}" for n in lengths],
+                      f"{lengths[-1] / median(times[key][lengths[-1]]):,.0f}", same])
+    print(f"Llama time to first token, {llama_parameters(config) / 1e6:.0f}M parameters "
+          f"({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, FFN "
+          f"{config['intermediate_size']}, vocabulary {config['vocab_size']}), checkpoint in "
+          f"float32, batch 1, {os.cpu_count()} cores (load average {load[0]:.1f} before, "
+          f"{load[1]:.1f} after), {opts.rounds} round{'s' if opts.rounds > 1 else ''} x "
+          f"fastest of {opts.samples} ({elapsed:.0f} s)\n\n{note}\n")
+    print(table(["contender", *[f"{n} tokens ms" for n in lengths],
+                 f"tokens/s at {lengths[-1]}", "first token = transformers 1 thread"], lines))
+
     comparisons = []
-    if "ours2" in times and "ours1" in times:
-        ratio = [a / b for a, b in zip(times["ours1"], times["ours2"])]
-        comparisons.append(("ours 2 ranks vs ours 1 rank (1-rank time / 2-rank time)",
-                            f"{median(ratio):.2f} ({spread(ratio)})"))
-    if "ours2" in times and "hftp2" in times:
-        ratio = [a / b for a, b in zip(times["hftp2"], times["ours2"])]
-        comparisons.append(("ours 2 ranks vs transformers tp_plan 2 ranks (theirs / ours)",
-                            f"{median(ratio):.2f} ({spread(ratio)})"))
-    if "ours2" in times:
-        ratio = [a / b for a, b in zip(times["torch2"], times["ours2"])]
-        comparisons.append(("ours 2 ranks vs torch eager 2 threads (torch / ours)",
-                            f"{median(ratio):.2f} ({spread(ratio)})"))
+
+    def ratio(label: str, slow: str, fast: str) -> None:
+        if slow in times and fast in times:
+            cells = []
+            for n in lengths:
+                values = [a / b for a, b in zip(times[slow][n], times[fast][n])]
+                cells.append(f"**{median(values):.2f}** ({spread(values)})")
+            comparisons.append([label, *cells])
+
+    ratio("ours 2 ranks vs ours 1 rank (1-rank time / 2-rank time)", "ours1", "ours2")
+    for fmt in [f for f in ("f32", "f16", "q8", "q4") if f in {r[4] for r in rows}]:
+        for p in opts.ranks:
+            ratio(f"ours {fmt} {p} vs llama.cpp {_llama_cpp.GGUF_TYPES[fmt]} {p} thread"
+                  f"{'s' if p > 1 else ''} (theirs / ours)", llm_decode.key_of("llama", p, fmt),
+                  llm_decode.key_of("ours", p, fmt))
+    for p in opts.ranks:
+        ratio(f"ours {p} vs transformers {p} thread{'s' if p > 1 else ''} (theirs / ours)",
+              f"hf{p}", f"ours{p}")
     if comparisons:
         print()
-        print(table(["comparison", "ratio (min-max)"], comparisons))
+        print(table(["comparison (median of per-round ratios, min-max)",
+                     *[f"{n} tokens" for n in lengths]], comparisons))
+    memory = []
+    for key, label, kind, arg, fmt in rows:
+        if kind == "ours":
+            rss = [max(run["rss"][r] for run in runs[key]) for r in range(arg)]
+            memory.append([label, " / ".join(fmt_bytes(v) for v in rss),
+                           " / ".join(fmt_bytes(v) for v in held[key]),
+                           f"{max(a / b for a, b in zip(rss, held[key])):.2f}"])
+    if memory:
+        print(f"\nMemory of our ranks after the {lengths[-1]}-token prompt: peak resident "
+              "size (VmHWM) against the rank's weight files and its share of the cache:\n")
+        print(table(["contender", "peak RSS per rank", "weights + cache per rank",
+                     "peak / (weights + cache), largest"], memory))
     if opts.json:
         Path(opts.json).write_text(json.dumps({
-            "labels": {key: label for key, label, *_ in rows}, "times": times, "errors": errors,
-            "tokens": opts.tokens, "parameters": llama_parameters(config)}))
-    return 0
+            "labels": {key: label for key, label, *_ in rows}, "times": times,
+            "held": held, "parameters": llama_parameters(config),
+            "rss": {k: [run["rss"] for run in v] for k, v in runs.items()}}))
 
 
 if __name__ == "__main__":

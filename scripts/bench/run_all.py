@@ -11,8 +11,9 @@ one after the other, each in its own process:
    memory against mpi4py and gloo;
 4. ``tp_mlp.py``: a tensor-parallel MLP forward on 1 and 2 ranks against
    DTensor on gloo and numpy;
-5. ``llm_prefill.py``: the prefill of a 101M-parameter random Llama on 1, 2
-   and 4 ranks against torch eager and transformers' own tensor parallelism.
+5. ``llm_prefill.py``: time to first token of a 443M-parameter random Llama
+   with ``CausalLM`` on 1 and 2 ranks against transformers (1 and 2 threads)
+   and, when its cached environment is built, llama.cpp (F32).
 6. ``llm_decode.py``: token generation of a 443M-parameter random Llama with
    ``CausalLM`` on 1 and 2 ranks against transformers' ``generate`` and, when
    its cached environment is built (``llm_decode.py --build-llama-cpp``),
@@ -62,10 +63,10 @@ BENCHES = [
     ("tp_mlp", "Tensor-parallel MLP forward",
      ["--rounds", "3"], ["--rounds", "1", "--samples", "2"],
      ["--shape", "8", "64", "256", "--rounds", "1", "--samples", "1", "--calls", "1"]),
-    ("llm_prefill", "Llama prefill, tensor parallel",
-     [], ["--layers", "2", "--rounds", "1", "--samples", "2"],
-     ["--hidden", "64", "--layers", "1", "--tokens", "8", "--ranks", "1", "2", "--rounds", "1",
-      "--samples", "1", "--calls", "1"]),
+    ("llm_prefill", "Llama time to first token",
+     [], ["--small", "--tokens", "16", "128", "--rounds", "1"],
+     ["--hidden", "64", "--layers", "1", "--tokens", "4", "8", "--ranks", "1", "2",
+      "--threads", "1", "--rounds", "1", "--samples", "1", "--no-llama-cpp"]),
     ("llm_decode", "Llama token generation",
      [], ["--small", "--rounds", "1", "--kernels", "1024x4096"],
      ["--hidden", "64", "--layers", "1", "--prompt", "4", "--new-tokens", "4", "--ranks", "2",
