@@ -259,6 +259,7 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
     group, dtype, kind, full = kernel.group, kernel.dtype, kernel.mask, kernel.mask_axes
     bq, bk = QUERY_BLOCK, KEY_TILE
     lanes = next(n for n in (16, 8, 4, 2, 1) if d % n == 0)
+    strip = next(n for n in (8, 4, 2, 1) if dv % n == 0)
     f32 = "float32"
     scale = tirx.const(kernel.scale, f32)
     lowest = tirx.const(_lowest(dtype), f32)
@@ -278,6 +279,13 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
             value = value != T.Cast(kernel.mask_dtype, 0)
         return T.Select(value, 1, 0)
 
+    def kept8(mask, bi, hi, i, j):
+        """:func:`kept` as an int8 (16 of them in one 128-bit register)."""
+        value = mask_at(mask, bi, hi, i, j)
+        if kernel.mask_dtype != "bool":
+            return T.Cast("int8", value != T.Cast(kernel.mask_dtype, 0))
+        return T.Cast("int8", value)
+
     @T.macro
     def uniform_row(v, out, bi, hi, kh, i, nl):
         # every key masked: every score is ``lowest``, so the weights are uniform
@@ -292,28 +300,41 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
 
     # ---------------------------------------------------------------- blocks of queries
     @T.macro
-    def block_tile(k, v, mask, qt, st, mt, at, top, total, seen, live, bi, hi, kh, i0, j0,
+    def block_tile(k, v, mask, qt, st, mt, scan, at, top, total, live, bi, hi, kh, i0, j0,
                    rows, cols, whole):
-        # mt[jj, r]: 1 where the mask keeps query r's score of key jj
+        # live[0]: a key of the tile is kept for some query; live[1]: every key for every
+        # query (a tile below a causal mask's diagonal: no select needed). The mask is
+        # read along its rows here (contiguous); transposed, mt[jj, r], only when mixed.
         if kind == "bool":
-            for r in T.vectorized(bq):
-                live[r] = 0
-            for jj in range(bk):
+            for jj in T.vectorized(bk):
+                scan[0, jj] = T.int8(0)
+                scan[1, jj] = T.int8(1)
+            for r in range(rows):
                 if whole:
-                    for r in T.vectorized(bq):
-                        mt[jj, r] = kept(mask, bi, hi, i0 + r, j0 + jj)
+                    for jj in T.vectorized(bk):
+                        scan[0, jj] = T.max(scan[0, jj], kept8(mask, bi, hi, i0 + r, j0 + jj))
+                        scan[1, jj] = T.min(scan[1, jj], kept8(mask, bi, hi, i0 + r, j0 + jj))
                 else:
-                    for r in range(bq):
-                        mt[jj, r] = T.if_then_else(r < rows and jj < cols,
-                                                   kept(mask, bi, hi, i0 + r, j0 + jj), 0)
-                for r in T.vectorized(bq):
-                    live[r] = T.max(live[r], mt[jj, r])
-            for r in T.vectorized(bq):
-                seen[r] = T.max(seen[r], live[r])
-            for r in range(1, bq):
-                live[0] = T.max(live[0], live[r])
+                    for jj in range(cols):
+                        scan[0, jj] = T.max(scan[0, jj], kept8(mask, bi, hi, i0 + r, j0 + jj))
+                        scan[1, jj] = T.min(scan[1, jj], kept8(mask, bi, hi, i0 + r, j0 + jj))
+            live[0] = T.Cast("int32", scan[0, 0])
+            live[1] = T.Cast("int32", scan[1, 0])
+            for jj in range(1, cols):
+                live[0] = T.max(live[0], T.Cast("int32", scan[0, jj]))
+                live[1] = T.min(live[1], T.Cast("int32", scan[1, jj]))
+            if live[0] != 0 and live[1] == 0:
+                for jj in range(bk):
+                    if whole:
+                        for r in T.vectorized(bq):
+                            mt[jj, r] = kept(mask, bi, hi, i0 + r, j0 + jj)
+                    else:
+                        for r in range(bq):
+                            mt[jj, r] = T.if_then_else(r < rows and jj < cols,
+                                                       kept(mask, bi, hi, i0 + r, j0 + jj), 0)
         else:
             live[0] = 1
+            live[1] = 1
         if live[0] != 0:
             for jj in T.unroll(bk):
                 for r in T.vectorized(bq):
@@ -327,7 +348,7 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
                             st[jj, r] = st[jj, r] + T.if_then_else(
                                 jj < cols, f(k[bi, kh, j0 + jj, c]), zero) * qt[c, r]
             for jj in range(bk):
-                if kind == "bool":
+                if kind == "bool" and live[1] == 0:
                     for r in T.vectorized(bq):
                         st[jj, r] = T.Select(jj < cols, T.Select(mt[jj, r] > 0, st[jj, r],
                                                                  lowest), minus_inf)
@@ -339,11 +360,7 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
                 elif not whole:
                     for r in T.vectorized(bq):
                         st[jj, r] = T.Select(jj < cols, st[jj, r], minus_inf)
-            # live[] now holds the new running maximum, st the weights, total the sums
-            for r in T.vectorized(bq):
-                live[r] = T.Cast("int32", 0)
-            for r in T.vectorized(bq):
-                mt[0, r] = T.Cast("int32", 0)
+            # at[0]: the new running maximum, at[1]: the old terms' factor; st: the weights
             for r in T.vectorized(bq):
                 at[0, r] = top[r]
             for jj in range(bk):
@@ -357,31 +374,35 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
                 for r in T.vectorized(bq):
                     st[jj, r] = T.exp(st[jj, r] - at[0, r])
                     total[r] = total[r] + st[jj, r]
-            for c in range(dv):
-                for r in T.vectorized(bq):
-                    at[2 + c, r] = at[2 + c, r] * at[1, r]
-                for jj in range(cols):
+            # the output features in groups of ``strip``: independent accumulators
+            # (vector registers) across the tile's keys
+            for cb in range(dv // strip):
+                for u in T.unroll(strip):
                     for r in T.vectorized(bq):
-                        at[2 + c, r] = at[2 + c, r] + st[jj, r] * f(v[bi, kh, j0 + jj, c])
+                        at[2 + cb * strip + u, r] = at[2 + cb * strip + u, r] * at[1, r]
+                for jj in range(cols):
+                    for u in T.unroll(strip):
+                        for r in T.vectorized(bq):
+                            at[2 + cb * strip + u, r] = at[2 + cb * strip + u, r] + \
+                                st[jj, r] * f(v[bi, kh, j0 + jj, cb * strip + u])
 
     @T.macro
     def block_task(q, k, v, mask, out, bi, hi, i0, rows, nl, tiles):
         qt = T.decl_buffer((d, bq), f32, scope="local")
         st = T.decl_buffer((bk, bq), f32, scope="local")
         mt = T.decl_buffer((bk, bq), "int32", scope="local")
+        scan = T.decl_buffer((2, bk), "int8", scope="local")
         # at[0]: the tile's maximum, at[1]: the old terms' factor, at[2:]: the output
         at = T.decl_buffer((2 + dv, bq), f32, scope="local")
         top = T.decl_buffer((bq,), f32, scope="local")
         total = T.decl_buffer((bq,), f32, scope="local")
-        seen = T.decl_buffer((bq,), "int32", scope="local")
-        live = T.decl_buffer((bq,), "int32", scope="local")
+        live = T.decl_buffer((2,), "int32", scope="local")
         kh = hi // group
         for c, r in T.grid(d, bq):
             qt[c, r] = T.if_then_else(r < rows, f(q[bi, hi, i0 + r, c]) * scale, zero)
         for r in T.vectorized(bq):
             top[r] = minus_inf
             total[r] = zero
-            seen[r] = 0
         for c in range(dv):
             for r in T.vectorized(bq):
                 at[2 + c, r] = zero
@@ -389,13 +410,13 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
             j0 = tile * bk
             cols = T.Cast("int32", T.min(T.int64(bk), nl - j0))
             if cols == bk and rows == bq:
-                block_tile(k, v, mask, qt, st, mt, at, top, total, seen, live, bi, hi, kh, i0,
+                block_tile(k, v, mask, qt, st, mt, scan, at, top, total, live, bi, hi, kh, i0,
                            j0, rows, cols, True)
             else:
-                block_tile(k, v, mask, qt, st, mt, at, top, total, seen, live, bi, hi, kh, i0,
+                block_tile(k, v, mask, qt, st, mt, scan, at, top, total, live, bi, hi, kh, i0,
                            j0, rows, cols, False)
         for r in range(rows):
-            if kind == "bool" and seen[r] == 0:
+            if kind == "bool" and top[r] <= lowest:  # no key kept (see the module doc)
                 uniform_row(v, out, bi, hi, kh, i0 + r, nl)
             else:
                 for c in range(dv):
