@@ -111,15 +111,7 @@ class _Merger:
     def __init__(self, mod: tvm.IRModule, func: relax.Function) -> None:
         self.mod = mod
         self.func = func
-        self.bound: dict[relax.Var, relax.Expr] = {}
-        self.uses: dict[relax.Var, int] = {}
-        for block in func.body.blocks:
-            for binding in block.bindings:
-                self.bound[binding.var] = binding.value
-                for var in _ir.operand_vars(binding.value):
-                    self.uses[var] = self.uses.get(var, 0) + 1
-        for var in _ir.operand_vars(func.body.body):
-            self.uses[var] = self.uses.get(var, 0) + 1
+        self.bound, self.uses = _ir.bindings_and_uses(func)
         self.merges = 0
 
     def run(self) -> relax.Function | None:

@@ -75,13 +75,22 @@ def _ints(values) -> list[int] | None:
 
 
 def _same(a, b) -> bool:
-    """Whether two extents (or lists of them) are equal: equal ints, or the same expression."""
+    """Whether two extents (or lists of them) are equal: equal ints, or provably equal."""
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        a, b = list(a), list(b)
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     ia, ib = _ints([a]), _ints([b])
-    if ia is not None or ib is not None:
+    if ia is not None and ib is not None:
         return ia == ib
-    return bool(tvm_ffi.structural_equal(a, b))
+    if bool(tvm_ffi.structural_equal(a, b)):
+        return True
+    return bool(tvm.sym.Analyzer().can_prove_equal(a, b))
+
+
+def _merged(shape, heads: int, group: int) -> list:
+    """``(b, h, s, x)`` with its heads in groups: ``(b, h / group, group * s, x)``."""
+    b, _, s, x = list(shape)
+    return [b, heads // group, s * group, x]
 
 
 class _Chains:
@@ -93,15 +102,7 @@ class _Chains:
 
     def __init__(self, func: relax.Function, devices: int = 1) -> None:
         self.devices = devices
-        self.bound: dict = {}
-        self.uses: dict = {}
-        for block in func.body.blocks:
-            for binding in block.bindings:
-                self.bound[binding.var] = binding.value
-                for var in _ir.operand_vars(binding.value):
-                    self.uses[var] = self.uses.get(var, 0) + 1
-        for var in _ir.operand_vars(func.body.body):
-            self.uses[var] = self.uses.get(var, 0) + 1
+        self.bound, self.uses = _ir.bindings_and_uses(func)
 
     def value(self, expr, op: str, private: bool = True):
         """The call to ``op`` bound to ``expr``; with ``private``, only if used once."""
@@ -154,9 +155,17 @@ class _Chains:
             return None, None, 0
         if unmerged is not None:
             heads, kv_heads = _ints([q.ty.shape[1]]), _ints([permute.args[0].ty.shape[1]])
-            if heads is None or kv_heads is None or heads[0] % kv_heads[0]:
+            if heads is None or kv_heads is None or heads[0] % kv_heads[0] or \
+                    len(q.ty.shape) != 4 or len(unmerged.ty.shape) != 4:
                 return None, None, 0
-            return q, permute.args[0], heads[0] // kv_heads[0]
+            group = heads[0] // kv_heads[0]
+            scores = list(unmerged.ty.shape)
+            # query head i * g + j is row block j of key-value head i (GroupedQueryAttention)
+            if not (_same(merged.ty.shape, _merged(q.ty.shape, heads[0], group)) and
+                    _same(product.ty.shape, _merged(scores, heads[0], group)) and
+                    _same(scores[:3], list(q.ty.shape)[:3])):
+                return None, None, 0
+            return q, permute.args[0], group
         k, group = self.grouped(permute.args[0])
         if group > 1 and (_ints([k.ty.shape[1]]) or [1])[0] % self.devices:
             return q, permute.args[0], 1  # the repeated keys (see the module doc)
@@ -170,12 +179,14 @@ class _Chains:
         """
         if len(call.ty.shape) != 4:
             return None
+        outer = call
         if _op(call) == "relax.reshape":
-            call = self.value(call.args[0], "relax.matmul")
-            merged = None if call is None else self.value(call.args[0], "relax.reshape")
+            product = self.value(call.args[0], "relax.matmul")
+            merged = None if product is None else self.value(product.args[0], "relax.reshape")
             if merged is None:
                 return None
-            softmax, v, group_v = self.value(merged.args[0], "relax.nn.softmax"), call.args[1], 0
+            softmax, v, group_v = self.value(merged.args[0], "relax.nn.softmax"), \
+                product.args[1], 0
         elif _op(call) == "relax.matmul":
             softmax = self.value(call.args[0], "relax.nn.softmax")
             v, group_v = self.grouped(call.args[1]) if softmax is not None else (None, 0)
@@ -208,9 +219,13 @@ class _Chains:
             return None
         if group_v == 0:  # the grouped form: the group is the ratio of the heads
             heads, kv_heads = _ints([q.ty.shape[1]]), _ints([v.ty.shape[1]])
-            if heads is None or kv_heads is None or heads[0] % kv_heads[0]:
+            if heads is None or kv_heads is None or heads[0] % kv_heads[0] or \
+                    len(softmax.ty.shape) != 4:
                 return None
             group_v = heads[0] // kv_heads[0]
+            if not (_same(merged.ty.shape, _merged(softmax.ty.shape, heads[0], group_v)) and
+                    _same(product.ty.shape, _merged(outer.ty.shape, heads[0], group_v))):
+                return None
         if any(len(x.ty.shape) != 4 for x in (q, k, v)) or \
                 len({str(x.ty.dtype) for x in (q, k, v)} | {dtype}) != 1 or dtype not in _FLOATS:
             return None

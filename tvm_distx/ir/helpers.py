@@ -105,6 +105,21 @@ def relax_functions(mod: tvm.IRModule) -> Iterator[tuple[tvm.ir.GlobalVar, relax
     return iter(sorted(funcs, key=key))
 
 
+def bindings_and_uses(func: relax.Function) -> tuple[dict, dict]:
+    """``func``'s variables with the values bound to them, and how many times each
+    variable is read (by the bindings and by the function's result)."""
+    bound: dict = {}
+    uses: dict = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            bound[binding.var] = binding.value
+            for var in operand_vars(binding.value):
+                uses[var] = uses.get(var, 0) + 1
+    for var in operand_vars(func.body.body):
+        uses[var] = uses.get(var, 0) + 1
+    return bound, uses
+
+
 def called_kernels(mod: tvm.IRModule) -> set[str]:
     """The names of the functions that the Relax functions of ``mod`` call with
     ``call_tir`` or ``call_tir_inplace``."""

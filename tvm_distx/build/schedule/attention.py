@@ -51,8 +51,7 @@ import tvm
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from tvm_distx.build.schedule.base import RULE_ATTR, SCHEDULED_ATTR
-from tvm_distx.ir import helpers as _ir
+from tvm_distx.build.schedule.base import RULE_ATTR, SCHEDULED_ATTR, implement_definitions
 from tvm_distx.ir.module_pass import module_pass
 
 __all__ = ["ATTENTION_ATTR", "AttentionKernel", "FlashAttention", "KEY_TILE", "MASK_KINDS",
@@ -541,19 +540,10 @@ class FlashAttention:
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        out, called = mod, _ir.called_kernels(mod)
-        for gv, func in mod.functions.items():
-            if not isinstance(func, tirx.PrimFunc) or func.attrs is None \
-                    or ATTENTION_ATTR not in func.attrs or SCHEDULED_ATTR in func.attrs:
-                continue
-            if out is mod:
-                out = mod.clone()
-            if gv.name_hint not in called:  # the global-view kernel the local view replaced
-                del out[gv]
-                continue
+        def implement(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc:
             kernel = AttentionKernel.of(func)
-            out[gv] = flash_attention(kernel)
             logger.info("attention kernel %s: online softmax over %d local heads (%d key-value "
-                        "heads), %s mask", gv.name_hint, kernel.heads, kernel.kv_heads,
-                        kernel.mask)
-        return out
+                        "heads), %s mask", name, kernel.heads, kernel.kv_heads, kernel.mask)
+            return flash_attention(kernel)
+
+        return implement_definitions(mod, ATTENTION_ATTR, implement)

@@ -25,6 +25,7 @@ from tvm.ir.expr import Call, Expr, Range, TensorLoad
 from tvm.s_tir import Schedule, ScheduleError
 from tvm.sym import Analyzer
 
+from tvm_distx.ir.helpers import called_kernels
 from tvm_distx.ir.weight_decode import is_decode_block
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "CPUTraits",
     "MIN_PARALLEL_ELEMENTS",
     "RULE_ATTR",
+    "implement_definitions",
     "Rule",
     "SCHEDULE_ERRORS",
     "SCHEDULED_ATTR",
@@ -508,6 +510,28 @@ class Rule:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def implement_definitions(mod: tvm.IRModule, attr: str, implement) -> tvm.IRModule:
+    """``mod`` with each kernel's definition (marked ``attr``, not scheduled) implemented.
+
+    ``implement(name, func)`` gives the implementation of a definition. A
+    definition that no Relax function calls (the global-view one that the local
+    view replaced by its rank's copy) is dropped. ``mod`` itself when there is
+    none; otherwise a copy.
+    """
+    out, called = mod, None
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc) or func.attrs is None \
+                or attr not in func.attrs or SCHEDULED_ATTR in func.attrs:
+            continue
+        if out is mod:
+            out, called = mod.clone(), called_kernels(mod)
+        if gv.name_hint in called:
+            out[gv] = implement(gv.name_hint, func)
+        else:
+            del out[gv]
+    return out
 
 
 def first_line(err: BaseException) -> str:

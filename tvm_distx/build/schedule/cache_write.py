@@ -171,18 +171,6 @@ def cache_write(kernel: CacheWrite, in_place: bool) -> tirx.PrimFunc:
                             RULE_ATTR: "cache-write"})
 
 
-def _uses(func: relax.Function) -> dict:
-    """How many times each variable is read in ``func`` (its bindings and its result)."""
-    uses: dict = {}
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            for var in _ir.operand_vars(binding.value):
-                uses[var] = uses.get(var, 0) + 1
-    for var in _ir.operand_vars(func.body.body):
-        uses[var] = uses.get(var, 0) + 1
-    return uses
-
-
 @relax.expr_functor.mutator
 class _InPlace(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule, writes: dict, uses: dict, kernels: dict) -> None:
@@ -238,7 +226,7 @@ class InPlaceCacheWrites:
                                                          str(index.dtype))
             if not writes:
                 continue
-            replace = _InPlace(out, writes, _uses(func), kernels)
+            replace = _InPlace(out, writes, _ir.bindings_and_uses(func)[1], kernels)
             new = replace.visit_expr(func)
             out = replace.builder_.get()
             out[gv] = new

@@ -53,7 +53,7 @@ import tvm
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from tvm_distx.build.schedule.base import RULE_ATTR, SCHEDULED_ATTR
+from tvm_distx.build.schedule.base import RULE_ATTR, SCHEDULED_ATTR, implement_definitions
 from tvm_distx.ir.module_pass import module_pass
 
 __all__ = ["EXPERTS_ATTR", "ExpertsKernel", "experts_definition", "sparse_experts",
@@ -302,17 +302,12 @@ class SparseExperts:
     """
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        out = mod
-        for gv, func in mod.functions.items():
-            if not isinstance(func, tirx.PrimFunc) or func.attrs is None \
-                    or EXPERTS_ATTR not in func.attrs or SCHEDULED_ATTR in func.attrs:
-                continue
+        def implement(name: str, func: tirx.PrimFunc) -> tirx.PrimFunc:
             kernel = ExpertsKernel.of(func)
-            if out is mod:
-                out = mod.clone()
-            out[gv] = sparse_experts(kernel)
             logger.info("experts kernel %s: sparse dispatch over %d local experts "
-                        "(H=%d, I=%d)", gv.name_hint, kernel.experts, kernel.hidden,
+                        "(H=%d, I=%d)", name, kernel.experts, kernel.hidden,
                         kernel.intermediate)
-        return out
+            return sparse_experts(kernel)
+
+        return implement_definitions(mod, EXPERTS_ATTR, implement)
 
