@@ -247,12 +247,13 @@ def test_a_generation_bundle_serves_the_same_tokens_from_the_command_line(
 @pytest.mark.parametrize("backend", ["disco", "emulate"])
 def test_the_command_line_generates_the_same_tokens_on_every_backend(
         llama, bundle, backend, capsys):
+    """... with the 4-token prompt prefilled in chunks of 3 and 1."""
     from tvm_distx.cli.main import main
 
     model, _ = llama
     prompt = prompt_ids(4, seed=5)
     code = main(["generate", str(bundle), "--ids", *map(str, prompt), "--max-new-tokens", "6",
-                 "--backend", backend, "--ranks", "2"])
+                 "--backend", backend, "--ranks", "2", "--prefill-chunk", "3"])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert out.out.split() == [str(t) for t in greedy(model, prompt, 6)]

@@ -113,6 +113,7 @@ def generate(args: argparse.Namespace) -> int:
                             "or --input prompt.npy")
     console = Console(stderr=True)
     lm = _open(args, prompt, CausalLM)
+    lm.prefill_chunk = args.prefill_chunk
     with lm, Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[rate]}"), console=console, transient=True,
                       disable=not console.is_terminal) as progress:

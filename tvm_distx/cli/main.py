@@ -57,6 +57,7 @@ from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_U
                          _writable_file)
 from tvm_distx.errors import ArgumentError, DistxError, LaunchError
 from tvm_distx.runtime.backends import BACKENDS, NAMES, launch
+from tvm_distx.runtime.generation import PREFILL_CHUNK
 from tvm_distx.runtime.inputs import read_inputs
 
 __all__ = ["main"]
@@ -435,6 +436,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ids", type=int, nargs="+", help="the prompt's token ids")
     p.add_argument("--input", type=Path, help="the prompt's token ids as a .npy array")
     p.add_argument("--max-new-tokens", type=_positive(int), default=32)
+    p.add_argument("--prefill-chunk", type=_positive(int), default=PREFILL_CHUNK,
+                   help="the most prompt tokens per prefill call; a longer prompt is "
+                   "prefilled chunk by chunk (default: %(default)s)")
     p.add_argument("--backend", default=NAMES[0], metavar="|".join(NAMES),
                    help=_BACKEND_HELP)
     p.add_argument("-n", "--ranks", type=_positive(int), default=None,
