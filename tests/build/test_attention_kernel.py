@@ -22,6 +22,7 @@ from tvm_distx.build.schedule import ScheduleCPU, x86_target
 from tvm_distx.build.schedule.attention import (ATTENTION_ATTR, AttentionKernel,
                                                  attention_definition, flash_attention)
 from tvm_distx.build.schedule.base import RULE_ATTR
+from tvm_distx import errors as td_errors
 
 TARGET = x86_target(2)
 LOWEST = float(np.finfo(np.float32).min)
@@ -186,3 +187,10 @@ def test_a_chain_whose_scores_are_read_elsewhere_is_left_as_it_is():
     mod = attention_function(grouped=True, mask="bool", share_scores=True)
     assert attention_chains(mod["main"]) == {}
     assert FuseAttention()(mod).same_as(mod)
+
+
+def test_a_kernel_description_that_cannot_exist_is_refused():
+    with pytest.raises(td_errors.ArgumentError, match="whole groups"):
+        AttentionKernel(6, 4, 16, 16, 0.25)
+    with pytest.raises(td_errors.ArgumentError, match="not a mask kind"):
+        AttentionKernel(4, 2, 16, 16, 0.25, "causal")

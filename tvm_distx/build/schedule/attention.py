@@ -27,7 +27,7 @@ This module owns that kernel in two forms with one signature
   queries of one head (the blocks in parallel) it walks the keys in tiles of
   :data:`KEY_TILE`, computes the tile's scores, and folds them into a running
   maximum, a running sum and an output accumulator (an online softmax). Its
-  memory is a few kilobytes of stack per task, whatever ``s`` and ``L``.
+  memory is about ten kilobytes per task, whatever ``s`` and ``L``.
 
   With a boolean mask, a tile whose mask is false for every query of the block
   is skipped: a prompt attends to the keys the mask gives it, not to the whole
@@ -35,7 +35,8 @@ This module owns that kernel in two forms with one signature
   not with ``max_length``. A query whose keys are all masked gets what the
   formula gives it (every score ``lowest``: the mean of all ``L`` values); a
   skipped tile adds exactly nothing for any other query (``exp(lowest - m)``
-  is 0 for any score ``m`` a real key gives).
+  is 0 for any score ``m`` a real key gives). Telling a tile apart costs one
+  pass over its mask bytes, row by row.
 
 Scores and sums are accumulated in float32 for every input dtype. This module
 imports TVM only; it is a compiler-side module (no rank process imports it).
@@ -52,6 +53,7 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from tvm_distx.build.schedule.base import RULE_ATTR, SCHEDULED_ATTR, implement_definitions
+from tvm_distx.errors import ArgumentError
 from tvm_distx.ir.module_pass import module_pass
 
 __all__ = ["ATTENTION_ATTR", "AttentionKernel", "FlashAttention", "KEY_TILE", "MASK_KINDS",
@@ -112,10 +114,12 @@ class AttentionKernel:
 
     def __post_init__(self) -> None:
         if self.mask not in MASK_KINDS:
-            raise ValueError(f"attention mask kind {self.mask!r}: one of {MASK_KINDS}")
+            raise ArgumentError(f"AttentionKernel(mask={self.mask!r}): not a mask kind",
+                                hint=f"one of {', '.join(MASK_KINDS)}")
         if self.kv_heads < 1 or self.heads % self.kv_heads:
-            raise ValueError(f"{self.heads} query heads in groups over {self.kv_heads} "
-                             "key-value heads")
+            raise ArgumentError(f"AttentionKernel(heads={self.heads}, kv_heads={self.kv_heads}):"
+                                " the query heads must form whole groups over the key-value "
+                                "heads", hint="kv_heads divides heads")
 
     @property
     def group(self) -> int:
