@@ -54,11 +54,6 @@ logger = logging.getLogger(__name__)
 _FLOATS = ("float32", "float16", "bfloat16")
 
 
-def _op(value) -> str | None:
-    op = getattr(value, "op", None)
-    return op.name if isinstance(op, tvm.ir.Op) else None
-
-
 def _scalar(expr) -> float | None:
     """The value of a scalar constant, else None."""
     value = getattr(expr, "value", None) if isinstance(expr, tvm.ir.expr.Constant) else None
@@ -67,19 +62,12 @@ def _scalar(expr) -> float | None:
     return None
 
 
-def _ints(values) -> list[int] | None:
-    try:
-        return [int(v) for v in values]
-    except (TypeError, ValueError):
-        return None
-
-
 def _same(a, b) -> bool:
     """Whether two extents (or lists of them) are equal: equal ints, or provably equal."""
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
         a, b = list(a), list(b)
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    ia, ib = _ints([a]), _ints([b])
+    ia, ib = _ir.static_ints([a]), _ir.static_ints([b])
     if ia is not None and ib is not None:
         return ia == ib
     if bool(tvm_ffi.structural_equal(a, b)):
@@ -107,7 +95,7 @@ class _Chains:
     def value(self, expr, op: str, private: bool = True):
         """The call to ``op`` bound to ``expr``; with ``private``, only if used once."""
         value = self.bound.get(expr) if isinstance(expr, relax.Var) else None
-        if _op(value) != op or (private and self.uses.get(expr, 0) != 1):
+        if _ir.operator_name(value) != op or (private and self.uses.get(expr, 0) != 1):
             return None
         return value
 
@@ -125,7 +113,7 @@ class _Chains:
         if expand is None or [int(a) for a in expand.attrs.axis] not in ([2], [-3]):
             return expr, 1
         source = expand.args[0]
-        shape, wide = _ints(list(source.ty.shape)[:2]), _ints(broadcast.ty.shape)
+        shape, wide = _ir.static_ints(list(source.ty.shape)[:2]), _ir.static_ints(broadcast.ty.shape)
         if shape is None or wide is None or len(wide) != 5 or wide[:2] != shape or \
                 not _same(list(broadcast.ty.shape)[3:], list(source.ty.shape)[2:]):
             return expr, 1
@@ -154,7 +142,7 @@ class _Chains:
                 [int(a) for a in permute.attrs.axes] != [0, 1, 3, 2]:
             return None, None, 0
         if unmerged is not None:
-            heads, kv_heads = _ints([q.ty.shape[1]]), _ints([permute.args[0].ty.shape[1]])
+            heads, kv_heads = _ir.static_ints([q.ty.shape[1]]), _ir.static_ints([permute.args[0].ty.shape[1]])
             if heads is None or kv_heads is None or heads[0] % kv_heads[0] or \
                     len(q.ty.shape) != 4 or len(unmerged.ty.shape) != 4:
                 return None, None, 0
@@ -167,7 +155,7 @@ class _Chains:
                 return None, None, 0
             return q, permute.args[0], group
         k, group = self.grouped(permute.args[0])
-        if group > 1 and (_ints([k.ty.shape[1]]) or [1])[0] % self.devices:
+        if group > 1 and (_ir.static_ints([k.ty.shape[1]]) or [1])[0] % self.devices:
             return q, permute.args[0], 1  # the repeated keys (see the module doc)
         return q, k, group
 
@@ -180,17 +168,17 @@ class _Chains:
         if len(call.ty.shape) != 4:
             return None
         outer = call
-        if _op(call) == "relax.reshape":
+        if _ir.operator_name(call) == "relax.reshape":
             product = self.value(call.args[0], "relax.matmul")
             merged = None if product is None else self.value(product.args[0], "relax.reshape")
             if merged is None:
                 return None
             softmax, v, group_v = self.value(merged.args[0], "relax.nn.softmax"), \
                 product.args[1], 0
-        elif _op(call) == "relax.matmul":
+        elif _ir.operator_name(call) == "relax.matmul":
             softmax = self.value(call.args[0], "relax.nn.softmax")
             v, group_v = self.grouped(call.args[1]) if softmax is not None else (None, 0)
-            if group_v > 1 and (_ints([v.ty.shape[1]]) or [1])[0] % self.devices:
+            if group_v > 1 and (_ir.static_ints([v.ty.shape[1]]) or [1])[0] % self.devices:
                 v, group_v = call.args[1], 1
         else:
             return None
@@ -218,7 +206,7 @@ class _Chains:
         if q is None:
             return None
         if group_v == 0:  # the grouped form: the group is the ratio of the heads
-            heads, kv_heads = _ints([q.ty.shape[1]]), _ints([v.ty.shape[1]])
+            heads, kv_heads = _ir.static_ints([q.ty.shape[1]]), _ir.static_ints([v.ty.shape[1]])
             if heads is None or kv_heads is None or heads[0] % kv_heads[0] or \
                     len(softmax.ty.shape) != 4:
                 return None
@@ -229,8 +217,8 @@ class _Chains:
         if any(len(x.ty.shape) != 4 for x in (q, k, v)) or \
                 len({str(x.ty.dtype) for x in (q, k, v)} | {dtype}) != 1 or dtype not in _FLOATS:
             return None
-        heads, kv_heads = _ints([q.ty.shape[1]]), _ints([k.ty.shape[1]])
-        dims = _ints([q.ty.shape[3], k.ty.shape[3], v.ty.shape[3], v.ty.shape[1]])
+        heads, kv_heads = _ir.static_ints([q.ty.shape[1]]), _ir.static_ints([k.ty.shape[1]])
+        dims = _ir.static_ints([q.ty.shape[3], k.ty.shape[3], v.ty.shape[3], v.ty.shape[1]])
         if heads is None or kv_heads is None or dims is None or group_k != group_v:
             return None
         (heads,), (kv_heads,) = heads, kv_heads
@@ -248,7 +236,7 @@ class _Chains:
             mshape = [1] * (4 - len(mshape)) + mshape
             axes = []
             for got, full in zip(mshape[:3], (b, q.ty.shape[1], s)):
-                if _ints([got]) == [1]:  # broadcast (also when the axis has extent 1)
+                if _ir.static_ints([got]) == [1]:  # broadcast (also when the axis has extent 1)
                     axes.append(False)
                 elif eq(got, full):
                     axes.append(True)
@@ -268,7 +256,7 @@ def attention_chains(func: relax.Function, devices: int = 1) -> dict:
     chains = _Chains(func, devices)
     found = {}
     for var, value in chains.bound.items():
-        got = chains.attention(value) if _op(value) in ("relax.matmul", "relax.reshape") \
+        got = chains.attention(value) if _ir.operator_name(value) in ("relax.matmul", "relax.reshape") \
             else None
         if got is not None:
             found[var] = got
@@ -293,7 +281,7 @@ class _Replace(relax.PyExprMutator):
             args[3] = self.builder_.emit(relax.op.reshape(
                 args[3], [1] * (4 - rank) + list(args[3].ty.shape)))
         q, k = args[0].ty.shape, args[1].ty.shape
-        extents = tuple(_ints([e])[0] if _ints([e]) else None for e in (q[0], q[2], k[2]))
+        extents = tuple(_ir.static_ints([e])[0] if _ir.static_ints([e]) else None for e in (q[0], q[2], k[2]))
         gv = self.kernels.get((kernel, extents))
         if gv is None:
             name = f"attention_h{kernel.heads}_kv{kernel.kv_heads}_d{kernel.head_dim}"

@@ -35,20 +35,8 @@ __all__ = ["FuseCacheWrites", "cache_writes"]
 logger = logging.getLogger(__name__)
 
 
-def _op(value) -> str | None:
-    op = getattr(value, "op", None)
-    return op.name if isinstance(op, tvm.ir.Op) else None
-
-
-def _ints(values) -> list[int] | None:
-    try:
-        return [int(v) for v in values]
-    except (TypeError, ValueError):
-        return None
-
-
 def _axes(call) -> list[int] | None:
-    axes = getattr(call.attrs, "axes", None) if _op(call) == "relax.permute_dims" else \
+    axes = getattr(call.attrs, "axes", None) if _ir.operator_name(call) == "relax.permute_dims" else \
         getattr(call.attrs, "axis", None)
     return None if axes is None else [int(a) for a in axes]
 
@@ -59,7 +47,7 @@ class _Bindings:
 
     def value(self, expr, op: str):
         value = self.bound.get(expr) if isinstance(expr, relax.Var) else None
-        return value if _op(value) == op else None
+        return value if _ir.operator_name(value) == op else None
 
     def hit(self, expr):
         """``index`` when ``expr`` is ``equal(expand_dims(index, 1), expand_dims(arange, 0))``."""
@@ -96,7 +84,7 @@ class _Bindings:
         if index is None or any(len(t.ty.shape) != 4 for t in (x, source)) or \
                 str(x.ty.dtype) != str(source.ty.dtype):
             return None
-        if _ints([x.ty.shape[3]]) is None:
+        if _ir.static_ints([x.ty.shape[3]]) is None:
             return None
         return x, index, source
 
@@ -106,7 +94,7 @@ def cache_writes(func: relax.Function) -> dict:
     bindings = _Bindings(func)
     found = {}
     for var, value in bindings.bound.items():
-        got = bindings.write(value) if _op(value) == "relax.where" else None
+        got = bindings.write(value) if _ir.operator_name(value) == "relax.where" else None
         if got is not None:
             found[var] = got
     return found
@@ -124,7 +112,7 @@ class _Replace(relax.PyExprMutator):
             return
         x, index, source = (self.visit_expr(a) for a in self.writes[binding.var])
         kernel = CacheWrite(int(x.ty.shape[3]), str(x.ty.dtype), str(index.ty.dtype))
-        extents = tuple(_ints([e])[0] if _ints([e]) else None
+        extents = tuple(_ir.static_ints([e])[0] if _ir.static_ints([e]) else None
                         for e in (x.ty.shape[0], x.ty.shape[1], x.ty.shape[2],
                                   index.ty.shape[0]))
         gv = self.kernels.get((kernel, extents))

@@ -27,6 +27,20 @@ def is_call_to(expr, op_name: str) -> bool:
     )
 
 
+def operator_name(value) -> str | None:
+    """The name of the operator ``value`` calls (``"relax.matmul"``), None for anything else."""
+    op = getattr(value, "op", None)
+    return op.name if isinstance(op, tvm.ir.Op) else None
+
+
+def static_ints(values) -> list[int] | None:
+    """The extents ``values`` as ints, None when one of them is not a constant."""
+    try:
+        return [int(v) for v in values]
+    except (TypeError, ValueError):
+        return None
+
+
 def callee_name(call: relax.Call) -> str | None:
     """The name of the Relax function a call targets (None for operator calls)."""
     if isinstance(call.op, tvm.ir.GlobalVar):

@@ -34,6 +34,7 @@ import tvm
 from tvm import relax
 
 from tvm_distx.build.schedule.experts import EXPERTS_ATTR, ExpertsKernel, experts_definition
+from tvm_distx.ir import helpers as _ir
 
 __all__ = ["Dispatch", "dense_dispatches", "fuse_expert_dispatch", "experts_calls"]
 
@@ -42,21 +43,9 @@ logger = logging.getLogger(__name__)
 _LAYOUT = ("relax.permute_dims", "relax.expand_dims", "relax.astype")
 
 
-def _op(value) -> str | None:
-    op = getattr(value, "op", None)
-    return op.name if isinstance(op, tvm.ir.Op) else None
-
-
 def _permute_axes(call) -> list[int]:
     ndim = len(call.args[0].ty.shape)
     return list(range(ndim))[::-1] if call.attrs.axes is None else [int(a) for a in call.attrs.axes]
-
-
-def _static(shape) -> list[int] | None:
-    try:
-        return [int(d) for d in shape]
-    except (TypeError, ValueError):
-        return None
 
 
 @dataclass(frozen=True)
@@ -85,7 +74,7 @@ def _halves(split: relax.Call) -> bool:
     sections = split.attrs.indices_or_sections
     if hasattr(sections, "value"):
         return int(sections.value) == 2
-    extent = _static([split.args[0].ty.shape[-1]])
+    extent = _ir.static_ints([split.args[0].ty.shape[-1]])
     return extent is not None and len(sections) == 1 and 2 * int(sections[0]) == extent[0]
 
 
@@ -101,7 +90,7 @@ class _Chain:
 
     def value(self, expr, op: str | None = None):
         value = self.bound.get(expr) if isinstance(expr, relax.Var) else None
-        return value if op is None or _op(value) == op else None
+        return value if op is None or _ir.operator_name(value) == op else None
 
     def weight(self, expr) -> tuple[relax.Var, bool] | None:
         """A 3-D parameter ``expr`` views, and whether its last two axes are swapped."""
@@ -150,12 +139,12 @@ class _Chain:
         scatter = self.value(combine, "relax.scatter_elements")
         if scatter is None:
             return None
-        width = _static([scatter.args[1].ty.shape[-1]])
+        width = _ir.static_ints([scatter.args[1].ty.shape[-1]])
         return None if width is None else width[0]
 
     def dispatch(self, total: relax.Call):
         """``(x, combine, up, down, kernel)`` of the chain ending at ``total``, or None."""
-        if _op(total) != "relax.sum" or total.attrs.keepdims or total.attrs.axis is None \
+        if _ir.operator_name(total) != "relax.sum" or total.attrs.keepdims or total.attrs.axis is None \
                 or [int(a) for a in total.attrs.axis] != [0]:
             return None
         scaled = self.value(total.args[0], "relax.multiply")
@@ -174,10 +163,10 @@ class _Chain:
                 return None
             x = up_mm.args[0]
             (w_up, up_swapped), (w_down, down_swapped) = up, down
-            dims = [_static(v.ty.shape) for v in (x, w_up, w_down)]
+            dims = [_ir.static_ints(v.ty.shape) for v in (x, w_up, w_down)]
             if None in dims[1:] or len(x.ty.shape) != 2 or len(combine.ty.shape) != 2:
                 return None
-            if _static([x.ty.shape[1]]) is None:
+            if _ir.static_ints([x.ty.shape[1]]) is None:
                 return None
             experts, hidden = dims[1][0], int(x.ty.shape[1])
             # the matmul's rhs is (E, H, 2I): swapped from the parameter unless stored so
@@ -233,7 +222,7 @@ def fuse_expert_dispatch(mod: tvm.IRModule, function: str = "main") -> tvm.IRMod
     func = mod[function]
     chain = _Chain(func)
     found = {var: chain.dispatch(value) for var, value in chain.bound.items()
-             if _op(value) == "relax.sum"}
+             if _ir.operator_name(value) == "relax.sum"}
     found = {var: d for var, d in found.items() if d is not None}
     if not found:
         logger.info("%s: no dense expert dispatch of the form tvm_distx.plans.moe_dispatch reads; "
@@ -256,7 +245,7 @@ def dense_dispatches(mod: tvm.IRModule, function: str = "main") -> list[Dispatch
     chain = _Chain(mod[function])
     out = []
     for value in chain.bound.values():
-        found = chain.dispatch(value) if _op(value) == "relax.sum" else None
+        found = chain.dispatch(value) if _ir.operator_name(value) == "relax.sum" else None
         if found is not None:
             _, combine, w_up, w_down, kernel = found
             out.append(Dispatch(kernel, chain.top_k(combine), w_up.name, w_down.name))
@@ -269,7 +258,7 @@ def experts_calls(mod: tvm.IRModule, function: str = "main"):
     for block in func.body.blocks:
         for binding in block.bindings:
             value = binding.value
-            if _op(value) != "relax.call_tir" or not isinstance(value.args[0], tvm.ir.GlobalVar):
+            if _ir.operator_name(value) != "relax.call_tir" or not isinstance(value.args[0], tvm.ir.GlobalVar):
                 continue
             callee = mod[value.args[0]]
             if isinstance(callee, tvm.tirx.PrimFunc) and callee.attrs is not None and \
