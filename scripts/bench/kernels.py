@@ -31,6 +31,15 @@ their ratio to the float32 kernel's GB/s on the same shape (the float32 matvec
 streams its weight with one multiply-add per value: on a loaded host, where
 numpy's read drops below it, it is the steadier yardstick).
 
+**Projections of a prompt** (``--prefill``): ``(n, in) @ W.T`` for the weights
+``(out, in)`` of a language model's linear layers (a 1024-wide Llama with a
+4096-wide FFN, whole and split over 2 ranks), compiled once with the row count
+``n`` known only at run time, as ``export_decoder``'s prefill is, then called
+with ``n`` = 16, 128 and 512 tokens. One core against one core: TVM on one
+thread, numpy's BLAS started with one thread (``OPENBLAS_NUM_THREADS=1``), on
+the same (decoded) weight. The issue on time to first token asks for at least
+0.7 of numpy on every shape.
+
 Usage::
 
     python scripts/bench/kernels.py                      # the default shapes
@@ -38,6 +47,8 @@ Usage::
     python scripts/bench/kernels.py --shapes 128x128x64  # M x K x N
     python scripts/bench/kernels.py --matvec             # every format, LLM shapes, 1 thread
     python scripts/bench/kernels.py --matvec --formats q8 q4 --weights 4096x1024
+    python scripts/bench/kernels.py --prefill            # prompt projections, 1 thread
+    python scripts/bench/kernels.py --prefill --formats f16 q8 --rows 16 128
 """
 
 from __future__ import annotations
@@ -52,6 +63,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--prefill" in sys.argv and "--threads" not in sys.argv:
+    # one core against one core: BLAS sizes its pool when numpy is first imported
+    os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"
 
 from tvm_distx.build.schedule import (  # noqa: E402 - the paths above come first
     DEFAULT_RULES, RULE_ATTR, MatmulRule, ScheduleCPU, fuse_kernels, use_cpu_threads,
@@ -152,18 +166,19 @@ MATVEC_WEIGHTS = [(4096, 1024), (1024, 4096), (2816, 1024)]
 MATVEC_FORMATS = ("f32", "bf16", "f16", "q8", "q4")
 
 
-def matvec_kernel(fmt: str, n: int, k: int, target):
-    """Our compiled ``(1, k) @ W.T`` for ``W`` ``(n, k)`` stored in ``fmt``, as compile builds it.
+def matvec_kernel(fmt: str, n: int, k: int, target, rows=1):
+    """Our compiled ``(rows, k) @ W.T`` for ``W`` ``(n, k)`` stored in ``fmt``, as compile builds it.
 
-    Returns the kernel, the stored parts of a random ``W`` (``{"data", "scale"}``)
-    and the rule that scheduled the kernel.
+    ``rows`` is a number or a ``tvm.tirx.Var`` (known at run time). Returns the
+    kernel, the stored parts of a random ``W`` (``{"data", "scale"}``) and the
+    rule that scheduled the kernel.
     """
     import tvm_distx as td
     from tvm_distx.build.pipeline import legalize_ops
     from tvm_distx.bundle import formats
 
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, k), "float32"))
+    x = relax.Var("x", relax.TensorType((rows, k), "float32"))
     w = relax.Var("w", relax.TensorType((n, k), "float32"))
     with bb.function("main", [x, w]):
         with bb.dataflow():
@@ -254,6 +269,79 @@ def matvec_main(opts, target, threads: int) -> int:
     return 0
 
 
+# ------------------------------------------------------------ projections of a prompt
+#: Weights ``(out, in)`` of the prefill family: a 1024-wide Llama's q/o (1024 x 1024),
+#: FFN gate/up (4096 x 1024) and down (1024 x 4096), and their shards on 2 ranks.
+PREFILL_WEIGHTS = [(1024, 1024), (4096, 1024), (1024, 4096), (512, 1024), (2048, 1024),
+                   (1024, 2048)]
+#: Prompt rows the prefill family is called with.
+PREFILL_ROWS = (16, 128, 512)
+
+
+def bench_prefill(fmt: str, n: int, k: int, rows: list[int], target, rounds: int,
+                  pause: float) -> list[dict]:
+    """Compile ``(rows, k) @ W.T`` once for run-time rows; time it against numpy per row count."""
+    from tvm_distx.bundle import formats
+
+    func, names, parts, rule = matvec_kernel(fmt, n, k, target,
+                                             rows=tvm.tirx.Var("n", "int64"))
+    weight = formats.decode(parts, fmt).astype("float32")
+    weight_t = np.ascontiguousarray(weight.T)  # BLAS reads either layout at one speed
+    by_name = {"w": parts["data"], "w_scale": parts.get("scale")}
+    out = []
+    for m in rows:
+        x = np.random.default_rng(m).standard_normal((m, k), dtype="float32")
+        args = [tvm.runtime.tensor(x if name == "x" else by_name[name]) for name in names[:-1]]
+        args.append(tvm.runtime.tensor(np.zeros((m, n), "float32")))
+        func(*args)
+        want = x @ weight.T
+        np.testing.assert_allclose(args[-1].numpy(), want, rtol=1e-4,
+                                   atol=1e-4 * float(np.abs(want).max()))
+        c = np.empty((m, n), "float32")
+        flop = 2.0 * m * n * k
+        calls = _calls_for(flop, 0.1)
+        ours, theirs, ratios = [], [], []
+        for _ in range(rounds):
+            time.sleep(pause)
+            t_np = time_numpy(x, weight_t, c, calls, samples=3)
+            time.sleep(pause)
+            began = time.perf_counter()
+            for _ in range(calls):
+                func(*args)
+            t_tvm = (time.perf_counter() - began) / calls
+            theirs.append(flop / t_np / 1e9)
+            ours.append(flop / t_tvm / 1e9)
+            ratios.append(t_np / t_tvm)
+        out.append({"format": fmt, "shape": f"{n}x{k}", "rows": m, "rule": rule,
+                    "numpy": statistics.median(theirs), "tvm": statistics.median(ours),
+                    "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+                    "ratio_max": max(ratios)})
+    return out
+
+
+def prefill_main(opts, target, threads: int) -> int:
+    """The ``--prefill`` table."""
+    weights = [tuple(int(v) for v in text.lower().split("x")) for text in opts.weights] \
+        if opts.weights else PREFILL_WEIGHTS
+    formats = opts.formats if opts.formats != list(MATVEC_FORMATS) else ["f32"]
+    print(f"target: {target.attrs['mcpu']}, TVM threads: {threads}, numpy {np.__version__} "
+          f"(BLAS threads: {os.environ.get('OPENBLAS_NUM_THREADS', 'default')}), rounds: "
+          f"{opts.rounds}; rows known at run time\n")
+    print("| format | weight (out x in) | rows | rule | numpy GFLOP/s | ours GFLOP/s | "
+          "ours / numpy (min-max) |")
+    print("|---|---|---:|---|---:|---:|---:|", flush=True)
+    worst = math.inf
+    for n, k in weights:
+        for fmt in formats:
+            for row in bench_prefill(fmt, n, k, opts.rows, target, opts.rounds, opts.pause):
+                worst = min(worst, row["ratio"])
+                print(f"| {fmt} | {row['shape']} | {row['rows']} | {row['rule']} | "
+                      f"{row['numpy']:.1f} | {row['tvm']:.1f} | {row['ratio']:.2f} "
+                      f"({row['ratio_min']:.2f}-{row['ratio_max']:.2f}) |", flush=True)
+    print(f"\nlowest median ratio: {worst:.2f}; numpy multiplies the decoded float32 weight")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="*", default=SQUARE_SIZES,
@@ -267,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="TVM's threads (default: TVM_NUM_THREADS, else every core); numpy "
                              "uses its BLAS default, see OPENBLAS_NUM_THREADS")
-    parser.add_argument("--rows", type=int, default=None, help="register tile rows (mr)")
+    parser.add_argument("--tile-rows", type=int, default=None, help="register tile rows (mr)")
     parser.add_argument("--vectors", type=int, default=None,
                         help="register tile columns, in vector registers")
     parser.add_argument("--no-pack", action="store_true", help="do not pack the B panels")
@@ -276,18 +364,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matvec", action="store_true",
                         help="the matrix-vector family per weight format instead (1 thread "
                         "unless --threads)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="the prompt-projection family instead: run-time rows times an "
+                        "(out, in) weight, 1 thread against numpy on 1 thread")
+    parser.add_argument("--rows", type=int, nargs="*", default=list(PREFILL_ROWS),
+                        help="--prefill: the prompt row counts")
     parser.add_argument("--formats", nargs="*", default=list(MATVEC_FORMATS),
-                        choices=MATVEC_FORMATS, help="--matvec: the weight formats")
+                        choices=MATVEC_FORMATS,
+                        help="--matvec: the weight formats (--prefill: f32 unless given)")
     parser.add_argument("--weights", nargs="*", default=None,
-                        help="--matvec: weight shapes OUTxIN (default 4096x1024 1024x4096 "
-                        "2816x1024)")
+                        help="--matvec/--prefill: weight shapes OUTxIN (defaults: the module "
+                        "docstring)")
     parser.add_argument("--mib", type=int, default=512,
                         help="--matvec: MiB of weight copies cycled through, and of the "
                         "bandwidth's array")
     parser.add_argument("--window", type=float, default=0.5,
                         help="--matvec: seconds of each bandwidth measurement")
     opts = parser.parse_args(argv)
-    if opts.matvec and not opts.threads:
+    if (opts.matvec or opts.prefill) and not opts.threads:
         opts.threads = 1
 
     threads = opts.threads or os.cpu_count() or 1
@@ -297,9 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     target = x86_target(tvm_threads)
     if opts.matvec:  # compiled for every core, as a rank's program is, run on --threads
         return matvec_main(opts, x86_target(), tvm_threads)
+    if opts.prefill:  # compiled as a rank of one thread is
+        return prefill_main(opts, target, tvm_threads)
     rule = None
-    if opts.rows or opts.vectors or opts.no_pack:
-        rule = MatmulRule(rows=opts.rows, vectors=opts.vectors, pack=not opts.no_pack)
+    if opts.tile_rows or opts.vectors or opts.no_pack:
+        rule = MatmulRule(rows=opts.tile_rows, vectors=opts.vectors, pack=not opts.no_pack)
 
     shapes = [(f"square {s}", s, s, s) for s in opts.sizes]
     for text in opts.shapes or []:

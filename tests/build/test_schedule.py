@@ -151,12 +151,19 @@ def test_matmul_with_a_symbolic_row_count():
         np.testing.assert_allclose(run(mod, xs, ws), np.maximum(xs @ ws, 0), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("epilogue", ["none", "silu_times"])
-def test_a_linear_of_run_time_rows_runs_whole_register_tiles(epilogue):
-    """A prompt's rows are padded to whole tiles; odd counts equal numpy, the epilogue too.
+def update_block(text: str) -> str:
+    """The micro-kernel's block (``matmul_update``) of a kernel's script."""
+    start = text.index('T.sblock("matmul_update")')
+    return text[start:text.index("T.sblock", start + 1)]
 
-    The (out, in) weight is packed with one vector store per row of the panel (not one
-    value at a time), and no tile row carries a predicate.
+
+@pytest.mark.parametrize("epilogue", ["none", "silu_times"])
+def test_a_linear_of_run_time_rows_runs_row_panels(epilogue):
+    """A prompt times an (out, in) weight: the tokens are the vectors, the weight stays put.
+
+    The rows are packed into panels of two vectors (padded to whole panels), the weight
+    is read in place (never copied), the tile's weight rows are unrolled, the
+    micro-kernel carries no predicate, and odd row counts equal numpy, the epilogue too.
     """
     def product(x, w):
         y = relax.op.matmul(x, relax.op.permute_dims(w))
@@ -166,10 +173,14 @@ def test_a_linear_of_run_time_rows_runs_whole_register_tiles(epilogue):
     (func,) = kernels(mod).values()
     assert func.attrs[RULE_ATTR] == "matmul"
     text = func.script()
-    assert "T.where" not in text  # whole tiles: no row predicate
-    assert "x_pad" in text  # the rows' padded copy
-    tile = 4 if CPUTraits.of(TARGET).vector_bits >= 512 else 6
-    assert f"in T.unroll(T.int64({tile}))" in text
+    cpu = CPUTraits.of(TARGET)
+    panel, tile = 2 * cpu.lanes("float32"), 8 if cpu.vector_bits >= 512 else 6
+    assert f"x_pad = T.sblock_alloc_buffer(((n + T.int64({panel - 1})) // T.int64({panel}), " \
+           "T.int64(64), T.int64(" in text
+    assert "w_global" not in text and "* w[" in text  # the weight, read where it is
+    kernel = update_block(text)
+    assert "T.where" not in kernel
+    assert f"in T.unroll(T.int64({tile}))" in text and f"T.vectorized(T.int64({panel}))" in text
     rng = np.random.default_rng(2)
     ws = rng.standard_normal((128, 64), dtype="float32")
     for n in (1, 7, 129):
@@ -178,6 +189,40 @@ def test_a_linear_of_run_time_rows_runs_whole_register_tiles(epilogue):
         if epilogue == "silu_times":
             want = want / (1 + np.exp(-want)) * want
         np.testing.assert_allclose(run(mod, xs, ws), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [3, 16, 40])
+def test_row_panels_with_static_rows_batches_and_a_bias(rows):
+    """Static row counts (within one vector, whole panels, padded), a batch axis, a bias."""
+    shapes = [(2, rows, 48), (40, 48), (40,)]
+    bb = relax.BlockBuilder()
+    x, w, b = (relax.Var(name, relax.TensorType(shape, "float32"))
+               for name, shape in zip("xwb", shapes))
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.add(
+                relax.op.matmul(x, relax.op.permute_dims(w)), b))
+        bb.emit_func_output(out)
+    mod = schedule_module(legalize_ops(bb.get()), TARGET)
+    (func,) = kernels(mod).values()
+    assert func.attrs[RULE_ATTR] == "matmul"
+    text = func.script()
+    lanes = CPUTraits.of(TARGET).lanes("float32")
+    panel = lanes if rows <= lanes else 2 * lanes
+    assert f"T.vectorized(T.int64({panel}))" in update_block(text)
+    assert "w_global" not in text
+    inputs = [np.random.default_rng(rows).standard_normal(shape, dtype="float32")
+              for shape in shapes]
+    want = inputs[0] @ inputs[1].T + inputs[2]
+    np.testing.assert_allclose(run(mod, *inputs), want, rtol=1e-4, atol=1e-4)
+
+
+def test_row_panels_can_be_turned_off():
+    rule = MatmulRule(row_panels=False)
+    mod = legalize_ops(run_time_rows((128, 64), lambda x, w: relax.op.matmul(
+        x, relax.op.permute_dims(w))))
+    out = ScheduleCPU(TARGET, (rule,))(mod)
+    assert "w_global" in script(out)  # the column panels pack the weight
 
 
 def test_elementwise_kernel_is_parallel_and_vectorized():

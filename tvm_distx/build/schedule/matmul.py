@@ -2,7 +2,28 @@
 
 :class:`MatmulRule` matches one reduction block ``C[b.., i, j] += A[.., i, k] *
 B[.., k, j]`` (either operand layout, optional batch axes) with injective
-prologue and epilogue blocks; :mod:`tvm_distx.build.schedule` describes the recipe.
+prologue and epilogue blocks. The micro-kernel accumulates a tile of ``C`` in
+vector registers, in one of two orientations:
+
+**Row panels** (the right operand is a weight stored ``(out, in)``, ``B[.., j,
+k]``, as every linear layer of a language model): the vectors run along the
+rows ``i`` (the prompt's tokens). The left operand is packed into panels of
+``[k, P]`` rows (``P`` is two vectors; the copy also pads a run-time row count to
+whole panels), the tile is ``mr`` weight rows by ``P`` tokens, and each step of
+``k`` broadcasts one value from each of the ``mr`` weight rows, which are read
+in place, contiguously, once per panel of tokens. The tile is written to a
+transposed ``[j, i]`` buffer (whole vectors), and the epilogue runs in the copy
+back to ``[i, j]``. Only the activations are packed, never the weight, so the
+cost of a call is its arithmetic even for a few rows: the column-panel
+orientation below has to transpose the whole weight into panels on every call.
+A weight stored in another format is decoded once per ``mr`` rows into a
+buffer that the token panels then share.
+
+**Column panels** (any other layout): the vectors run along the columns ``j``;
+each ``nr``-wide panel of ``B`` is packed into a contiguous ``[k, nr]`` buffer by
+the thread that owns it, and the tile is ``mr`` rows by ``nr`` columns.
+
+:mod:`tvm_distx.build.schedule` describes the rule's place among the others.
 """
 
 from __future__ import annotations
@@ -15,8 +36,8 @@ from tvm.ir.expr import TensorLoad
 from tvm.s_tir import Schedule, ScheduleError
 
 from tvm_distx.build.schedule.base import (Block, CPUTraits, Rule, decompose_init, describe_blocks,
-                   first_divisor, index_positions, loop_extent, schedule_flat, trip_count,
-                   vectorize_innermost)
+                   first_divisor, first_line, index_positions, loop_extent, schedule_flat,
+                   trip_count, vectorize_innermost)
 
 __all__ = ["MatmulMatch", "MatmulRule"]
 
@@ -54,9 +75,12 @@ class MatmulRule(Rule):
         avoids cache-set conflicts at power-of-two row strides) and 6 x 2
         otherwise (12 of 16).
     pack : bool, default True
-        Pack each ``nr``-wide panel of the right operand contiguously before
-        the micro-kernel reads it. It removes the strided panel reads whose
-        cache-set conflicts halve the speed of large matmuls.
+        Column panels: pack each ``nr``-wide panel of the right operand
+        contiguously before the micro-kernel reads it. It removes the strided
+        panel reads whose cache-set conflicts halve the speed of large matmuls.
+    row_panels : bool, default True
+        Use the row-panel micro-kernel when the right operand is stored ``(out,
+        in)``; ``rows`` then sets its weight rows ``mr`` (8 with AVX-512, else 6).
     """
 
     name = "matmul"
@@ -65,13 +89,15 @@ class MatmulRule(Rule):
     max_spatial = 4
 
     def __init__(self, rows: int | None = None, vectors: int | None = None,
-                 pack: bool = True) -> None:
+                 pack: bool = True, row_panels: bool = True) -> None:
         self.rows = rows
         self.vectors = vectors
         self.pack = pack
+        self.row_panels = row_panels
 
     def __repr__(self) -> str:
-        return f"MatmulRule(rows={self.rows}, vectors={self.vectors}, pack={self.pack})"
+        return (f"MatmulRule(rows={self.rows}, vectors={self.vectors}, pack={self.pack}, "
+                f"row_panels={self.row_panels})")
 
     def match(self, blocks: list[Block]) -> MatmulMatch | None:
         reductions = [b for b in blocks if not b.is_spatial]
@@ -135,11 +161,26 @@ class MatmulRule(Rule):
         return mr, nr
 
     def apply(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits) -> Schedule:
-        mm = found.block.rv
-        dtype = found.block.output.dtype
-        # a weight decode is computed where the packed panel is written (once per panel),
-        # never per row tile: it waits until the panel exists
-        decodes = [p for p in found.prologue if p.decode]
+        if self.row_panels and self.weight_rows(found):
+            trial = sch.copy()
+            try:
+                return self._apply_row_panels(trial, found, cpu)
+            except ScheduleError as err:
+                logger.debug("matmul: row panels do not fit %s (%s); column panels",
+                             found.block.name, first_line(err))
+        return self._apply_column_panels(sch, found, cpu)
+
+    @staticmethod
+    def weight_rows(found: MatmulMatch) -> bool:
+        """Whether the right operand is read as rows ``B[.., j, k]``, ``k`` contiguous."""
+        indices = found.rhs.indices
+        (j_at,) = index_positions(indices, found.j)
+        (k_at,) = index_positions(indices, found.k)
+        return j_at < k_at == len(indices) - 1
+
+    @staticmethod
+    def _inline_prologue(sch: Schedule, found: MatmulMatch, cpu: CPUTraits) -> list[Block]:
+        """Inline the prologue and side producers; the weight decodes, left for the recipe."""
         for producer in (p for p in found.prologue if not p.decode):
             try:
                 sch.compute_inline(producer.rv)
@@ -149,16 +190,17 @@ class MatmulRule(Rule):
         for producer in found.side:
             # raises ScheduleError when it cannot be inlined: the recipe is abandoned
             sch.compute_inline(producer.rv)
-        # A run-time row count (a prompt's tokens): the rows are padded to whole register
-        # tiles, so that every tile has mr rows and no row needs a predicate
-        rows = self.rows or (4 if cpu.vector_bits >= 512 else 6)
-        padding = self._pad_rows(sch, mm, rows)
-        # The accumulator tile; the epilogue then reads it instead of memory.
-        acc_store = sch.cache_write(mm, 0, "local")
-        # Inline the epilogue into the tile store while it is a chain: a value that a
-        # later block reads too (silu's x * sigmoid(x)) must stay in memory, and TVM's
-        # reverse_compute_inline does not check that (it leaves a read of a buffer
-        # that nothing writes any more).
+        return [p for p in found.prologue if p.decode]
+
+    @staticmethod
+    def _inline_epilogue(sch: Schedule, found: MatmulMatch) -> list[Block]:
+        """Inline the epilogue chain into the block that stores the product; the rest.
+
+        A value that a later block reads too (silu's ``x * sigmoid(x)``) must stay
+        in memory, and TVM's ``reverse_compute_inline`` does not check that (it
+        leaves a read of a buffer that nothing writes any more): the chain stops
+        there, and the blocks after it are returned, to be scheduled on their own.
+        """
         separate = []
         tail = found.block.output
         for consumer in found.epilogue:
@@ -172,6 +214,104 @@ class MatmulRule(Rule):
                 tail = consumer.output
             except ScheduleError:
                 separate.append(consumer)
+        return separate
+
+    def _apply_row_panels(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits) -> Schedule:
+        """The row-panel micro-kernel (the module's docstring describes it)."""
+        mm = found.block.rv
+        dtype = found.block.output.dtype
+        decodes = self._inline_prologue(sch, found, cpu)
+        lanes = cpu.lanes(dtype)
+        *batch, i, j, _ = sch.get_loops(mm)
+        rows, n = loop_extent(sch, i), loop_extent(sch, j)
+        if n is None:
+            raise ScheduleError("matmul: the recipe needs a static number of columns")
+        # one vector of tokens when the rows fit in one, else two
+        panel = lanes if rows is not None and rows <= lanes else 2 * lanes
+        wide = cpu.vector_bits >= 512
+        mr = first_divisor(n, [self.rows or (8 if wide else 6), 8, 6, 4, 3, 2])
+        before = {b.name for b in describe_blocks(sch)}
+        padded = rows is None or rows % panel != 0
+        if padded:  # copies of the left operand and of the result with whole panels of rows
+            sch.pad_einsum(mm, [1] * len(batch) + [panel, 1, 1])
+        lhs = found.lhs
+        pack = next((b.rv for b in describe_blocks(sch)
+                     if b.name not in before and b.output.name == f"{lhs.source.name}_pad"),
+                    None)
+        if pack is None:
+            pack = sch.cache_read(mm, lhs.source.name, "global")
+        (i_at,) = index_positions(lhs.indices, found.i)
+        (k_at,) = index_positions(lhs.indices, found.k)
+        rest = [d for d in range(len(lhs.indices)) if d not in (i_at, k_at)]
+
+        def packed(*index):
+            return [index[d] for d in rest] + [index[i_at] // panel, index[k_at],
+                                               index[i_at] % panel]
+
+        sch.transform_layout(pack, ("write", 0),
+                             tirx.IndexMap.from_func(packed, ndim=len(lhs.indices)))
+        if not padded:
+            sch.cache_write(mm, 0, "global")  # the transposed tile needs a buffer of its own
+        sch.transform_layout(mm, ("write", 0), tirx.IndexMap.from_func(
+            lambda *index: [*index[:-2], index[-1], index[-2]], ndim=len(batch) + 2))
+        separate = self._inline_epilogue(sch, found)
+        acc_store = sch.cache_write(mm, 0, "local")
+
+        *batch, i, j, k = sch.get_loops(mm)
+        io, ii = sch.split(i, [None, panel])
+        jo, ji = sch.split(j, [None, mr])
+        sch.reorder(*batch, jo, io, k, ji, ii)
+        if decodes:  # decoded once per mr weight rows, into a buffer the token panels share
+            rows_buffer = sch.cache_read(mm, found.rhs.source.name, "global")
+            sch.compute_at(rows_buffer, jo)
+            for producer in decodes:
+                sch.compute_inline(producer.rv)
+            # one vector at a time: it stays within a half of a q4 group, whose nibbles
+            # then come from 16 consecutive bytes with one shift
+            depth = sch.get_loops(rows_buffer)[-1]
+            if (loop_extent(sch, depth) or 1) % lanes == 0:
+                sch.vectorize(sch.split(depth, [None, lanes])[1])
+            else:
+                vectorize_innermost(sch, rows_buffer, lanes)
+        sch.reverse_compute_at(acc_store, io)
+        vectorize_innermost(sch, acc_store, lanes)
+        # the copy back to [i, j], with the epilogue, per mr weight rows while they are in cache
+        (copy,) = sch.get_consumers(acc_store)
+        sch.reverse_compute_at(copy, jo)
+        vectorize_innermost(sch, copy, lanes)
+        for consumer in separate:
+            schedule_flat(sch, consumer, cpu)
+        # the pack, one panel of tokens at a time, a vector of rows per k
+        *_, rows_loop, depth = sch.get_loops(pack)
+        po, pi = sch.split(rows_loop, [None, panel])
+        sch.reorder(po, depth, pi)
+        sch.vectorize(pi)
+        if cpu.cores > 1:
+            sch.parallel(sch.fuse(*sch.get_loops(pack)[:-2]))
+        outer = sch.fuse(*batch, jo) if batch else jo
+        if cpu.cores > 1:
+            sch.parallel(outer)
+        sch.unroll(ji)
+        sch.vectorize(ii)
+        decompose_init(sch, mm)
+        return sch
+
+    def _apply_column_panels(self, sch: Schedule, found: MatmulMatch,
+                             cpu: CPUTraits) -> Schedule:
+        """The column-panel micro-kernel (the module's docstring describes it)."""
+        mm = found.block.rv
+        dtype = found.block.output.dtype
+        # a weight decode is computed where the packed panel is written (once per panel),
+        # never per row tile: it waits until the panel exists
+        decodes = self._inline_prologue(sch, found, cpu)
+        # A run-time row count (a prompt's tokens): the rows are padded to whole register
+        # tiles, so that every tile has mr rows and no row needs a predicate
+        rows = self.rows or (4 if cpu.vector_bits >= 512 else 6)
+        padding = self._pad_rows(sch, mm, rows)
+        # The accumulator tile; the epilogue then reads it instead of memory.
+        acc_store = sch.cache_write(mm, 0, "local")
+        # The epilogue inlined into the tile store while it is a chain.
+        separate = self._inline_epilogue(sch, found)
 
         *batch, i, j, k = sch.get_loops(mm)
         m, n = loop_extent(sch, i), loop_extent(sch, j)
