@@ -18,8 +18,8 @@ from tvm_distx.build.pipeline import legalize_ops
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime import emulate, shard_array
 from tvm_distx.build.schedule import (
-    RULE_ATTR, SCHEDULED_ATTR, CPUTraits, MatmulRule, Rule, ScheduleCPU, schedule_module,
-    schedule_primfunc, x86_target)
+    AS_WRITTEN, RULE_ATTR, SCHEDULED_ATTR, CPUTraits, MatmulRule, Rule, ScheduleCPU,
+    schedule_module, schedule_primfunc, x86_target)
 from tvm_distx.layout import TensorSharding
 from locations import TESTS_DIR
 
@@ -295,6 +295,28 @@ def test_an_unmatched_kernel_keeps_the_default_lowering_and_is_logged(caplog):
                       target=TARGET)
     lib["main"](tvm.runtime.tensor(a), b)
     np.testing.assert_allclose(b.numpy(), np.cumsum(a))
+
+
+def test_a_routers_top_k_and_scatter_are_built_as_written():
+    """A mixture of experts' routing: TVM writes top-k as a sort call and the scatter as loops."""
+    bb = relax.BlockBuilder()
+    logits = relax.Var("logits", relax.TensorType((tvm.tirx.Var("n", "int64"), 8), "float32"))
+    with bb.function("main", [logits]):
+        with bb.dataflow():
+            top = bb.emit(relax.op.topk(logits, 2, axis=-1))
+            values, index = bb.emit(relax.TupleGetItem(top, 0)), bb.emit(relax.TupleGetItem(top, 1))
+            out = bb.emit_output(relax.op.scatter_elements(
+                relax.op.zeros_like(logits), index, values, axis=1))
+        bb.emit_func_output(out)
+    mod = schedule_module(legalize_ops(bb.get()), TARGET)
+    rules = {name: str(f.attrs[RULE_ATTR]) for name, f in kernels(mod).items()}
+    assert rules["topk"] == rules["scatter_elements"] == AS_WRITTEN, rules
+    assert rules["zeros"] == "injective"
+    x = np.random.default_rng(3).standard_normal((5, 8), dtype="float32")
+    want = np.zeros_like(x)
+    top2 = np.argsort(-x, axis=1)[:, :2]
+    np.put_along_axis(want, top2, np.take_along_axis(x, top2, axis=1), axis=1)
+    np.testing.assert_array_equal(run(mod, x), want)
 
 
 class _VectorizeTheReduction(Rule):

@@ -19,7 +19,7 @@ import tvm
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tvm_distx.build.schedule import RULE_ATTR  # noqa: E402
+from tvm_distx.build.schedule import AS_WRITTEN, RULE_ATTR  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
 
 from hf_tiny import VOCAB, build  # noqa: E402
@@ -28,9 +28,6 @@ NEW_TOKENS = 32
 PROMPT = 6
 #: the experts' dispatch cannot move a symbolic prompt length yet: their prefill is static
 STATIC_PROMPT = {"mixtral", "qwen2_moe", "deepseek_v3"}
-
-#: the routing kernels of a mixture of experts (top-k, scatter) keep TVM's generic lowering
-ROUTING = ("topk", "scatter_elements")
 
 CASES = [(family, 2) for family in ("llama", "qwen2", "mistral", "gpt2", "mixtral",
                                       "qwen2_moe", "phi3", "gemma", "qwen3", "opt",
@@ -49,12 +46,16 @@ def test_greedy_tokens_equal_transformers(family, ranks):
     with CausalLM.from_hf(model, num_ranks=ranks, max_length=PROMPT + NEW_TOKENS,
                           prompt_length=static) as lm:
         # every kernel of prefill and decode runs one of our schedules, none TVM's default
-        unscheduled = sorted(gv.name_hint for gv, f in lm.exe.built.functions.items()
-                             if isinstance(f, tvm.tirx.PrimFunc)
-                             and (f.attrs is None or RULE_ATTR not in f.attrs))
-        if family in STATIC_PROMPT:  # the experts themselves are our kernel
-            unscheduled = [name for name in unscheduled if not name.startswith(ROUTING)]
+        # (a router's top-k and scatter are library calls and loops, built as written)
+        rules = {gv.name_hint: str(f.attrs[RULE_ATTR]) if f.attrs is not None
+                 and RULE_ATTR in f.attrs else None
+                 for gv, f in lm.exe.built.functions.items()
+                 if isinstance(f, tvm.tirx.PrimFunc)}
+        unscheduled = sorted(name for name, rule in rules.items() if rule is None)
         assert not unscheduled, unscheduled
+        as_written = sorted(name for name, rule in rules.items() if rule == AS_WRITTEN)
+        assert all(name.startswith(("topk", "scatter_elements")) for name in as_written), \
+            as_written
         out = lm.generate(prompt, max_new_tokens=NEW_TOKENS)
         assert lm.stats.new_tokens == NEW_TOKENS - 1  # the first token comes from the prefill
     np.testing.assert_array_equal(out[0], want)

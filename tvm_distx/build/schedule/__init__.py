@@ -52,7 +52,9 @@ written as vector arithmetic (:func:`.elementary.vector_exp`): LLVM would call
 libm once per lane.
 
 A kernel that no rule matches keeps TVM's default lowering, with an INFO log
-line naming it. A rule whose recipe raises a :class:`tvm.s_tir.ScheduleError`
+line naming it. A kernel whose legalization wrote its loops or a library call
+itself (:func:`written_as_loops`: a router's ``topk`` and ``scatter_elements``)
+is built as written. A rule whose recipe raises a :class:`tvm.s_tir.ScheduleError`
 is abandoned the same way. Schedule primitives check their own legality, so a
 recipe either yields an equivalent program or fails loudly.
 
@@ -75,7 +77,7 @@ import logging
 from typing import Sequence
 
 import tvm
-from tvm import tirx
+from tvm import s_tir, tirx
 from tvm.s_tir import Schedule
 
 from tvm_distx.ir.helpers import with_functions
@@ -96,6 +98,7 @@ from tvm_distx.build.schedule.nibbles import NibbleTableRule
 from tvm_distx.build.schedule.reduction import ReductionRule
 
 __all__ = [
+    "AS_WRITTEN",
     "Block",
     "CPUTraits",
     "DEFAULT_RULES",
@@ -116,6 +119,7 @@ __all__ = [
     "schedule_module",
     "schedule_primfunc",
     "use_cpu_threads",
+    "written_as_loops",
     "x86_target",
 ]
 
@@ -129,7 +133,26 @@ DEFAULT_RULES: tuple[Rule, ...] = (NibbleTableRule(), MatvecRule(), MatmulRule()
                                    ReductionRule())
 
 
+#: The rule name of a kernel built as its legalization wrote it (:func:`written_as_loops`).
+AS_WRITTEN = "as-written"
+
+
 # --------------------------------------------------------------------------- driver
+
+
+def written_as_loops(func: tirx.PrimFunc) -> bool:
+    """Whether a kernel was written as explicit loops or a library call, not as blocks.
+
+    Some legalizations write the program themselves: TVM's ``topk`` calls its
+    runtime's sort, its ``scatter_elements`` is a parallel loop program (a mixture
+    of experts' routing uses both). Their outermost block is then an opaque block
+    of their own (no iteration variables), not the ``root`` that holds the blocks
+    a recipe reads, so there is nothing for a recipe to read or to improve: the
+    kernel is built as written, and :data:`RULE_ATTR` says ``"as-written"``.
+    """
+    body = func.body
+    return (isinstance(body, s_tir.SBlockRealize) and body.block.name_hint != "root"
+            and not body.block.iter_vars)
 
 
 def schedule_primfunc(func: tirx.PrimFunc, target: tvm.target.Target | None = None, *,
@@ -158,6 +181,10 @@ def schedule_primfunc(func: tirx.PrimFunc, target: tvm.target.Target | None = No
     cpu = CPUTraits.of(target if target is not None else x86_target())
     if not cpu.half_vectors:
         func = widen_halves(func)
+    if written_as_loops(func):
+        logger.debug("schedule: %s is written as loops or a library call; built as written",
+                     name)
+        return func.with_attrs({SCHEDULED_ATTR: True, RULE_ATTR: AS_WRITTEN})
     try:
         sch = Schedule(tidy_indices(func))
         blocks = describe_blocks(sch)
