@@ -160,3 +160,38 @@ def test_quantized_and_f16_matvec_kernels_hold_vector_code_and_equal_numpy_under
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     with pytest.raises(rvv.QemuError, match="illegal instruction"):
         rvv.run_kernel(tmp_path, kernel, inputs, harness=harness, vector=False)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8", "q4"])
+def test_a_prompts_projection_runs_row_panels_in_vector_code_under_qemu(fmt, tmp_path):
+    """7 prompt rows times an (out, in) weight: row panels (padded), vector FMAs, numpy's values."""
+    rng = np.random.default_rng(11)
+    weight = rng.standard_normal((48, 256), dtype="float32")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((7, 256), "float32"))
+    w = relax.Var("w", relax.TensorType((48, 256), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
+        bb.emit_func_output(out)
+    mod, stored = (bb.get(), {"w": weight}) if fmt == "f32" else \
+        td.quantize(bb.get(), {"w": weight}, fmt)
+    target = resolve_target("rvv").target
+    built = ScheduleCPU(target)(fuse_kernels(legalize_ops(mod)))
+    (kernel,) = rvv.write_kernels(built, target, tmp_path)
+    (prim,) = [f for f in built.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert prim.attrs[RULE_ATTR] == "matmul"
+    assert "x_pad" in prim.script()  # the rows' panels
+    words = (tmp_path / "kernels.s").read_text().split()
+    assert "vsetvli" in words and ("vfmacc.vf" in words or "vfmacc.vv" in words)
+    parts = {"data": np.asarray(stored["w"])}
+    if "w_scale" in stored:
+        parts["scale"] = np.asarray(stored["w_scale"])
+    rows = rng.standard_normal((7, 256), dtype="float32")
+    by_name = {"w": parts["data"], "w_scale": parts.get("scale"), "x": rows}
+    inputs = [by_name[str(p.name)] for p in prim.params[:-1]]
+    want = rows @ formats.decode(parts, fmt).T
+    harness = rvv.build_harness(tmp_path)
+    for vlen in (128, 256):
+        (got,) = rvv.run_kernel(tmp_path, kernel, inputs, harness=harness, vlen=vlen)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -104,7 +104,7 @@ def test_a_prompt_longer_than_a_chunk_is_prefilled_chunk_by_chunk_with_the_same_
 
 
 def test_a_bad_prefill_chunk_is_refused_with_a_hint(llama):
-    with pytest.raises(td.ArgumentError, match=r"prefill_chunk=0.*\n.*hint: prefill_chunk=512"):
+    with pytest.raises(td.errors.ArgumentError, match=r"prefill_chunk=0.*\n.*hint: prefill_chunk=512"):
         CausalLM(llama[1].cache, llama[1].session, prefill_chunk=0)
 
 
