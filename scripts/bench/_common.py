@@ -151,6 +151,19 @@ def bundle_rank_call(bundle: str, inputs: dict, comm, *, with_signature: bool = 
     return vm[entry], args
 
 
+def unscheduled_kernels(built) -> list[str]:
+    """The kernels of a compiled module that none of our rules scheduled (TVM's default build).
+
+    A benchmark warns about each: its figures would then measure TVM's naive loops.
+    """
+    from tvm_distx.build.schedule import RULE_ATTR
+    import tvm
+
+    return sorted(gv.name_hint for gv, f in built.functions.items()
+                  if isinstance(f, tvm.tirx.PrimFunc)
+                  and (f.attrs is None or RULE_ATTR not in f.attrs))
+
+
 def llama_parameters(config: dict) -> int:
     """The parameter count of the Llama of ``config`` (untied LM head, no biases)."""
     hidden, ffn, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]

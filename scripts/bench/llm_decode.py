@@ -117,7 +117,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llama_cpp  # noqa: E402
 from _common import (child_env, fmt_bytes, llama_parameters, median, run_job,  # noqa: E402
-                     spread, table, test_hosts)
+                     spread, table, test_hosts, unscheduled_kernels)
 
 import numpy as np  # noqa: E402
 
@@ -225,6 +225,9 @@ def build(folder: Path, config: dict, prompt: int, new_tokens: int, ranks: list[
             with CausalLM.from_pretrained(folder / "model", num_ranks=p, backend="emulate",
                                           max_length=prompt + new_tokens, **FORMATS[fmt]) as lm:
                 root = lm.export(folder / f"bundle_{fmt}_{p}")
+                for name in unscheduled_kernels(lm.exe.built):
+                    print(f"  warning: {fmt} on {p} rank(s): kernel {name} has no schedule of "
+                          "ours (TVM's default build)", file=sys.stderr, flush=True)
             manifest = read_manifest(root)
             decode = set(manifest.weights.get("decode", ()))
             read[key_of("ours", p, fmt)] = max(
