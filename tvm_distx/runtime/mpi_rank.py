@@ -40,6 +40,7 @@ forever) in the rank's first collective.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import signal
@@ -55,6 +56,7 @@ from tvm_distx.bundle.manifest import Manifest, check_weights, read_manifest
 from tvm_distx.errors import BundleError
 from tvm_distx.runtime import mpi_ccl
 from tvm_distx.runtime.control import KEY_ENV, DriverLink
+from tvm_distx.runtime.kernel_times import PROFILE_ENV, KernelTimes
 from tvm_distx.runtime.ranks import (Program, RankState, VMProgram, fault, inject_fault,
                                      one_line)
 
@@ -102,7 +104,8 @@ def vm_program(manifest: Manifest, comm, count: Callable) -> Program:
     """TVM's virtual machine over the bundle's library, the MPI collectives installed first.
 
     The VM resolves its functions once, so the collectives (counted by
-    ``count``) are registered before it exists.
+    ``count``) are registered before it exists. With ``TVM_DISTX_PROFILE``
+    set, every call it makes is timed (:mod:`tvm_distx.runtime.kernel_times`).
     """
     import tvm
     from tvm.runtime.vm import VirtualMachine  # the runtime's (tvm.relax needs the compiler)
@@ -113,7 +116,13 @@ def vm_program(manifest: Manifest, comm, count: Callable) -> Program:
                                      if n != "worker_id")}
     mpi_ccl.install(comm, wrap=lambda name, func: count(func) if name in collectives else func)
     library = tvm.runtime.load_module(str(manifest.library_path))
-    return VMProgram(VirtualMachine(library, tvm.cpu()))
+    vm = VirtualMachine(library, tvm.cpu())
+    folder = os.environ.get(PROFILE_ENV)
+    if folder:  # every kernel and collective timed; the table written when the rank ends
+        times = KernelTimes(comm.Get_rank())
+        vm.set_instrument(times)
+        atexit.register(times.write, folder)
+    return VMProgram(vm)
 
 
 def serve(bundle: Path, driver: str, program: ProgramMaker = vm_program) -> None:

@@ -16,8 +16,12 @@ transposed ``[j, i]`` buffer (whole vectors), and the epilogue runs in the copy
 back to ``[i, j]``. Only the activations are packed, never the weight, so the
 cost of a call is its arithmetic even for a few rows: the column-panel
 orientation below has to transpose the whole weight into panels on every call.
-A weight stored in another format is decoded once per ``mr`` rows into a
-buffer that the token panels then share.
+The weight rows are taken in blocks of about 256 KiB
+(:attr:`MatmulRule.WEIGHT_BLOCK_BYTES`), and every token panel passes over a
+block while it sits in L2: a panel then comes from L3 once per block, not once
+per ``mr`` rows, which is what lets two ranks on one chip each run at the speed
+of one alone. A weight stored in another format is decoded once per block into
+a buffer that the token panels share.
 
 **Column panels** (any other layout): the vectors run along the columns ``j``;
 each ``nr``-wide panel of ``B`` is packed into a contiguous ``[k, nr]`` buffer by
@@ -32,6 +36,7 @@ import logging
 from dataclasses import dataclass, field
 
 from tvm import s_tir, tirx
+from tvm.runtime import DataType
 from tvm.ir.expr import TensorLoad
 from tvm.s_tir import Schedule, ScheduleError
 
@@ -87,6 +92,10 @@ class MatmulRule(Rule):
 
     #: The most spatial axes (batch axes, rows, columns) of a matmul block the rule takes.
     max_spatial = 4
+
+    #: Row panels: the bytes of weight rows (as float32) that one block of the tile loop
+    #: covers; with one token panel they stay in a core's L2.
+    WEIGHT_BLOCK_BYTES = 256 << 10
 
     def __init__(self, rows: int | None = None, vectors: int | None = None,
                  pack: bool = True, row_panels: bool = True) -> None:
@@ -259,11 +268,18 @@ class MatmulRule(Rule):
 
         *batch, i, j, k = sch.get_loops(mm)
         io, ii = sch.split(i, [None, panel])
-        jo, ji = sch.split(j, [None, mr])
-        sch.reorder(*batch, jo, io, k, ji, ii)
-        if decodes:  # decoded once per mr weight rows, into a buffer the token panels share
+        # Blocks of weight rows that stay in L2 while every token panel passes over them,
+        # so that a panel is read from L3 once per block rather than once per mr rows
+        # (two ranks streaming panels from a shared L3 at once halve each other's speed)
+        tiles, row_bytes = n // mr, (loop_extent(sch, k) or 1) * DataType(dtype).bits // 8
+        group = max(1, min(tiles, self.WEIGHT_BLOCK_BYTES // (mr * row_bytes)))
+        while tiles % group:
+            group -= 1
+        jb, jo, ji = sch.split(j, [None, group, mr])
+        sch.reorder(*batch, jb, io, jo, k, ji, ii)
+        if decodes:  # decoded once per block of weight rows, shared by the token panels
             rows_buffer = sch.cache_read(mm, found.rhs.source.name, "global")
-            sch.compute_at(rows_buffer, jo)
+            sch.compute_at(rows_buffer, jb)
             for producer in decodes:
                 sch.compute_inline(producer.rv)
             # one vector at a time: it stays within a half of a q4 group, whose nibbles
@@ -273,11 +289,11 @@ class MatmulRule(Rule):
                 sch.vectorize(sch.split(depth, [None, lanes])[1])
             else:
                 vectorize_innermost(sch, rows_buffer, lanes)
-        sch.reverse_compute_at(acc_store, io)
+        sch.reverse_compute_at(acc_store, jo)
         vectorize_innermost(sch, acc_store, lanes)
         # the copy back to [i, j], with the epilogue, per mr weight rows while they are in cache
         (copy,) = sch.get_consumers(acc_store)
-        sch.reverse_compute_at(copy, jo)
+        sch.reverse_compute_at(copy, jb)
         vectorize_innermost(sch, copy, lanes)
         for consumer in separate:
             schedule_flat(sch, consumer, cpu)
@@ -288,7 +304,7 @@ class MatmulRule(Rule):
         sch.vectorize(pi)
         if cpu.cores > 1:
             sch.parallel(sch.fuse(*sch.get_loops(pack)[:-2]))
-        outer = sch.fuse(*batch, jo) if batch else jo
+        outer = sch.fuse(*batch, jb) if batch else jb
         if cpu.cores > 1:
             sch.parallel(outer)
         sch.unroll(ji)
