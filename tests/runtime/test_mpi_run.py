@@ -23,6 +23,7 @@ import tvm_distx as td
 from tvm_distx import ShardingRule
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime.backends import launch
+from tvm_distx.runtime.kernel_times import read_times
 
 from reference import mlp_twice  # noqa: E402
 from proc_tools import parents  # noqa: E402
@@ -177,6 +178,20 @@ NOTHING = {"processes": 0, "workers": 0, "shm": set(), "job dirs": set()}
 def bundle(tensor_parallel, weights, tmp_path):
     _, A, B = weights
     return tensor_parallel.export(tmp_path / "bundle", params={"A": A, "B": B})
+
+
+def test_each_rank_times_its_kernels_and_collectives(bundle, weights, tmp_path):
+    """``TVM_DISTX_PROFILE``: one table per rank, every kernel and the all-reduces in it."""
+    x, A, B = weights
+    out = launch(bundle, [x], timeout=60, env={"TVM_DISTX_PROFILE": str(tmp_path / "prof")})
+    np.testing.assert_allclose(out, mlp_twice(x, A, B), rtol=1e-5, atol=1e-5)
+    for rank in (0, 1):
+        times = read_times(tmp_path / "prof" / f"rank{rank}.tsv")
+        # the MLP runs twice: each time its row block's partial sum is completed once
+        assert times["tvm_distx.ccl.allreduce"][0] == 2, times
+        matmuls = {name: v for name, v in times.items() if "matmul" in name}
+        assert sum(calls for calls, _ in matmuls.values()) == 4, times
+        assert all(seconds > 0 for _, seconds in times.values())
 
 
 @pytest.fixture(scope="module")
