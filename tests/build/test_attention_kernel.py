@@ -12,6 +12,8 @@ are used elsewhere is left alone.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -194,3 +196,16 @@ def test_a_kernel_description_that_cannot_exist_is_refused():
         AttentionKernel(6, 4, 16, 16, 0.25)
     with pytest.raises(td_errors.ArgumentError, match="not a mask kind"):
         AttentionKernel(4, 2, 16, 16, 0.25, "causal")
+
+
+def test_the_kernels_memory_does_not_grow_with_the_context():
+    """Every buffer of the implementation is a fixed tile: the same at 2k, 8k or any context."""
+    kernel = AttentionKernel(16, 8, 64, 64, 0.125, "bool", (False, False, True))
+    text = flash_attention(kernel).script()
+    allocations = re.findall(r"T\.alloc_\w+\(\(([^)]*)\)(?:, \"(\w+)\")?\)", text)
+    assert allocations and "sblock_alloc_buffer" not in text
+    total = 0
+    for extents, dtype in allocations:
+        sizes = [int(e) for e in extents.split(",") if e.strip()]  # a symbol would not parse
+        total += int(np.prod(sizes)) * np.dtype(dtype or "float32").itemsize
+    assert total < 16 << 10, total  # a few KiB of registers and stack per task

@@ -233,6 +233,25 @@ def test_elementwise_kernel_is_parallel_and_vectorized():
     assert "T.parallel" in text and "T.vectorized" in text
 
 
+def test_an_elementwise_kernel_of_run_time_rows_vectorizes_each_row():
+    """A prompt's rows: the static features are the vector, the run-time rows run around it."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, tvm.tirx.Var("n", "int64"), 64), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.relu(relax.op.permute_dims(x, [0, 2, 1, 3])))
+        bb.emit_func_output(out)
+    mod = schedule_module(legalize_ops(bb.get()), TARGET)
+    (func,) = kernels(mod).values()
+    assert func.attrs[RULE_ATTR] == "injective"
+    text = func.script()
+    assert "T.vectorized(T.int64(64))" in text
+    if CPUTraits.of(TARGET).cores > 1:
+        assert "T.parallel(" in text
+    xs = np.random.default_rng(4).standard_normal((1, 8, 5, 64), dtype="float32")
+    np.testing.assert_array_equal(run(mod, xs), np.maximum(xs.transpose(0, 2, 1, 3), 0))
+
+
 def test_an_empty_slice_in_an_elementwise_kernel_is_scheduled():
     """A partial rotary embedding keeps a slice of nothing (phi3's, whole-head rotary)."""
     def op(x):

@@ -430,12 +430,27 @@ def vectorize_innermost(sch: Schedule, block: s_tir.schedule.SBlockRV, lanes: in
 
 
 def schedule_flat(sch: Schedule, block: Block, cpu: CPUTraits) -> None:
-    """Fuse a spatial block's loops; vectorize the inner part, parallelize the rest."""
+    """Fuse a spatial block's loops; vectorize the inner part, parallelize the rest.
+
+    With a run-time extent (a prompt's tokens), the loops after the last run-time
+    one are fused apart, so that the vectorized inner loop has a static extent
+    (a row of features) and the run-time part runs around it.
+    """
     loops = sch.get_loops(block.rv)
     if not loops:  # a 0-d result (one element): nothing to fuse or split
         return
     if any(loop_extent(sch, loop) == 0 for loop in loops):
         return  # an empty result (a slice of nothing): its loops never run
+    static = [loop_extent(sch, loop) is not None for loop in loops]
+    if not all(static) and static[-1]:
+        tail = len(loops) - static[::-1].index(False)  # the loops after the last run-time one
+        outer = sch.fuse(*loops[:tail]) if tail > 1 else loops[0]
+        if len(loops) - tail > 1:
+            sch.fuse(*loops[tail:])
+        vectorize_innermost(sch, block.rv, cpu.lanes(block.output.dtype))
+        if cpu.cores > 1:
+            sch.parallel(outer)
+        return
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     total = loop_extent(sch, fused) or 0
     vectorized = vectorize_innermost(sch, block.rv, cpu.lanes(block.output.dtype))
