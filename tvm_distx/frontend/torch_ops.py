@@ -16,6 +16,8 @@ already know:
 * ``cumsum``: ``cumsum`` in the dtype torch gives the result;
 * ``full``: a 0-d constant broadcast when the value is infinite or NaN;
 * ``new_empty``: ``zeros``;
+* ``numpy_T`` (``weight.T``, Falcon's linears): ``permute_dims`` of every axis;
+* ``layer_norm`` without a weight or a bias (OLMo's): constants in their place;
 * ``&``, ``|``, ``^``: TVM's own, cast to the dtype torch gives the result;
 * ``slice``, ``split``, ``narrow``, ``select``: TVM's own, with the result's shape
   stated as torch.export knows it (a ``match_cast``).
@@ -30,6 +32,7 @@ import logging
 import math
 from typing import Callable
 
+import numpy as np
 from tvm import relax
 import tvm
 
@@ -363,6 +366,34 @@ def _with_torch_shape(name: str) -> Callable:
     return convert
 
 
+def _numpy_t(node, importer) -> relax.Var:
+    """``x.T`` (``numpy_T``): every axis reversed, as numpy's ``.T`` does."""
+    return importer.block_builder.emit(relax.op.permute_dims(importer.env[node.args[0]]))
+
+
+def _layer_norm(node, importer) -> relax.Var:
+    """``layer_norm(x, shape, weight, bias, eps)``, the weight or the bias possibly absent.
+
+    A norm without an affine part (``elementwise_affine=False``, OLMo's) passes
+    None for both; TVM's translation looks None up as a value. An absent weight
+    is ones and an absent bias zeros, as constants of the normalized shape.
+    """
+    x = importer.env[node.args[0]]
+    shape = [int(d) for d in node.args[1]]
+    dtype = _dtype_of(x)
+
+    def part(index: int, name: str, fill: float) -> relax.Expr:
+        value = _arg(node, index, name)
+        if value is None:
+            return relax.const(np.full(shape, fill, dtype))
+        return importer.env[value]
+
+    eps = float(_arg(node, 4, "eps", 1e-5))
+    axes = list(range(-len(shape), 0))
+    return importer.block_builder.emit(relax.op.nn.layer_norm(
+        x, part(2, "weight", 1.0), part(3, "bias", 0.0), axes=axes, epsilon=eps))
+
+
 #: TVM converters whose result shape can be clumsier than torch's (:func:`_with_torch_shape`).
 _SHAPE_CHECKED = ("slice.Tensor", "narrow.default", "split.Tensor", "select.int")
 
@@ -379,6 +410,8 @@ CONVERTERS: dict[str, Callable] = {
     "cumsum.default": _cumsum,
     "full.default": _full,
     "new_empty.default": _new_empty,
+    "numpy_T.default": _numpy_t,
+    "layer_norm.default": _layer_norm,
     **{name: _with_torch_dtype(name) for name in _DTYPE_CHECKED},
     **{name: _with_torch_shape(name) for name in _SHAPE_CHECKED},
 }
@@ -390,7 +423,6 @@ CONVERTERS: dict[str, Callable] = {
 # with the static expert dispatch that needs them, in :mod:`tvm_distx.frontend.torch_moe`.
 from tvm_distx.frontend.torch_moe import CONVERTERS as _MOE_CONVERTERS  # noqa: E402
 from tvm_distx.errors import UnsupportedProgramError
-import numpy as np
 
 CONVERTERS.update(_MOE_CONVERTERS)
 

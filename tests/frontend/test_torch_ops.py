@@ -1,0 +1,51 @@
+"""PyTorch operators TVM's frontend lacks or mistranslates, each imported and run against torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tvm_distx as td
+from tvm_distx import ShardingRule
+from tvm_distx.frontend.pytorch import from_torch
+from tvm_distx.passes import AnnotateSharding
+from tvm_distx.plans.presets import set_device_meshes
+
+
+def run_like_torch(module: torch.nn.Module, *inputs: torch.Tensor, atol: float = 1e-5) -> None:
+    """Import ``module``, run it on 2 emulated ranks and compare with torch."""
+    module = module.eval()
+    with torch.no_grad():
+        want = module(*inputs).numpy()
+    mod, weights = from_torch(module, inputs)
+    replicated = [ShardingRule(param=p.name, result="R") for p in mod["main"].params
+                  if p.name not in weights]
+    exe = td.compile(AnnotateSharding(replicated)(set_device_meshes(mod, [(2,)])))
+    got = exe.run(*[x.numpy() for x in inputs], params=weights, backend="emulate")
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=atol)
+
+
+def test_numpy_style_transpose_of_a_weight():
+    """``weight.T`` (Falcon's linear): ``numpy_T`` reverses every axis."""
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(24, 16))
+
+        def forward(self, x):
+            return x @ self.weight.T
+
+    torch.manual_seed(0)
+    run_like_torch(Linear(), torch.randn(3, 16))
+
+
+@pytest.mark.parametrize("affine, bias", [(False, False), (True, False), (True, True)])
+def test_layer_norm_without_weight_or_bias(affine, bias):
+    """OLMo's norm has neither a weight nor a bias; others drop only the bias."""
+    torch.manual_seed(1)
+    norm = torch.nn.LayerNorm(32, eps=1e-6, elementwise_affine=affine, bias=bias)
+    if affine:
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+    run_like_torch(norm, torch.randn(2, 5, 32))
