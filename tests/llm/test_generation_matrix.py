@@ -20,7 +20,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tvm_distx.build.schedule import AS_WRITTEN, RULE_ATTR  # noqa: E402
+from tvm_distx.layout.rules import pattern_entries  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
+from tvm_distx.plans import presets  # noqa: E402
+from tvm_distx.plans.preset import Preset  # noqa: E402
 
 from hf_tiny import VOCAB, build  # noqa: E402
 
@@ -58,4 +61,31 @@ def test_greedy_tokens_equal_transformers(family, ranks):
             as_written
         out = lm.generate(prompt, max_new_tokens=NEW_TOKENS)
         assert lm.stats.new_tokens == NEW_TOKENS - 1  # the first token comes from the prefill
+    np.testing.assert_array_equal(out[0], want)
+
+
+#: A hand-written plan in Megatron's placements for Llama's names: columns, then rows.
+MEGATRON_BY_NAME = Preset(pattern_entries({
+    "*_q_proj_weight": "S[0]", "*_k_proj_weight": "S[0]", "*_v_proj_weight": "S[0]",
+    "*_o_proj_weight": "S[1]", "*_gate_proj_weight": "S[0]", "*_up_proj_weight": "S[0]",
+    "*_down_proj_weight": "S[1]"}))
+
+
+@pytest.mark.parametrize("plan", ["from_hf", "tensor_parallel", "by_name"])
+def test_from_hf_takes_any_plan(plan):
+    """transformers' own plan, ours by structure, and a preset by name give the same tokens."""
+    model = build("llama", layers=1)
+    preset = {"from_hf": lambda: presets.from_hf(model),
+              "tensor_parallel": presets.tensor_parallel,
+              "by_name": lambda: MEGATRON_BY_NAME}[plan]()
+    prompt = np.random.default_rng(3).integers(0, VOCAB, PROMPT, dtype=np.int64)
+    with torch.no_grad():
+        want = model.generate(torch.from_numpy(prompt[None, :]), max_new_tokens=8,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)[0].numpy()
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    with CausalLM.from_hf(model, num_ranks=2, backend="emulate", max_length=PROMPT + 8,
+                          plan=preset) as lm:
+        out = lm.generate(prompt, max_new_tokens=8)
+        # every plan splits the decoder's matrices: no rank holds three quarters of the model
+        assert max(lm.weight_bytes_per_rank) < 0.75 * whole, (lm.weight_bytes_per_rank, whole)
     np.testing.assert_array_equal(out[0], want)

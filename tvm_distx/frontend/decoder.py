@@ -64,9 +64,14 @@ from tvm_distx.errors import ArgumentError, UnsupportedProgramError
 from tvm_distx.bundle.generation import KVCacheLayout
 from tvm_distx.frontend.pytorch import from_torch
 
-__all__ = ["DecoderProgram", "KVCacheLayout", "export_decoder"]
+__all__ = ["DecoderProgram", "KVCacheLayout", "STEP_ATTRIBUTE", "export_decoder"]
 
 logger = logging.getLogger(__name__)
+
+#: The attribute of the traced step module that holds the model: every parameter of the
+#: exported functions is named from a path that starts with it (``p_model_model_...`` for
+#: a transformers model whose own paths start with ``model.``).
+STEP_ATTRIBUTE = "model"
 
 #: The public functions :func:`export_decoder` writes.
 FUNCTIONS = ("prefill", "decode")
@@ -157,7 +162,7 @@ def _step_module(model, layers: int, masked: bool = False, all_logits: bool = Fa
     class DecoderStep(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.model = model
+            self.model = model  # STEP_ATTRIBUTE: every parameter's path starts with it
 
         def forward(self, input_ids, cache_position, *inputs):
             if masked:

@@ -44,10 +44,11 @@ from tvm_distx.bundle.generation import GENERATION_FILE, GenerationInfo, read_ge
 from tvm_distx.bundle.manifest import read_manifest
 from tvm_distx.bundle.signature import weight_bytes_per_rank
 from tvm_distx.errors import ArgumentError, DistxError
-from tvm_distx.frontend.decoder import BATCH_SUFFIX, FUNCTIONS, export_decoder
+from tvm_distx.frontend.decoder import BATCH_SUFFIX, FUNCTIONS, STEP_ATTRIBUTE, export_decoder
 from tvm_distx.frontend.pytorch import relax_name
 from tvm_distx.passes.quantize import quantize
 from tvm_distx.plans import presets
+from tvm_distx.plans.hf import HFPlan
 from tvm_distx.reports.comm_report import comm_report
 from tvm_distx.runtime.backends import check_backend, open_session
 from tvm_distx.runtime.generation import PREFILL_CHUNK, GenerationStats, Generator
@@ -271,6 +272,8 @@ class CausalLM(Generator):
 
         max_length = program.cache.max_length
         preset = plan if plan is not None else presets.tensor_parallel()
+        if isinstance(preset, HFPlan):  # made from the model, applied to its step module
+            preset = preset.under(STEP_ATTRIBUTE)
         batch_cache, functions = program.batch_cache, _functions(program.batch_cache)
         annotated = presets.set_device_meshes(program.mod, [(num_ranks,)])
         for function in _functions(None):  # a failure here is the model's, not the batch's

@@ -138,6 +138,16 @@ class HFPlan:
         """This plan with ``patterns`` (glob over parameter names -> placement) winning."""
         return replace(self, overrides=self.overrides + pattern_entries(patterns, mesh))
 
+    def under(self, prefix: str) -> "HFPlan":
+        """This plan for a module that holds the model as its attribute ``prefix``.
+
+        :func:`tvm_distx.export_decoder` traces a step module that holds the model
+        as ``model``, so every parameter path gains ``model.`` in front; a plan
+        made from the model itself is moved under it.
+        """
+        return replace(self, entries=tuple((f"{prefix}.{path}", style)
+                                           for path, style in self.entries))
+
     @property
     def has_experts(self) -> bool:
         return any(style in _EXPERT_STYLES for _, style in self.entries)
