@@ -266,3 +266,62 @@ def test_a_moe_layer_counts_one_all_reduce_with_its_attention():
     assert summary.ideal and [layer.ideal for layer in summary.layers] == [3, 2, 0]
     experts = [name for name, _, reason in summary.layers[1].split if "experts" in reason]
     assert experts and all("layers_1_" in name for name in experts)
+
+
+# --------------------------------------------------------------------------- honest plans
+class _Residual(torch.nn.Module):
+    """``x + down(relu(up(x)))``: one column -> row block."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Blocks(torch.nn.Sequential):
+    """Residual MLP blocks of the given hidden widths over 64 features."""
+
+    def __init__(self, *hidden: int) -> None:
+        super().__init__(*[_Residual(64, h) for h in hidden])
+
+
+def _planned(*hidden: int, **options):
+    torch.manual_seed(0)
+    mod, _ = td.from_torch(_Blocks(*hidden).eval(), (torch.randn(4, 64),))
+    meshed = presets.set_device_meshes(mod, [(2,)])
+    return presets.tensor_parallel(**options), meshed
+
+
+def test_the_plan_counts_the_bytes_it_splits_and_names_the_block_it_leaves_whole():
+    """Block 1 splits; block 2's 63 hidden features do not divide by 2 ranks: whole."""
+    preset, meshed = _planned(128, 63)
+    plan = preset.plan(meshed)
+    split, whole = 2 * 64 * 128 * 4, 2 * 64 * 63 * 4
+    assert (plan.split_bytes, plan.matrix_bytes) == (split, split + whole)
+    assert f"weights split: {split / (split + whole):.0%} of the matrices' bytes" in str(plan)
+    assert "p_1_up_weight: replicated (no column of the block divides by 2 ranks)" in str(plan)
+    summary = preset.layers(meshed)
+    assert (summary.split_bytes, summary.matrix_bytes) == (split, split + whole)
+
+
+def test_a_plan_that_splits_less_than_half_warns_or_with_strict_raises(caplog):
+    preset, meshed = _planned(16, 63, 63)
+    with caplog.at_level("WARNING", logger="tvm_distx.plans.tensor_parallel"):
+        annotated = preset.apply(meshed)
+    assert "splits less than half of the matrices" in caplog.text
+    assert "presets.from_hf(model)" in caplog.text  # the hint
+    assert annotated is not None
+    strict, _ = _planned(16, 63, 63, strict=True)
+    with pytest.raises(RuleError, match=r"splits less than half(.|\n)*hint: presets.from_hf"):
+        strict.apply(meshed)
+
+
+def test_a_plan_that_splits_nothing_raises_before_compiling():
+    preset, meshed = _planned(63)
+    for call in (preset.plan, preset.apply):
+        with pytest.raises(RuleError, match=r"tensor_parallel\(\) splits no matrix of 'main' "
+                                            r"on 2 ranks \(weights split: 0%"):
+            call(meshed)

@@ -60,6 +60,18 @@ def static_shape(ty) -> tuple[int | None, ...] | None:
     return tuple(int(v.value) if isinstance(v, tvm.tirx.IntImm) else None for v in shape.values)
 
 
+def tensor_bytes(ty) -> int:
+    """The bytes of a tensor type with a static shape; 0 when a dimension is not static."""
+    shape = static_shape(ty)
+    if shape is None or any(d is None for d in shape):
+        return 0
+    dtype = (ty.tensor_ty if isinstance(ty, DTensorType) else ty).dtype
+    count = 1
+    for d in shape:
+        count *= d
+    return count * ((tvm.runtime.DataType(str(dtype)).bits + 7) // 8)
+
+
 def is_tensor_type(ty) -> bool:
     """True for ``R.Tensor`` and ``R.DTensor`` types."""
     return isinstance(ty, (relax.TensorType, DTensorType))

@@ -50,6 +50,12 @@ class WeightRole:
     lookup : bool
         Whether the weight is a vocabulary-parallel embedding table (an LM head
         tied to one too): its lookups cost one all-reduce each.
+    found : bool
+        False for a weight kept whole because the plan found no block around it
+        (its structure was not recognised): a split the plan may be missing.
+        True for every weight whose role the plan chose, whole by design included.
+    nbytes : int
+        The weight's bytes.
     """
 
     param: str
@@ -58,6 +64,8 @@ class WeightRole:
     reason: str
     bias: bool = False
     lookup: bool = False
+    found: bool = True
+    nbytes: int = 0
 
 
 @dataclass

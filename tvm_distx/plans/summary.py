@@ -51,6 +51,9 @@ class LayerSummary:
         One all-reduce per split attention block, one per split MLP or
         mixture-of-experts block of the layer, and one per vocabulary-parallel
         embedding lookup (the first layer's).
+    missed : tuple of str
+        The weights of ``whole`` kept whole because the plan found no block
+        around them: the layer is not split as it could be.
     """
 
     name: str
@@ -58,6 +61,7 @@ class LayerSummary:
     whole: tuple[tuple[str, str], ...]
     collectives: tuple[CommRow, ...]
     ideal: int
+    missed: tuple[str, ...] = ()
 
     @property
     def all_reduces(self) -> int:
@@ -81,18 +85,26 @@ class PlanSummary:
     ranks: int
     layers: tuple[LayerSummary, ...]
     total_text: str
+    #: bytes of the matrices (2-D float weights) split, and of all of them
+    split_bytes: int = 0
+    matrix_bytes: int = 0
 
     @property
     def ideal(self) -> bool:
-        """Whether no layer moves more than the ideal."""
-        return not any(layer.extra for layer in self.layers)
+        """Whether every layer is split where it can be and moves no more than the ideal."""
+        return not any(layer.extra or layer.missed for layer in self.layers)
 
     def __str__(self) -> str:
+        share = self.split_bytes / self.matrix_bytes if self.matrix_bytes else 0.0
         lines = [f"tensor-parallel plan for {self.ranks} ranks, per layer "
-                 "(ideal: one all-reduce per attention block, one per MLP or MoE block and "
-                 "one per vocabulary-parallel embedding)"]
+                 "(ideal: every block split, one all-reduce per attention block, one per MLP "
+                 "or MoE block and one per vocabulary-parallel embedding)",
+                 f"weights split: {share:.0%} of the matrices' bytes "
+                 f"({self.split_bytes / 2**20:.1f} of {self.matrix_bytes / 2**20:.1f} MiB)"]
         for layer in self.layers:
-            verdict = "ideal" if not layer.extra else f"{len(layer.extra)} extra"
+            faults = ([f"{len(layer.extra)} extra"] if layer.extra else []) + \
+                ([f"{len(layer.missed)} matrices whole, no block found"] if layer.missed else [])
+            verdict = ", ".join(faults) or "ideal"
             lines.append(f"{layer.name}: {layer.all_reduces} all-reduce(s), ideal "
                          f"{layer.ideal} ({verdict})")
             for weight, placement, reason in layer.split:
@@ -158,6 +170,8 @@ def summarize_layers(mod: tvm.IRModule, annotated: tvm.IRModule, local_view: tvm
     count = len(starts) + 1
     split: list[list] = [[] for _ in range(count)]
     whole: list[list] = [[] for _ in range(count)]
+    missed: list[list] = [[] for _ in range(count)]
+    split_bytes = matrix_bytes = 0
     ideal = [0] * count
     for block in plan.blocks:
         if block.kind != "replicated" and block.row in outputs:
@@ -172,12 +186,19 @@ def summarize_layers(mod: tvm.IRModule, annotated: tvm.IRModule, local_view: tvm
         where = layer_of(uses[param.name])
         placement = placements.get(param.name)
         role = roles.get(param.name)
+        # planned matrices: a role, or experts split by their own plan (not an input)
+        nbytes = _ir.tensor_bytes(param.ty) if role is not None or (
+            placement and "S" in placement) else 0
+        matrix_bytes += nbytes
         if placement and "S" in placement:
             reason = role.reason if role else "experts (see tvm_distx.plans.moe)"
             split[where].append((param.name, placement, reason))
+            split_bytes += nbytes
         else:
             whole[where].append((param.name, role.reason if role else
                                  "not a linear's weight (an input, or a table read by index)"))
+            if role is not None and not role.found:
+                missed[where].append(param.name)
     expert_layers = {layer_of(uses[p]) for p, placement in placements.items()
                      if p in uses and placement and "S" in placement and p not in roles}
     for where in expert_layers:  # a MoE block: one all-reduce, its shared expert's included
@@ -198,8 +219,8 @@ def summarize_layers(mod: tvm.IRModule, annotated: tvm.IRModule, local_view: tvm
     for index in range(count):
         name = ("head" if starts else "model") if index == len(starts) else f"layer {index}"
         layers.append(LayerSummary(name, tuple(split[index]), tuple(whole[index]),
-                                   tuple(rows[index]), ideal[index]))
-    return PlanSummary(plan.ranks, tuple(layers), report.total_text)
+                                   tuple(rows[index]), ideal[index], tuple(missed[index])))
+    return PlanSummary(plan.ranks, tuple(layers), report.total_text, split_bytes, matrix_bytes)
 
 
 def _is_float(ty) -> bool:

@@ -123,12 +123,34 @@ class TensorParallelPlan:
             out[r.param] = "".join(entries)
         return out
 
+    @property
+    def matrix_bytes(self) -> int:
+        """Bytes of every planned matrix (linear weights and embedding tables, no biases)."""
+        return sum(r.nbytes for r in self.roles if not r.bias)
+
+    @property
+    def split_bytes(self) -> int:
+        """Bytes of the planned matrices that are split."""
+        return sum(r.nbytes for r in self.roles if not r.bias and r.axis is not None)
+
+    @property
+    def missed(self) -> tuple[WeightRole, ...]:
+        """Matrices kept whole because no block was found around them."""
+        return tuple(r for r in self.roles if not r.found)
+
+    def split_text(self) -> str:
+        """``"weights split: 80% of the matrices' bytes (12.0 of 15.0 MiB)"``."""
+        total = self.matrix_bytes
+        share = self.split_bytes / total if total else 0.0
+        return (f"weights split: {share:.0%} of the matrices' bytes ({self.split_bytes / 2**20:.1f} "
+                f"of {total / 2**20:.1f} MiB)")
+
     def __str__(self) -> str:
         vocab = sum(r.lookup for r in self.roles)
         lines = [f"tensor-parallel plan for {self.ranks} ranks: {len(self.blocks)} blocks, "
                  f"ideal one all-reduce each"
                  + (f", and one for each of {vocab} vocabulary-parallel embedding(s)"
-                    if vocab else "")]
+                    if vocab else ""), f"  {self.split_text()}"]
         for b in self.blocks:
             lines.append(f"  {b.name or '(block)'} [{b.kind}]: column {', '.join(b.column)}; "
                          f"row {b.row}")
@@ -230,10 +252,12 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
                 "(a low-rank projection, normalised whole): every rank needs all its output")
             continue
         roles[linear.weight] = WeightRole(linear.weight, "replicated", None,
-                                          "not in a column -> row block")
+                                          "not in a column -> row block", found=False)
     for name, role in tables.items():
         roles.setdefault(name, role)  # a tied table keeps its LM head's role
-    return TensorParallelPlan(ranks, tuple(roles.values()), tuple(blocks))
+    sized = tuple(replace(r, nbytes=_ir.tensor_bytes(graph.params[r.param].ty))
+                  if r.param in graph.params else r for r in roles.values())
+    return TensorParallelPlan(ranks, sized, tuple(blocks))
 
 
 def _plan_block(graph: ModelGraph, row: LinearSite, columns: list[LinearSite], ranks: int,
@@ -312,6 +336,7 @@ class TensorParallel:
     split_fused: bool = True
     experts: bool = True
     vocab: bool = True
+    strict: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.model_axis < self.mesh_ndim:
@@ -337,9 +362,27 @@ class TensorParallel:
         return shape[self.model_axis]
 
     def plan(self, mod: tvm.IRModule, function: str = "main") -> TensorParallelPlan:
-        """The plan for ``mod`` (on its mesh's model axis)."""
+        """The plan for ``mod`` (on its mesh's model axis).
+
+        Raises
+        ------
+        RuleError
+            If the plan splits no matrix at all, or (``strict=True``) splits less
+            than half of the matrices' bytes; without ``strict`` the latter is a
+            warning, once per apply.
+        """
         _refuse_stored_formats(mod)
-        return plan_tensor_parallel(mod, self.ranks(mod), function)
+        plan = plan_tensor_parallel(mod, self.ranks(mod), function)
+        problem = _too_little_split(plan, function)
+        if problem is not None and (self.strict or not plan.split_bytes):
+            raise problem
+        return plan
+
+    def _warn_if_little_split(self, mod: tvm.IRModule, function: str) -> None:
+        """Log a warning when the plan of ``mod`` splits less than half of its matrices."""
+        problem = _too_little_split(self.plan(mod, function), function)
+        if problem is not None:
+            logger.warning("%s", problem)
 
     def summary(self, mod: tvm.IRModule, function: str = "main") -> str:
         """The plan's blocks, then its collectives against the ideal.
@@ -446,7 +489,30 @@ class TensorParallel:
                                           mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
         mod = self.prepare(mod, function)
+        self._warn_if_little_split(mod, function)
         return AnnotateSharding(self.rules(mod, function))(mod)
+
+
+def _too_little_split(plan: TensorParallelPlan, function: str) -> RuleError | None:
+    """The error (or warning) for a plan that splits less than half of its matrices' bytes."""
+    total = plan.matrix_bytes
+    if total == 0 or plan.split_bytes * 2 >= total:
+        return None
+    whole = [r for r in plan.roles if not r.bias and r.axis is None]
+    reasons: dict[str, list[str]] = {}
+    for role in sorted(whole, key=lambda r: -r.nbytes):
+        reasons.setdefault(role.reason, []).append(role.param)
+    listed = "; ".join(f"{len(names)} x {reason} (e.g. {names[0]})"
+                       for reason, names in list(reasons.items())[:3])
+    what = "splits no matrix" if not plan.split_bytes else "splits less than half of the " \
+        "matrices"
+    return RuleError(
+        f"tensor_parallel() {what} of '{function}' on {plan.ranks} ranks "
+        f"({plan.split_text()}); whole: {listed}",
+        function=function,
+        hint="presets.from_hf(model) follows the model's own transformers plan; or name the "
+        "splits: tensor_parallel().override({'*_q_proj_weight': 'S[0]', "
+        "'*_o_proj_weight': 'S[1]'})")
 
 
 def _refuse_stored_formats(mod: tvm.IRModule) -> None:
@@ -467,7 +533,8 @@ def _refuse_stored_formats(mod: tvm.IRModule) -> None:
             "td.quantize(annotated, weights, fmt) moves each annotation onto the stored parts")
 
 
-def tensor_parallel(model_axis: int = 0, mesh_ndim: int = 1) -> TensorParallel:
+def tensor_parallel(model_axis: int = 0, mesh_ndim: int = 1, *,
+                    strict: bool = False) -> TensorParallel:
     """Megatron tensor parallelism found from the graph's structure, not names.
 
     Parameters
@@ -476,6 +543,9 @@ def tensor_parallel(model_axis: int = 0, mesh_ndim: int = 1) -> TensorParallel:
         The mesh axis of the tensor parallelism.
     mesh_ndim : int
         The number of mesh axes.
+    strict : bool, default False
+        Raise, rather than warn, when the plan splits less than half of the
+        matrices' bytes. A plan that splits nothing always raises.
 
     Returns
     -------
@@ -488,4 +558,4 @@ def tensor_parallel(model_axis: int = 0, mesh_ndim: int = 1) -> TensorParallel:
     >>> annotated = preset.apply(set_device_meshes(mod, [(2,)]))   # doctest: +SKIP
     >>> print(preset.plan(set_device_meshes(mod, [(2,)])))          # doctest: +SKIP
     """
-    return TensorParallel(model_axis, mesh_ndim)
+    return TensorParallel(model_axis, mesh_ndim, strict=strict)
