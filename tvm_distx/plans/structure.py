@@ -23,13 +23,6 @@ __all__ = ["LinearSite", "ModelGraph", "WeightRole", "attention_heads", "linear_
            "tied_weights"]
 
 
-#: Operators a row-parallel linear's result may pass before its residual ``add``: layout
-#: changes, and a scaling (a shared expert's per-token gate), which a sum over ranks
-#: passes too (:class:`tvm_distx.legalize.merge_allreduce.MergeAllReduces`).
-_BRANCH_OPS = frozenset({"relax.reshape", "relax.permute_dims", "relax.astype",
-                         "relax.multiply"})
-
-
 @dataclass(frozen=True)
 class WeightRole:
     """What the plan does with one weight.
@@ -144,25 +137,89 @@ class ModelGraph:
         return LinearSite(weight, out_axis, bias, source, result, var)
 
     def is_output_projection(self, linear: LinearSite) -> bool:
-        """Whether the linear's result is the function's output (through layout ops)."""
-        return linear.result in self.outputs or self.forward_to(
-            linear.result, lambda u, _: u in self.outputs) is not None
+        """Whether the linear's result is the function's output.
 
-    def forward_to(self, var, stop) -> relax.Var | None:
-        """The first user of ``var`` (through layout ops) for which ``stop`` holds."""
-        seen = var
-        while True:
-            users = self.users.get(seen, [])
-            if len(users) != 1:
+        Through layout operators and elementwise ones of that result alone
+        (a final logit softcap, ``tanh(x / c) * c``): they commute with the
+        gather of a vocabulary split.
+        """
+        region, frontier = {linear.result}, [linear.result]
+        while frontier:
+            node = frontier.pop()
+            if node in self.outputs:
+                return True
+            for user in self.users.get(node, []):
+                value = self.value[user]
+                inputs = [v for v in _ir.operand_vars(value) if v not in self.params.values()]
+                if user in region or not isinstance(value, (relax.Call, relax.Var)) or \
+                        _ir.is_call_to(value, "relax.matmul") or \
+                        any(v not in region for v in inputs):
+                    continue
+                region.add(user)
+                frontier.append(user)
+        return False
+
+    def residual_add(self, var, limit: int = 64) -> relax.Var | None:
+        """The ``add`` that joins ``var`` (a linear's result) to the residual stream, or None.
+
+        The branch from ``var`` to that add may hold layout changes, scalings,
+        casts, a norm, a softcap or dropout: anything but another product. Every
+        value of the branch must lead only to the add (nothing else reads the
+        branch, and it is not an output), and the add's other operand is an
+        activation computed without ``var`` (not a bias, not a constant).
+        A partial sum entering the branch is completed at the first operation
+        that is not linear (propagation puts the all-reduce there); one add,
+        one all-reduce.
+        """
+        region, frontier, found, steps = {var}, [var], None, 0
+        while frontier:
+            node = frontier.pop(0)
+            if node in self.outputs:
                 return None
-            user = users[0]
-            value = self.value[user]
-            if stop(user, value):
-                return user
-            if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and
-                    value.op.name in _BRANCH_OPS):
-                return None
-            seen = user
+            for user in self.users.get(node, []):
+                if user in region or user is found:
+                    continue
+                steps += 1
+                value = self.value[user]
+                if steps > limit or _ir.is_call_to(value, "relax.matmul"):
+                    return None
+                if _ir.is_call_to(value, "relax.add") and len(value.args) == 2:
+                    inside = [a for a in value.args if isinstance(a, relax.Var) and a in region]
+                    other = [a for a in value.args if not (isinstance(a, relax.Var)
+                                                            and a in region)]
+                    if len(inside) == 1 and len(other) == 1 and \
+                            isinstance(other[0], relax.Var) and not self.is_bias(other[0]):
+                        if found is not None:
+                            return None
+                        found = user
+                        continue
+                region.add(user)
+                frontier.append(user)
+        return found
+
+    def forward_to(self, var, stop, limit: int = 32) -> relax.Var | None:
+        """The first value downstream of ``var`` for which ``stop`` holds, before any product.
+
+        Walks every use, breadth first, through any operator but a ``matmul``:
+        layout changes, casts, elementwise operations and a norm (OLMo2
+        normalises its queries over all heads before it cuts them into heads).
+        None when no such value comes within ``limit`` bindings.
+        """
+        region, frontier, steps = {var}, [var], 0
+        while frontier:
+            node = frontier.pop(0)
+            for user in self.users.get(node, []):
+                if user in region:
+                    continue
+                value = self.value[user]
+                if stop(user, value):
+                    return user
+                steps += 1
+                if steps > limit or _ir.is_call_to(value, "relax.matmul"):
+                    continue
+                region.add(user)
+                frontier.append(user)
+        return None
 
     def reaches(self, var, op_name: str, depth: int = 6) -> bool:
         """Whether a call to ``op_name`` uses ``var`` within ``depth`` bindings downstream."""
@@ -199,7 +256,7 @@ class ModelGraph:
     def heads_of(self, linear: LinearSite) -> tuple[int, int] | None:
         """``(heads, head_dim)`` if the linear's result is reshaped to them, else None.
 
-        The heads reshape is the first one, through layout operators, that cuts
+        The heads reshape is the first one downstream (:meth:`forward_to`) that cuts
         the last axis of what it reshapes in two, ``(..., width) -> (...,
         heads, head_dim)``, the leading axes holding the same elements in any
         arrangement (multi-head latent attention reshapes ``(batch, 1, seq,

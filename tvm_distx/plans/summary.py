@@ -54,6 +54,11 @@ class LayerSummary:
     missed : tuple of str
         The weights of ``whole`` kept whole because the plan found no block
         around them: the layer is not split as it could be.
+    statistics : tuple of str
+        The values of ``collectives`` that are a norm's per-token statistics
+        (one number per token, last axis 1): a norm over features that are
+        split (OLMo2's query and key norms over every head) sums its squares
+        over the ranks. Counted apart from the ideal.
     """
 
     name: str
@@ -62,10 +67,16 @@ class LayerSummary:
     collectives: tuple[CommRow, ...]
     ideal: int
     missed: tuple[str, ...] = ()
+    statistics: tuple[str, ...] = ()
+
+    def _reduces(self) -> list[CommRow]:
+        return [r for r in self.collectives if r.collective in ("all_reduce", "reduce_scatter")
+                and r.value not in self.statistics]
 
     @property
     def all_reduces(self) -> int:
-        return sum(r.collective in ("all_reduce", "reduce_scatter") for r in self.collectives)
+        """The all-reduces (and reduce-scatters) of the layer, its norm statistics apart."""
+        return len(self._reduces())
 
     @property
     def extra(self) -> tuple[CommRow, ...]:
@@ -74,7 +85,7 @@ class LayerSummary:
         moves = [r for r in self.collectives if r.collective not in ("all_reduce",
                                                                       "reduce_scatter")]
         surplus = max(0, self.all_reduces - self.ideal)
-        reduces = [r for r in self.collectives if r not in moves]
+        reduces = self._reduces()
         return tuple(moves + reduces[len(reduces) - surplus:] if surplus else moves)
 
 
@@ -105,7 +116,9 @@ class PlanSummary:
             faults = ([f"{len(layer.extra)} extra"] if layer.extra else []) + \
                 ([f"{len(layer.missed)} matrices whole, no block found"] if layer.missed else [])
             verdict = ", ".join(faults) or "ideal"
-            lines.append(f"{layer.name}: {layer.all_reduces} all-reduce(s), ideal "
+            statistics = (f" and {len(layer.statistics)} of norm statistics"
+                          if layer.statistics else "")
+            lines.append(f"{layer.name}: {layer.all_reduces} all-reduce(s){statistics}, ideal "
                          f"{layer.ideal} ({verdict})")
             for weight, placement, reason in layer.split:
                 lines.append(f"  split {placement:<6} {weight}: {reason}")
@@ -208,6 +221,7 @@ def summarize_layers(mod: tvm.IRModule, annotated: tvm.IRModule, local_view: tvm
     positions = _binding_order(local_view[function]) if function in \
         [gv.name_hint for gv in local_view.functions] else {}
     rows: list[list] = [[] for _ in range(count)]
+    statistics = _per_token_statistics(local_view[function]) if positions else set()
     local_starts = _local_starts(starts, order, positions)
     found = [positions[outputs[w]] for w in head if w in outputs and outputs[w] in positions]
     head_local = min(found) if head_at is not None and found else None
@@ -218,9 +232,23 @@ def summarize_layers(mod: tvm.IRModule, annotated: tvm.IRModule, local_view: tvm
     layers = []
     for index in range(count):
         name = ("head" if starts else "model") if index == len(starts) else f"layer {index}"
-        layers.append(LayerSummary(name, tuple(split[index]), tuple(whole[index]),
-                                   tuple(rows[index]), ideal[index], tuple(missed[index])))
+        layers.append(LayerSummary(
+            name, tuple(split[index]), tuple(whole[index]), tuple(rows[index]), ideal[index],
+            tuple(missed[index]),
+            tuple(r.value for r in rows[index] if r.value in statistics)))
     return PlanSummary(plan.ranks, tuple(layers), report.total_text, split_bytes, matrix_bytes)
+
+
+def _per_token_statistics(func) -> set[str]:
+    """Values of all-reduces with a last axis of 1: a norm's per-token statistics."""
+    out = set()
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            if _ir.is_call_to(binding.value, "relax.ccl.allreduce"):
+                shape = _ir.static_shape(binding.var.ty)
+                if shape and len(shape) > 1 and shape[-1] == 1:
+                    out.add(binding.var.name)
+    return out
 
 
 def _is_float(ty) -> bool:

@@ -189,12 +189,8 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
     blocks: list[ParallelBlock] = []
     linears = list(graph.linears.values())
 
-    def is_residual_add(user, value):  # an add of two activations, not of a bias
-        return _ir.is_call_to(value, "relax.add") and not any(
-            graph.is_bias(a) for a in value.args)
-
     for row in linears:
-        if graph.forward_to(row.result, is_residual_add) is None:
+        if graph.residual_add(row.result) is None:
             continue
         order = {name: i for i, name in enumerate(graph.params)}
         columns = sorted((c for c in graph.linears_behind(row.source) if c is not row),
