@@ -49,3 +49,14 @@ def test_layer_norm_without_weight_or_bias(affine, bias):
         with torch.no_grad():
             norm.weight.uniform_(0.5, 1.5)
     run_like_torch(norm, torch.randn(2, 5, 32))
+
+
+@pytest.mark.parametrize("index", [[-2], [0, -1], [3]])
+def test_a_list_index_counts_negative_entries_from_the_end(index):
+    """Falcon's ``fused_qkv[..., [-2], :]``: TVM's take would read out of bounds."""
+    class Pick(torch.nn.Module):
+        def forward(self, x):
+            return x.view(1, 3, 6, 4)[..., index, :] * 2.0
+
+    torch.manual_seed(2)
+    run_like_torch(Pick(), torch.randn(1, 3, 24))

@@ -17,6 +17,8 @@ already know:
 * ``full``: a 0-d constant broadcast when the value is infinite or NaN;
 * ``new_empty``: ``zeros``;
 * ``numpy_T`` (``weight.T``, Falcon's linears): ``permute_dims`` of every axis;
+* ``index`` with negative indices (Falcon's ``fused_qkv[..., [-2], :]``): counted
+  from the end before TVM's translation, which would read out of bounds;
 * ``layer_norm`` without a weight or a bias (OLMo's): constants in their place;
 * ``&``, ``|``, ``^``: TVM's own, cast to the dtype torch gives the result;
 * ``slice``, ``split``, ``narrow``, ``select``: TVM's own, with the result's shape
@@ -35,6 +37,8 @@ from typing import Callable
 import numpy as np
 from tvm import relax
 import tvm
+
+from tvm_distx.ir import helpers as _ir
 
 __all__ = ["CONVERTERS"]
 
@@ -394,6 +398,42 @@ def _layer_norm(node, importer) -> relax.Var:
         x, part(2, "weight", 1.0), part(3, "bias", 0.0), axes=axes, epsilon=eps))
 
 
+def _index_from_the_end(node, importer) -> relax.Var:
+    """``x[..., index, ...]`` (``index.Tensor``) with negative indices counted from the end.
+
+    TVM's translation takes the indices as they are, into a ``take`` that reads
+    out of bounds for a negative one (Falcon's ``fused_qkv[..., [-2], :]``
+    picked garbage). Each index along an axis of static extent ``n`` becomes
+    ``index + n`` where it is negative: a constant is fixed where it stands, a
+    computed index by a ``where``. Then TVM's translation runs on the fixed
+    indices.
+    """
+    bb, env = importer.block_builder, importer.env
+    data = env[node.args[0]]
+    shape = _ir.static_shape(data.ty) or ()
+    saved = {}
+    for axis, index_node in enumerate(node.args[1]):
+        if index_node is None or axis >= len(shape) or shape[axis] is None:
+            continue
+        index, extent = env[index_node], shape[axis]
+        if isinstance(index, tvm.ir.Constant):
+            values = index.data.numpy()
+            if not (values < 0).any():
+                continue
+            fixed = relax.const(np.where(values < 0, values + extent, values).astype(values.dtype))
+        else:
+            dtype = _dtype_of(index)
+            fixed = bb.emit(relax.op.where(
+                relax.op.less(index, relax.const(0, dtype)),
+                relax.op.add(index, relax.const(extent, dtype)), index))
+        saved[index_node] = index
+        env[index_node] = fixed
+    try:
+        return _original(importer, "index.Tensor")(node)
+    finally:
+        env.update(saved)
+
+
 #: TVM converters whose result shape can be clumsier than torch's (:func:`_with_torch_shape`).
 _SHAPE_CHECKED = ("slice.Tensor", "narrow.default", "split.Tensor", "select.int")
 
@@ -411,6 +451,7 @@ CONVERTERS: dict[str, Callable] = {
     "full.default": _full,
     "new_empty.default": _new_empty,
     "numpy_T.default": _numpy_t,
+    "index.Tensor": _index_from_the_end,
     "layer_norm.default": _layer_norm,
     **{name: _with_torch_dtype(name) for name in _DTYPE_CHECKED},
     **{name: _with_torch_shape(name) for name in _SHAPE_CHECKED},
