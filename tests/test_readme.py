@@ -57,7 +57,9 @@ def _session(out: str, scratch: Path) -> None:
 
 def _symbolic(out: str, scratch: Path) -> None:
     for b in (2, 6, 10):  # one compile of a symbolic batch, run at three sizes
-        assert _error(out, f"b={b} max |error| vs numpy:") < 1e-5
+        # outputs near 16 (sums of 64 products of numbers in [0, 1)): float32 rounding,
+        # summed in another order than numpy's, is about 1e-6 of them
+        assert _error(out, f"b={b} max |error| vs numpy:") < 1e-4
     assert "[symbolic-extent] input 'x' of 'main'" in out  # the indivisible batch
 
 
