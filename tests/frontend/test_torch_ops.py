@@ -9,6 +9,7 @@ import torch
 import tvm_distx as td
 from tvm_distx import ShardingRule
 from tvm_distx.frontend.pytorch import from_torch
+from tvm_distx.frontend.torch_ops import CONVERTERS
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.plans.presets import set_device_meshes
 
@@ -60,3 +61,17 @@ def test_a_list_index_counts_negative_entries_from_the_end(index):
 
     torch.manual_seed(2)
     run_like_torch(Pick(), torch.randn(1, 3, 24))
+
+
+def test_an_operator_the_frontend_cannot_translate_is_named(monkeypatch):
+    """The error names the ATen operator and its node, not only TVM's exception.
+
+    TVM's own ``layer_norm`` translation (ours removed) fails on a norm without
+    weight or bias with a bare ``KeyError: None``.
+    """
+    monkeypatch.delitem(CONVERTERS, "layer_norm.default")
+    norm = torch.nn.LayerNorm(8, elementwise_affine=False)
+    with pytest.raises(td.errors.UnsupportedProgramError,
+                       match=r"cannot translate LayerNorm at operator aten\.layer_norm\.default "
+                             r"\(node 'layer_norm'\): KeyError"):
+        from_torch(norm, (torch.randn(2, 8),))

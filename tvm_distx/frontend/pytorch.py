@@ -46,6 +46,23 @@ def relax_name(torch_name: str) -> str:
     return "p_" + torch_name.replace(".", "_")
 
 
+def _failing_node(err: BaseException):
+    """The torch.fx node TVM's frontend was translating when it raised ``err``, or None.
+
+    The frontend's converters take the node as their argument ``node``; the
+    innermost frame that holds one names the operator.
+    """
+    import torch
+
+    found, tb = None, err.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("node")
+        if isinstance(node, torch.fx.Node):
+            found = node
+        tb = tb.tb_next
+    return found
+
+
 def is_hf_causal_lm(module) -> bool:
     """Whether ``module`` is a transformers model (checked without importing transformers)."""
     return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
@@ -184,8 +201,10 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
                                     run_ep_decomposition=decompose,
                                     custom_convert_map=dict(CONVERTERS))
     except Exception as err:  # the frontend raises assertion and key errors
+        node = _failing_node(err)
+        where = f" at operator {node.target} (node '{node.name}')" if node is not None else ""
         raise UnsupportedProgramError(
-            f"TVM's PyTorch frontend cannot translate {type(module).__name__}: "
+            f"TVM's PyTorch frontend cannot translate {type(module).__name__}{where}: "
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
             hint="replace the operator with supported ones, or pass the module through "
             "tvm.relax.frontend.torch with a custom_convert_map",
