@@ -75,3 +75,15 @@ def test_an_operator_the_frontend_cannot_translate_is_named(monkeypatch):
                        match=r"cannot translate LayerNorm at operator aten\.layer_norm\.default "
                              r"\(node 'layer_norm'\): KeyError"):
         from_torch(norm, (torch.randn(2, 8),))
+
+
+def test_complex_rotary_as_real_pairs():
+    """Llama 4's rotary embedding: polar, view_as_complex, a complex product, view_as_real."""
+    class Rotary(torch.nn.Module):
+        def forward(self, x, angles):
+            freqs = torch.polar(torch.ones_like(angles), angles) * 0.5  # (seq, 4)
+            pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * freqs[:, None, :]).flatten(2)
+
+    torch.manual_seed(3)
+    run_like_torch(Rotary(), torch.randn(5, 2, 8), torch.randn(5, 4))

@@ -467,6 +467,11 @@ from tvm_distx.errors import UnsupportedProgramError
 
 CONVERTERS.update(_MOE_CONVERTERS)
 
+# Complex numbers (Llama 4's rotary embedding) as real pairs: :mod:`tvm_distx.frontend.torch_complex`.
+from tvm_distx.frontend.torch_complex import CONVERTERS as _COMPLEX_CONVERTERS  # noqa: E402
+
+CONVERTERS.update(_COMPLEX_CONVERTERS)
+
 
 # ------------------------------------------------------------------ key-value cache writes
 # (helper "kvexport") A static key-value cache is written with ``index_copy`` at the
