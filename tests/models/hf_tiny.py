@@ -13,16 +13,66 @@ import transformers
 VOCAB = 128
 
 
+#: More families, as ``(config class, model class, config)``: the common tiny shape where
+#: the family takes it, small sliding windows so that they act on a short prompt, and a
+#: larger ``initializer_range`` where the default greedy output repeats one token.
+_IDS = dict(pad_token_id=0, bos_token_id=0, eos_token_id=0)
+_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+              **_IDS)
+MORE = {
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(_SHAPE)),       # norms without weights
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_SHAPE)),    # post-norms, q/k norms
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        _SHAPE, head_dim=16, sliding_window=4, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0, query_pre_attn_scalar=16)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        _SHAPE, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"])),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, intermediate_size=160,
+        max_position_embeddings=64, tie_word_embeddings=False, **_IDS)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(_SHAPE)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(_SHAPE)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(_SHAPE, sliding_window=4)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        _SHAPE, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+        logits_scaling=1.5)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(_SHAPE, logit_scale=0.5)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(
+        vocab_size=VOCAB, n_embd=64, n_head=4, rotary_dim=8, n_inner=160, n_positions=64,
+        tie_word_embeddings=False, **_IDS)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(
+        vocab_size=VOCAB, hidden_size=64, n_head=4, initializer_range=0.5, **_IDS)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(_SHAPE)),
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(_SHAPE, head_dim=16)),
+    "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(
+        _SHAPE, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=16, head_dim=16, scale_emb=2.0, scale_depth=1.4,
+        dim_model_base=32)),
+}
+#: The name each family's config gives its layer count.
+_LAYER_KEYS = {"gptj": "n_layer", "bloom": "n_layer"}
+
+
 def build(family: str, layers: int = 2, init: float | None = None):
     """A tiny random ``family`` model.
 
     ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``mixtral``, ``qwen2_moe``, ``phi3``
     (fused q|k|v and gate|up), ``gemma`` (tied head), ``qwen3`` (q/k norms), ``opt``
     (tied head, learned positions) or ``deepseek_v3`` (multi-head latent attention and
-    routed experts beside a shared one, from the first layer on). ``init``: GPT-2's
+    routed experts beside a shared one, from the first layer on), or one of :data:`MORE`. ``init``: GPT-2's
     ``initializer_range`` (0.5 gives varied greedy tokens; the default 0.02 repeats one).
     """
     torch.manual_seed(0)
+    if family in MORE:
+        config_name, model_name, config = MORE[family]
+        config = {**config, _LAYER_KEYS.get(family, "num_hidden_layers"): layers}
+        if "layer_types" in config:  # the pattern repeated over the layers asked for
+            kinds = config["layer_types"]
+            config["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
+        model_class = getattr(transformers, model_name)
+        return model_class(getattr(transformers, config_name)(**config)).eval()
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, tie_word_embeddings=False)

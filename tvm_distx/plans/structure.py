@@ -258,30 +258,38 @@ class ModelGraph:
 
         The heads reshape is the first one downstream (:meth:`forward_to`) that cuts
         the last axis of what it reshapes in two, ``(..., width) -> (...,
-        heads, head_dim)``, the leading axes holding the same elements in any
+        heads, head_dim)`` (or in three, BLOOM's fused ``(..., heads, 3, head_dim)``:
+        its heads then count ``3 * head_dim`` features each), the leading axes holding the same elements in any
         arrangement (multi-head latent attention reshapes ``(batch, 1, seq,
         width)`` to ``(batch, seq, heads, head_dim)``). A reshape that keeps
         the last axis (unflattening ``(tokens, width)`` to ``(batch, seq,
         width)``, whose leading extents may be 1 when one token is decoded) is
         passed.
         """
-        def is_heads_reshape(user, value):
+        def cut(user, value) -> int:
+            """How many axes the reshape cuts the last axis into (0: not a heads reshape)."""
             if not _ir.is_call_to(value, "relax.reshape"):
-                return False
+                return 0
             src, dst = _ir.static_shape(value.args[0].ty), _ir.static_shape(user.ty)
-            if src is None or dst is None or len(dst) < 2 or None in (src[-1], *dst[-2:]):
-                return False
-            if dst[-1] == src[-1] or dst[-2] * dst[-1] != src[-1]:
-                return False
-            if None in (*src[:-1], *dst[:-2]):  # a symbolic token count: one axis more
-                return len(dst) == len(src) + 1
-            return math.prod(dst[:-2]) == math.prod(src[:-1])
+            if src is None or dst is None or src[-1] is None:
+                return 0
+            for parts in (2, 3):  # (heads, head_dim), or BLOOM's (heads, 3, head_dim)
+                if len(dst) < parts or None in dst[-parts:] or dst[-1] == src[-1] or \
+                        math.prod(dst[-parts:]) != src[-1]:
+                    continue
+                if None in (*src[:-1], *dst[:-parts]):  # a symbolic token count
+                    if len(dst) == len(src) + parts - 1:
+                        return parts
+                elif math.prod(dst[:-parts]) == math.prod(src[:-1]):
+                    return parts
+            return 0
 
-        found = self.forward_to(linear.result, is_heads_reshape)
+        found = self.forward_to(linear.result, lambda user, value: cut(user, value) > 0)
         if found is None:
             return None
         dst = _ir.static_shape(found.ty)
-        return dst[-2], dst[-1]
+        parts = cut(found, self.value[found])
+        return dst[-parts], math.prod(dst[-parts + 1:])
 
 
 def attention_heads(mod: tvm.IRModule,

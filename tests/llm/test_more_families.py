@@ -1,0 +1,62 @@
+"""More transformers families on 2 MPI ranks: split by structure, ideal collectives, same tokens.
+
+Each family of :data:`hf_tiny.MORE` (post-norm blocks, softcapping, parallel attention and
+MLP, partial rotary, latent attention, norms without weights...) with one decoder layer:
+``presets.tensor_parallel()`` must split every decoder matrix that can be split (the
+latent-attention down-projections stay whole by design), run the ideal collectives (one
+all-reduce per attention block and one per MLP, one for the vocabulary-parallel lookup;
+a norm over split features adds its per-token statistics, counted apart), give
+transformers' logits, and ``CausalLM.from_hf`` must generate transformers' greedy tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import tvm_distx as td  # noqa: E402
+from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
+from tvm_distx.plans import presets  # noqa: E402
+
+from hf_tiny import MORE, VOCAB, build, logits, tokens  # noqa: E402
+
+#: Families tested with two layers: Gemma3 alternates sliding and full attention.
+LAYERS = {"gemma3_text": 2}
+#: Matrices each rank holds whole by design, per family (name fragments).
+WHOLE_BY_DESIGN = {"minicpm3": ("q_a_proj", "kv_a_proj_with_mqa")}
+PROMPT, NEW_TOKENS = 8, 16
+
+
+@pytest.mark.parametrize("family", sorted(MORE))
+def test_family_splits_ideally_and_equals_transformers(family):
+    layers = LAYERS.get(family, 1)
+    model = build(family, layers=layers)
+    ids = tokens(PROMPT, seed=5)
+    mod, weights = td.from_torch(model, (torch.from_numpy(ids),))
+    meshed = presets.set_device_meshes(mod, [(2,)])
+    preset = presets.tensor_parallel()
+    summary = preset.layers(meshed)
+    whole = [name for layer in summary.layers for name, _ in layer.whole
+             if not any(part in name for part in WHOLE_BY_DESIGN.get(family, ()))]
+    assert not whole, whole
+    assert summary.ideal, str(summary)
+    # per decoder layer its attention and its MLP, and the embedding's lookup in the first
+    names = [f"layer {i}" for i in range(layers)] + ["head"]
+    assert [layer.name for layer in summary.layers] == names, str(summary)
+    assert [layer.all_reduces for layer in summary.layers] == \
+        [3] + [2] * (layers - 1) + [0], str(summary)
+    assert summary.split_bytes == summary.matrix_bytes or family in WHOLE_BY_DESIGN
+    got = td.compile(preset.apply(meshed)).run(ids, params=weights, backend="emulate")
+    np.testing.assert_allclose(np.asarray(got), logits(model, ids), rtol=1e-4, atol=1e-4)
+
+    prompt = np.random.default_rng(len(family)).integers(0, VOCAB, PROMPT, dtype=np.int64)
+    with torch.no_grad():
+        want = model.generate(torch.from_numpy(prompt[None, :]), max_new_tokens=NEW_TOKENS,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)[0].numpy()
+    assert len(set(want[PROMPT:])) > 1  # a config whose greedy output is not one token
+    with CausalLM.from_hf(model, num_ranks=2, max_length=PROMPT + NEW_TOKENS) as lm:
+        out = lm.generate(prompt, max_new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(out[0], want)
