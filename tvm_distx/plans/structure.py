@@ -149,6 +149,8 @@ class ModelGraph:
             if node in self.outputs:
                 return True
             for user in self.users.get(node, []):
+                if user in self.outputs:  # a tuple of the outputs holds it, say
+                    return True
                 value = self.value[user]
                 inputs = [v for v in _ir.operand_vars(value) if v not in self.params.values()]
                 if user in region or not isinstance(value, (relax.Call, relax.Var)) or \
