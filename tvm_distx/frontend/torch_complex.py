@@ -14,9 +14,10 @@ which is exactly the layout of ``torch.view_as_real``:
 
 Layout operators on a complex value (the slices and ``unsqueeze`` that index
 ``freqs_cis[:, :, None, :]``) keep working on the pairs as long as they name
-their axes from the front; a negative axis is moved one further (the pair's
-axis is last), and a reshape keeps the pair's axis at the end. Any other
-operator on a complex value is refused with an error that names it.
+their axes from the front; ``unsqueeze`` at a negative axis is moved one further
+(the pair's axis is last). The sum or difference of two complex values is that
+of their pairs. Other operators on complex values (a quotient, a complex value
+added to a real one) are not translated: they would compute on the pairs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Callable
 
 from tvm import relax
 
-from tvm_distx.errors import UnsupportedProgramError
 
 __all__ = ["CONVERTERS", "is_complex"]
 
@@ -121,21 +121,6 @@ def _kept_if_complex(name: str) -> Callable:
     return convert
 
 
-def _refuse(name: str) -> Callable:
-    """A converter for an operator we translate only on real values."""
-    def convert(node, importer) -> relax.Var:
-        if any(is_complex(a) for a in node.args if hasattr(a, "meta")):
-            raise UnsupportedProgramError(
-                f"operator {name} on a complex value (node '{node.name}'): complex numbers "
-                "are imported as real pairs only through view_as_complex, view_as_real, "
-                "polar, mul and layout operators",
-                hint="write the complex arithmetic with real tensors (cos and sin of the "
-                "angle, the real and imaginary parts apart)")
-        return _original(importer, name)(node)
-
-    return convert
-
-
 #: Converters by ATen overload name (see :data:`tvm_distx.frontend.torch_ops.CONVERTERS`).
 CONVERTERS: dict[str, Callable] = {
     "view_as_complex.default": _same_pairs,
@@ -145,5 +130,4 @@ CONVERTERS: dict[str, Callable] = {
     "unsqueeze.default": _axis_wrapped("unsqueeze.default", 1),
     **{name: _kept_if_complex(name) for name in ("to.dtype_layout", "to.dtype",
                                                   "_to_copy.default", "clone.default")},
-    **{name: _refuse(name) for name in ("add.Tensor", "sub.Tensor", "div.Tensor")},
 }
