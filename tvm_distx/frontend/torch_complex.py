@@ -27,6 +27,8 @@ from typing import Callable
 
 from tvm import relax
 
+from tvm_distx.frontend.tvm_converters import original_converter
+
 
 __all__ = ["CONVERTERS", "is_complex"]
 
@@ -38,15 +40,6 @@ def is_complex(node) -> bool:
     value = getattr(node, "meta", {}).get("val")
     dtype = getattr(value, "dtype", None)
     return bool(getattr(dtype, "is_complex", False))
-
-
-def _original(importer, name: str) -> Callable:
-    """TVM's own converter of ``name`` (before ours replaced it)."""
-    originals = importer.__dict__.get("_tvm_distx_original_converters")
-    if originals is None:
-        originals = importer.create_convert_map()
-        importer.__dict__["_tvm_distx_original_converters"] = originals
-    return originals[name]
 
 
 def _same_pairs(node, importer) -> relax.Expr:
@@ -74,7 +67,7 @@ def _polar(node, importer) -> relax.Var:
 def _mul(node, importer) -> relax.Var:
     """``mul``: TVM's own for real values; a complex product of pairs otherwise."""
     if not is_complex(node):
-        return _original(importer, "mul.Tensor")(node)
+        return original_converter(importer, "mul.Tensor")(node)
     bb, env = importer.block_builder, importer.env
     left, right = node.args[0], node.args[1]
     if not is_complex(left):
@@ -99,7 +92,7 @@ def _axis_wrapped(name: str, axis_at: int) -> Callable:
                 isinstance(original[axis_at], int) and original[axis_at] < 0:
             node.args = (*original[:axis_at], original[axis_at] - 1, *original[axis_at + 1:])
         try:
-            return _original(importer, name)(node)
+            return original_converter(importer, name)(node)
         finally:
             node.args = original
 
@@ -115,7 +108,7 @@ def _kept_if_complex(name: str) -> Callable:
     def convert(node, importer) -> relax.Var:
         if is_complex(node):
             return importer.env[node.args[0]]
-        return _original(importer, name)(node)
+        return original_converter(importer, name)(node)
 
     convert.__name__ = f"paired_{name.replace('.', '_')}"
     return convert

@@ -38,6 +38,7 @@ import numpy as np
 from tvm import relax
 import tvm
 
+from tvm_distx.frontend.tvm_converters import original_converter
 from tvm_distx.ir import helpers as _ir
 
 __all__ = ["CONVERTERS"]
@@ -211,15 +212,6 @@ def _torch_dtype_of(node) -> str | None:
     return str(dtype).replace("torch.", "") if dtype is not None else None
 
 
-def _original(importer, name: str) -> Callable:
-    """TVM's own converter of ``name`` (before :data:`CONVERTERS` replaced it)."""
-    originals = importer.__dict__.get("_tvm_distx_original_converters")
-    if originals is None:
-        originals = importer.create_convert_map()
-        importer.__dict__["_tvm_distx_original_converters"] = originals
-    return originals[name]
-
-
 def _with_torch_dtype(name: str) -> Callable:
     """TVM's own converter of ``name``, its result cast to the dtype torch gives it.
 
@@ -228,7 +220,7 @@ def _with_torch_dtype(name: str) -> Callable:
     TVM's bitwise operator. The dtype torch.export recorded is the truth.
     """
     def convert(node, importer) -> relax.Var:
-        out = _original(importer, name)(node)
+        out = original_converter(importer, name)(node)
         want = _torch_dtype_of(node)
         if want is not None and isinstance(out.ty, relax.TensorType) and _dtype_of(out) != want:
             out = importer.block_builder.emit(relax.op.astype(out, want))
@@ -260,7 +252,7 @@ def _full(node, importer) -> relax.Var:
     """``torch.full(size, value)``, infinite and NaN fill values included."""
     value = _arg(node, 1, "fill_value")
     if not _non_finite(value):
-        return _original(importer, "full.default")(node)
+        return original_converter(importer, "full.default")(node)
     size = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
     shape = [importer.env[d] if not isinstance(d, int) else d for d in size]
     dtype = _torch_dtype_of(node) or "float32"
@@ -350,7 +342,7 @@ def _with_torch_shape(name: str) -> Callable:
     and records the extent ``1``; a ``match_cast`` to that shape states it.
     """
     def convert(node, importer) -> relax.Var:
-        out = _original(importer, name)(node)
+        out = original_converter(importer, name)(node)
         value = node.meta.get("val")
         if value is None or not isinstance(out.ty, relax.TensorType) or \
                 not isinstance(out.ty.shape, relax.ShapeExpr):
@@ -429,7 +421,7 @@ def _index_from_the_end(node, importer) -> relax.Var:
         saved[index_node] = index
         env[index_node] = fixed
     try:
-        return _original(importer, "index.Tensor")(node)
+        return original_converter(importer, "index.Tensor")(node)
     finally:
         env.update(saved)
 
