@@ -124,51 +124,16 @@ def test_target_errors_name_the_fix(tmp_path, monkeypatch):
     assert "qemu-user" in str(info.value)
 
 
-@pytest.mark.parametrize("fmt, widen", [("q8", ("vle8.v", "vsext.vf2", "vfwcvt.f.x.v")),
-                                        ("q4", ("vle8.v", "vand.vi", "vsrl.vi", "vfwcvt.f.xu.v")),
-                                        ("f16", ())])  # float16 widened by integer operations
-def test_quantized_and_f16_matvec_kernels_hold_vector_code_and_equal_numpy_under_qemu(
-        fmt, widen, tmp_path):
-    rng = np.random.default_rng(7)
+def linear_under_qemu(fmt: str, rows: int, rule: str, tmp_path: Path) -> tuple[list, object]:
+    """``(rows, 256) @ W.T`` with ``W`` (48, 256) stored in ``fmt``, built for RVV.
+
+    Checks the kernel's rule, runs it under qemu at VLEN 128 and 256 against numpy
+    on the decoded weight, and returns the assembly's words and the kernel.
+    """
+    rng = np.random.default_rng(rows)
     weight = rng.standard_normal((48, 256), dtype="float32")
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, 256), "float32"))
-    w = relax.Var("w", relax.TensorType((48, 256), "float32"))
-    with bb.function("main", [x, w]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
-        bb.emit_func_output(out)
-    mod, stored = td.quantize(bb.get(), {"w": weight}, fmt)
-    target = resolve_target("rvv").target
-    built = ScheduleCPU(target)(fuse_kernels(legalize_ops(mod)))
-    (kernel,) = rvv.write_kernels(built, target, tmp_path)
-    (prim,) = [f for f in built.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
-    assert prim.attrs[RULE_ATTR] == "matvec"
-    words = (tmp_path / "kernels.s").read_text().split()
-    for mnemonic in ("vsetvli", "vfmacc.vv") + widen:
-        assert mnemonic in words, mnemonic
-    parts = {"data": np.asarray(stored["w"])}
-    if "w_scale" in stored:
-        parts["scale"] = np.asarray(stored["w_scale"])
-    vector = rng.standard_normal((1, 256), dtype="float32")
-    by_name = {"w": parts["data"], "w_scale": parts.get("scale"), "x": vector}
-    inputs = [by_name[str(p.name)] for p in prim.params[:-1]]
-    want = vector @ formats.decode(parts, fmt).T
-    harness = rvv.build_harness(tmp_path)
-    for vlen in (128, 256):
-        (got,) = rvv.run_kernel(tmp_path, kernel, inputs, harness=harness, vlen=vlen)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    with pytest.raises(rvv.QemuError, match="illegal instruction"):
-        rvv.run_kernel(tmp_path, kernel, inputs, harness=harness, vector=False)
-
-
-@pytest.mark.parametrize("fmt", ["f32", "q8", "q4"])
-def test_a_prompts_projection_runs_row_panels_in_vector_code_under_qemu(fmt, tmp_path):
-    """7 prompt rows times an (out, in) weight: row panels (padded), vector FMAs, numpy's values."""
-    rng = np.random.default_rng(11)
-    weight = rng.standard_normal((48, 256), dtype="float32")
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((7, 256), "float32"))
+    x = relax.Var("x", relax.TensorType((rows, 256), "float32"))
     w = relax.Var("w", relax.TensorType((48, 256), "float32"))
     with bb.function("main", [x, w]):
         with bb.dataflow():
@@ -180,18 +145,36 @@ def test_a_prompts_projection_runs_row_panels_in_vector_code_under_qemu(fmt, tmp
     built = ScheduleCPU(target)(fuse_kernels(legalize_ops(mod)))
     (kernel,) = rvv.write_kernels(built, target, tmp_path)
     (prim,) = [f for f in built.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
-    assert prim.attrs[RULE_ATTR] == "matmul"
-    assert "x_pad" in prim.script()  # the rows' panels
-    words = (tmp_path / "kernels.s").read_text().split()
-    assert "vsetvli" in words and ("vfmacc.vf" in words or "vfmacc.vv" in words)
+    assert prim.attrs[RULE_ATTR] == rule
     parts = {"data": np.asarray(stored["w"])}
     if "w_scale" in stored:
         parts["scale"] = np.asarray(stored["w_scale"])
-    rows = rng.standard_normal((7, 256), dtype="float32")
-    by_name = {"w": parts["data"], "w_scale": parts.get("scale"), "x": rows}
+    activations = rng.standard_normal((rows, 256), dtype="float32")
+    by_name = {"w": parts["data"], "w_scale": parts.get("scale"), "x": activations}
     inputs = [by_name[str(p.name)] for p in prim.params[:-1]]
-    want = rows @ formats.decode(parts, fmt).T
+    want = activations @ formats.decode(parts, fmt).T
     harness = rvv.build_harness(tmp_path)
     for vlen in (128, 256):
         (got,) = rvv.run_kernel(tmp_path, kernel, inputs, harness=harness, vlen=vlen)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(rvv.QemuError, match="illegal instruction"):
+        rvv.run_kernel(tmp_path, kernel, inputs, harness=harness, vector=False)
+    return (tmp_path / "kernels.s").read_text().split(), prim
+
+
+@pytest.mark.parametrize("fmt, widen", [("q8", ("vle8.v", "vsext.vf2", "vfwcvt.f.x.v")),
+                                        ("q4", ("vle8.v", "vand.vi", "vsrl.vi", "vfwcvt.f.xu.v")),
+                                        ("f16", ())])  # float16 widened by integer operations
+def test_quantized_and_f16_matvec_kernels_hold_vector_code_and_equal_numpy_under_qemu(
+        fmt, widen, tmp_path):
+    words, _ = linear_under_qemu(fmt, 1, "matvec", tmp_path)
+    for mnemonic in ("vsetvli", "vfmacc.vv") + widen:
+        assert mnemonic in words, mnemonic
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8", "q4"])
+def test_a_prompts_projection_runs_row_panels_in_vector_code_under_qemu(fmt, tmp_path):
+    """7 prompt rows times an (out, in) weight: row panels (padded), vector FMAs, numpy's values."""
+    words, prim = linear_under_qemu(fmt, 7, "matmul", tmp_path)
+    assert "x_pad" in prim.script()  # the rows' panels
+    assert "vsetvli" in words and ("vfmacc.vf" in words or "vfmacc.vv" in words)
