@@ -249,16 +249,7 @@ class MatmulRule(Rule):
                     None)
         if pack is None:
             pack = sch.cache_read(mm, lhs.source.name, "global")
-        (i_at,) = index_positions(lhs.indices, found.i)
-        (k_at,) = index_positions(lhs.indices, found.k)
-        rest = [d for d in range(len(lhs.indices)) if d not in (i_at, k_at)]
-
-        def packed(*index):
-            return [index[d] for d in rest] + [index[i_at] // panel, index[k_at],
-                                               index[i_at] % panel]
-
-        sch.transform_layout(pack, ("write", 0),
-                             tirx.IndexMap.from_func(packed, ndim=len(lhs.indices)))
+        sch.transform_layout(pack, ("write", 0), _panels(lhs, found.i, found.k, panel))
         if not padded:
             sch.cache_write(mm, 0, "global")  # the transposed tile needs a buffer of its own
         sch.transform_layout(mm, ("write", 0), tirx.IndexMap.from_func(
@@ -272,9 +263,8 @@ class MatmulRule(Rule):
         # so that a panel is read from L3 once per block rather than once per mr rows
         # (two ranks streaming panels from a shared L3 at once halve each other's speed)
         tiles, row_bytes = n // mr, (loop_extent(sch, k) or 1) * DataType(dtype).bits // 8
-        group = max(1, min(tiles, self.WEIGHT_BLOCK_BYTES // (mr * row_bytes)))
-        while tiles % group:
-            group -= 1
+        largest = max(1, min(tiles, self.WEIGHT_BLOCK_BYTES // (mr * row_bytes)))
+        group = first_divisor(tiles, range(largest, 0, -1))
         jb, jo, ji = sch.split(j, [None, group, mr])
         sch.reorder(*batch, jb, io, jo, k, ji, ii)
         if decodes:  # decoded once per block of weight rows, shared by the token panels
@@ -291,7 +281,7 @@ class MatmulRule(Rule):
                 vectorize_innermost(sch, rows_buffer, lanes)
         sch.reverse_compute_at(acc_store, jo)
         vectorize_innermost(sch, acc_store, lanes)
-        # the copy back to [i, j], with the epilogue, per mr weight rows while they are in cache
+        # the copy back to [i, j], with the epilogue, per block of weight rows while in cache
         (copy,) = sch.get_consumers(acc_store)
         sch.reverse_compute_at(copy, jb)
         vectorize_innermost(sch, copy, lanes)
@@ -397,14 +387,8 @@ class MatmulRule(Rule):
         rhs = found.rhs
         (j_at,) = index_positions(rhs.indices, found.j)
         (k_at,) = index_positions(rhs.indices, found.k)
-        rest = [d for d in range(len(rhs.indices)) if d not in (j_at, k_at)]
-
-        def packed(*index):
-            return [index[d] for d in rest] + [index[j_at] // nr, index[k_at], index[j_at] % nr]
-
         pack = sch.cache_read(found.block.rv, rhs.source.name, "global")
-        sch.transform_layout(pack, ("write", 0),
-                             tirx.IndexMap.from_func(packed, ndim=len(rhs.indices)))
+        sch.transform_layout(pack, ("write", 0), _panels(rhs, found.j, found.k, nr))
         sch.compute_at(pack, panel_loop)
         inner = sch.get_loops(pack)[-1]
         if loop_extent(sch, inner) == nr:
@@ -415,3 +399,20 @@ class MatmulRule(Rule):
             rows, depth = sch.get_loops(pack)[-2:]
             sch.reorder(depth, rows)
             sch.vectorize(rows)
+
+
+def _panels(load: TensorLoad, across: tirx.Var, depth: tirx.Var, width: int) -> tirx.IndexMap:
+    """The layout ``[.., across / width, depth, across % width]`` of an operand's copy.
+
+    Panels of ``width`` along ``across`` (rows of the left operand, columns of the
+    right one), each contiguous over ``depth`` (the reduction); other axes first.
+    """
+    (a_at,) = index_positions(load.indices, across)
+    (k_at,) = index_positions(load.indices, depth)
+    rest = [d for d in range(len(load.indices)) if d not in (a_at, k_at)]
+
+    def packed(*index):
+        return [index[d] for d in rest] + [index[a_at] // width, index[k_at],
+                                           index[a_at] % width]
+
+    return tirx.IndexMap.from_func(packed, ndim=len(load.indices))
