@@ -215,18 +215,67 @@ def test_paths_in_a_manifest_stay_inside_the_bundle(journey):
                     "outside the bundle")
 
 
-@pytest.mark.parametrize("after", [0.6, 2.0])  # while the package imports; while TVM works
-def test_ctrl_c_during_start_up_is_one_line_and_exit_130(journey, after):
-    home, _ = journey
+def _deep_model(layers: int) -> str:
+    """TVMScript of a chain of ``layers`` matmul + relu of growing widths: seconds of TVM build."""
+    widths = [64 + 8 * i for i in range(layers + 1)]
+    params = "".join(f",\n        w{i}: R.Tensor(({widths[i]}, {widths[i + 1]}), 'float32')"
+                     for i in range(layers))
+    body, previous = [], "x"
+    for i in range(layers):
+        body.append(f"            r{i} = R.nn.relu(R.matmul({previous}, w{i}))")
+        previous = f"r{i}"
+    lines = "\n".join(body)
+    return f"""from tvm.script import ir as I
+from tvm.script import relax as R
+
+
+@I.ir_module
+class Deep:
+    I.module_attrs({{"device_num": 2}})
+    I.module_global_infos({{"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]}})
+
+    @R.function
+    def main(
+        x: R.Tensor((16, {widths[0]}), "float32"){params},
+    ) -> R.Tensor((16, {widths[-1]}), "float32"):
+        with R.dataflow():
+{lines}
+            R.output({previous})
+        return {previous}
+"""
+
+
+def _interrupted_compile(home: Path, when: str) -> subprocess.CompletedProcess:
+    """``tvm-distx --verbose compile`` of a deep model, sent SIGINT ``when`` it is importing
+    (0.6 s after its start) or building (as it logs that TVM's build starts)."""
+    (home / "deep.py").write_text(_deep_model(100))
+    (home / "deep_rules.json").write_text('[{"param": "w0", "result": "S[1]"}]')
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
-    proc = subprocess.Popen(["tvm-distx", "compile", "model.py", "--rules", "rules.json",
-                             "-o", "interrupted"], cwd=home, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(["tvm-distx", "--verbose", "compile", "deep.py", "--rules",
+                             "deep_rules.json", "-o", "interrupted"], cwd=home, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=proc_tools.with_default_ctrl_c)
-    time.sleep(after)
+    logged = []
+    if when == "importing":
+        time.sleep(0.6)
+    else:
+        for line in proc.stderr:  # the build takes seconds after this line
+            logged.append(line)
+            if "building for" in line:
+                break
+        time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    _one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 130)
+    err = "".join(logged) + err
+    assert "building for" in err or when == "importing", err
+    quiet = "\n".join(line for line in err.splitlines() if not line.startswith("INFO "))
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, quiet)
+
+
+@pytest.mark.parametrize("when", ["importing", "building"])
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(journey, when):
+    home, _ = journey
+    _one_line_error(_interrupted_compile(home, when), 130)
     assert not (home / "interrupted" / "manifest.json").exists()
 
 

@@ -32,6 +32,7 @@ from tvm_distx.build.targets import resolve_target
 from tvm_distx.bundle.signature import FunctionSignature, WORKER0
 from tvm_distx.errors import CompilerStageError, DistxError, UnsupportedProgramError
 from tvm_distx.ir import helpers as _ir
+from tvm_distx.ir.ctrl_c import CtrlCWatch
 from tvm_distx.legalize import LegalizeRedistribute, LowerDistIR, LowerGlobalViewToLocalView
 from tvm_distx.legalize.linear import LegalizeLinear
 from tvm_distx.legalize.lower_distir import fed_from_worker0, module_devices, rank_entry
@@ -128,7 +129,8 @@ def run_stages(mod: tvm.IRModule, *,
     out = {}
     for index, (name, stage) in enumerate(_stages(), start=1):
         try:
-            mod = stage(mod)
+            with CtrlCWatch():  # a Ctrl-C inside TVM is an interruption, not a failure
+                mod = stage(mod)
         except DistxError:
             raise
         except Exception as err:  # TVM raises InternalError, KeyError, TypeError, ...
@@ -216,26 +218,31 @@ def _build(built: tvm.IRModule, unscheduled: tvm.IRModule, target):
     as a warning), and the module is built again.
     """
 
-    try:
-        return _vm_build(built, target)
-    except Exception as err:  # TVM raises InternalError, TVMError, ...
-        failure = err
-    scheduled = [(gv, func) for gv, func in built.functions.items()
-                 if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None
-                 and bool(func.attrs.get(SCHEDULED_ATTR, False))]
-    broken = [gv for gv, func in scheduled if not _builds_alone(func, target)]
-    if broken:
-        logger.warning("our schedule of %s does not build (%s); using TVM's default lowering "
-                       "for %s", ", ".join(gv.name_hint for gv in broken),
-                       _ir.tvm_error_reason(failure),
-                       "it" if len(broken) == 1 else "them")
-        built = built.clone()
-        for gv in broken:
-            built.update_func(gv, unscheduled[gv.name_hint])
+    with CtrlCWatch() as ctrl_c:  # a Ctrl-C inside TVM is an interruption, not a failure
         try:
             return _vm_build(built, target)
-        except Exception as err:  # noqa: BLE001 - reported below
+        except Exception as err:  # TVM raises InternalError, TVMError, ...
+            if ctrl_c.pressed:
+                raise
             failure = err
+        scheduled = [(gv, func) for gv, func in built.functions.items()
+                     if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None
+                     and bool(func.attrs.get(SCHEDULED_ATTR, False))]
+        broken = [gv for gv, func in scheduled if not _builds_alone(func, target)]
+        if broken:
+            logger.warning("our schedule of %s does not build (%s); using TVM's default "
+                           "lowering for %s", ", ".join(gv.name_hint for gv in broken),
+                           _ir.tvm_error_reason(failure),
+                           "it" if len(broken) == 1 else "them")
+            built = built.clone()
+            for gv in broken:
+                built.update_func(gv, unscheduled[gv.name_hint])
+            try:
+                return _vm_build(built, target)
+            except Exception as err:  # noqa: BLE001 - reported below
+                if ctrl_c.pressed:
+                    raise
+                failure = err
     raise CompilerStageError(
         f"stage 'build' failed inside TVM: {type(failure).__name__}: "
         f"{_ir.tvm_error_reason(failure)}",
@@ -251,11 +258,14 @@ def _vm_build(built: tvm.IRModule, target):
 
 def _builds_alone(func, target) -> bool:
     """Whether one TIR kernel builds on its own for ``target``."""
-    try:
-        tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                    target=target)
-    except Exception:  # noqa: BLE001 - any failure means: do not use this schedule
-        return False
+    with CtrlCWatch() as ctrl_c:
+        try:
+            tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                        target=target)
+        except Exception:  # noqa: BLE001 - any failure means: do not use this schedule
+            if ctrl_c.pressed:
+                raise
+            return False
     return True
 
 

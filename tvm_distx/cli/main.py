@@ -550,6 +550,9 @@ def console() -> NoReturn:
     """
     code = main()
     if code != EXIT_INTERRUPTED:
+        # the command has finished and said so: a Ctrl-C while the interpreter tears TVM
+        # down would only turn its exit code into a kill by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         sys.exit(code)
     atexit._run_exitfuncs()
     sys.stdout.flush()
