@@ -27,6 +27,13 @@ What is recognised (from the graph, never from names)
   stride) along the last axis that together cover it, consuming a value that
   is produced by ``matmul``, optionally followed by one bias ``add`` and by
   reshapes that keep the last axis (GPT-2's ``addmm`` + ``view``).
+* Slices on the heads axis of a reshape that cuts the features into
+  ``(..., heads, head_dim)``: Falcon's multi-query ``view(b, s, heads + 2, d)``
+  read as ``[..., :-2, :]``, ``[..., [-2], :]`` and ``[..., [-1], :]`` (a
+  ``take`` of constant consecutive indices counts as a slice). Heads
+  ``[lo, hi)`` are the features ``[lo * d, hi * d)``, and each segment is
+  reshaped into its own heads, so its query heads split like any others while
+  the one key/value head stays whole.
 * The matmul's weight operand (and the bias) is a parameter of the function,
   possibly through ``permute_dims``, ``take`` or ``strided_slice`` on other
   axes (an expert picked out of a 3-D tensor).
@@ -47,11 +54,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import tvm
 from tvm import relax
+import tvm_ffi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvm_distx.ir import helpers as _ir
@@ -102,6 +112,9 @@ class _Site:
     bias: _ParamPath | None = None
     bias_first: bool = False  # the bias is the add's first operand
     dead: set[relax.Var] = field(default_factory=set)  # bindings not emitted again
+    # cut by heads: the reshape of the features into (..., heads, head_dim) the
+    # consumers slice on axis ``heads[0]``, and its shape (see _Analysis._heads_site)
+    heads: tuple[int, list[int]] | None = None
 
 
 class _Analysis:
@@ -139,7 +152,8 @@ class _Analysis:
             site = None
             if _ir.is_call_to(value, "relax.split"):
                 site = self._split_site(var, value)
-            elif _ir.is_call_to(value, "relax.strided_slice") and value.args[0] not in taken:
+            elif (_ir.is_call_to(value, "relax.strided_slice") or _constant_take(value)) \
+                    and value.args[0] not in taken:
                 site = self._slice_site(value.args[0])
                 if site is not None:
                     taken.add(value.args[0])
@@ -197,40 +211,58 @@ class _Analysis:
         return self._site(source, var, bounds, consumers, dead={var})
 
     def _slice_site(self, source: relax.Expr) -> _Site | None:
+        """Slices of ``source`` on one axis that together cover it: on the last axis (the
+        features), or on the heads axis of a reshape of the features (:meth:`_heads_site`)."""
         if not isinstance(source, relax.Var):
             return None
-        ty = source.ty
-        rank = len(_ir.static_shape(ty) or ())
-        extent = self._last_extent(source, rank - 1)
+        shape = _ir.static_shape(source.ty)
         users = self.uses.get(source, [])
-        if extent is None or None in users or len(users) < 2:
+        if not shape or None in users or len(users) < 2:
             return None
         ranges: dict[tuple[int, int], list[relax.Var]] = {}
+        axes = set()
         for user in users:
-            bounds = self._last_axis_slice(self.bound.get(user), rank, extent)
-            if bounds is None:
+            cut = _axis_range(self.bound.get(user), shape)
+            if cut is None:
                 return None
-            ranges.setdefault(bounds, []).append(user)
+            axes.add(cut[0])
+            ranges.setdefault(cut[1:], []).append(user)
         bounds = sorted(ranges)
-        if bounds[0][0] != 0 or bounds[-1][1] != extent or any(
+        if len(axes) != 1 or bounds[0][0] != 0 or bounds[-1][1] != shape[min(axes)] or any(
                 a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
-            return None  # not a partition of the feature axis
+            return None  # not a partition of one axis
+        axis = axes.pop()
         first = next(u for u in self.bound if u in set(users))
         consumers = {i: ranges[b] for i, b in enumerate(bounds)}
-        return self._site(source, first, bounds, consumers, dead=set(users))
+        if axis == len(shape) - 1:
+            return self._site(source, first, bounds, consumers, dead=set(users))
+        return self._heads_site(source, axis, first, bounds, consumers, set(users))
 
-    @staticmethod
-    def _last_axis_slice(call, rank: int, extent: int) -> tuple[int, int] | None:
-        if not _ir.is_call_to(call, "relax.strided_slice") or len(call.args) < 4:
+    def _heads_site(self, source, axis, first, bounds, consumers, users) -> _Site | None:
+        """Falcon's multi-query ``fused.view(b, s, heads + 2, d)[..., :-2, :]``, ``[[-2]]``,
+        ``[[-1]]``: slices on the heads axis of a reshape that splits the features
+        into ``(heads, d)``. Heads ``[lo, hi)`` are features ``[lo * d, hi * d)``."""
+        reshape = self.bound.get(source)
+        if not _ir.is_call_to(reshape, "relax.reshape") or not isinstance(reshape.args[1],
+                                                                           relax.ShapeExpr):
             return None
-        axes, begin, end = (_ints(a) for a in call.args[1:4])
-        strides = _ints(call.args[4]) if len(call.args) > 4 else [1]
-        if None in (axes, begin, end, strides):
-            return None  # symbolic bounds
-        if len(axes) != 1 or axes[0] % rank != rank - 1 or strides != [1]:
+        features = reshape.args[0]
+        dims, before = list(reshape.args[1].values), _ir.static_shape(features.ty)
+        trailing = _ir.static_shape(source.ty)[axis:]
+        if not before or before[-1] is None or None in trailing or \
+                not self.only_use(features, source):
             return None
-        lo, hi = max(begin[0], 0), min(end[0], extent)
-        return (lo, hi) if 0 <= lo < hi else None
+        inner = math.prod(trailing[1:])
+        leading = list(features.ty.shape.values)[:-1]
+        same_leading = len(leading) == axis and all(
+            tvm_ffi.structural_equal(a, b) for a, b in zip(leading, dims))
+        if not same_leading or before[-1] != trailing[0] * inner:
+            return None  # the reshape does more than cut the features into heads
+        site = self._site(features, first, [(lo * inner, hi * inner) for lo, hi in bounds],
+                          consumers, dead=users | {source})
+        if site is not None:
+            site.heads = (axis, dims)
+        return site
 
     def _last_extent(self, value: relax.Expr, axis: int) -> int | None:
         shape = _ir.static_shape(value.ty)
@@ -375,6 +407,11 @@ class _Splitter(PyExprMutator):
                     args = [value, relax.ShapeExpr(dims[:-1] + [_int64(hi - lo)])]
                 value = relax.Call(call.op, args, call.attrs, call.ty_args)
                 name = f"{var.name}_{tag}"
+            if site.heads is not None:  # back into (..., heads, head_dim), this segment's heads
+                axis, dims = site.heads
+                inner = math.prod(int(d) for d in dims[axis + 1:])
+                dims = [*dims[:axis], _int64((hi - lo) // inner), *dims[axis + 1:]]
+                value = relax.op.reshape(self._emit(value, name), dims)
             self._bind(holders, value)
 
     def _along(self, path: _ParamPath, param: relax.Var, tag: str) -> relax.Expr:
@@ -469,6 +506,40 @@ def _rewrite(mod: tvm.IRModule, func: relax.Function,
     params = [q for p in func.params for q in replaced.get(p, [p])]
     new = relax.Function(params, body.body, body.ret_ty, body.is_pure, body.attrs, body.span)
     return new, derived
+
+
+def _constant_take(call) -> bool:
+    """Whether ``call`` is a ``take`` of constant indices (a list of ints in ``forward``)."""
+    return _ir.is_call_to(call, "relax.take") and isinstance(call.args[1], tvm.ir.Constant)
+
+
+def _axis_range(call, shape: list[int]) -> tuple[int, int, int] | None:
+    """``(axis, lo, hi)`` when ``call`` keeps ``[lo, hi)`` of one axis of a value of
+    ``shape``: a unit-stride ``strided_slice`` with static bounds, or a ``take`` of
+    consecutive constant indices."""
+    rank = len(shape)
+    axis = None
+    if _constant_take(call):
+        values = call.args[1].value.numpy()
+        axis = int(call.attrs.axis) % rank
+        if shape[axis] is None or values.ndim != 1 or not values.size or values[0] < 0 or \
+                (values != values[0] + np.arange(values.size)).any() or \
+                values[-1] >= shape[axis]:
+            return None
+        return axis, int(values[0]), int(values[-1]) + 1
+    if not _ir.is_call_to(call, "relax.strided_slice") or len(call.args) < 4:
+        return None
+    axes, begin, end = (_ints(a) for a in call.args[1:4])
+    strides = _ints(call.args[4]) if len(call.args) > 4 else [1]
+    if None in (axes, begin, end, strides) or len(axes) != 1 or strides != [1]:
+        return None  # symbolic bounds, several axes, a stride
+    axis = axes[0] % rank
+    extent = shape[axis]
+    if extent is None:
+        return None
+    lo, hi = (b + extent if b < 0 else b for b in (begin[0], end[0]))
+    lo, hi = max(lo, 0), min(hi, extent)
+    return (axis, lo, hi) if 0 <= lo < hi else None
 
 
 def _ints(expr: relax.Expr) -> list[int] | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import tvm
+from tvm import relax
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
@@ -61,6 +63,14 @@ def test_a_list_index_counts_negative_entries_from_the_end(index):
 
     torch.manual_seed(2)
     run_like_torch(Pick(), torch.randn(1, 3, 24))
+    # the list is a constant of the program, counted from the end at import: later passes
+    # read it (a fused projection is cut by the heads it picks)
+    mod, _ = td.from_torch(Pick(), (torch.randn(1, 3, 24),))
+    takes = []
+    relax.analysis.post_order_visit(mod["main"].body, lambda e: takes.append(e) if (
+        isinstance(e, relax.Call) and getattr(e.op, "name", "") == "relax.take") else None)
+    assert len(takes) == 1 and isinstance(takes[0].args[1], tvm.ir.Constant)
+    np.testing.assert_array_equal(takes[0].args[1].value.numpy(), np.array(index) % 6)
 
 
 def test_an_operator_the_frontend_cannot_translate_is_named(monkeypatch):

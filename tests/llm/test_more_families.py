@@ -26,7 +26,11 @@ from hf_tiny import MORE, VOCAB, build, logits, tokens  # noqa: E402
 #: Families tested with two layers: Gemma3 alternates sliding and full attention.
 LAYERS = {"gemma3_text": 2}
 #: Matrices each rank holds whole by design, per family (name fragments).
-WHOLE_BY_DESIGN = {"minicpm3": ("q_a_proj", "kv_a_proj_with_mqa")}
+WHOLE_BY_DESIGN = {"minicpm3": ("q_a_proj", "kv_a_proj_with_mqa"),
+                   "falcon_mqa": ("query_key_value_weight_seg1", "query_key_value_weight_seg2")}
+#: Families whose attention and MLP outputs are summed before the residual add (no bias
+#: between): one all-reduce serves both.
+SHARED_ALL_REDUCE = {"falcon_mqa", "falcon_gqa"}
 PROMPT, NEW_TOKENS = 8, 16
 
 
@@ -46,8 +50,9 @@ def test_family_splits_ideally_and_equals_transformers(family):
     # per decoder layer its attention and its MLP, and the embedding's lookup in the first
     names = [f"layer {i}" for i in range(layers)] + ["head"]
     assert [layer.name for layer in summary.layers] == names, str(summary)
+    per_layer = 1 if family in SHARED_ALL_REDUCE else 2
     assert [layer.all_reduces for layer in summary.layers] == \
-        [3] + [2] * (layers - 1) + [0], str(summary)
+        [per_layer + 1] + [per_layer] * (layers - 1) + [0], str(summary)
     assert summary.split_bytes == summary.matrix_bytes or family in WHOLE_BY_DESIGN
     got = td.compile(preset.apply(meshed)).run(ids, params=weights, backend="emulate")
     np.testing.assert_allclose(np.asarray(got), logits(model, ids), rtol=1e-4, atol=1e-4)

@@ -20,7 +20,13 @@ _IDS = dict(pad_token_id=0, bos_token_id=0, eos_token_id=0)
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
               **_IDS)
+_FALCON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, bias=False, alibi=False,
+               ffn_hidden_size=160, max_position_embeddings=64, tie_word_embeddings=False, **_IDS)
 MORE = {
+    "falcon_mqa": ("FalconConfig", "FalconForCausalLM", dict(   # one key/value head, q|k|v fused
+        _FALCON, new_decoder_architecture=False, multi_query=True, parallel_attn=True)),
+    "falcon_gqa": ("FalconConfig", "FalconForCausalLM", dict(   # q|k|v fused per key/value group
+        _FALCON, new_decoder_architecture=True, num_kv_heads=2)),
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(_SHAPE)),       # norms without weights
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_SHAPE)),    # post-norms, q/k norms
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(

@@ -13,6 +13,7 @@ import pytest
 import tvm
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.script import tirx as T
 
 import tvm_distx as td
 from tvm_distx.layout.derived import DerivedParam, Derivations
@@ -137,9 +138,56 @@ class SlicedExpected:
         return out
 
 
+@I.ir_module
+class MultiQuery:
+    """Falcon's multi-query q|k|v: the features read as 4 + 1 + 1 heads of 4, cut on the
+    heads axis by a slice and two lists of one index (``[..., [-2], :]``), over a run-time
+    number of tokens."""
+
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"), w: R.Tensor((24, 8), "float32")
+             ) -> R.Tensor(("n", 4, 4), "float32"):
+        n = T.int64()
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            wt = R.permute_dims(w)
+            y = R.matmul(x, wt, out_dtype="float32")
+            heads = R.reshape(y, R.shape([n, 6, 4]))
+            q = R.strided_slice(heads, axes=[1], begin=[0], end=[-2])
+            k = R.take(heads, R.const([4], "int64"), axis=1)
+            v = R.take(heads, R.const([5], "int64"), axis=1)
+            out = R.add(R.multiply(q, k), v)
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class MultiQueryExpected:
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"), w_seg0: R.Tensor((16, 8), "float32"),
+             w_seg1: R.Tensor((4, 8), "float32"), w_seg2: R.Tensor((4, 8), "float32")
+             ) -> R.Tensor(("n", 4, 4), "float32"):
+        n = T.int64()
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            wt0 = R.permute_dims(w_seg0)
+            y0 = R.matmul(x, wt0, out_dtype="float32")
+            q = R.reshape(y0, R.shape([n, 4, 4]))
+            wt1 = R.permute_dims(w_seg1)
+            y1 = R.matmul(x, wt1, out_dtype="float32")
+            k = R.reshape(y1, R.shape([n, 1, 4]))
+            wt2 = R.permute_dims(w_seg2)
+            y2 = R.matmul(x, wt2, out_dtype="float32")
+            v = R.reshape(y2, R.shape([n, 1, 4]))
+            out = R.add(R.multiply(q, k), v)
+            R.output(out)
+        return out
+
+
 @pytest.mark.parametrize("before, expected", [(GateUp, GateUpExpected), (Qkv, QkvExpected),
-                                              (Sliced, SlicedExpected)],
-                         ids=["gate_up", "qkv_conv1d", "strided_slices"])
+                                              (Sliced, SlicedExpected),
+                                              (MultiQuery, MultiQueryExpected)],
+                         ids=["gate_up", "qkv_conv1d", "strided_slices", "multi_query_heads"])
 def test_a_fused_projection_becomes_one_matmul_per_segment(before, expected):
     after = SplitFusedProjections()(before)
     tvm.ir.assert_structural_equal(after["main"], expected["main"])

@@ -34,7 +34,7 @@ from tvm.relax.frontend.torch import from_exported_program
 
 from tvm_distx.errors import ArgumentError, UnsupportedProgramError
 from tvm_distx.frontend.torch_moe import static_experts
-from tvm_distx.frontend.torch_ops import CONVERTERS
+from tvm_distx.frontend.torch_ops import converters
 
 __all__ = ["from_torch", "is_hf_causal_lm", "relax_name"]
 
@@ -199,7 +199,7 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
         mod = from_exported_program(exported, keep_params_as_input=True,
                                     unwrap_unit_return_tuple=unwrap_single_result,
                                     run_ep_decomposition=decompose,
-                                    custom_convert_map=dict(CONVERTERS))
+                                    custom_convert_map=converters(exported))
     except Exception as err:  # the frontend raises assertion and key errors
         node = _failing_node(err)
         where = f" at operator {node.target} (node '{node.name}')" if node is not None else ""

@@ -30,6 +30,7 @@ already know:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Callable
@@ -41,7 +42,7 @@ import tvm
 from tvm_distx.frontend.tvm_converters import original_converter
 from tvm_distx.ir import helpers as _ir
 
-__all__ = ["CONVERTERS"]
+__all__ = ["CONVERTERS", "converters"]
 
 logger = logging.getLogger(__name__)
 
@@ -390,15 +391,17 @@ def _layer_norm(node, importer) -> relax.Var:
         x, part(2, "weight", 1.0), part(3, "bias", 0.0), axes=axes, epsilon=eps))
 
 
-def _index_from_the_end(node, importer) -> relax.Var:
+def _index_from_the_end(node, importer, constants=None) -> relax.Var:
     """``x[..., index, ...]`` (``index.Tensor``) with negative indices counted from the end.
 
     TVM's translation takes the indices as they are, into a ``take`` that reads
     out of bounds for a negative one (Falcon's ``fused_qkv[..., [-2], :]``
     picked garbage). Each index along an axis of static extent ``n`` becomes
-    ``index + n`` where it is negative: a constant is fixed where it stands, a
-    computed index by a ``where``. Then TVM's translation runs on the fixed
-    indices.
+    ``index + n`` where it is negative: a constant is fixed where it stands (a
+    list of ints, which torch.export lifts to an input, is looked up in
+    ``constants``, see :func:`converters`), a computed index by a ``where``.
+    Then TVM's translation runs on the fixed indices, and later passes see a
+    constant ``take`` (a fused projection cut by its heads).
     """
     bb, env = importer.block_builder, importer.env
     data = env[node.args[0]]
@@ -408,9 +411,12 @@ def _index_from_the_end(node, importer) -> relax.Var:
         if index_node is None or axis >= len(shape) or shape[axis] is None:
             continue
         index, extent = env[index_node], shape[axis]
+        lifted = _lifted_value(index_node, constants or {})
+        if lifted is not None:
+            index = relax.const(lifted)
         if isinstance(index, tvm.ir.Constant):
-            values = index.data.numpy()
-            if not (values < 0).any():
+            values = index.value.numpy()
+            if lifted is None and not (values < 0).any():
                 continue
             fixed = relax.const(np.where(values < 0, values + extent, values).astype(values.dtype))
         else:
@@ -418,7 +424,7 @@ def _index_from_the_end(node, importer) -> relax.Var:
             fixed = bb.emit(relax.op.where(
                 relax.op.less(index, relax.const(0, dtype)),
                 relax.op.add(index, relax.const(extent, dtype)), index))
-        saved[index_node] = index
+        saved[index_node] = env[index_node]
         env[index_node] = fixed
     try:
         return original_converter(importer, "index.Tensor")(node)
@@ -431,6 +437,38 @@ _SHAPE_CHECKED = ("slice.Tensor", "narrow.default", "split.Tensor", "select.int"
 
 
 #: Converters by ATen overload name, for ``from_exported_program(custom_convert_map=...)``.
+def _lifted_value(node, constants: dict[str, np.ndarray]) -> np.ndarray | None:
+    """The value of a tensor constant torch.export lifted to an input, behind ``node``."""
+    while getattr(node, "op", None) == "call_function" and len(node.args) == 1 and \
+            str(node.target).split(".")[-2:-1] in (["lift_fresh_copy"], ["clone"], ["detach"]):
+        node = node.args[0]
+    if getattr(node, "op", None) != "placeholder":
+        return None
+    return constants.get(node.name)
+
+
+def converters(exported=None) -> dict[str, Callable]:
+    """:data:`CONVERTERS`, with those that read the tensor constants of ``exported``.
+
+    Parameters
+    ----------
+    exported : torch.export.ExportedProgram, optional
+        The program translated; its lifted tensor constants (a list of ints
+        written in ``forward``) are read by the ``index`` converter.
+    """
+    constants = {}
+    if exported is not None:
+        kinds = exported.graph_signature.input_specs
+        for spec in kinds:
+            if spec.kind.name == "CONSTANT_TENSOR" and spec.target in exported.constants:
+                value = exported.constants[spec.target]
+                if value.dtype.is_floating_point or value.numel() > 4096:
+                    continue  # index lists only
+                constants[spec.arg.name] = value.detach().cpu().numpy()
+    return {**CONVERTERS, "index.Tensor": functools.partial(_index_from_the_end,
+                                                            constants=constants)}
+
+
 CONVERTERS: dict[str, Callable] = {
     "diff.default": _diff,
     "repeat_interleave.self_int": _repeat_interleave,
