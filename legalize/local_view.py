@@ -91,32 +91,45 @@ _LOOP_CONFLICT = "A loop cannot have different sharding"
 
 
 def _explain(mod: tvm.IRModule, err: Exception) -> Exception:
-    """A :class:`UnsupportedProgramError` for TVM's ``err``, naming the kernel if it can."""
+    """A :class:`UnsupportedProgramError` for TVM's ``err``, naming the kernel that fails.
+
+    The kernel is found by lowering each sharded kernel alone.
+    """
     message = _ir.tvm_error_reason(err)
-    if _LOOP_CONFLICT not in message:
-        return UnsupportedProgramError(
-            f"TVM's LowerGlobalViewToLocalView failed: {message}",
-            hint="report the module; as a workaround, replicate the operands of the kernel "
-            "that fails")
+    conflict = _LOOP_CONFLICT in message
     for name, binding in _sharded_kernels(mod):
         try:
             dist_transform.LowerGlobalViewToLocalView()(_alone(mod, binding))
         except tvm.error.InternalError:
-            operands = [a for a in binding.value.args[1].fields if isinstance(a, relax.Var)]
-            placements = ", ".join(f"{a.name} {TensorSharding.from_type(a.ty).placement}"
-                                   for a in operands if TensorSharding.from_type(a.ty))
+            pass
+        else:
+            continue
+        operands = [a for a in binding.value.args[1].fields if isinstance(a, relax.Var)]
+        placements = ", ".join(f"{a.name} {TensorSharding.from_type(a.ty).placement}"
+                               for a in operands if TensorSharding.from_type(a.ty))
+        kernel = binding.value.args[0].name_hint
+        where = dict(function=name, var=binding.var.name,
+                     placement=str(TensorSharding.from_type(binding.var.ty).placement))
+        if conflict:
             return UnsupportedProgramError(
-                f"TVM's local-view lowering cannot give the loops of kernel "
-                f"'{binding.value.args[0].name_hint}' one sharding each: an index mixes loop "
-                f"variables of dimensions split along different mesh axes ({placements})",
-                function=name, var=binding.var.name,
-                placement=str(TensorSharding.from_type(binding.var.ty).placement),
+                f"TVM's local-view lowering cannot give the loops of kernel '{kernel}' one "
+                f"sharding each: an index mixes loop variables of dimensions split along "
+                f"different mesh axes ({placements})", **where,
                 hint="split the operands of this kernel (often a reshape) along one mesh "
                 "axis only, or redistribute one of those dimensions to replicated before it")
+        return UnsupportedProgramError(
+            f"TVM's LowerGlobalViewToLocalView cannot lower kernel '{kernel}' with its "
+            f"operands {placements or 'replicated'}: {message}", **where,
+            hint="replicate the operands of this kernel (annotate them \"R\"), and report "
+            "the module")
+    if conflict:
+        return UnsupportedProgramError(
+            f"TVM's local-view lowering cannot give every loop of a kernel one sharding "
+            f"({message})", hint="split the operands of reshapes along one mesh axis only")
     return UnsupportedProgramError(
-        f"TVM's local-view lowering cannot give every loop of a kernel one sharding "
-        f"({message})",
-        hint="split the operands of reshapes along one mesh axis only")
+        f"TVM's LowerGlobalViewToLocalView failed: {message}",
+        hint="report the module; as a workaround, replicate the operands of the kernel "
+        "that fails")
 
 
 def _sharded_kernels(mod: tvm.IRModule):

@@ -97,6 +97,30 @@ def test_a_reshape_whose_loops_tvm_cannot_shard_as_written_lowers_once_simplifie
     np.testing.assert_array_equal(exe.run(x, backend="emulate"), x.reshape(4, 2, 2))
 
 
+@I.ir_module
+class ArgmaxOfSplitRows:
+    I.module_attrs({"device_num": 2})
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @R.function
+    def main(x: R.Tensor((4, 6), "float32")) -> R.Tensor((4,), "int64"):
+        with R.dataflow():
+            a = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="S[0]")
+            y = R.argmax(a, axis=1)
+            R.output(y)
+        return y
+
+
+def test_any_kernel_tvm_cannot_lower_to_the_local_view_is_named():
+    """TVM's local view cannot lower an argmax of split rows (its reduction block writes
+    two buffers); the error names the kernel, its variable and its operands."""
+    with pytest.raises(td.errors.UnsupportedProgramError,
+                       match="cannot lower kernel 'argmax' with its operands x S\\[0\\]") as err:
+        td.lower_to_ranks(ArgmaxOfSplitRows)
+    assert err.value.function == "main" and err.value.var == "y"
+    assert "replicate the operands of this kernel" in err.value.hint
+
+
 def test_a_kernel_whose_loops_tvm_cannot_shard_even_simplified_is_refused_by_name(monkeypatch):
     from tvm_distx.legalize import local_view
 

@@ -73,6 +73,41 @@ def test_a_list_index_counts_negative_entries_from_the_end(index):
     np.testing.assert_array_equal(takes[0].args[1].value.numpy(), np.array(index) % 6)
 
 
+def _ops(mod) -> set[str]:
+    names = set()
+    relax.analysis.post_order_visit(mod["main"].body, lambda e: names.add(e.op.name) if (
+        isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op)) else None)
+    return names
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("keep", [True, False])
+def test_max_and_min_along_an_axis_are_reductions(largest, keep):
+    """GPT-OSS's ``scores.max(dim=-1, keepdim=True).values``: a reduction that sharding sees
+    through (TVM's ``topk`` of one gathered the scores of every head)."""
+    class Extreme(torch.nn.Module):
+        def forward(self, x):
+            found = x.max(dim=-1, keepdim=keep) if largest else x.min(dim=2, keepdim=keep)
+            return x.sum(-1, keepdim=keep) - found.values
+
+    x = torch.randn(2, 3, 5)
+    run_like_torch(Extreme(), x)
+    ops = _ops(td.from_torch(Extreme(), (x,))[0])
+    assert "relax.topk" not in ops and not {"relax.argmax", "relax.argmin"} & ops
+    assert ("relax.max" if largest else "relax.min") in ops
+
+
+def test_the_indices_of_max_along_an_axis_are_computed_when_read():
+    class Both(torch.nn.Module):
+        def forward(self, x):
+            values, indices = x.max(dim=1)
+            return values * indices.to(x.dtype)
+
+    x = torch.randn(4, 6)
+    run_like_torch(Both(), x)
+    assert "relax.argmax" in _ops(td.from_torch(Both(), (x,))[0])
+
+
 def test_an_operator_the_frontend_cannot_translate_is_named(monkeypatch):
     """The error names the ATen operator and its node, not only TVM's exception.
 

@@ -23,11 +23,12 @@ from tvm_distx.plans import presets  # noqa: E402
 
 from hf_tiny import MORE, VOCAB, build, logits, tokens  # noqa: E402
 
-#: Families tested with two layers: Gemma3 alternates sliding and full attention.
-LAYERS = {"gemma3_text": 2}
+#: Families tested with two layers: Gemma3 and GPT-OSS alternate sliding and full attention.
+LAYERS = {"gemma3_text": 2, "gpt_oss": 2}
 #: Matrices each rank holds whole by design, per family (name fragments).
 WHOLE_BY_DESIGN = {"minicpm3": ("q_a_proj", "kv_a_proj_with_mqa"),
-                   "falcon_mqa": ("query_key_value_weight_seg1", "query_key_value_weight_seg2")}
+                   "falcon_mqa": ("query_key_value_weight_seg1", "query_key_value_weight_seg2"),
+                   "gpt_oss": ("router",)}
 #: Families whose attention and MLP outputs are summed before the residual add (no bias
 #: between): one all-reduce serves both.
 SHARED_ALL_REDUCE = {"falcon_mqa", "falcon_gqa"}

@@ -50,6 +50,9 @@ MORE = {
         tie_word_embeddings=False, **_IDS)),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(
         vocab_size=VOCAB, hidden_size=64, n_head=4, initializer_range=0.5, **_IDS)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(    # attention sinks, MoE
+        _SHAPE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"])),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(_SHAPE)),
     "glm": ("GlmConfig", "GlmForCausalLM", dict(_SHAPE, head_dim=16)),
     "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(

@@ -230,6 +230,30 @@ def test_the_comparison_prefers_expert_parallel(mixtral_block):
                                atol=1e-4, rtol=0)
 
 
+def test_a_plan_that_cannot_be_lowered_is_not_chosen(mixtral_block, monkeypatch):
+    """A plan the module cannot be lowered with (GPT-OSS's prefill over a run-time prompt
+    length with the experts' tensor plan) leaves the other; both refused is an error."""
+    mod, _, _, _ = mixtral_block
+    meshed = set_device_meshes(mod, [(2,)])
+    apply = moe.MoePlan.apply
+
+    def refuse(strategies):
+        def patched(plan, mod, function="main"):
+            if plan.strategy in strategies:
+                raise td.errors.UnsupportedProgramError(f"no {plan.strategy} plan here")
+            return apply(plan, mod, function)
+        monkeypatch.setattr(moe.MoePlan, "apply", patched)
+
+    refuse({"expert"})
+    comparison = moe.compare(meshed)
+    assert comparison.chosen == "tensor" and comparison.expert is None
+    assert "no expert plan here" in comparison.refused["expert"]
+    assert "expert parallel          cannot be lowered" in str(comparison)
+    refuse({"expert", "tensor"})
+    with pytest.raises(td.errors.UnsupportedProgramError, match="no expert plan here"):
+        moe.compare(meshed)
+
+
 def test_qwen2_moe_runs_expert_parallel_on_two_mpi_ranks():
     """Qwen2-MoE: q/k/v biases, and a dense shared expert with a sigmoid gate beside the
     routed experts (replicated here)."""

@@ -17,6 +17,8 @@ already know:
 * ``full``: a 0-d constant broadcast when the value is infinite or NaN;
 * ``new_empty``: ``zeros``;
 * ``numpy_T`` (``weight.T``, Falcon's linears): ``permute_dims`` of every axis;
+* ``max.dim``, ``min.dim``: a reduction (TVM's is a ``topk`` of one, which sharding
+  cannot see through), and the indices only when they are read;
 * ``index`` with negative indices (Falcon's ``fused_qkv[..., [-2], :]``): counted
   from the end before TVM's translation, which would read out of bounds;
 * ``layer_norm`` without a weight or a bias (OLMo's): constants in their place;
@@ -33,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 from typing import Callable
 
 import numpy as np
@@ -437,6 +440,36 @@ _SHAPE_CHECKED = ("slice.Tensor", "narrow.default", "split.Tensor", "select.int"
 
 
 #: Converters by ATen overload name, for ``from_exported_program(custom_convert_map=...)``.
+def _extreme_along(largest: bool) -> Callable:
+    """``max.dim`` / ``min.dim``: the values by a reduction, the indices only when read.
+
+    TVM's translation is a ``topk`` of one element, which carries no sharding rule:
+    GPT-OSS's ``scores.max(dim=-1, keepdim=True).values`` over scores split by heads
+    gathered every head's scores. A reduction along the axis keeps every other axis
+    where it lies. The indices, an ``argmax``/``argmin``, are emitted only when the
+    program reads them.
+    """
+
+    def convert(node, importer):
+        bb, env = importer.block_builder, importer.env
+        x = env[node.args[0]]
+        axis = int(_arg(node, 1, "dim"))
+        keep = bool(_arg(node, 2, "keepdim", False))
+        reduce, pick = (relax.op.max, relax.op.argmax) if largest else (relax.op.min,
+                                                                         relax.op.argmin)
+        values = bb.emit(reduce(x, axis=axis, keepdims=keep))
+        getitems = [user for user in node.users if user.target is operator.getitem]
+        if len(getitems) == len(node.users) and not any(
+                user.args[1] == 1 and user.users for user in getitems):
+            return (values, None)  # the indices are never read
+        indices = bb.emit(pick(x, axis=axis, keepdims=keep))
+        if _dtype_of(indices) != "int64":
+            indices = bb.emit(relax.op.astype(indices, "int64"))
+        return bb.emit(relax.Tuple([values, indices]))
+
+    return convert
+
+
 def _lifted_value(node, constants: dict[str, np.ndarray]) -> np.ndarray | None:
     """The value of a tensor constant torch.export lifted to an input, behind ``node``."""
     while getattr(node, "op", None) == "call_function" and len(node.args) == 1 and \
@@ -483,6 +516,8 @@ CONVERTERS: dict[str, Callable] = {
     "numpy_T.default": _numpy_t,
     "index.Tensor": _index_from_the_end,
     "layer_norm.default": _layer_norm,
+    "max.dim": _extreme_along(largest=True),
+    "min.dim": _extreme_along(largest=False),
     **{name: _with_torch_dtype(name) for name in _DTYPE_CHECKED},
     **{name: _with_torch_shape(name) for name in _SHAPE_CHECKED},
 }

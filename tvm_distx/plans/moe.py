@@ -54,7 +54,7 @@ under expert parallelism too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 import logging
 from typing import TYPE_CHECKING
 
@@ -63,7 +63,7 @@ import tvm
 from tvm_distx._deprecated import deprecated_names
 from tvm_distx.build.pipeline import run_stages
 from tvm_distx.build.schedule.experts import EXPERTS_ATTR, ExpertsKernel, expert_mlp_flops
-from tvm_distx.errors import RuleError
+from tvm_distx.errors import DistxError, RuleError
 from tvm_distx.layout.mesh import device_meshes
 from tvm_distx.layout.rules import ShardingRule, pattern_entries, rules_for
 from tvm_distx.passes import AnnotateSharding, SplitFusedProjections
@@ -393,8 +393,9 @@ class MoeComparison:
 
     Attributes
     ----------
-    expert, tensor : CommReport
-        The comm reports of :func:`expert_parallel` and :func:`expert_tensor_parallel`.
+    expert, tensor : CommReport or None
+        The comm reports of :func:`expert_parallel` and :func:`expert_tensor_parallel`;
+        None for a plan the module cannot be lowered with (its reason in ``refused``).
     chosen : str
         ``"expert"`` or ``"tensor"``.
     expert_flops, tensor_flops : float or None
@@ -407,11 +408,12 @@ class MoeComparison:
         dispatch is not the one :mod:`tvm_distx.plans.moe_dispatch` reads.
     """
 
-    expert: CommReport
-    tensor: CommReport
+    expert: CommReport | None
+    tensor: CommReport | None
     chosen: str
     expert_flops: float | None = None
     tensor_flops: float | None = None
+    refused: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
     def collectives(report) -> list:
@@ -428,6 +430,9 @@ class MoeComparison:
                 ("expert parallel", "expert", self.expert, self.expert_flops),
                 ("tensor parallel experts", "tensor", self.tensor, self.tensor_flops)):
             mark = "  <- chosen" if key == self.chosen else ""
+            if report is None:
+                lines.append(f"{label:<24} cannot be lowered: {self.refused.get(key, '')}")
+                continue
             rows = self.collectives(report)
             kinds = ", ".join(sorted({r.collective for r in rows})) or "-"
             work = "-" if flops is None else f"{round(flops):,}"
@@ -480,18 +485,23 @@ def compare(mod: tvm.IRModule, base: Preset | None = None, *, model_axis: int = 
     MoeComparison
     """
 
-    reports = {}
+    reports, refused, errors = {}, {}, {}
     for strategy in ("expert", "tensor"):
         plan = MoePlan(strategy, base, model_axis, mesh_ndim)
-        reports[strategy] = comm_report(run_stages(plan.apply(mod, function))["local_view"])
-    cheaper = min(("expert", "tensor"), key=lambda s: (MoeComparison._cost(reports[s]),
-                                                        s != "expert"))
+        try:
+            reports[strategy] = comm_report(run_stages(plan.apply(mod, function))["local_view"])
+        except DistxError as err:  # this plan cannot be lowered (say, over run-time extents)
+            reports[strategy], errors[strategy] = None, err
+            refused[strategy] = str(err).splitlines()[0]
+    if len(errors) == 2:
+        raise errors["expert"]
+    cheaper = min((s for s in ("expert", "tensor") if reports[s] is not None),
+                  key=lambda s: (MoeComparison._cost(reports[s]), s != "expert"))
 
-    meshes = list(device_meshes(mod).values())
     meshes = list(device_meshes(mod).values())
     ranks = meshes[0].shape[model_axis] if meshes else 1
     result = MoeComparison(reports["expert"], reports["tensor"], cheaper,
-                           *expert_mlp_work(mod, ranks, function))
+                           *expert_mlp_work(mod, ranks, function), refused=refused)
     logger.info("MoE plans compared:\n%s", result)
     return result
 
