@@ -87,6 +87,10 @@ def _causal_lm(out: str, scratch: Path) -> None:
     assert "tokens/s" in out
 
 
+def _sampling(out: str, scratch: Path) -> None:
+    assert "same seed, same tokens: True" in out
+
+
 def _quantized(out: str, scratch: Path) -> None:
     assert "['down', 'down_scale', 'up', 'up_scale']" in out
     assert _error(out, "quantized max |error|:") < 1e-4
@@ -107,6 +111,7 @@ CHECKS = {
     "kv decode tokens": _kv,
     "CausalLM equals transformers": _causal_lm,
     "quantized max |error|": _quantized,
+    "same seed, same tokens": _sampling,
 }
 
 

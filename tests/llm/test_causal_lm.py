@@ -17,12 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy import stats
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
+from tvm_distx.runtime.sampling import Sampling  # noqa: E402
 
 from hf_tiny import build, greedy, greedy_batch, prompt_ids  # noqa: E402
 
@@ -305,3 +307,58 @@ def test_a_rank_killed_mid_generation_ends_it_naming_the_rank(llama):
         time.sleep(0.1)
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)  # no orphan left
 
+
+
+# ------------------------------------------------------------------ sampling on the ranks
+SAMPLED = dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1)
+
+
+def test_a_seed_gives_the_same_sampled_tokens_on_every_backend(llama, bundle):
+    _, lm = llama
+    prompt = prompt_ids(5, seed=8)
+    want = lm.generate(prompt, NEW_TOKENS, seed=3, **SAMPLED)
+    assert not np.array_equal(want, lm.generate(prompt, NEW_TOKENS))  # not greedy
+    assert not np.array_equal(want, lm.generate(prompt, NEW_TOKENS, seed=4, **SAMPLED))
+    for backend in ("emulate", "disco"):
+        with CausalLM.from_bundle(bundle, backend=backend, num_ranks=2) as served:
+            np.testing.assert_array_equal(served.generate(prompt, NEW_TOKENS, seed=3, **SAMPLED),
+                                          want, err_msg=backend)
+    # a batch draws row after row from one generator: seeded, it repeats too
+    batch = lm.generate(BATCH, NEW_TOKENS, seed=3, **SAMPLED)
+    again = lm.generate(BATCH, NEW_TOKENS, seed=3, **SAMPLED)
+    for row, same in zip(batch, again):
+        np.testing.assert_array_equal(row, same)
+
+
+def test_top_k_1_is_greedy_and_the_penalty_applies_to_greedy_as_in_transformers(llama):
+    model, lm = llama
+    prompt = prompt_ids(6, seed=9)
+    np.testing.assert_array_equal(lm.generate(prompt, NEW_TOKENS, do_sample=True, top_k=1,
+                                              seed=1)[0], greedy(model, prompt, NEW_TOKENS))
+    with torch.no_grad():
+        want = model.generate(torch.from_numpy(prompt[None, :]), max_new_tokens=NEW_TOKENS,
+                              do_sample=False, repetition_penalty=1.5, eos_token_id=None,
+                              pad_token_id=0)[0].numpy()
+    np.testing.assert_array_equal(lm.generate(prompt, NEW_TOKENS, repetition_penalty=1.5)[0],
+                                  want)
+
+
+def test_the_first_sampled_token_follows_the_processed_softmax(llama):
+    """A chi-square test over 1,500 seeded draws of the first token, against transformers'
+    logits processed by the same options."""
+    model, lm = llama
+    prompt = prompt_ids(5, seed=10)
+    options = dict(do_sample=True, temperature=2.0, top_k=20)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(prompt[None, :])).logits[0, -1].numpy()
+    probs = Sampling(**options).probabilities(logits, prompt)
+    draws = np.bincount([int(lm.generate(prompt, 1, seed=seed, **options)[0, -1])
+                         for seed in range(1500)], minlength=probs.size)
+    assert draws[probs == 0].sum() == 0
+    expected = probs * draws.sum()
+    common = expected >= 5  # the chi-square approximation wants 5 or more per cell
+    observed = np.append(draws[common], draws[~common].sum())
+    expected = np.append(expected[common], expected[~common].sum())
+    keep = expected > 0
+    _, p_value = stats.chisquare(observed[keep], expected[keep])
+    assert p_value > 1e-3, (p_value, observed, expected)

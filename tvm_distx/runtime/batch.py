@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -68,8 +68,12 @@ def left_padded(prompts: Sequence[np.ndarray], batch: int, max_length: int,
 
 
 def generate_batch(lm, prompts: Sequence[np.ndarray], max_new_tokens: int,
-                   stops: set[int], pad_token_id: int | None) -> list[np.ndarray]:
-    """Greedy generation of ``prompts`` on ``lm``'s batched functions; each row's new tokens.
+                   stops: set[int], pad_token_id: int | None,
+                   sampler: Callable[[np.ndarray, Sequence[int]], int]) -> list[np.ndarray]:
+    """Generation of ``prompts`` on ``lm``'s batched functions; each row's new tokens.
+
+    ``sampler(logits, previous)`` chooses each row's token
+    (:class:`tvm_distx.runtime.sampling.Sampler`), row after row.
 
     The prompts run in chunks of the exported batch (``lm.batch_cache.batch``),
     all checked before the first call. Statistics go to ``lm.stats`` (one
@@ -103,12 +107,13 @@ def generate_batch(lm, prompts: Sequence[np.ndarray], max_new_tokens: int,
     pad = int(pad_token_id if pad_token_id is not None else 0)
     size, new = lm.batch_cache.batch, []
     for start in range(0, len(prompts), size):
-        new += _chunk(lm, prompts[start:start + size], max_new_tokens, stops, pad, static)
+        new += _chunk(lm, prompts[start:start + size], max_new_tokens, stops, pad, static,
+                      sampler)
     return new
 
 
 def _chunk(lm, prompts: Sequence[np.ndarray], max_new_tokens: int, stops: set[int],
-           pad: int, static: int | None) -> list[np.ndarray]:
+           pad: int, static: int | None, sampler) -> list[np.ndarray]:
     """:func:`generate_batch` of at most one batch of prompts (checked)."""
     batch, limit = lm.batch_cache.batch, lm.batch_cache.max_length
     ids, positions, mask = left_padded(prompts, batch, limit, pad, length=static)
@@ -119,10 +124,12 @@ def _chunk(lm, prompts: Sequence[np.ndarray], max_new_tokens: int, stops: set[in
     running = np.ones(batch, bool)
     running[count:] = False  # the filler rows: computed, never read
     started = time.perf_counter()
-    tokens = _step(lm, "prefill_batch", ids, np.arange(longest), positions, mask)
+    logits = _step(lm, "prefill_batch", ids, np.arange(longest), positions, mask)
     lm.stats.prefill_seconds += time.perf_counter() - started
+    tokens = np.full(batch, pad, np.int64)
     for step in range(max_new_tokens):
         for row in np.flatnonzero(running):
+            tokens[row] = sampler(logits[row], [*prompts[row], *new[row]])
             new[row].append(int(tokens[row]))
             if int(tokens[row]) in stops:
                 running[row] = False
@@ -130,7 +137,7 @@ def _chunk(lm, prompts: Sequence[np.ndarray], max_new_tokens: int, stops: set[in
             break
         fed = np.where(running, tokens, pad).astype(np.int64)[:, None]
         started = time.perf_counter()
-        tokens = _step(lm, "decode_batch", fed, np.array([longest + step]),
+        logits = _step(lm, "decode_batch", fed, np.array([longest + step]),
                        (lengths + step)[:, None].astype(np.int64), mask)
         elapsed = time.perf_counter() - started
         lm.stats.decode_seconds += elapsed
@@ -148,10 +155,10 @@ def _static_prompt_length(lm) -> int | None:
 
 
 def _step(lm, function: str, ids, cache_position, positions, mask) -> np.ndarray:
-    """One batched call, the caches kept on the ranks; each row's greedy token."""
+    """One batched call, the caches kept on the ranks; each row's last logits."""
     names = lm.batch_cache.names
     (logits,) = lm.session.run(
         ids, cache_position, positions, mask, function=function,
         state={n: RESIDENT_PREFIX + n for n in names},
         keep={index + 1: RESIDENT_PREFIX + name for index, name in enumerate(names)})
-    return np.asarray(logits)[:, -1].argmax(axis=-1)
+    return np.asarray(logits)[:, -1]

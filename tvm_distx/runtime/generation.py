@@ -1,13 +1,14 @@
-"""Greedy generation over a session whose ranks keep the key-value cache: :class:`Generator`.
+"""Generation over a session whose ranks keep the key-value cache: :class:`Generator`.
 
 A generation bundle (:mod:`tvm_distx.bundle.generation`) holds ``prefill`` and
 ``decode``. :meth:`Generator.generate` runs the prefill once and one decode per
 new token on a session (:class:`~tvm_distx.runtime.base.Session`, any backend).
 The caches never leave the ranks: each call takes them from the ranks' resident
 values and keeps the new ones there (the session's ``state`` and ``keep``);
-only the token ids go in and the logits come out. Greedy decoding, as
-transformers' ``generate(do_sample=False)``; the result is the prompt followed by
-the new tokens. A prompt longer than :attr:`Generator.prefill_chunk` tokens is
+only the token ids go in and the logits come out. Each new token is chosen on
+the host from the last position's logits, greedy or sampled as transformers'
+``generate`` does (:mod:`tvm_distx.runtime.sampling`); the result is the prompt
+followed by the new tokens. A prompt longer than :attr:`Generator.prefill_chunk` tokens is
 prefilled in chunks of that many, one ``prefill`` call each at its positions
 (the same function, whatever the prompt's length: its activations stay bounded
 by the chunk). :meth:`Generator.stream` yields the tokens as they come;
@@ -33,6 +34,7 @@ import numpy as np
 from tvm_distx.bundle.generation import GenerationInfo, KVCacheLayout
 from tvm_distx.errors import ArgumentError
 from tvm_distx.runtime.batch import generate_batch
+from tvm_distx.runtime.sampling import Sampler, Sampling
 
 __all__ = ["Generator", "GenerationStats", "PREFILL_CHUNK", "prompts_of", "stops_of"]
 
@@ -74,7 +76,7 @@ class GenerationStats:
 
 
 class Generator:
-    """Greedy generation with a generation bundle's functions on a session.
+    """Generation with a generation bundle's functions on a session.
 
     Parameters
     ----------
@@ -119,8 +121,8 @@ class Generator:
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids, max_new_tokens: int = 32, *,
-                 eos_token_id: int | Sequence[int] | None = None):
-        """Greedy generation: the prompt followed by up to ``max_new_tokens`` new tokens.
+                 eos_token_id: int | Sequence[int] | None = None, **sampling):
+        """The prompt followed by up to ``max_new_tokens`` new tokens, greedy or sampled.
 
         Parameters
         ----------
@@ -135,6 +137,11 @@ class Generator:
         eos_token_id : int or sequence of int, optional
             Stop a prompt at these tokens (kept in the output). None: never stop
             early. (:attr:`eos_token_id` holds the model's own.)
+        **sampling
+            ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+            ``repetition_penalty``, ``seed``: see
+            :class:`~tvm_distx.runtime.sampling.Sampling`. Greedy by default.
+            Several prompts draw from one generator, in order.
 
         Returns
         -------
@@ -143,15 +150,16 @@ class Generator:
             array when every row has the same length, else a list of rows.
         """
         prompts, single = prompts_of(input_ids)
+        sampler = Sampler(Sampling.of(sampling))
         self.stats = GenerationStats(bytes_per_token=self.stats.bytes_per_token)
         if len(prompts) > 1 and self.batch_cache is not None:
             new = generate_batch(self, prompts, max_new_tokens, stops_of(eos_token_id),
-                                 self.pad_token_id)
+                                 self.pad_token_id, sampler)
             rows = [np.concatenate([p, n]) for p, n in zip(prompts, new)]
         else:
             rows = [np.concatenate([p, list(self.stream(p, max_new_tokens,
                                                         eos_token_id=eos_token_id,
-                                                        _keep_stats=True))])
+                                                        _keep_stats=True, _sampler=sampler))])
                     for p in prompts]
         if single:
             return rows[0][None, :]
@@ -161,8 +169,11 @@ class Generator:
 
     def stream(self, input_ids, max_new_tokens: int = 32, *,
                eos_token_id: int | Sequence[int] | None = None,
-               _keep_stats: bool = False) -> Iterator[int]:
-        """Yield one prompt's new tokens as they are generated (greedy)."""
+               _keep_stats: bool = False, _sampler: Sampler | None = None,
+               **sampling) -> Iterator[int]:
+        """Yield one prompt's new tokens as they are generated (the options of
+        :meth:`generate`)."""
+        sampler = _sampler if _sampler is not None else Sampler(Sampling.of(sampling))
         prompts, _ = prompts_of(input_ids)
         if len(prompts) != 1:
             raise ArgumentError("stream() takes one prompt",
@@ -186,15 +197,17 @@ class Generator:
         if not _keep_stats:
             self.stats = GenerationStats(bytes_per_token=self.stats.bytes_per_token)
         started = time.perf_counter()
-        token = self._prefill(prompt)
+        sequence = [int(t) for t in prompt]
+        token = sampler(self._prefill(prompt), sequence)
         self.stats.prefill_seconds += time.perf_counter() - started
         yield token
         for step in range(max_new_tokens - 1):
             if token in stops:
                 return
+            sequence.append(token)
             started = time.perf_counter()
-            token = self._step("decode", np.array([[token]], prompt.dtype),
-                               np.array([length + step]))
+            token = sampler(self._step("decode", np.array([[token]], prompt.dtype),
+                                       np.array([length + step])), sequence)
             elapsed = time.perf_counter() - started
             self.stats.decode_seconds += elapsed
             self.stats.per_step.append(elapsed)
@@ -214,16 +227,17 @@ class Generator:
                                 "call")
         self._prefill_chunk = None if value is None else int(value)
 
-    def _prefill(self, prompt: np.ndarray) -> int:
-        """Fill the cache with ``prompt`` (in chunks of :attr:`prefill_chunk`); its next token."""
+    def _prefill(self, prompt: np.ndarray) -> np.ndarray:
+        """Fill the cache with ``prompt`` (in chunks of :attr:`prefill_chunk`); the logits
+        of its last position."""
         length = len(prompt)
         chunk = self._prefill_chunk or length
         if self._static_prompt_length() is not None:
             chunk = length  # the function takes that one length
         for begin in range(0, length, chunk):
             end = min(begin + chunk, length)
-            token = self._step("prefill", prompt[None, begin:end], np.arange(begin, end))
-        return token
+            logits = self._step("prefill", prompt[None, begin:end], np.arange(begin, end))
+        return logits
 
     def _static_prompt_length(self) -> int | None:
         """The prompt length ``prefill`` was exported for; None for any (symbolic)."""
@@ -233,13 +247,13 @@ class Generator:
         extent = manifest.function("prefill").params[0].shape[1]
         return extent if isinstance(extent, int) else None
 
-    def _step(self, function: str, ids: np.ndarray, positions: np.ndarray) -> int:
-        """One call: the caches stay on the ranks; the last position's greedy token."""
+    def _step(self, function: str, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One call: the caches stay on the ranks; the last position's logits."""
         names = self.cache.names
         (logits,) = self.session.run(
             ids, positions, function=function, state={n: n for n in names},
             keep={index + 1: name for index, name in enumerate(names)})
-        return int(np.asarray(logits)[0, -1].argmax())
+        return np.asarray(logits)[0, -1]
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
