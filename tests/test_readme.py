@@ -91,6 +91,10 @@ def _sampling(out: str, scratch: Path) -> None:
     assert "same seed, same tokens: True" in out
 
 
+def _text(out: str, scratch: Path) -> None:
+    assert "streamed text equals the text: True" in out
+
+
 def _quantized(out: str, scratch: Path) -> None:
     assert "['down', 'down_scale', 'up', 'up_scale']" in out
     assert _error(out, "quantized max |error|:") < 1e-4
@@ -112,6 +116,7 @@ CHECKS = {
     "CausalLM equals transformers": _causal_lm,
     "quantized max |error|": _quantized,
     "same seed, same tokens": _sampling,
+    "streamed text equals the text": _text,
 }
 
 

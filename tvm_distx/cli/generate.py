@@ -1,8 +1,11 @@
-"""``tvm-distx generate``: greedy tokens from a generation bundle, a checkpoint or a GGUF file.
+"""``tvm-distx generate``: text or tokens from a generation bundle, a checkpoint or a GGUF file.
 
-``MODEL --ids 1 15 22 [--backend mpi|disco|emulate] [-n N] [--max-new-tokens K]``
+``MODEL --prompt "text" | --chat "message" | --ids 1 15 22 [--backend mpi|disco|emulate]
+[-n N] [--max-new-tokens K] [--do-sample --temperature T --top-k K --top-p P --seed S]``
 serves MODEL on the chosen backend (on several hosts with ``--hostfile``, see
-:mod:`tvm_distx.cli.hosts`) and prints the prompt followed by the new tokens, with a
+:mod:`tvm_distx.cli.hosts`). With ``--prompt`` or ``--chat`` it prints the new text as it
+is generated, by the tokenizer that sits with the model (its chat template for
+``--chat``); with ``--ids`` it prints the prompt followed by the new tokens, with a
 progress display on a terminal. MODEL is
 
 * a generation bundle (``CausalLM.export``), served with
@@ -91,36 +94,96 @@ def _open(args: argparse.Namespace, prompt: np.ndarray, causal_lm):
                                          quantization=args.quantization, **common)
 
 
+#: The sampling flags, by the name of their :class:`~tvm_distx.runtime.sampling.Sampling` field.
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    """The sampling options the flags give (transformers' defaults for the others)."""
+    options = {name: getattr(args, name) for name in _SAMPLING if getattr(args, name) is not None}
+    if args.do_sample:
+        options["do_sample"] = True
+    return options
+
+
+def _text_prompt(args: argparse.Namespace):
+    """``(prompt, ids)`` of ``--prompt`` or ``--chat`` (text or messages), else None."""
+    from tvm_distx.runtime.text import Tokenizer
+
+    if args.prompt is None and args.chat is None:
+        for flag in ("system", "stop"):
+            if getattr(args, flag):
+                raise ArgumentError(f"--{flag} applies to text", hint="give --prompt or --chat")
+        return None
+    if args.prompt is not None and args.chat is not None:
+        raise ArgumentError("give --prompt or --chat, not both", hint="--chat 'Hello'")
+    if args.ids or args.input is not None:
+        raise ArgumentError("give the prompt once: as text (--prompt, --chat) or as token ids "
+                            "(--ids, --input)", hint="leave --ids and --input out")
+    if args.system is not None and args.chat is None:
+        raise ArgumentError("--system applies to --chat", hint="--chat 'Hello' --system "
+                            "'Answer briefly'")
+    path = args.bundle
+    tokenizer = (Tokenizer.from_gguf(path) if path.is_file() else
+                 Tokenizer.from_directory(path) if path.is_dir() else None)
+    if tokenizer is None:
+        raise ArgumentError(f"{path} holds no tokenizer, so it cannot take text",
+                            hint="give token ids with --ids, or put the tokenizer files "
+                            "(tokenizer.json, tokenizer_config.json) beside the model")
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            [{"role": "user", "content": args.chat}]
+        return messages, np.asarray(tokenizer.encode_chat(messages), np.int64)
+    return args.prompt, np.asarray(tokenizer.encode(args.prompt), np.int64)
+
+
+def _id_prompt(args: argparse.Namespace) -> np.ndarray:
+    """The token ids of ``--ids`` or ``--input``."""
+    if args.ids:
+        return np.asarray(args.ids, np.int64)
+    if args.input is not None:
+        _input_file(args.input, "--input file")
+        try:
+            return np.load(args.input, allow_pickle=False).astype(np.int64).reshape(-1)
+        except ValueError as err:
+            raise ArgumentError(f"--input file {args.input} is not a .npy array ({err})") \
+                from None
+    raise ArgumentError("generate needs a prompt", hint="give text: --prompt 'Once upon a "
+                        "time', or --chat 'Hello', or token ids: --ids 1 15 22")
+
+
 def generate(args: argparse.Namespace) -> int:
-    """``tvm-distx generate``: greedy tokens from a generation bundle on its ranks."""
+    """``tvm-distx generate``: text or tokens from a model on its ranks."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from tvm_distx.llm.causal_lm import CausalLM
+    from tvm_distx.runtime.sampling import Sampling
 
     _writable_file(args.output, "-o")
-    if args.ids:
-        prompt = np.asarray(args.ids, np.int64)
-    elif args.input is not None:
-        _input_file(args.input, "--input file")
-        try:
-            prompt = np.load(args.input, allow_pickle=False).astype(np.int64).reshape(-1)
-        except ValueError as err:
-            raise ArgumentError(f"--input file {args.input} is not a .npy array ({err})") \
-                from None
-    else:
-        raise ArgumentError("generate needs a prompt", hint="give token ids: --ids 1 15 22, "
-                            "or --input prompt.npy")
+    sampling = _sampling(args)
+    Sampling.of(sampling)  # refused before any rank starts
+    text = _text_prompt(args)
+    prompt = text[1] if text is not None else _id_prompt(args)
     console = Console(stderr=True)
     lm = _open(args, prompt, CausalLM)
     lm.prefill_chunk = args.prefill_chunk
+    if text is not None:
+        with lm:
+            for piece in lm.stream_text(text[0], args.max_new_tokens, stop_strings=args.stop,
+                                        **sampling):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        _log_speed(lm)
+        return EXIT_OK
     with lm, Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[rate]}"), console=console, transient=True,
                       disable=not console.is_terminal) as progress:
         task = progress.add_task("tokens", total=args.max_new_tokens, rate="")
         tokens = []
         for token in lm.stream(prompt, args.max_new_tokens, eos_token_id=(
-                lm.eos_token_id if args.stop_at_eos else None)):
+                lm.eos_token_id if args.stop_at_eos else None), **sampling):
             tokens.append(token)
             progress.update(task, advance=1,
                             rate=f"{lm.stats.decode_tokens_per_second:.1f} tokens/s")
@@ -128,6 +191,10 @@ def generate(args: argparse.Namespace) -> int:
     if args.output is not None:
         np.save(args.output, out[None, :])
     sys.stdout.write(" ".join(str(t) for t in out) + "\n")
-    logger.info("generated %d tokens: prefill %.3f s, decode %.1f tokens/s", len(tokens),
-                lm.stats.prefill_seconds, lm.stats.decode_tokens_per_second)
+    _log_speed(lm)
     return EXIT_OK
+
+
+def _log_speed(lm) -> None:
+    logger.info("prefill %.3f s, decode %.1f tokens/s (%d tokens)", lm.stats.prefill_seconds,
+                lm.stats.decode_tokens_per_second, lm.stats.new_tokens)

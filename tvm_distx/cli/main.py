@@ -428,7 +428,7 @@ def _parser() -> argparse.ArgumentParser:
     add_host_arguments(p)
     p.set_defaults(handler=_run)
 
-    p = sub.add_parser("generate", help="greedy tokens from a generation bundle "
+    p = sub.add_parser("generate", help="text or tokens from a generation bundle "
                        "(CausalLM.export), a Hugging Face checkpoint or a GGUF file")
     p.add_argument("bundle", type=Path, metavar="MODEL",
                    help="a directory written by CausalLM.export, a checkpoint directory "
@@ -453,7 +453,26 @@ def _parser() -> argparse.ArgumentParser:
                    help="a checkpoint's or GGUF file's cache length (default: the prompt "
                    "and the new tokens)")
     p.add_argument("--stop-at-eos", action="store_true",
-                   help="stop at the model's end token (kept in the output)")
+                   help="with --ids: stop at the model's end token (kept in the output); "
+                   "text always stops there")
+    p.add_argument("--prompt", help="the prompt as text, by the model's tokenizer; the new "
+                   "text is printed as it is generated")
+    p.add_argument("--chat", metavar="MESSAGE", help="a user message, by the tokenizer's chat "
+                   "template; the reply is printed as it is generated")
+    p.add_argument("--system", help="with --chat: a system message before it")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="with --prompt or --chat: stop once the text holds TEXT (repeatable)")
+    p.add_argument("--do-sample", action="store_true",
+                   help="draw each token (transformers' do_sample); greedy without it")
+    p.add_argument("--temperature", type=float, help="divide the logits by it (default 1)")
+    p.add_argument("--top-k", type=int, help="keep the K most likely tokens (default 50)")
+    p.add_argument("--top-p", type=float, help="keep the most likely tokens up to this "
+                   "probability (default 1)")
+    p.add_argument("--min-p", type=float, help="keep tokens at least this fraction as likely "
+                   "as the most likely one")
+    p.add_argument("--repetition-penalty", type=float, help="penalise tokens already there "
+                   "(default 1: none)")
+    p.add_argument("--seed", type=int, help="seed of the draws: the same tokens every run")
     p.add_argument("-o", "--output", type=Path,
                    help="also save the prompt and the new tokens as a (1, n) .npy")
     p.add_argument("--timeout", type=_positive(float), default=300.0,

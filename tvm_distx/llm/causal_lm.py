@@ -31,6 +31,7 @@ without loading the whole model anywhere.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,7 @@ from tvm_distx.plans.hf import HFPlan
 from tvm_distx.reports.comm_report import comm_report
 from tvm_distx.runtime.backends import check_backend, open_session
 from tvm_distx.runtime.generation import PREFILL_CHUNK, GenerationStats, Generator
+from tvm_distx.runtime.text import Tokenizer
 
 __all__ = ["CausalLM", "GenerationStats", "GENERATION_FILE"]
 
@@ -68,10 +70,11 @@ class CausalLM(Generator):
 
     def __init__(self, cache, session, *, exe=None, weights=None, eos_token_id=None,
                  bytes_per_token: int = 0, batch_cache=None, pad_token_id=None,
-                 prefill_chunk: int | None = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int | None = PREFILL_CHUNK, tokenizer=None) -> None:
         super().__init__(cache, session, eos_token_id=eos_token_id,
                          bytes_per_token=bytes_per_token, batch_cache=batch_cache,
-                         pad_token_id=pad_token_id, prefill_chunk=prefill_chunk)
+                         pad_token_id=pad_token_id, prefill_chunk=prefill_chunk,
+                         tokenizer=tokenizer)
         #: the compiled program (None when opened from a bundle)
         self.exe = exe
         #: the global weights given to the session (to export them again)
@@ -86,7 +89,7 @@ class CausalLM(Generator):
                 max_length: int = 256, prompt_length: int | None = None,
                 max_batch: int | None = None, dtype: str | None = None,
                 quantization: str | None = None, timeout: float = 300.0,
-                **options) -> "CausalLM":
+                tokenizer=None, **options) -> "CausalLM":
         """Export, shard, compile and launch ``model`` on ``num_ranks`` ranks.
 
         Parameters
@@ -121,6 +124,10 @@ class CausalLM(Generator):
             of 32 with a float16 scale each; the other weights take ``dtype``.
         timeout : float
             Seconds for the ranks to start and for each call.
+        tokenizer : optional
+            The model's tokenizer, for text prompts and chat: a transformers
+            tokenizer, a :class:`~tvm_distx.runtime.text.Tokenizer`, or a
+            directory holding its files (``tokenizer.json``).
         **options
             the options of
             :class:`~tvm_distx.runtime.mpi.MPISession`: ``hostfile`` or
@@ -133,10 +140,13 @@ class CausalLM(Generator):
             raise ArgumentError(f"CausalLM.from_hf(num_ranks={num_ranks}): need at least one "
                                 "rank", hint="CausalLM.from_hf(model, num_ranks=2)")
         storage = _storage(dtype, quantization, "CausalLM.from_hf")
+        text = _tokenizer_of(tokenizer)  # before the export: a bad one fails at once
         program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
                                  max_batch=max_batch)
-        return cls._serve(model, program, program.weights, num_ranks, backend=backend,
-                          plan=plan, storage=storage, timeout=timeout, **options)
+        lm = cls._serve(model, program, program.weights, num_ranks, backend=backend,
+                        plan=plan, storage=storage, timeout=timeout, **options)
+        lm.tokenizer = text
+        return lm
 
     @classmethod
     def from_pretrained(cls, directory, num_ranks: int = 2, *, backend: str = "mpi",
@@ -190,6 +200,7 @@ class CausalLM(Generator):
             raise ArgumentError(f"CausalLM.from_pretrained(num_ranks={num_ranks}): need at "
                                 "least one rank",
                                 hint="CausalLM.from_pretrained(directory, num_ranks=2)")
+        text = Tokenizer.from_directory(root)
         tensors = open_checkpoint(root, dtype="float32")
         storage = _storage(dtype if dtype is not None else _checkpoint_dtype(tensors),
                            quantization, "CausalLM.from_pretrained")
@@ -208,6 +219,7 @@ class CausalLM(Generator):
                       if (root / "generation_config.json").is_file() else config)
         lm.eos_token_id = getattr(generation, "eos_token_id", None)
         lm.pad_token_id = getattr(generation, "pad_token_id", None)
+        lm.tokenizer = text
         return lm
 
     @classmethod
@@ -260,6 +272,7 @@ class CausalLM(Generator):
                         storage=(formats, None), timeout=timeout, **options)
         lm.eos_token_id = gguf.tokenizer.eos_id
         lm.pad_token_id = gguf.tokenizer.pad_id
+        lm.tokenizer = Tokenizer.from_gguf(path)
         return lm
 
     @classmethod
@@ -320,7 +333,7 @@ class CausalLM(Generator):
         The bundle holds ``prefill`` and ``decode`` (and ``prefill_batch`` and
         ``decode_batch`` when compiled), each rank's weight shards once, and
         ``generation.json``: the caches' layouts and the model's end and pad
-        tokens. Returns the bundle's path.
+        tokens, and the tokenizer's files when it has one. Returns the bundle's path.
 
         Parameters
         ----------
@@ -342,6 +355,8 @@ class CausalLM(Generator):
         root = exe.export(directory, params=self.weights, function=_functions(self.batch_cache))
         GenerationInfo(self.cache, self.batch_cache, self.eos_token_id, self.pad_token_id,
                        self.stats.bytes_per_token).write(root)
+        if self.tokenizer is not None:
+            self.tokenizer.save(root)
         return Path(root)
 
     @classmethod
@@ -384,13 +399,32 @@ class CausalLM(Generator):
                     f"holds the shards of {built} ranks",
                     hint=f"CausalLM.from_bundle(directory, num_ranks={built}), or leave "
                     "num_ranks out", cli_hint=f"--ranks {built}, or leave --ranks out")
+        text = Tokenizer.from_directory(directory)
         session = open_session(directory, backend=backend, timeout=timeout, **options)
-        lm = cls.on(info, session)
+        lm = cls.on(info, session, tokenizer=text)
         manifest = read_manifest(directory)
         lm.weight_bytes_per_rank = weight_bytes_per_rank(
             manifest.functions, {n for names in manifest.weights.values() for n in names},
             manifest.num_ranks)
         return lm
+
+
+def _tokenizer_of(tokenizer) -> Tokenizer | None:
+    """A :class:`Tokenizer` of what ``from_hf(tokenizer=...)`` was given."""
+    if tokenizer is None or isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if isinstance(tokenizer, (str, os.PathLike)):
+        found = Tokenizer.from_directory(tokenizer)
+        if found is None:
+            raise ArgumentError(f"from_hf(tokenizer={str(tokenizer)!r}): no tokenizer files "
+                                "there", hint="give the directory of tokenizer.json, or a "
+                                "transformers tokenizer")
+        return found
+    if hasattr(tokenizer, "save_pretrained"):
+        return Tokenizer.from_transformers(tokenizer)
+    raise ArgumentError(f"from_hf(tokenizer=...) got a {type(tokenizer).__name__}",
+                        hint="give a transformers tokenizer, a tvm_distx Tokenizer or the "
+                        "directory of its files")
 
 
 def _placeholder_model(config):

@@ -35,6 +35,7 @@ from tvm_distx.bundle.generation import GenerationInfo, KVCacheLayout
 from tvm_distx.errors import ArgumentError
 from tvm_distx.runtime.batch import generate_batch
 from tvm_distx.runtime.sampling import Sampler, Sampling
+from tvm_distx.runtime.text import TextStream, Tokenizer
 
 __all__ = ["Generator", "GenerationStats", "PREFILL_CHUNK", "prompts_of", "stops_of"]
 
@@ -98,13 +99,18 @@ class Generator:
         :data:`PREFILL_CHUNK`, 512); a longer prompt is prefilled chunk by chunk.
         None: the whole prompt in one call. Bundles whose ``prefill`` takes
         one static prompt length are always called with the whole prompt.
+    tokenizer : tvm_distx.runtime.text.Tokenizer, optional
+        The model's tokenizer: with it, prompts may be text and chat messages
+        (:meth:`generate`, :meth:`chat`, :meth:`stream_text`).
     """
 
     def __init__(self, cache: KVCacheLayout, session, *, eos_token_id=None,
                  bytes_per_token: int = 0, batch_cache: KVCacheLayout | None = None,
                  pad_token_id: int | None = None,
-                 prefill_chunk: int | None = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int | None = PREFILL_CHUNK,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.prefill_chunk = prefill_chunk
+        self.tokenizer = tokenizer
         self.cache = cache
         self.batch_cache = batch_cache
         self.pad_token_id = pad_token_id
@@ -148,8 +154,18 @@ class Generator:
         numpy.ndarray or list of numpy.ndarray
             ``(1, n + new)`` for one prompt; for several, a ``(b, n + new)``
             array when every row has the same length, else a list of rows.
+        str or list of str
+            For a text prompt (or a list of them): the new text alone, by the
+            model's tokenizer (see :meth:`stream_text` for ``stop_strings``).
         """
+        if isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
+                                          and all(isinstance(p, str) for p in input_ids)):
+            texts = [input_ids] if isinstance(input_ids, str) else list(input_ids)
+            out = ["".join(self.stream_text(t, max_new_tokens, eos_token_id=eos_token_id,
+                                            **sampling)) for t in texts]
+            return out[0] if isinstance(input_ids, str) else out
         prompts, single = prompts_of(input_ids)
+        self._check_ids(prompts)
         sampler = Sampler(Sampling.of(sampling))
         self.stats = GenerationStats(bytes_per_token=self.stats.bytes_per_token)
         if len(prompts) > 1 and self.batch_cache is not None:
@@ -175,6 +191,7 @@ class Generator:
         :meth:`generate`)."""
         sampler = _sampler if _sampler is not None else Sampler(Sampling.of(sampling))
         prompts, _ = prompts_of(input_ids)
+        self._check_ids(prompts)
         if len(prompts) != 1:
             raise ArgumentError("stream() takes one prompt",
                                 hint="call it once per prompt, or use generate()")
@@ -213,6 +230,94 @@ class Generator:
             self.stats.per_step.append(elapsed)
             self.stats.new_tokens += 1
             yield token
+
+    # ------------------------------------------------------------------ text
+    def chat(self, messages: Sequence[dict], max_new_tokens: int = 256, **options) -> str:
+        """The assistant's reply to ``messages`` (``[{"role": "user", "content": ...}]``),
+        by the tokenizer's chat template; the options of :meth:`stream_text`."""
+        return "".join(self.stream_text(messages, max_new_tokens, **options))
+
+    def stream_text(self, prompt: str | Sequence[dict], max_new_tokens: int = 256, *,
+                    eos_token_id: int | Sequence[int] | None = None,
+                    stop_strings: str | Sequence[str] | None = None,
+                    **sampling) -> Iterator[str]:
+        """Yield the new text piece by piece as tokens are generated.
+
+        Parameters
+        ----------
+        prompt : str or list of dict
+            A prompt text, encoded as the tokenizer encodes it (with the model's
+            BOS when its tokenizer adds one), or chat messages, rendered by the
+            chat template with the assistant's turn opened.
+        max_new_tokens : int
+            The most tokens to generate.
+        eos_token_id : int or sequence of int, optional
+            End tokens (never part of the text); by default the model's own.
+        stop_strings : str or sequence of str, optional
+            Stop once the new text holds one of them (the text ends with it).
+        **sampling
+            As :meth:`generate`.
+
+        A piece never splits a character: one whose UTF-8 bytes span several
+        tokens comes out whole, with the token that completes it.
+        """
+        tokenizer = self._need_tokenizer()
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else \
+            tokenizer.encode_chat(prompt)
+        stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ArgumentError(f"stop_strings={stop_strings!r}: each must be non-empty text",
+                                hint='stop_strings=["\\n\\n"]')
+        ends = self.eos_token_id if eos_token_id is None else eos_token_id
+        stream = TextStream(tokenizer)
+        for token in self.stream(np.asarray(ids, np.int64), max_new_tokens, eos_token_id=ends,
+                                 **sampling):
+            if token in stops_of(ends):
+                break
+            piece = stream.push(token)
+            found = [stream.text.find(s, max(0, len(stream.text) - len(piece) - len(s)))
+                     for s in stops]
+            hits = [(at + len(s)) for at, s in zip(found, stops) if at >= 0]
+            if hits:
+                cut = min(hits) - (len(stream.text) - len(piece))
+                yield piece[:cut]
+                return
+            if piece:
+                yield piece
+        rest = stream.flush()
+        if rest:
+            yield rest
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ArgumentError("this model has no tokenizer: give token ids, or load one",
+                                hint="put the tokenizer files (tokenizer.json) beside the "
+                                "checkpoint, or CausalLM.from_hf(model, tokenizer=...)",
+                                cli_hint="give --ids, or use a checkpoint or bundle that "
+                                "holds tokenizer.json")
+        return self.tokenizer
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The size of the logits (the model's vocabulary); None when unknown."""
+        manifest = getattr(self.session, "manifest", None)
+        if manifest is None:
+            return None
+        extent = manifest.function("decode").results[0].shape[-1]
+        return extent if isinstance(extent, int) else None
+
+    def _check_ids(self, prompts: Sequence[np.ndarray]) -> None:
+        """Refuse token ids outside the vocabulary, before any rank runs."""
+        vocab = self.vocab_size
+        for prompt in prompts:
+            bad = prompt[(prompt < 0) | (prompt >= vocab)] if vocab else prompt[prompt < 0]
+            if bad.size:
+                raise ArgumentError(
+                    f"token id {int(bad[0])} is outside the vocabulary "
+                    f"(0 to {vocab - 1})" if vocab else f"token id {int(bad[0])} is negative",
+                    hint="give ids the model's tokenizer made",
+                    cli_hint=f"--ids takes ids from 0 to {vocab - 1}" if vocab else
+                    "--ids takes ids >= 0")
 
     @property
     def prefill_chunk(self) -> int | None:

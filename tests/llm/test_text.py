@@ -1,0 +1,155 @@
+"""Text in and text out: the checkpoint's tokenizer, chat, streamed text, stop strings.
+
+A byte-level BPE tokenizer is trained in the test (``tiny_text``), and a tiny random Llama
+uses its vocabulary. On 2 MPI ranks ``lm.generate(text)`` equals transformers' decoded
+greedy output, ``lm.chat`` equals transformers' ``apply_chat_template`` then ``generate``,
+the streamed pieces join to the same text and never split a character; the bundle carries
+the tokenizer, and the command line prints text.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import tvm_distx as td  # noqa: E402
+from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
+from tvm_distx.runtime.text import TextStream, Tokenizer  # noqa: E402
+
+import tiny_text  # noqa: E402
+
+NEW = 16
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    directory = tiny_text.write_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    hf = tiny_text.hf_tokenizer(directory)
+    model = tiny_text.llama(len(hf))
+    with CausalLM.from_hf(model, num_ranks=2, max_length=64, tokenizer=hf) as lm:
+        yield model, hf, lm
+
+
+def _transformers_text(model, hf, ids: list[int]) -> str:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
+                             pad_token_id=hf.pad_token_id)
+    return hf.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("prompt", ["hello world", "the lazy dog sat", "héllo € 😀"])
+def test_text_equals_transformers_decoded_greedy_output(text_model, prompt):
+    model, hf, lm = text_model
+    want = _transformers_text(model, hf, hf(prompt).input_ids)
+    assert lm.generate(prompt, max_new_tokens=NEW) == want
+    pieces = list(lm.stream_text(prompt, max_new_tokens=NEW))
+    assert "".join(pieces) == want
+    assert lm.generate([prompt, "hello"], max_new_tokens=NEW)[0] == want
+
+
+def test_chat_equals_transformers_chat_template_then_generate(text_model):
+    model, hf, lm = text_model
+    ids = hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert lm.tokenizer.encode_chat(MESSAGES) == list(ids)
+    assert lm.chat(MESSAGES, max_new_tokens=NEW) == _transformers_text(model, hf, list(ids))
+
+
+def test_streamed_text_never_splits_a_character(text_model):
+    _, _, lm = text_model
+    text = "é€😀 and 漢字"
+    ids = lm.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # the characters take several byte tokens each
+    stream = TextStream(lm.tokenizer)
+    pieces = [stream.push(token) for token in ids] + [stream.flush()]
+    assert "".join(pieces) == text
+    assert "" in pieces[:-1]  # a piece waited for the rest of its character
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_generation_stops_at_a_stop_string_and_at_the_end_token(text_model):
+    _, _, lm = text_model
+    full = lm.generate("hello world", max_new_tokens=NEW)
+    stop = full[3:5]
+    cut = lm.generate("hello world", max_new_tokens=NEW, stop_strings=[stop, "never here"])
+    assert cut == full[:full.index(stop) + len(stop)]
+    # the end token ends the text and is not part of it
+    ids = lm.tokenizer.encode("hello world")
+    tokens = lm.generate(np.asarray(ids), max_new_tokens=NEW)[0, len(ids):]
+    first = int(tokens[0])
+    ended = lm.generate("hello world", max_new_tokens=NEW, eos_token_id=first)
+    assert ended == ""
+    with pytest.raises(td.errors.ArgumentError, match="stop_strings"):
+        lm.generate("hello", max_new_tokens=2, stop_strings=[""])
+
+
+def test_ids_outside_the_vocabulary_are_refused_before_any_call(text_model):
+    _, hf, lm = text_model
+    with pytest.raises(td.errors.ArgumentError, match=f"token id {len(hf) + 5} is outside the "
+                       f"vocabulary \\(0 to {len(hf) - 1}\\)"):
+        lm.generate(np.array([3, 14, len(hf) + 5]), max_new_tokens=2)
+    with pytest.raises(td.errors.ArgumentError, match="token id -1"):
+        list(lm.stream(np.array([-1, 3]), 2))
+
+
+def test_a_model_without_tokenizer_says_how_to_give_one(text_model):
+    _, _, lm = text_model
+    kept, lm.tokenizer = lm.tokenizer, None
+    try:
+        with pytest.raises(td.errors.ArgumentError, match="no tokenizer") as err:
+            lm.generate("hello", max_new_tokens=2)
+        assert "tokenizer=" in err.value.hint
+    finally:
+        lm.tokenizer = kept
+
+
+def test_a_tokenizer_without_chat_template_refuses_chat(text_model, tmp_path):
+    _, _, lm = text_model
+    lm.tokenizer.save(tmp_path)
+    plain = Tokenizer.from_directory(tmp_path)
+    plain.chat_template = None
+    with pytest.raises(td.errors.ArgumentError, match="no chat template"):
+        plain.render_chat(MESSAGES)
+    with pytest.raises(td.errors.ArgumentError, match="non-empty list"):
+        lm.tokenizer.render_chat([{"content": "no role"}])
+
+
+@pytest.fixture(scope="module")
+def text_bundle(text_model, tmp_path_factory):
+    return text_model[2].export(tmp_path_factory.mktemp("text") / "bundle")
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "tvm_distx", "generate", *map(str, argv)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_bundle_carries_the_tokenizer_and_the_command_line_prints_text(
+        text_model, text_bundle):
+    model, hf, lm = text_model
+    assert (text_bundle / "tokenizer.json").is_file()
+    with CausalLM.from_bundle(text_bundle, backend="emulate") as served:
+        assert served.generate("hello world", max_new_tokens=NEW) == lm.generate(
+            "hello world", max_new_tokens=NEW)
+    done = _cli(text_bundle, "--prompt", "hello world", "--max-new-tokens", NEW)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == lm.generate("hello world", max_new_tokens=NEW) + "\n"
+    done = _cli(text_bundle, "--chat", "hello", "--system", "be brief", "--max-new-tokens", NEW)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == lm.chat(MESSAGES, max_new_tokens=NEW) + "\n"
+
+
+def test_the_command_line_refuses_ids_outside_the_vocabulary_in_one_line(text_bundle):
+    done = _cli(text_bundle, "--ids", 3, 14, 999, "--max-new-tokens", 2)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == "tvm-distx: error: [argument] token id 999 is outside the vocabulary " \
+        "(0 to 319)", lines
+    assert lines[1].startswith("hint: --ids takes ids from 0 to 319") and len(lines) == 2
