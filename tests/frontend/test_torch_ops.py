@@ -10,6 +10,7 @@ from tvm import relax
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
+from tvm_distx.build.pipeline import legalize_operators
 from tvm_distx.frontend.pytorch import from_torch
 from tvm_distx.frontend.torch_ops import CONVERTERS
 from tvm_distx.passes import AnnotateSharding
@@ -132,3 +133,39 @@ def test_complex_rotary_as_real_pairs():
 
     torch.manual_seed(3)
     run_like_torch(Rotary(), torch.randn(5, 2, 8), torch.randn(5, 4))
+
+
+@pytest.mark.parametrize("value", [float("-inf"), float("inf")])
+def test_a_fill_of_an_infinite_value(value):
+    """Llama 4's router: ``full_like(logits, -inf).scatter(top-k)``; masks fill with -inf too.
+
+    TVM's legalization of ``full``/``full_like`` fails on a non-finite value
+    (``argument of type 'PrimType' is not iterable``).
+    """
+    class Router(torch.nn.Module):
+        def forward(self, logits):
+            top, index = torch.topk(logits, 2, dim=1)
+            scores = torch.full_like(logits, value).scatter(1, index, top)
+            mask = torch.full((logits.shape[0], 1), value)
+            return torch.sigmoid(scores) + torch.exp(-torch.abs(mask))
+
+    torch.manual_seed(4)
+    run_like_torch(Router(), torch.randn(6, 4))
+
+
+def test_a_fill_of_an_infinite_value_over_a_symbolic_extent():
+    """The fill of a run-time token count legalizes to one kernel over that count."""
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((n, 4), "float32"))
+    builder = relax.BlockBuilder()
+    with builder.function("main", [x]):
+        with builder.dataflow():
+            out = builder.emit_output(relax.op.full_like(x, relax.const(float("-inf"))))
+        builder.emit_func_output(out)
+    legalized = legalize_operators(builder.get(), fuse=False)
+    kernels = [f for f in legalized.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert len(kernels) == 1
+    exe = tvm.compile(legalized, target="llvm")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(np.zeros((3, 4), "float32"))).numpy()
+    np.testing.assert_array_equal(got, np.full((3, 4), -np.inf, "float32"))
