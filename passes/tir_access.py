@@ -375,7 +375,7 @@ class _PrimFuncAnalysis:
                 self.unsafe.update(p[0] for p in parts)
                 continue
             lead, lower, extent, _ = parts[0]
-            if lower * extent == static_int(self._iter_dom(lead).extent):
+            if lower * extent == self._number(self._iter_dom(lead).extent):
                 self.uf.union(nodes[d], lead)
                 major.add(lead)
                 if len(parts) == 1:
@@ -410,18 +410,33 @@ class _PrimFuncAnalysis:
         for split in iter_sum.args:
             source = split.source.source
             node = self.iter_var_node.get(source) if isinstance(source, tvm.ir.Var) else None
-            numbers = [static_int(split.lower_factor), static_int(split.extent),
-                       static_int(split.scale)]
+            numbers = [self._number(split.lower_factor), self._number(split.extent),
+                       self._number(split.scale)]
             if node is None or node not in block.iter_nodes or None in numbers:
                 return None
             parts.append((node, *numbers))
         parts.sort(key=lambda p: -p[3])
         return parts
 
-    @staticmethod
-    def _is_mixed_radix(parts: list, dim_extent) -> bool:
+    def _number(self, expr) -> int | None:
+        """``expr`` as an int, a symbolic extent counted as its stand-in; None otherwise.
+
+        A reshape that merges or splits a run-time extent ``s`` with a static one
+        (``(4, s, 64) -> (4 * s, 64)``, experts by tokens) reads ``v // s`` over a
+        range of ``4 * s``: its factors and extents are the stand-ins' products,
+        compared as numbers as a static reshape's are.
+        """
+        number = static_int(expr)
+        if number is None and isinstance(expr, tvm.ir.Expr):
+            try:
+                number = static_int(self.analyzer.simplify(expr))
+            except Exception:  # noqa: BLE001 - not simplifiable: not a number
+                return None
+        return number
+
+    def _is_mixed_radix(self, parts: list, dim_extent) -> bool:
         """The parts tile ``[0, dim_extent)`` exactly, like the digits of a number."""
-        extent = static_int(dim_extent)
+        extent = self._number(dim_extent)
         if extent is None or parts[-1][3] != 1:
             return False
         for (_, _, _, scale), (_, _, inner_extent, inner_scale) in zip(parts, parts[1:]):

@@ -161,6 +161,24 @@ class HandWritten:
         return s
 
 
+@I.ir_module
+class SymbolicReshapes:
+    @R.function
+    def main(x: R.Tensor((4, "n", 8), "float32"), y: R.Tensor(("4 * n", 8), "float32"),
+             z: R.Tensor(("n", 8), "float32")):
+        n = T.int64()
+        with R.dataflow():
+            merged = R.reshape(x, R.shape([4 * n, 8]))
+            experts = R.reshape(y, R.shape([4, n, 8]))
+            rows = R.reshape(z, R.shape([n * 8]))
+            tiled = R.tile(z, [4, 1])
+            R.output(merged, experts, rows, tiled)
+        return merged
+
+
+SYMBOLIC = relax.transform.LegalizeOps()(SymbolicReshapes)
+
+
 # --------------------------------------------------------------------------- call_tir
 def test_call_tir_matmul():
     sig = sig_of(LEGALIZED, "mm")
@@ -265,3 +283,19 @@ def test_call_tir_split_index_and_its_period():
     expect(sig_of(HandWritten, "tl"), ((0,),), ((1,),), unshardable={0, 1}, reduction={0})
     # B[v] = A[2 * v]: strided
     expect(sig_of(HandWritten, "sd"), ((0,),), ((1,),), unshardable={0, 1}, reduction={0})
+
+
+def test_call_tir_reshape_over_a_run_time_extent():
+    """A run-time extent ``n`` merged with a static one keeps the split a static reshape keeps.
+
+    Llama 4's experts: ``(4, n, 8) -> (4 * n, 8)`` and back; the index ``v // n`` over
+    ``4 * n`` is read with ``n``'s stand-in, as ``v // 8`` over 32 is.
+    """
+    # x[v // n, v % n, w]: the 4 shares with the 4 * n, as (2, 4, 8) -> (8, 8) above
+    expect(sig_of(SYMBOLIC, "merged"), ((0, 1, 2),), ((0, 2),), unshardable={1}, reduction={1})
+    # y[h * n + i, w]: the 4 * n shares with the 4
+    expect(sig_of(SYMBOLIC, "experts"), ((0, 1),), ((0, 2, 1),), unshardable={2})
+    # z[v // 8, v % 8]: the n shares with the n * 8
+    expect(sig_of(SYMBOLIC, "rows"), ((0, 1),), ((0,),), unshardable={1}, reduction={1})
+    # z[v % n, w]: a shard of v need not be a multiple of n
+    expect(sig_of(SYMBOLIC, "tiled"), ((0, 1),), ((2, 1),), unshardable={0, 2}, reduction={0})
