@@ -109,13 +109,15 @@ class _Legalizer(PyExprMutator):
                 var=binding.var.name,
                 hint="run PropagateSharding first",
             )
-        plan = _plan_with_symbolic_extents(src, dst, shape, binding.var.ty.tensor_ty.dtype)
+        plan = _plan_with_symbolic_extents(src, dst, shape, binding.var.ty.tensor_ty.dtype,
+                                           _ir_dims(binding.var.ty))
         if plan is None:
             raise UnsupportedProgramError(
                 f"redistributing a tensor with a symbolic (run-time) dimension from "
                 f"\"{src.placement}\" to \"{dst.placement}\" is not supported yet: a symbolic extent can "
                 "be kept or split by a kernel, but not moved between layouts (a local slice "
-                "along a static dimension is the one move allowed)",
+                "is the one move allowed, along a static dimension or a symbolic one that its "
+                "parts always divide)",
                 function=self.function,
                 var=binding.var.name,
                 placement=str(dst.placement),
@@ -186,25 +188,55 @@ class _Legalizer(PyExprMutator):
                 and mesh.device_range == range(self.tvm_world))
 
 
-def _plan_with_symbolic_extents(src: TensorSharding, dst: TensorSharding, shape, dtype):
-    """The plan of a redistribute; with symbolic dimensions, only local slices of static ones.
+def _plan_with_symbolic_extents(src: TensorSharding, dst: TensorSharding, shape, dtype,
+                                dims=None):
+    """The plan of a redistribute; with symbolic dimensions, only local slices.
 
     A local slice cuts each rank's block out of its own copy, with the extents
     the array has at run time, so a symbolic dimension that it does not cut
-    may stay symbolic. The plan is made on a stand-in extent for each symbolic
-    dimension that every mesh axis divides; any other step (data moving between
-    ranks, or a cut of the symbolic dimension itself) returns None.
+    may stay symbolic. It may cut one too when the dimension's extent is a
+    multiple of its parts for every value of its variables (``4 * n`` in 2
+    parts: ``dims``, the extents as expressions, say so). The plan is made on
+    a stand-in extent for each symbolic dimension that every mesh axis
+    divides; any other step (data moving between ranks, or a cut of a
+    symbolic dimension that may not divide) returns None.
     """
     if None not in shape:
         return plan_redistribute(src, dst, shape, dtype, allow_send_recv=ALLOW_SEND_RECV)
     stand_in = max(src.mesh.size, dst.mesh.size)
     symbolic = {d for d, extent in enumerate(shape) if extent is None}
+    cuttable = {d for d in symbolic if _divides_always(dims, d, _parts(dst, d))}
     plan = plan_redistribute(src, dst, tuple(stand_in if e is None else e for e in shape),
                              dtype, allow_send_recv=ALLOW_SEND_RECV)
-    if all(step.collective is Collective.LOCAL_SLICE and not symbolic & set(step.tensor_axes)
-           for step in plan.steps):
+    if all(step.collective is Collective.LOCAL_SLICE
+           and not (symbolic - cuttable) & set(step.tensor_axes) for step in plan.steps):
         return plan
     return None
+
+
+def _ir_dims(ty) -> list | None:
+    """The extents of a (D)tensor type as expressions, None if its shape is not known."""
+    tensor = ty.tensor_ty if isinstance(ty, DTensorType) else ty
+    shape = getattr(tensor, "shape", None)
+    return list(shape.values) if isinstance(shape, relax.ShapeExpr) else None
+
+
+def _parts(sharding: TensorSharding, dim: int) -> int:
+    """How many parts ``sharding`` cuts tensor dimension ``dim`` into."""
+    parts = 1
+    for axis, entry in enumerate(sharding.placement.entries):
+        if entry.is_shard(dim):
+            parts *= sharding.mesh.shape[axis]
+    return parts
+
+
+def _divides_always(dims, dim: int, parts: int) -> bool:
+    """Whether ``parts`` divides the extent ``dims[dim]`` whatever its variables' values."""
+    if dims is None or dim >= len(dims):
+        return False
+    extent = dims[dim]
+    return bool(tvm.sym.Analyzer().can_prove(
+        tvm.tirx.floormod(extent, tvm.tirx.const(parts, extent.ty.dtype)) == 0))
 
 
 @module_pass(name="tvm_distx.LegalizeRedistribute")

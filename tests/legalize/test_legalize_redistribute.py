@@ -10,7 +10,9 @@ from tvm.relax.distributed import DeviceMesh, Placement
 
 import tvm_distx as td
 from tvm_distx.legalize import LegalizeRedistribute, LowerDistIR, LowerGlobalViewToLocalView
+from tvm_distx.legalize.legalize_redistribute import _plan_with_symbolic_extents
 from tvm_distx.legalize.lower_distir import rank_entry
+from tvm_distx.layout.mesh import DeviceMesh as DistMesh
 from tvm_distx.passes import PropagateSharding
 from tvm_distx.runtime import emulate, shard_array
 from tvm_distx.layout import TensorSharding
@@ -302,3 +304,41 @@ def test_a_local_slice_along_a_static_dimension_keeps_a_symbolic_one():
     for size in (1, 5):
         a, b = (rng.standard_normal((size, 8), dtype="float32") for _ in range(2))
         np.testing.assert_array_equal(exe.run(a, b, backend="emulate"), a * b)
+
+
+def test_a_local_slice_cuts_a_symbolic_extent_its_parts_always_divide():
+    # Llama 4's experts: the tokens repeated per expert, (4 * n, 8) replicated, scaled by
+    # the routing weights split on the experts, summed over the experts: each rank cuts
+    # its 2 * n rows from its copy, whatever n.
+    n = tvm.tirx.Var("n", "int64")
+    mesh = DeviceMesh((2,), tvm.ir.Range(0, 2))
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, 8), "float32"))
+    w = relax.Var("w", relax.TensorType((4, n), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            xr = bb.emit(relax.op.distributed.annotate_sharding(x, mesh, Placement.from_text("R")))
+            ws = bb.emit(relax.op.distributed.annotate_sharding(
+                w, mesh, Placement.from_text("S[0]")))
+            tiled = bb.emit(relax.op.tile(xr, [4, 1]))
+            routed = bb.emit(relax.op.multiply(tiled, relax.op.reshape(ws, (4 * n, 1))))
+            y = bb.emit_output(relax.op.sum(relax.op.reshape(routed, (4, n, 8)), axis=[0]))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    mod.update_global_info("mesh", [mesh])
+    mod = relax.transform.LegalizeOps()(mod)
+    legal = LegalizeRedistribute()(LowerGlobalViewToLocalView()(PropagateSharding()(mod)))
+    text = legal["main"].script()
+    assert text.count("tvm_distx.ccl.local_slice") == 1 and "redistribute" not in text
+    exe = td.compile(mod)
+    rng = np.random.default_rng(1)
+    for size in (1, 3):
+        a = rng.standard_normal((size, 8), dtype="float32")
+        b = rng.standard_normal((4, size), dtype="float32")
+        np.testing.assert_allclose(exe.run(a, b, backend="emulate"),
+                                   (b[:, :, None] * a).sum(axis=0), rtol=1e-6, atol=1e-6)
+    # the stage refuses a cut of an extent its parts may not divide (n + 1 in two)
+    layouts = [TensorSharding(DistMesh((2,), range(0, 2)), text) for text in ("R", "S[0]")]
+    assert _plan_with_symbolic_extents(*layouts, (None, 8), "float32", [4 * n, 8]) is not None
+    assert _plan_with_symbolic_extents(*layouts, (None, 8), "float32", [n + 1, 8]) is None
