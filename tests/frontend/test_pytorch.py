@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import tvm_distx as td
+from tvm_distx.build.pipeline import run_stages
 from tvm_distx.frontend.pytorch import from_torch, relax_name
+from tvm_distx.passes import AnnotateSharding
 from tvm_distx.plans.presets import (data_and_tensor_parallel, data_parallel, megatron, pipeline_stages,
                                set_device_meshes)
 
@@ -94,6 +96,45 @@ def test_from_torch_errors_name_the_cause():
 
     with pytest.raises(td.errors.ArgumentError, match="torch.export could not trace DataDependent"):
         from_torch(DataDependent(), (torch.randn(3),))
+
+
+def test_a_guard_torch_cannot_prove_over_a_symbolic_length_is_exported_again():
+    """Llama 4's experts: ``bmm(...).view(-1, h)`` then ``reshape(experts, -1, h)``.
+
+    torch gives the merged view the stride ``min(8, 8 * n)`` and guards the split's
+    contiguity, ``n * min(8, 8 * n) == 8 * n``: true for every ``n >= 1``, which
+    torch cannot prove ("Constraints violated"). The import exports again with
+    size-oblivious reasoning; one compile then serves every length, 1 included.
+    """
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+        def forward(self, x):
+            routed = x.reshape(-1, 8).repeat(4, 1).view(4, -1, 8)
+            out = torch.bmm(routed, self.weight).view(-1, 8)
+            return out.reshape(4, -1, 8).sum(dim=0)
+
+    torch.manual_seed(5)
+    module = Experts().eval()
+    seq = torch.export.Dim("seq", min=1, max=16)
+    with pytest.raises(torch._dynamo.exc.UserError, match="Constraints violated"):
+        torch.export.export(module, (torch.randn(1, 4, 8),), dynamic_shapes=({1: seq},))
+    mod, weights = from_torch(module, (torch.randn(1, 4, 8),), dynamic_shapes=({1: seq},))
+    # each rank runs two experts: the split runs through the reshapes of the run-time length
+    rules = [td.ShardingRule(param="x", result="R"),
+             td.ShardingRule(param=relax_name("weight"), result="S[0]")]
+    annotated = AnnotateSharding(rules)(set_device_meshes(mod, [(2,)]))
+    report = td.comm_report(run_stages(annotated)["local_view"])
+    assert [row.collective for row in report.rows] == ["local_slice", "all_reduce"], str(report)
+    exe = td.compile(annotated)
+    for length in (1, 3, 16):
+        x = torch.randn(1, length, 8)
+        with torch.no_grad():
+            want = module(x).numpy()
+        got = exe.run(x.numpy(), params=weights, backend="emulate")
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"length {length}")
 
 
 def test_data_and_model_on_a_2x2_mesh(model):

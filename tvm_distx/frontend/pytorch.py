@@ -127,6 +127,37 @@ def _writes_into_views(exported) -> bool:
     return False
 
 
+def _export(module, args: tuple, kwargs: dict, dynamic_shapes):
+    """``torch.export.export``, again with size-oblivious reasoning if a guard breaks a range.
+
+    torch gives the merge of dimensions of a symbolic extent a stride such as
+    ``min(64, 64*seq)`` (the least stride of the merged dimensions of size other
+    than 1); splitting that dimension again checks the result's contiguity,
+    ``seq*min(64, 64*seq) == 64*seq``. That holds for every ``seq >= 1``, but
+    torch's range analysis cannot prove it, so the export fails with
+    "Constraints violated (seq)". (Llama 4's experts: ``bmm(...).view(-1,
+    hidden)`` then ``reshape(experts, -1, hidden)``.)
+
+    Such an export is run again under torch's ``backed_size_oblivious``, its
+    option for export that reasons about sizes as any size, not as 0, 1 or
+    more, and so asks for no guard of this kind. A guard the model really
+    places on a size (a branch on its value) still fails the export. Exports
+    that pass the first time are left as they are.
+    """
+    import torch
+
+    try:
+        return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
+    except torch._dynamo.exc.UserError as err:
+        if dynamic_shapes is None or \
+                err.error_type is not torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
+            raise
+        logger.info("torch.export of %s: %s; exporting again with size-oblivious reasoning",
+                    type(module).__name__, str(err).splitlines()[0])
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
+
+
 class WeightSpec(NamedTuple):
     """A weight's shape and dtype, where its values were not copied (``with_weights=False``)."""
 
@@ -183,8 +214,7 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
     args, kwargs, dynamic_shapes = _export_arguments(module, example_inputs, dynamic_shapes)
     try:
         with torch.no_grad(), _without_cache(module), static_experts(module):
-            exported = torch.export.export(module.eval(), args, kwargs,
-                                           dynamic_shapes=dynamic_shapes)
+            exported = _export(module.eval(), args, kwargs, dynamic_shapes)
         if _writes_into_views(exported):
             # ``y[..., :8].copy_(x)`` writes into a view of y; TVM's frontend would
             # copy into a temporary. Functionalising (no decomposition) turns such
