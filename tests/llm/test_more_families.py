@@ -2,10 +2,11 @@
 structure, ideal collectives, same tokens.
 
 Each family of :data:`hf_tiny.MORE` (post-norm blocks, softcapping, parallel attention and
-MLP, partial rotary, latent attention, norms without weights...) with one decoder layer:
-``presets.tensor_parallel()`` must split every decoder matrix that can be split (the
-latent-attention down-projections stay whole by design), run the ideal collectives (one
-all-reduce per attention block and one per MLP, one for the vocabulary-parallel lookup;
+MLP, partial rotary, latent attention, norms without weights, routed experts beside a
+shared one, chunked attention...) with one decoder layer: ``presets.tensor_parallel()``
+must split every decoder matrix that can be split (the latent-attention down-projections
+and the routers stay whole by design), run the ideal collectives (one all-reduce per
+attention block and one per MLP or MoE block, one for the vocabulary-parallel lookup;
 a norm over split features adds its per-token statistics, counted apart), give
 transformers' logits, and ``CausalLM.from_hf`` must generate transformers' greedy tokens.
 """
@@ -29,7 +30,8 @@ LAYERS = {"gemma3_text": 2, "gpt_oss": 2}
 #: Matrices each rank holds whole by design, per family (name fragments).
 WHOLE_BY_DESIGN = {"minicpm3": ("q_a_proj", "kv_a_proj_with_mqa"),
                    "falcon_mqa": ("query_key_value_weight_seg1", "query_key_value_weight_seg2"),
-                   "gpt_oss": ("router",)}
+                   "gpt_oss": ("router",),
+                   "llama4_text": ("router",)}
 #: Families whose attention and MLP outputs are summed before the residual add (no bias
 #: between): one all-reduce serves both.
 SHARED_ALL_REDUCE = {"falcon_mqa", "falcon_gqa"}

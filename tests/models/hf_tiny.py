@@ -59,6 +59,9 @@ MORE = {
         _SHAPE, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=16, head_dim=16, scale_emb=2.0, scale_depth=1.4,
         dim_model_base=32)),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(  # a shared expert beside
+        _SHAPE, head_dim=16, intermediate_size_mlp=160, num_local_experts=4,  # routed ones,
+        num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=4)),  # chunks
 }
 #: The name each family's config gives its layer count.
 _LAYER_KEYS = {"gptj": "n_layer", "bloom": "n_layer"}
