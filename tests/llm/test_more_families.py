@@ -25,8 +25,9 @@ from tvm_distx.plans import presets  # noqa: E402
 
 from hf_tiny import MORE, VOCAB, build, logits, tokens  # noqa: E402
 
-#: Families tested with two layers: Gemma3 and GPT-OSS alternate sliding and full attention.
-LAYERS = {"gemma3_text": 2, "gpt_oss": 2}
+#: Families tested with two layers: Gemma3 and GPT-OSS alternate sliding and full attention;
+#: Llama 4's two MoE layers choose their expert plan per function.
+LAYERS = {"gemma3_text": 2, "gpt_oss": 2, "llama4_text": 2}
 #: Matrices each rank holds whole by design, per family (name fragments).
 WHOLE_BY_DESIGN = {"minicpm3": ("q_a_proj", "kv_a_proj_with_mqa"),
                    "falcon_mqa": ("query_key_value_weight_seg1", "query_key_value_weight_seg2"),
