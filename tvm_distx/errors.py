@@ -327,6 +327,41 @@ class SymbolicExtentError(ArgumentError):
     rule = "symbolic-extent"
 
 
+class ServerBusyError(_RuntimeErrorBase, RuntimeError):
+    """The server's queue of requests is full: this one was not taken."""
+
+    rule = "server-busy"
+
+
+class ApiRequestError(_RuntimeErrorBase, ValueError):
+    """A request to the HTTP server, answered with OpenAI's JSON error.
+
+    Attributes
+    ----------
+    status : int
+        The HTTP status (400 bad request, 401 wrong key, 404 unknown model, 500 a rank
+        failed, 503 busy).
+    param : str or None
+        The request field at fault.
+    code : str or None
+        OpenAI's error code (``"invalid_api_key"``, ``"context_length_exceeded"``...).
+    kind : str
+        OpenAI's error type (``"invalid_request_error"``, ``"server_error"``).
+    """
+
+    rule = "api-request"
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+        super().__init__(message)
+
+    def body(self) -> dict:
+        """The ``error`` object of the answer."""
+        return {"message": self.message, "type": self.kind, "param": self.param,
+                "code": self.code}
+
+
 class LaunchError(_RuntimeErrorBase, RuntimeError):
     """A distributed run failed: a rank raised, was killed, or did not finish in time.
 

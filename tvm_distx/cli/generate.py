@@ -33,7 +33,7 @@ from tvm_distx.cli.hosts import session_options
 from tvm_distx.cli.inputs import EXIT_OK, _input_file, _progress, _writable_file
 from tvm_distx.errors import ArgumentError
 
-__all__ = ["generate"]
+__all__ = ["generate", "open_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +60,9 @@ def _magic(path: Path) -> bytes:
         return f.read(4)
 
 
-def _open(args: argparse.Namespace, prompt: np.ndarray, causal_lm):
-    """The model of ``args.bundle`` (a bundle, a checkpoint or a GGUF file), its ranks started."""
+def open_model(args: argparse.Namespace, length: int, causal_lm):
+    """The model of ``args.bundle`` (a bundle, a checkpoint or a GGUF file), its ranks started;
+    a checkpoint's or GGUF file's cache holds ``args.max_length`` tokens, else ``length``."""
     path = args.bundle
     is_gguf = path.suffix == ".gguf" or (path.is_file() and _magic(path) == b"GGUF")
     checkpoint = path.is_dir() and (path / "config.json").is_file()
@@ -79,7 +80,7 @@ def _open(args: argparse.Namespace, prompt: np.ndarray, causal_lm):
     if is_gguf and not path.is_file():
         raise ArgumentError(f"{path} does not exist", hint="give the path of a .gguf file")
     ranks = args.ranks or 2
-    length = args.max_length or len(prompt) + args.max_new_tokens
+    length = args.max_length or length
     common = dict(backend=args.backend, max_length=length, timeout=args.timeout,
                   **session_options(args))
     with _progress(f"compiling {path} for {ranks} ranks and starting them ({args.backend})"):
@@ -166,7 +167,7 @@ def generate(args: argparse.Namespace) -> int:
     text = _text_prompt(args)
     prompt = text[1] if text is not None else _id_prompt(args)
     console = Console(stderr=True)
-    lm = _open(args, prompt, CausalLM)
+    lm = open_model(args, len(prompt) + args.max_new_tokens, CausalLM)
     lm.prefill_chunk = args.prefill_chunk
     if text is not None:
         with lm:

@@ -298,6 +298,12 @@ def _generate(args: argparse.Namespace) -> int:
     return generate(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from tvm_distx.cli.serve import serve
+
+    return serve(args)
+
+
 def _deploy(args: argparse.Namespace) -> int:
     from tvm_distx.cli.deploy import deploy
 
@@ -479,6 +485,39 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds for the ranks to start and for each step")
     add_host_arguments(p)
     p.set_defaults(handler=_generate)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
+                       "/v1/chat/completions) for a bundle, a checkpoint or a GGUF file")
+    p.add_argument("bundle", type=Path, metavar="MODEL",
+                   help="a directory written by CausalLM.export, a checkpoint directory "
+                   "written by save_pretrained, or a llama.cpp .gguf file; its tokenizer "
+                   "files sit beside it")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default: %(default)s, this host only)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="the port (default: %(default)s; 0 picks a free one)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: "
+                   "$TVM_DISTX_API_KEY, or none)")
+    p.add_argument("--model-name", help="the model's id in the API (default: the file or "
+                   "directory name)")
+    p.add_argument("--max-queue", type=_positive(int), default=16,
+                   help="requests that may wait while one runs; more get 503 (default: "
+                   "%(default)s)")
+    p.add_argument("--backend", default=NAMES[0], metavar="|".join(NAMES),
+                   help=_BACKEND_HELP)
+    p.add_argument("-n", "--ranks", type=_positive(int), default=None,
+                   help="the rank count (2 for a checkpoint or a GGUF file); a bundle fixes it")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="a checkpoint's weights on the ranks (default: as stored)")
+    p.add_argument("--quantization", choices=("q8", "q4"),
+                   help="store a checkpoint's linear weights as int8 or int4 groups of 32")
+    p.add_argument("--max-length", type=_positive(int), default=None,
+                   help="a checkpoint's or GGUF file's context: prompt and reply tokens "
+                   "(default: 1024)")
+    p.add_argument("--timeout", type=_positive(float), default=300.0,
+                   help="seconds for the ranks to start and for each step")
+    add_host_arguments(p)
+    p.set_defaults(handler=_serve)
 
     _add_deploy_parser(sub).set_defaults(handler=_deploy)
     return parser

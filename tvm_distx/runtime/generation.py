@@ -37,7 +37,8 @@ from tvm_distx.runtime.batch import generate_batch
 from tvm_distx.runtime.sampling import Sampler, Sampling
 from tvm_distx.runtime.text import TextStream, Tokenizer
 
-__all__ = ["Generator", "GenerationStats", "PREFILL_CHUNK", "prompts_of", "stops_of"]
+__all__ = ["Generator", "GenerationStats", "PREFILL_CHUNK", "TextStats", "prompts_of",
+           "stops_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,27 @@ class GenerationStats:
         return self.new_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
+@dataclass
+class TextStats:
+    """Counts of the last :meth:`Generator.stream_text` (OpenAI's ``usage`` and
+    ``finish_reason``).
+
+    Attributes
+    ----------
+    prompt_tokens : int
+        Tokens of the prompt (as encoded, chat template included).
+    completion_tokens : int
+        Tokens generated (an end token that stopped the text is not counted).
+    finish_reason : str
+        ``"stop"``: an end token or a stop string ended the text; ``"length"``:
+        ``max_new_tokens`` did.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "length"
+
+
 class Generator:
     """Generation with a generation bundle's functions on a session.
 
@@ -111,6 +133,7 @@ class Generator:
                  tokenizer: Tokenizer | None = None) -> None:
         self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
+        self.text_stats = TextStats()
         self.cache = cache
         self.batch_cache = batch_cache
         self.pad_token_id = pad_token_id
@@ -270,17 +293,20 @@ class Generator:
                                 hint='stop_strings=["\\n\\n"]')
         ends = self.eos_token_id if eos_token_id is None else eos_token_id
         stream = TextStream(tokenizer)
+        self.text_stats = counts = TextStats(prompt_tokens=len(ids))
         for token in self.stream(np.asarray(ids, np.int64), max_new_tokens, eos_token_id=ends,
                                  **sampling):
             if token in stops_of(ends):
+                counts.finish_reason = "stop"
                 break
+            counts.completion_tokens += 1
             piece = stream.push(token)
             found = [stream.text.find(s, max(0, len(stream.text) - len(piece) - len(s)))
                      for s in stops]
             hits = [(at + len(s)) for at, s in zip(found, stops) if at >= 0]
             if hits:
-                cut = min(hits) - (len(stream.text) - len(piece))
-                yield piece[:cut]
+                counts.finish_reason = "stop"
+                yield piece[:min(hits) - (len(stream.text) - len(piece))]
                 return
             if piece:
                 yield piece
