@@ -11,15 +11,11 @@ OpenAI's JSON error.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import http.client
 import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -32,64 +28,17 @@ import proc_tools
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
-
-import tiny_text  # noqa: E402
-
 KEY = "test-key"
 NEW = 12
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """(transformers model and tokenizer, the CausalLM, its bundle)."""
-    root = tmp_path_factory.mktemp("serve")
-    hf = tiny_text.hf_tokenizer(tiny_text.write_tokenizer(root / "tokenizer"))
-    model = tiny_text.llama(len(hf))
-    with CausalLM.from_hf(model, num_ranks=2, max_length=96, backend="emulate",
-                          tokenizer=hf) as lm:
-        yield model, hf, lm, lm.export(root / "tiny-llama")
-
-
-@contextlib.contextmanager
-def _server(bundle):
-    """``tvm-distx serve`` of ``bundle`` on 2 MPI ranks: (its process, its base URL)."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tvm_distx", "serve", str(bundle), "--port", "0",
-         "--api-key", KEY, "-n", "2", "--max-queue", "8"],
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        yield server, _wait_for_address(server)
-    finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-
-
-@pytest.fixture(scope="module")
-def served(exported):
+def served(exported, start_server):
     """(transformers model and tokenizer, the CausalLM, the server's base URL)."""
     model, hf, lm, bundle = exported
-    with _server(bundle) as (_, url):
+    with start_server(bundle, "--api-key", KEY) as (_, url):
         yield model, hf, lm, url
-
-
-def _wait_for_address(server) -> str:
-    deadline = time.monotonic() + 300
-    seen = []
-    while time.monotonic() < deadline:
-        line = server.stderr.readline()
-        if not line and server.poll() is not None:
-            break
-        seen.append(line)
-        found = re.search(r"at (http://\S+/v1)", line)
-        if found:
-            return found.group(1)
-    raise AssertionError("the server did not start:\n" + "".join(seen))
 
 
 def _get(url: str) -> tuple[int, dict]:
@@ -250,9 +199,10 @@ def _is_rank(pid: int) -> bool:
         b"tvm_distx.runtime" in arg for arg in argv)
 
 
-def test_a_rank_failure_is_a_500_naming_the_rank_and_the_server_says_it_cannot_go_on(exported):
+def test_a_rank_failure_is_a_500_naming_the_rank_and_the_server_says_it_cannot_go_on(
+        exported, start_server):
     *_, bundle = exported
-    with _server(bundle) as (server, url):
+    with start_server(bundle, "--api-key", KEY) as (server, url):
         client = _client(url)
         client.completions.create(model="tiny-llama", prompt="hi", max_tokens=2, temperature=0)
         family = proc_tools.parents()

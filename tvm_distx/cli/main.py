@@ -495,7 +495,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on (default: %(default)s, this host only)")
     p.add_argument("--port", type=int, default=8000,
-                   help="the port (default: %(default)s; 0 picks a free one)")
+                   help="the port to listen on; 0 picks a free one (default: %(default)s)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: "
                    "$TVM_DISTX_API_KEY, or none)")
     p.add_argument("--model-name", help="the model's id in the API (default: the file or "

@@ -65,7 +65,8 @@ def serve(args: argparse.Namespace) -> int:
                                 hint="put the tokenizer files (tokenizer.json, "
                                 "tokenizer_config.json) beside the model")
         worker = GenerationWorker(lm, max_queue=args.max_queue)
-        name = args.model_name or args.bundle.resolve().name.removesuffix(".gguf")
+        name = args.model_name or (args.bundle.name or args.bundle.resolve().name).removesuffix(
+            ".gguf")
         app = create_app(worker, model_name=name, ranks=lm.session.manifest.num_ranks,
                          backend=args.backend,
                          api_key=args.api_key or os.environ.get("TVM_DISTX_API_KEY"))
