@@ -53,6 +53,14 @@ if [ "$EXTRAS" = test ] && { ! command -v riscv64-linux-gnu-gcc >/dev/null 2>&1 
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq gcc-riscv64-linux-gnu qemu-user >/dev/null
 fi
 
+# The serving guide's examples are curl commands, run by the tests against a live server.
+if [ "$EXTRAS" = test ] && ! command -v curl >/dev/null 2>&1; then
+    echo "[setup] installing curl with apt-get"
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq curl >/dev/null
+fi
+
 # The tests across hosts make test hosts in namespaces (scripts/testhosts): ip (iproute2),
 # nsenter and unshare (util-linux), installed once when missing.
 if [ "$EXTRAS" = test ] && { ! command -v ip >/dev/null 2>&1 \
