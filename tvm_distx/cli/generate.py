@@ -82,7 +82,7 @@ def open_model(args: argparse.Namespace, length: int, causal_lm):
     ranks = args.ranks or 2
     length = args.max_length or length
     common = dict(backend=args.backend, max_length=length, timeout=args.timeout,
-                  **session_options(args))
+                  compile_cache=not args.no_cache, **session_options(args))
     with _progress(f"compiling {path} for {ranks} ranks and starting them ({args.backend})"):
         if is_gguf:
             if args.dtype is not None or args.quantization is not None:

@@ -458,6 +458,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=_positive(int), default=None,
                    help="a checkpoint's or GGUF file's cache length (default: the prompt "
                    "and the new tokens)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile a checkpoint or GGUF file again, and keep no copy "
+                   "(default: reuse and fill the compile cache, $TVM_DISTX_CACHE or "
+                   "~/.cache/tvm-distx)")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="with --ids: stop at the model's end token (kept in the output); "
                    "text always stops there")
@@ -516,6 +520,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: 1024)")
     p.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds for the ranks to start and for each step")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile a checkpoint or GGUF file again, and keep no copy "
+                   "(default: reuse and fill the compile cache)")
     add_host_arguments(p)
     p.set_defaults(handler=_serve)
 

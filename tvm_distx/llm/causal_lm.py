@@ -32,21 +32,25 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import tvm
 
 from tvm_distx.build.pipeline import compile as compile_module, run_stages
+from tvm_distx.build.targets import resolve_target
 from tvm_distx.bundle.checkpoint import open_checkpoint
 from tvm_distx.bundle.formats import QUANTIZED
 from tvm_distx.bundle.gguf import open_gguf
 from tvm_distx.bundle.generation import GENERATION_FILE, GenerationInfo, read_generation
 from tvm_distx.bundle.manifest import read_manifest
 from tvm_distx.bundle.signature import weight_bytes_per_rank
-from tvm_distx.errors import ArgumentError, DistxError
+from tvm_distx.errors import ArgumentError, BundleError, DistxError
 from tvm_distx.frontend.decoder import BATCH_SUFFIX, FUNCTIONS, STEP_ATTRIBUTE, export_decoder
 from tvm_distx.frontend.pytorch import relax_name
+from tvm_distx.llm.compile_cache import (ENTRY_FILE, CacheKey, CompileCache, bytes_digest,
+                                         file_identity)
 from tvm_distx.passes.quantize import quantize
 from tvm_distx.plans import presets
 from tvm_distx.plans.hf import HFPlan
@@ -83,13 +87,15 @@ class CausalLM(Generator):
         self.annotated = None
         #: the bytes of the weights each rank holds, by rank
         self.weight_bytes_per_rank: list[int] = []
+        #: the compile cache's bundle this model was started from or stored in, if any
+        self.cached_bundle: Path | None = None
 
     @classmethod
     def from_hf(cls, model, num_ranks: int = 2, *, backend: str = "mpi", plan=None,
                 max_length: int = 256, prompt_length: int | None = None,
                 max_batch: int | None = None, dtype: str | None = None,
                 quantization: str | None = None, timeout: float = 300.0,
-                tokenizer=None, **options) -> "CausalLM":
+                tokenizer=None, compile_cache=True, **options) -> "CausalLM":
         """Export, shard, compile and launch ``model`` on ``num_ranks`` ranks.
 
         Parameters
@@ -128,6 +134,11 @@ class CausalLM(Generator):
             The model's tokenizer, for text prompts and chat: a transformers
             tokenizer, a :class:`~tvm_distx.runtime.text.Tokenizer`, or a
             directory holding its files (``tokenizer.json``).
+        compile_cache : bool or path
+            Keep the compiled bundle in the compile cache and start from it
+            next time (:mod:`tvm_distx.llm.compile_cache`; its key holds a hash
+            of the weights' bytes): True for ``$TVM_DISTX_CACHE`` (default
+            ``~/.cache/tvm-distx``), a directory, or False.
         **options
             the options of
             :class:`~tvm_distx.runtime.mpi.MPISession`: ``hostfile`` or
@@ -141,19 +152,30 @@ class CausalLM(Generator):
                                 "rank", hint="CausalLM.from_hf(model, num_ranks=2)")
         storage = _storage(dtype, quantization, "CausalLM.from_hf")
         text = _tokenizer_of(tokenizer)  # before the export: a bad one fails at once
-        program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
-                                 max_batch=max_batch)
-        lm = cls._serve(model, program, program.weights, num_ranks, backend=backend,
-                        plan=plan, storage=storage, timeout=timeout, **options)
-        lm.tokenizer = text
-        return lm
+
+        def build():
+            program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
+                                     max_batch=max_batch)
+            lm = cls._serve(model, program, program.weights, num_ranks, backend=backend,
+                            plan=plan, storage=storage, timeout=timeout, **options)
+            lm.tokenizer = text
+            return lm
+
+        key = _key(plan, num_ranks=num_ranks, max_length=max_length,
+                   prompt_length=prompt_length, max_batch=max_batch, storage=storage,
+                   tokenizer=text, kind="hf", model=type(model).__name__,
+                   config=model.config.to_json_string(use_diff=False),
+                   weights=bytes_digest((name, tensor.detach().cpu().numpy()) for name, tensor
+                                        in sorted(model.state_dict().items())))
+        return cls._cached(compile_cache, key, build, link_checkpoint=False, backend=backend,
+                           timeout=timeout, **options)
 
     @classmethod
     def from_pretrained(cls, directory, num_ranks: int = 2, *, backend: str = "mpi",
                         plan=None, max_length: int = 256, prompt_length: int | None = None,
                         max_batch: int | None = None, dtype: str | None = None,
                         quantization: str | None = None, timeout: float = 300.0,
-                        **options) -> "CausalLM":
+                        compile_cache=True, **options) -> "CausalLM":
         """Serve a Hugging Face checkpoint directory, each rank's weights read from it lazily.
 
         The model is built from ``config.json`` without initialising its
@@ -179,6 +201,9 @@ class CausalLM(Generator):
         quantization : {"q8", "q4"}, optional
             As for :meth:`from_hf`: each rank quantizes its own slice as it
             reads it.
+        compile_cache : bool or path
+            As for :meth:`from_hf`; the key holds the checkpoint files' identity
+            (path, size, modification time), and the cached bundle links them.
         num_ranks, backend, plan, max_length, prompt_length, max_batch, timeout, **options
             As for :meth:`from_hf`.
 
@@ -204,29 +229,39 @@ class CausalLM(Generator):
         tensors = open_checkpoint(root, dtype="float32")
         storage = _storage(dtype if dtype is not None else _checkpoint_dtype(tensors),
                            quantization, "CausalLM.from_pretrained")
-        config = transformers.AutoConfig.from_pretrained(root)
-        model = _placeholder_model(config)
-        program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
-                                 with_weights=False, max_batch=max_batch)
-        weights = {name: tensor.astype(spec.dtype) for name, (tensor, spec) in
-                   _program_weights(model, program, tensors, f"the checkpoint in {root}",
-                                    "save the whole model with save_pretrained, in one "
-                                    "directory").items()}
-        del model  # the placeholders: only the traced program is kept
-        lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
-                        storage=storage, timeout=timeout, **options)
-        generation = (transformers.GenerationConfig.from_pretrained(root)
-                      if (root / "generation_config.json").is_file() else config)
-        lm.eos_token_id = getattr(generation, "eos_token_id", None)
-        lm.pad_token_id = getattr(generation, "pad_token_id", None)
-        lm.tokenizer = text
-        return lm
+
+        def build():
+            config = transformers.AutoConfig.from_pretrained(root)
+            model = _placeholder_model(config)
+            program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
+                                     with_weights=False, max_batch=max_batch)
+            weights = {name: tensor.astype(spec.dtype) for name, (tensor, spec) in
+                       _program_weights(model, program, tensors, f"the checkpoint in {root}",
+                                        "save the whole model with save_pretrained, in one "
+                                        "directory").items()}
+            del model  # the placeholders: only the traced program is kept
+            lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
+                            storage=storage, timeout=timeout, **options)
+            generation = (transformers.GenerationConfig.from_pretrained(root)
+                          if (root / "generation_config.json").is_file() else config)
+            lm.eos_token_id = getattr(generation, "eos_token_id", None)
+            lm.pad_token_id = getattr(generation, "pad_token_id", None)
+            lm.tokenizer = text
+            return lm
+
+        key = _key(plan, num_ranks=num_ranks, max_length=max_length,
+                   prompt_length=prompt_length, max_batch=max_batch, storage=storage,
+                   tokenizer=text, kind="pretrained",
+                   files=[file_identity(path) for path in sorted(root.iterdir())
+                          if path.suffix in (".safetensors", ".json") and path.is_file()])
+        return cls._cached(compile_cache, key, build, link_checkpoint=True, backend=backend,
+                           timeout=timeout, **options)
 
     @classmethod
     def from_gguf(cls, path, num_ranks: int = 2, *, backend: str = "mpi", plan=None,
                   max_length: int = 256, prompt_length: int | None = None,
                   max_batch: int | None = None, requantize: str | None = None,
-                  timeout: float = 300.0, **options) -> "CausalLM":
+                  timeout: float = 300.0, compile_cache=True, **options) -> "CausalLM":
         """Serve a llama.cpp GGUF file, each tensor in its stored format, each rank mapping its blocks.
 
         The architecture and the configuration come from the file's metadata
@@ -245,6 +280,9 @@ class CausalLM(Generator):
             The format for tensors of other types (``Q4_K``, ``Q6_K``...), which
             each rank then decodes and encodes as it reads its block; without it
             such a file is refused, naming the tensor.
+        compile_cache : bool or path
+            As for :meth:`from_hf`; the key holds the file's identity (path,
+            size, modification time), and the cached bundle links it.
         num_ranks, backend, plan, max_length, prompt_length, max_batch, timeout, **options
             As for :meth:`from_hf`.
 
@@ -259,20 +297,56 @@ class CausalLM(Generator):
             raise ArgumentError(f"CausalLM.from_gguf(num_ranks={num_ranks}): need at least one "
                                 "rank", hint="CausalLM.from_gguf(path, num_ranks=2)")
         gguf = open_gguf(path, requantize=requantize)
-        model = _placeholder_model(gguf.hf_config())
-        program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
-                                 with_weights=False, max_batch=max_batch)
-        found = _program_weights(model, program, gguf.tensors, f"the GGUF file {path}",
-                                 "give a GGUF file of the whole model, as llama.cpp's "
-                                 "converter writes it")
-        weights = {name: tensor for name, (tensor, _) in found.items()}
-        formats = {name: tensor.format.name for name, tensor in weights.items()}
-        del model
-        lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
-                        storage=(formats, None), timeout=timeout, **options)
-        lm.eos_token_id = gguf.tokenizer.eos_id
-        lm.pad_token_id = gguf.tokenizer.pad_id
-        lm.tokenizer = Tokenizer.from_gguf(path)
+
+        def build():
+            model = _placeholder_model(gguf.hf_config())
+            program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
+                                     with_weights=False, max_batch=max_batch)
+            found = _program_weights(model, program, gguf.tensors, f"the GGUF file {path}",
+                                     "give a GGUF file of the whole model, as llama.cpp's "
+                                     "converter writes it")
+            weights = {name: tensor for name, (tensor, _) in found.items()}
+            formats = {name: tensor.format.name for name, tensor in weights.items()}
+            del model
+            lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
+                            storage=(formats, None), timeout=timeout, **options)
+            lm.eos_token_id = gguf.tokenizer.eos_id
+            lm.pad_token_id = gguf.tokenizer.pad_id
+            lm.tokenizer = Tokenizer.from_gguf(path)
+            return lm
+
+        key = _key(plan, num_ranks=num_ranks, max_length=max_length,
+                   prompt_length=prompt_length, max_batch=max_batch, storage=requantize,
+                   tokenizer=None, kind="gguf", file=file_identity(path))
+        return cls._cached(compile_cache, key, build, link_checkpoint=True, backend=backend,
+                           timeout=timeout, **options)
+
+    @classmethod
+    def _cached(cls, compile_cache, key: CacheKey | None, build, *, link_checkpoint: bool,
+                backend: str, timeout: float, **options) -> "CausalLM":
+        """``build()``, or the bundle the compile cache holds under ``key``; a build is
+        stored there (its weights linked to their files when ``link_checkpoint``)."""
+        store = CompileCache.of(compile_cache)
+        if store is None or key is None:
+            return build()
+        hit = store.lookup(key)
+        if hit is not None:
+            try:
+                lm = cls.from_bundle(hit, backend=backend, timeout=timeout, **options)
+            except BundleError as err:  # a file no longer matches its sha256
+                logger.warning("compile cache: the entry %s is corrupt (%s); building it "
+                               "again", hit, err.message.splitlines()[0])
+                store.discard(key)
+            else:
+                logger.info("CausalLM: started from the compile cache (%s)", hit)
+                lm.cached_bundle = hit
+                return lm
+        lm = build()
+        try:
+            lm.cached_bundle = store.store(key, lambda directory: lm._export(
+                directory, link_checkpoint=link_checkpoint))
+        except OSError as err:
+            logger.warning("compile cache: cannot store the bundle in %s (%s)", store.root, err)
         return lm
 
     @classmethod
@@ -346,13 +420,27 @@ class CausalLM(Generator):
         **target_options
             Options of that target (for ``"rvv"``: ``vlen``, ``cc``).
         """
+        if self.exe is None and self.cached_bundle is not None and target is None and \
+                not read_manifest(self.cached_bundle).weight_links:
+            # started from the compile cache, whose bundle holds its weights: a copy
+            shutil.copytree(self.cached_bundle, directory, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns(ENTRY_FILE))
+            return Path(directory)
         if self.exe is None:
-            raise ArgumentError("this CausalLM was opened from a bundle; it has nothing to "
-                                "export", hint="copy the bundle directory instead")
+            raise ArgumentError(
+                "this CausalLM was opened from a bundle (or from the compile cache, with "
+                "its weights linked to their files); it has no program to export",
+                hint="copy the bundle directory instead, or start it with "
+                "compile_cache=False to compile it again")
+        return self._export(directory, target=target, **target_options)
+
+    def _export(self, directory, *, target: str | None = None, link_checkpoint: bool = False,
+                **target_options) -> Path:
         exe = self.exe
         if target is not None:
             exe = compile_module(self.annotated, target=target, **target_options)
-        root = exe.export(directory, params=self.weights, function=_functions(self.batch_cache))
+        root = exe.export(directory, params=self.weights, function=_functions(self.batch_cache),
+                          link_checkpoint=link_checkpoint)
         GenerationInfo(self.cache, self.batch_cache, self.eos_token_id, self.pad_token_id,
                        self.stats.bytes_per_token).write(root)
         if self.tokenizer is not None:
@@ -407,6 +495,22 @@ class CausalLM(Generator):
             manifest.functions, {n for names in manifest.weights.values() for n in names},
             manifest.num_ranks)
         return lm
+
+
+def _key(plan, *, num_ranks: int, max_length: int, prompt_length, max_batch, storage,
+         tokenizer: Tokenizer | None, **model) -> CacheKey | None:
+    """The compile cache's key of a model; None when the plan has no stable description."""
+    described = "tensor_parallel()" if plan is None else repr(plan)
+    if " at 0x" in described:  # an object without a stable repr: its program is unknown
+        logger.info("compile cache: the plan %s has no stable repr; not cached", described)
+        return None
+    files = tokenizer.files if tokenizer is not None else {}
+    return CacheKey({**model, "plan": described, "num_ranks": num_ranks,
+                     "max_length": max_length, "prompt_length": prompt_length,
+                     "max_batch": max_batch, "storage": storage,
+                     "target": str(resolve_target("x86").target),
+                     "tokenizer": bytes_digest((name, np.frombuffer(data, np.uint8))
+                                               for name, data in sorted(files.items()))})
 
 
 def _tokenizer_of(tokenizer) -> Tokenizer | None:
