@@ -213,9 +213,6 @@ class CausalLM(Generator):
             If the directory is not a checkpoint, or lacks a weight the model
             needs, or holds one of another shape.
         """
-        import transformers
-
-
         check_backend(backend, options)  # before the export and the compile
         root = Path(directory)
         if not (root / "config.json").is_file():
@@ -231,6 +228,8 @@ class CausalLM(Generator):
                            quantization, "CausalLM.from_pretrained")
 
         def build():
+            import transformers  # a start from the compile cache needs no transformers
+
             config = transformers.AutoConfig.from_pretrained(root)
             model = _placeholder_model(config)
             program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
