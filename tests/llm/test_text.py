@@ -9,6 +9,7 @@ the tokenizer, and the command line prints text.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -153,3 +154,35 @@ def test_the_command_line_refuses_ids_outside_the_vocabulary_in_one_line(text_bu
     assert lines[0] == "tvm-distx: error: [argument] token id 999 is outside the vocabulary " \
         "(0 to 319)", lines
     assert lines[1].startswith("hint: --ids takes ids from 0 to 319") and len(lines) == 2
+
+
+def test_a_terminal_shows_the_stages_and_the_times_and_a_pipe_shows_nothing(text_bundle):
+    """On a terminal: the spinner's stages, the time the start took, and the first token's
+    time after the text; stderr that is not a terminal stays empty."""
+    import os
+    import pty
+
+    main, follower = pty.openpty()
+    argv = [sys.executable, "-m", "tvm_distx", "generate", str(text_bundle), "--prompt",
+            "hello world", "--max-new-tokens", "4", "--backend", "emulate"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=follower, text=True,
+                            env=dict(os.environ, COLUMNS="200", TERM="xterm"))
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    proc.wait(timeout=300)
+    os.close(main)
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode(errors="replace"))
+    assert proc.returncode == 0, shown
+    assert "starting the ranks" in shown and re.search(r"\(emulate\): \S*\d+\.\d s", shown)
+    assert "first token after" in shown and "tokens/s" in shown
+    quiet = _cli(text_bundle, "--prompt", "hello world", "--max-new-tokens", 4,
+                 "--backend", "emulate")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr

@@ -74,7 +74,8 @@ def open_model(args: argparse.Namespace, length: int, causal_lm):
                                     "were fixed when it was exported",
                                     hint=f"leave --{flag.replace('_', '-')} out")
         _check_rank_count(path, args.ranks)
-        with _progress(f"starting the ranks of {path} ({args.backend})"):
+        with _progress(f"starting the ranks of {path} ({args.backend})",
+                       follow="tvm_distx.llm"):
             return causal_lm.from_bundle(path, backend=args.backend, num_ranks=args.ranks,
                                          timeout=args.timeout, **session_options(args))
     if is_gguf and not path.is_file():
@@ -83,7 +84,7 @@ def open_model(args: argparse.Namespace, length: int, causal_lm):
     length = args.max_length or length
     common = dict(backend=args.backend, max_length=length, timeout=args.timeout,
                   compile_cache=not args.no_cache, **session_options(args))
-    with _progress(f"compiling {path} for {ranks} ranks and starting them ({args.backend})"):
+    with _progress(f"{path} on {ranks} ranks ({args.backend})", follow="tvm_distx.llm"):
         if is_gguf:
             if args.dtype is not None or args.quantization is not None:
                 raise ArgumentError("--dtype and --quantization apply to a checkpoint; a GGUF "
@@ -176,6 +177,9 @@ def generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         sys.stdout.write("\n")
+        if console.is_terminal:  # the times a user compares, after the text
+            console.print(f"first token after {lm.stats.prefill_seconds:.2f} s, "
+                          f"{lm.stats.decode_tokens_per_second:.1f} tokens/s", style="dim")
         _log_speed(lm)
         return EXIT_OK
     with lm, Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import tempfile
+import time
 from pathlib import Path
 
 from tvm_distx.errors import ArgumentError
@@ -128,17 +130,55 @@ def _with_mesh(mod, text: str | None):
 
 
 @contextlib.contextmanager
-def _progress(description: str):
-    """A spinner with elapsed time on a terminal; silent when stderr is not one."""
+def _progress(description: str, *, follow: str | None = None):
+    """A spinner with elapsed time on a terminal; silent when stderr is not one.
+
+    ``follow``: a logger (``"tvm_distx.llm"``) whose INFO messages become the spinner's
+    stage (tracing, compiling, starting the ranks...) and whose warnings are printed
+    above it; the time it all took is printed at the end.
+    """
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=console, transient=True,
-                  disable=not console.is_terminal) as progress:
-        progress.add_task(description, total=None)
+    if not console.is_terminal:
         yield
+        return
+    started = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task(description, total=None)
+        log = logging.getLogger(follow) if follow else None
+        quiet = logging.getLogger().getEffectiveLevel() > logging.INFO  # no --verbose
+        if log is not None and quiet:
+            handler = _StageHandler(progress, task, description)
+            saved = (log.level, log.propagate)
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+            log.propagate = False  # the stages go to the spinner, not to stderr's log
+        try:
+            yield
+        finally:
+            if log is not None and quiet:
+                log.removeHandler(handler)
+                log.setLevel(saved[0])
+                log.propagate = saved[1]
+    console.print(f"{description}: {time.perf_counter() - started:.1f} s", style="dim")
+
+
+class _StageHandler(logging.Handler):
+    """Shows a logger's INFO messages as the spinner's stage; prints its warnings."""
+
+    def __init__(self, progress, task, description: str) -> None:
+        super().__init__(logging.INFO)
+        self.progress, self.task, self.description = progress, task, description
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage().splitlines()[0]
+        if record.levelno >= logging.WARNING:
+            self.progress.console.print(f"{record.levelname} {message}")
+        else:
+            self.progress.update(self.task, description=f"{self.description}: {message}")
 
 
 def _load_plain(args: argparse.Namespace):

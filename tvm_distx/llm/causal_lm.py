@@ -154,6 +154,7 @@ class CausalLM(Generator):
         text = _tokenizer_of(tokenizer)  # before the export: a bad one fails at once
 
         def build():
+            logger.info("tracing %s", type(model).__name__)
             program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
                                      max_batch=max_batch)
             lm = cls._serve(model, program, program.weights, num_ranks, backend=backend,
@@ -232,6 +233,7 @@ class CausalLM(Generator):
 
             config = transformers.AutoConfig.from_pretrained(root)
             model = _placeholder_model(config)
+            logger.info("tracing %s", type(model).__name__)
             program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
                                      with_weights=False, max_batch=max_batch)
             weights = {name: tensor.astype(spec.dtype) for name, (tensor, spec) in
@@ -299,6 +301,7 @@ class CausalLM(Generator):
 
         def build():
             model = _placeholder_model(gguf.hf_config())
+            logger.info("tracing %s", type(model).__name__)
             program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
                                      with_weights=False, max_batch=max_batch)
             found = _program_weights(model, program, gguf.tensors, f"the GGUF file {path}",
@@ -330,6 +333,7 @@ class CausalLM(Generator):
             return build()
         hit = store.lookup(key)
         if hit is not None:
+            logger.info("opening the compiled bundle from the compile cache")
             try:
                 lm = cls.from_bundle(hit, backend=backend, timeout=timeout, **options)
             except BundleError as err:  # a file no longer matches its sha256
@@ -341,6 +345,7 @@ class CausalLM(Generator):
                 lm.cached_bundle = hit
                 return lm
         lm = build()
+        logger.info("storing the compiled bundle in the compile cache")
         try:
             lm.cached_bundle = store.store(key, lambda directory: lm._export(
                 directory, link_checkpoint=link_checkpoint))
@@ -357,6 +362,7 @@ class CausalLM(Generator):
         """
 
         max_length = program.cache.max_length
+        logger.info("sharding and compiling for %d ranks", num_ranks)
         preset = plan if plan is not None else presets.tensor_parallel()
         if isinstance(preset, HFPlan):  # made from the model, applied to its step module
             preset = preset.under(STEP_ATTRIBUTE)
@@ -382,6 +388,7 @@ class CausalLM(Generator):
             annotated, weights = _stored(annotated, weights, storage)
             exe = compile_module(annotated)
         rows = comm_report(run_stages(annotated)["local_view"]).rows
+        logger.info("starting %d ranks (%s)", num_ranks, backend)
         per_token = sum(r.bytes_per_rank for r in rows if r.function == "decode")
         session = exe.session(num_ranks, backend=backend, params=weights,
                               function=functions, timeout=timeout, **options)
