@@ -19,6 +19,7 @@ pytest.importorskip("gguf")
 from tvm_distx.bundle import gguf as gguf_reader  # noqa: E402
 from tvm_distx.bundle.formats import decode  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
+from tvm_distx.runtime.text import Tokenizer  # noqa: E402
 
 from gguf_files import train_tokenizer, write_gguf  # noqa: E402
 
@@ -90,3 +91,24 @@ def test_a_gguf_file_generates_the_tokens_of_its_decoded_weights(arch, kind, tok
     want = reference.generate(torch.from_numpy(PROMPT), max_new_tokens=NEW_TOKENS,
                               do_sample=False, eos_token_id=None, pad_token_id=0)
     assert tokens[0].tolist() == want[0].tolist()
+
+
+def test_a_gguf_file_brings_its_tokenizer_and_a_second_start_comes_from_the_cache(
+        tokenizer, tmp_path):
+    """The tokenizer in the file's metadata (converted by transformers) encodes as the one it
+    was written from, so text goes in and out; the compile cache keys the file by identity."""
+    model = _model("llama")
+    path = write_gguf(model, tmp_path / "llama.gguf", "Q8_0", tokenizer)
+    text = Tokenizer.from_gguf(path)
+    sample = "the quick brown fox"
+    assert text.encode(sample, add_special_tokens=False) == tokenizer.encode(sample).ids
+    assert text.decode(tokenizer.encode(sample).ids) == sample
+    cache = tmp_path / "cache"
+    with CausalLM.from_gguf(path, num_ranks=2, max_length=24, backend="emulate",
+                            compile_cache=cache) as lm:
+        assert lm.tokenizer is not None and lm.exe is not None
+        first = lm.generate(sample, max_new_tokens=6)
+    with CausalLM.from_gguf(path, num_ranks=2, max_length=24, backend="emulate",
+                            compile_cache=cache) as lm:
+        assert lm.exe is None  # from the cache: no trace, no compile
+        assert lm.generate(sample, max_new_tokens=6) == first
