@@ -277,6 +277,18 @@ def test_a_partial_sum_passed_to_a_function_on_a_2x2_mesh():
     np.testing.assert_allclose(got, value.sum(axis=2).max(axis=0), rtol=1e-5, atol=1e-5)
 
 
+
+def _one_local_slice(mod: tvm.IRModule, mesh: DeviceMesh):
+    """``mod`` on ``mesh``, its one redistribution lowered to a local slice (no collective);
+    compiled."""
+    mod.update_global_info("mesh", [mesh])
+    mod = relax.transform.LegalizeOps()(mod)
+    legal = LegalizeRedistribute()(LowerGlobalViewToLocalView()(PropagateSharding()(mod)))
+    text = legal["main"].script()
+    assert text.count("tvm_distx.ccl.local_slice") == 1 and "redistribute" not in text
+    return td.compile(mod)
+
+
 def test_a_local_slice_along_a_static_dimension_keeps_a_symbolic_one():
     # the routing weights of an expert-parallel MoE layer: (experts, tokens) replicated,
     # read split on the experts, with a run-time token count. Each rank cuts its block
@@ -293,13 +305,7 @@ def test_a_local_slice_along_a_static_dimension_keeps_a_symbolic_one():
                 w, mesh, Placement.from_text("S[1]")))
             y = bb.emit_output(relax.op.multiply(xr, ws))
         bb.emit_func_output(y)
-    mod = bb.get()
-    mod.update_global_info("mesh", [mesh])
-    mod = relax.transform.LegalizeOps()(mod)
-    legal = LegalizeRedistribute()(LowerGlobalViewToLocalView()(PropagateSharding()(mod)))
-    text = legal["main"].script()
-    assert text.count("tvm_distx.ccl.local_slice") == 1 and "redistribute" not in text
-    exe = td.compile(mod)
+    exe = _one_local_slice(bb.get(), mesh)
     rng = np.random.default_rng(0)
     for size in (1, 5):
         a, b = (rng.standard_normal((size, 8), dtype="float32") for _ in range(2))
@@ -325,13 +331,7 @@ def test_a_local_slice_cuts_a_symbolic_extent_its_parts_always_divide():
             routed = bb.emit(relax.op.multiply(tiled, relax.op.reshape(ws, (4 * n, 1))))
             y = bb.emit_output(relax.op.sum(relax.op.reshape(routed, (4, n, 8)), axis=[0]))
         bb.emit_func_output(y)
-    mod = bb.get()
-    mod.update_global_info("mesh", [mesh])
-    mod = relax.transform.LegalizeOps()(mod)
-    legal = LegalizeRedistribute()(LowerGlobalViewToLocalView()(PropagateSharding()(mod)))
-    text = legal["main"].script()
-    assert text.count("tvm_distx.ccl.local_slice") == 1 and "redistribute" not in text
-    exe = td.compile(mod)
+    exe = _one_local_slice(bb.get(), mesh)
     rng = np.random.default_rng(1)
     for size in (1, 3):
         a = rng.standard_normal((size, 8), dtype="float32")
