@@ -277,7 +277,6 @@ def test_a_partial_sum_passed_to_a_function_on_a_2x2_mesh():
     np.testing.assert_allclose(got, value.sum(axis=2).max(axis=0), rtol=1e-5, atol=1e-5)
 
 
-
 def _one_local_slice(mod: tvm.IRModule, mesh: DeviceMesh):
     """``mod`` on ``mesh``, its one redistribution lowered to a local slice (no collective);
     compiled."""
