@@ -103,10 +103,10 @@ def test_the_layers_are_import_linter_contracts_and_they_hold():
 #: Modules a function may import when it runs rather than with its module: optional or heavy
 #: dependencies (torch, transformers and accelerate come with extras; scipy with the auto
 #: extra; matplotlib and safetensors only where a picture or a weight file is made; gguf and
-#: tokenizers where a GGUF file is read; ml_dtypes, TVM's, which a board without TVM lacks), and mpi4py,
-#: whose import starts MPI.
+#: tokenizers where a GGUF file or a tokenizer is read; ml_dtypes, TVM's, and jinja2, for chat
+#: templates, which a board without TVM lacks), and mpi4py, whose import starts MPI.
 LAZY_ANYWHERE = {"torch", "transformers", "accelerate", "scipy", "safetensors", "sympy",
-                 "matplotlib", "mpi4py", "gguf", "tokenizers", "ml_dtypes"}
+                 "matplotlib", "mpi4py", "gguf", "tokenizers", "ml_dtypes", "jinja2"}
 #: TVM takes about 3 s to import. The layers below the compiler (what ``import tvm_distx``,
 #: a rank's driver and the command line's start load) import it when a function needs it.
 LAZY_TVM_IN = ("tvm_distx/layout/", "tvm_distx/bundle/", "tvm_distx/runtime/",

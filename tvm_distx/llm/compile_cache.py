@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import hashlib
+from importlib import metadata
 import json
 import logging
 import os
@@ -92,8 +93,6 @@ def source_fingerprint() -> str:
 
 
 def _versions() -> dict[str, str]:
-    from importlib import metadata
-
     found = {}
     for name in ("tvm-distx", "apache-tvm", "transformers", "torch"):
         try:

@@ -12,7 +12,9 @@ rendered as transformers renders them: Jinja in a sandbox, with ``messages``,
 character across pieces (a piece waits while the text decoded so far ends in an
 incomplete UTF-8 sequence).
 
-This module imports no TVM: bundles served on any host use it.
+This module imports no TVM, and its libraries (tokenizers, jinja2) only when a tokenizer is
+read or a template rendered: a board, whose Python has numpy alone, imports it with the
+generation loop.
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ import os
 from pathlib import Path
 import tempfile
 from typing import Any, Iterable, Sequence
-
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tvm_distx.errors import ArgumentError
 
@@ -192,6 +191,8 @@ class Tokenizer:
                                 "add a chat_template to its tokenizer_config.json",
                                 cli_hint="use --prompt instead of --chat")
         _check_messages(messages)
+        import jinja2  # a board's Python, which runs generation.py, has no jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
