@@ -292,21 +292,20 @@ class Generator:
             raise ArgumentError(f"stop_strings={stop_strings!r}: each must be non-empty text",
                                 hint='stop_strings=["\\n\\n"]')
         ends = self.eos_token_id if eos_token_id is None else eos_token_id
+        end_tokens = stops_of(ends)
         stream = TextStream(tokenizer)
         self.text_stats = counts = TextStats(prompt_tokens=len(ids))
         for token in self.stream(np.asarray(ids, np.int64), max_new_tokens, eos_token_id=ends,
                                  **sampling):
-            if token in stops_of(ends):
+            if token in end_tokens:
                 counts.finish_reason = "stop"
                 break
             counts.completion_tokens += 1
             piece = stream.push(token)
-            found = [stream.text.find(s, max(0, len(stream.text) - len(piece) - len(s)))
-                     for s in stops]
-            hits = [(at + len(s)) for at, s in zip(found, stops) if at >= 0]
-            if hits:
+            cut = _stop_in(stream.text, len(piece), stops)
+            if cut is not None:
                 counts.finish_reason = "stop"
-                yield piece[:min(hits) - (len(stream.text) - len(piece))]
+                yield piece[:cut]
                 return
             if piece:
                 yield piece
@@ -396,6 +395,18 @@ class Generator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _stop_in(text: str, new: int, stops: Sequence[str]) -> int | None:
+    """Where the last ``new`` characters of ``text`` end with the first stop string that
+    they complete (its end, counted in those characters); None if they complete none."""
+    start = len(text) - new
+    ends = []
+    for stop in stops:  # one that ends in the new characters begins at most len - 1 before
+        at = text.find(stop, max(0, start - len(stop) + 1))
+        if at >= 0:
+            ends.append(at + len(stop))
+    return min(ends) - start if ends else None
 
 
 def stops_of(eos_token_id) -> set[int]:
