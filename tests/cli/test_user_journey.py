@@ -303,3 +303,15 @@ def test_rule_errors_give_hints_in_the_rules_file_syntax(journey):
     err = _one_line_error(done, 2, "exactly one matcher")
     hint = err.splitlines()[1]
     assert '{"callee": "mlp"' in hint and "ShardingRule(" not in hint
+
+
+def test_version_and_a_run_that_leaves_the_rank_count_to_the_bundle(journey):
+    home, _ = journey
+    done = _cli(["tvm-distx", "--version"], home)
+    assert done.returncode == 0 and re.fullmatch(r"tvm-distx \S+ \(TVM \S+\)\n", done.stdout)
+    done = _cli(["tvm-distx", "run", "bundle", "-i", "x.npy", "-o", "out-no-n"], home)
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_array_equal(np.load(home / "out-no-n" / "out0.npy"),
+                                  np.load(home / "out" / "out0.npy"))
+    _one_line_error(_cli(["tvm-distx", "run", "bundle", "-n", "3", "-i", "x.npy"], home), 2,
+                    "2 ranks")

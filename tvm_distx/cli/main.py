@@ -279,7 +279,8 @@ def _run(args: argparse.Namespace) -> int:
     # "-i x.npy" is the next input in parameter order; "-i A=A.npy" names its parameter
     inputs, named = read_inputs(args.inputs)
     options = session_options(args)
-    with _progress(f"running {args.n} ranks ({args.backend})"):
+    ranks = f"{args.n} ranks" if args.n else "its ranks"
+    with _progress(f"running {ranks} ({args.backend})"):
         results = launch(args.bundle, inputs, params=named, num_ranks=args.n,
                          function=args.function,
                          timeout=args.timeout, backend=args.backend, **options)
@@ -352,12 +353,27 @@ def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = Fa
                         "and run-time weights stay the fused ones")
 
 
+def _version() -> str:
+    """``tvm-distx X (TVM Y)``, from the installed packages' metadata (no import of TVM)."""
+    from importlib import metadata
+
+    found = {}
+    for name in ("tvm-distx", "apache-tvm"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "unknown"
+    return f"tvm-distx {found['tvm-distx']} (TVM {found['apache-tvm']})"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tvm-distx",
-                                     description="Sharding, lowering and multi-rank execution "
-                                     "for TVM Relax's distributed IR.")
+                     description="Sharding, lowering and multi-rank execution for TVM Relax's "
+                     "distributed IR.")
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="log progress and show tracebacks")
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="show the versions of tvm-distx and TVM, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("annotate", help="add sharding annotations from rules")
@@ -421,7 +437,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a bundle on N ranks")
     p.add_argument("bundle", type=Path, help="a directory written by compile or bundle")
-    p.add_argument("-n", type=_positive(int), required=True, help="the number of ranks")
+    p.add_argument("-n", "--ranks", dest="n", type=_positive(int), default=None,
+                   help="the number of ranks; the bundle fixes it, so this only checks it")
     p.add_argument("--backend", default=NAMES[0], metavar="|".join(NAMES),
                    help=_BACKEND_HELP)
     p.add_argument("--function", default="main")
