@@ -227,11 +227,12 @@ class _Analysis:
                 return None
             axes.add(cut[0])
             ranges.setdefault(cut[1:], []).append(user)
-        bounds = sorted(ranges)
-        if len(axes) != 1 or bounds[0][0] != 0 or bounds[-1][1] != shape[min(axes)] or any(
+        if len(axes) != 1:
+            return None  # slices on several axes
+        axis, bounds = axes.pop(), sorted(ranges)
+        if bounds[0][0] != 0 or bounds[-1][1] != shape[axis] or any(
                 a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
-            return None  # not a partition of one axis
-        axis = axes.pop()
+            return None  # not a partition of the axis
         first = next(u for u in self.bound if u in set(users))
         consumers = {i: ranges[b] for i, b in enumerate(bounds)}
         if axis == len(shape) - 1:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -162,12 +163,14 @@ class CausalLM(Generator):
             lm.tokenizer = text
             return lm
 
-        key = _key(plan, num_ranks=num_ranks, max_length=max_length,
-                   prompt_length=prompt_length, max_batch=max_batch, storage=storage,
-                   tokenizer=text, kind="hf", model=type(model).__name__,
-                   config=model.config.to_json_string(use_diff=False),
-                   weights=bytes_digest((name, tensor.detach().cpu().numpy()) for name, tensor
-                                        in sorted(model.state_dict().items())))
+        def key() -> CacheKey | None:  # the weights are hashed only when the cache is on
+            return _key(
+                plan, num_ranks=num_ranks, max_length=max_length, prompt_length=prompt_length,
+                max_batch=max_batch, storage=storage, tokenizer=text, kind="hf",
+                model=type(model).__name__, config=model.config.to_json_string(use_diff=False),
+                weights=bytes_digest((name, tensor.detach().cpu().numpy()) for name, tensor
+                                     in sorted(model.state_dict().items())))
+
         return cls._cached(compile_cache, key, build, link_checkpoint=False, backend=backend,
                            timeout=timeout, **options)
 
@@ -250,11 +253,13 @@ class CausalLM(Generator):
             lm.tokenizer = text
             return lm
 
-        key = _key(plan, num_ranks=num_ranks, max_length=max_length,
-                   prompt_length=prompt_length, max_batch=max_batch, storage=storage,
-                   tokenizer=text, kind="pretrained",
-                   files=[file_identity(path) for path in sorted(root.iterdir())
-                          if path.suffix in (".safetensors", ".json") and path.is_file()])
+        def key() -> CacheKey | None:
+            return _key(
+                plan, num_ranks=num_ranks, max_length=max_length, prompt_length=prompt_length,
+                max_batch=max_batch, storage=storage, tokenizer=text, kind="pretrained",
+                files=[file_identity(path) for path in sorted(root.iterdir())
+                       if path.suffix in (".safetensors", ".json") and path.is_file()])
+
         return cls._cached(compile_cache, key, build, link_checkpoint=True, backend=backend,
                            timeout=timeout, **options)
 
@@ -317,19 +322,24 @@ class CausalLM(Generator):
             lm.tokenizer = Tokenizer.from_gguf(path)
             return lm
 
-        key = _key(plan, num_ranks=num_ranks, max_length=max_length,
-                   prompt_length=prompt_length, max_batch=max_batch, storage=requantize,
-                   tokenizer=None, kind="gguf", file=file_identity(path))
+        def key() -> CacheKey | None:
+            return _key(
+                plan, num_ranks=num_ranks, max_length=max_length, prompt_length=prompt_length,
+                max_batch=max_batch, storage=requantize, tokenizer=None, kind="gguf",
+                file=file_identity(path))
+
         return cls._cached(compile_cache, key, build, link_checkpoint=True, backend=backend,
                            timeout=timeout, **options)
 
     @classmethod
-    def _cached(cls, compile_cache, key: CacheKey | None, build, *, link_checkpoint: bool,
-                backend: str, timeout: float, **options) -> "CausalLM":
-        """``build()``, or the bundle the compile cache holds under ``key``; a build is
-        stored there (its weights linked to their files when ``link_checkpoint``)."""
+    def _cached(cls, compile_cache, key: Callable[[], CacheKey | None], build, *,
+                link_checkpoint: bool, backend: str, timeout: float, **options) -> "CausalLM":
+        """``build()``, or the bundle the compile cache holds under ``key()``; a build is
+        stored there (its weights linked to their files when ``link_checkpoint``). The key
+        is made only when the cache is on (it may hash the weights)."""
         store = CompileCache.of(compile_cache)
-        if store is None or key is None:
+        key = key() if store is not None else None
+        if key is None:
             return build()
         hit = store.lookup(key)
         if hit is not None:
