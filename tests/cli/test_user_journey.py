@@ -315,3 +315,17 @@ def test_version_and_a_run_that_leaves_the_rank_count_to_the_bundle(journey):
                                   np.load(home / "out" / "out0.npy"))
     _one_line_error(_cli(["tvm-distx", "run", "bundle", "-n", "3", "-i", "x.npy"], home), 2,
                     "2 ranks")
+
+
+def test_propagating_high_level_operators_warns_in_flags(journey):
+    home, _ = journey
+    done = _cli(["tvm-distx", "propagate", "model.py", "--rules", "rules.json"], home)
+    assert done.returncode == 0
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("tvm-distx: warning: 3 high-level operator call(s) take sharded "
+                               "operands (relax.matmul at 'lv0' in 'mlp')"), lines
+    assert lines[1:] == ["hint: add --legalize to legalize them first, as compile does"]
+    assert "LegalizeOps" not in done.stderr  # no Python advice on the command line
+    legal = _cli(["tvm-distx", "propagate", "model.py", "--rules", "rules.json", "--legalize"],
+                 home)
+    assert legal.returncode == 0 and legal.stderr == ""

@@ -121,7 +121,7 @@ def _annotate(args: argparse.Namespace) -> int:
 
 
 def _propagate(args: argparse.Namespace) -> int:
-    from tvm_distx.passes import PropagateSharding
+    from tvm_distx.passes import propagate
 
     _writable_file(args.output, "-o")
     mod = _load(args)
@@ -129,7 +129,14 @@ def _propagate(args: argparse.Namespace) -> int:
         from tvm_distx.build.pipeline import legalize_ops
 
         mod = legalize_ops(mod)
-    _write_module(PropagateSharding(require_legalized=args.legalize)(mod), args.output)
+    result = propagate(mod, require_legalized=args.legalize, warn_unlegalized=False)
+    _write_module(result.mod, args.output)
+    if result.unlegalized:  # the Python warning's advice, in flags
+        fn, var, op = result.unlegalized[0]
+        sys.stderr.write(f"tvm-distx: warning: {len(result.unlegalized)} high-level operator "
+                         f"call(s) take sharded operands ({op} at '{var}' in '{fn}'); legalizing "
+                         "them after propagation would lose collectives\n"
+                         "hint: add --legalize to legalize them first, as compile does\n")
     return EXIT_OK
 
 
