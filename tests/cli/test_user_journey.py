@@ -329,3 +329,11 @@ def test_propagating_high_level_operators_warns_in_flags(journey):
     legal = _cli(["tvm-distx", "propagate", "model.py", "--rules", "rules.json", "--legalize"],
                  home)
     assert legal.returncode == 0 and legal.stderr == ""
+
+
+def test_explaining_an_unknown_value_prints_no_table_before_the_error(journey):
+    home, _ = journey
+    done = _cli(["tvm-distx", "explain", "model.py", "--rules", "rules.json", "--value",
+                 "mlp:Z"], home)
+    _one_line_error(done, 2, "function 'mlp' has no tensor value 'Z'")
+    assert done.stdout == ""

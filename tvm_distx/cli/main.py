@@ -176,11 +176,18 @@ def _explain(args: argparse.Namespace) -> int:
 
     from tvm_distx.reports.comm_report import comm_report
     from tvm_distx.build.pipeline import legalize_ops, run_stages
-    from tvm_distx.reports.views import comm_table, plot_value, sharding_tables, show_value
+    from tvm_distx.reports.views import (comm_table, plot_value, sharding_tables, show_value,
+                                         value_sharding)
 
     # legalized first, as compile does: TVM types few high-level operators on DTensors
     _writable_file(args.png, "--png")
+    function, _, value = (args.value or "").partition(":")
+    if args.value and not value:
+        raise ArgumentError(f"--value takes FUNCTION:VALUE, got {args.value!r}",
+                            hint="for example --value mlp:A")
     annotated = legalize_ops(_load(args))
+    if args.value:
+        value_sharding(annotated, function, value)  # an unknown value: its error, no tables
     with _progress("propagating and lowering"):
         stages = run_stages(annotated)
     console = Console()
@@ -188,10 +195,6 @@ def _explain(args: argparse.Namespace) -> int:
         console.print(table)
     console.print(comm_table(comm_report(stages["local_view"])))
     if args.value:
-        function, _, value = args.value.partition(":")
-        if not value:
-            raise ArgumentError(f"--value takes FUNCTION:VALUE, got {args.value!r}",
-                                hint="for example --value mlp:A")
         show_value(annotated, function, value, console=console)
         if args.png:
             try:
