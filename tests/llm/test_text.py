@@ -186,3 +186,14 @@ def test_a_terminal_shows_the_stages_and_the_times_and_a_pipe_shows_nothing(text
     quiet = _cli(text_bundle, "--prompt", "hello world", "--max-new-tokens", 4,
                  "--backend", "emulate")
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+
+
+def test_too_many_new_tokens_for_the_bundle_are_refused_before_any_rank_starts(text_bundle):
+    done = _cli(text_bundle, "--ids", 3, 14, "--max-new-tokens", 100, "--backend", "mpi")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert lines[0] == ("tvm-distx: error: [argument] a 2-token prompt and --max-new-tokens 100 "
+                        f"need 101 cache positions; the bundle {text_bundle} holds 64"), lines
+    assert lines[1:] == ["hint: --max-new-tokens 63 at most"]
+    fits = _cli(text_bundle, "--ids", 3, 14, "--max-new-tokens", 63, "--backend", "emulate")
+    assert fits.returncode == 0, fits.stderr

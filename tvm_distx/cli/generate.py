@@ -54,6 +54,25 @@ def _check_rank_count(bundle: Path, ranks: int | None) -> None:
                             f"of {built} ranks", hint=f"--ranks {built}, or leave --ranks out")
 
 
+def _check_cache_length(bundle: Path, prompt_tokens: int, new_tokens: int) -> None:
+    """Refuse a prompt and new tokens the bundle's cache cannot hold, before any rank starts
+    (the last new token needs no cache position)."""
+    from tvm_distx.bundle.generation import read_generation
+    from tvm_distx.errors import BundleError
+
+    try:
+        limit = read_generation(bundle).cache.max_length
+    except BundleError:
+        return  # not a bundle: CausalLM.from_bundle says so, with its own hint
+    needed = prompt_tokens + new_tokens - 1
+    if needed > limit:
+        most = limit - prompt_tokens + 1
+        raise ArgumentError(f"a {prompt_tokens}-token prompt and --max-new-tokens {new_tokens} "
+                            f"need {needed} cache positions; the bundle {bundle} holds {limit}",
+                            hint=f"--max-new-tokens {most} at most" if most >= 1 else
+                            "a shorter prompt, or a bundle exported with a larger max_length")
+
+
 def _magic(path: Path) -> bytes:
     """The first four bytes of a file."""
     with open(path, "rb") as f:
@@ -74,6 +93,8 @@ def open_model(args: argparse.Namespace, length: int, causal_lm):
                                     "were fixed when it was exported",
                                     hint=f"leave --{flag.replace('_', '-')} out")
         _check_rank_count(path, args.ranks)
+        if getattr(args, "max_new_tokens", None) is not None:
+            _check_cache_length(path, length - args.max_new_tokens, args.max_new_tokens)
         with _progress(f"starting the ranks of {path} ({args.backend})",
                        follow="tvm_distx.llm"):
             return causal_lm.from_bundle(path, backend=args.backend, num_ranks=args.ranks,

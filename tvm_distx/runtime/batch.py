@@ -103,7 +103,7 @@ def generate_batch(lm, prompts: Sequence[np.ndarray], max_new_tokens: int,
         raise ArgumentError(f"generate(max_new_tokens={max_new_tokens}) of a batch padded to "
                             f"{padded} tokens needs {padded + max_new_tokens - 1} cache "
                             f"positions; the model was exported for {limit}",
-                            hint=f"CausalLM.from_hf(model, max_length={padded + max_new_tokens})")
+                            hint=f"CausalLM.from_hf(model, max_length={padded + max_new_tokens - 1})")
     pad = int(pad_token_id if pad_token_id is not None else 0)
     size, new = lm.batch_cache.batch, []
     for start in range(0, len(prompts), size):
