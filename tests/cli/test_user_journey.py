@@ -296,6 +296,18 @@ def test_weights_missing_a_weight_are_refused_before_compiling(journey):
     assert not (home / "partial").exists()
 
 
+def test_a_weight_of_another_shape_is_refused_naming_the_file(journey):
+    home, _ = journey
+    np.savez(home / "wrong.npz", A=np.zeros((64, 128), "float32"), B=np.load(home / "B.npy"))
+    done = _cli(["tvm-distx", "compile", "model.py", "--rules", "rules.json", "--weights",
+                 "wrong.npz", "-o", "wrong"], home)
+    err = _one_line_error(done, 2, "weight 'A' in wrong.npz has shape (64, 128); 'main' "
+                          "takes (128, 128)")
+    assert err.splitlines()[1] == "hint: save A with shape (128, 128) in wrong.npz " \
+        "(numpy.savez)"
+    assert not (home / "wrong").exists()
+
+
 def test_rule_errors_give_hints_in_the_rules_file_syntax(journey):
     home, _ = journey
     (home / "two.json").write_text('[{"param": "A", "callee": "mlp", "result": "S[1]"}]')

@@ -206,13 +206,15 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _check_weights_complete(mod, function: str, weights: dict, path: Path) -> None:
-    """Refuse a ``--weights`` archive that leaves out some of the function's weights.
+    """Refuse a ``--weights`` archive that leaves out some of the function's weights, or holds
+    one of another shape.
 
     The weights are the parameters after the run-time inputs: the first
     ``num_input`` parameters when the function says so (modules imported from
     PyTorch do), otherwise every parameter from the first one the archive names.
     A fused weight cut by ``--split-fused`` counts as given when its source is.
     """
+    from tvm_distx.ir.helpers import static_shape
     from tvm_distx.passes import derivations_of
 
     if function not in [gv.name_hint for gv in mod.functions]:
@@ -238,6 +240,17 @@ def _check_weights_complete(mod, function: str, weights: dict, path: Path) -> No
             + (f" (its run-time inputs: {', '.join(inputs)})" if inputs else ""),
             hint=f"add {' and '.join(missing)} to {path.name} (numpy.savez), or leave "
             "--weights out and pass every parameter with -i at run time")
+    for param in func.params:  # each weight's shape, before anything compiles
+        array, shape = weights.get(param.name), static_shape(param.ty)
+        if array is None or shape is None:
+            continue
+        if len(shape) != array.ndim or any(w is not None and w != a
+                                           for w, a in zip(shape, array.shape)):
+            shown = tuple("?" if w is None else w for w in shape)
+            raise ArgumentError(
+                f"weight '{param.name}' in {path} has shape {tuple(array.shape)}; "
+                f"'{function}' takes {shown}",
+                hint=f"save {param.name} with shape {shown} in {path.name} (numpy.savez)")
 
 
 def _compile(args: argparse.Namespace, check: bool = False) -> int:
