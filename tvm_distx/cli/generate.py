@@ -82,6 +82,9 @@ def _magic(path: Path) -> bytes:
 def open_model(args: argparse.Namespace, length: int, causal_lm):
     """The model of ``args.bundle`` (a bundle, a checkpoint or a GGUF file), its ranks started;
     a checkpoint's or GGUF file's cache holds ``args.max_length`` tokens, else ``length``."""
+    from tvm_distx.runtime.backends import check_backend
+
+    check_backend(args.backend, session_options(args))  # a bad flag first, then the model
     path = args.bundle
     is_gguf = path.suffix == ".gguf" or (path.is_file() and _magic(path) == b"GGUF")
     checkpoint = path.is_dir() and (path / "config.json").is_file()
