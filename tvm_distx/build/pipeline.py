@@ -15,17 +15,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 import logging
-import math
 import os
 from pathlib import Path
 
-from tvm import relax, topi
+from tvm import relax
 import tvm
 
 from tvm_distx._deprecated import deprecated_names
 from tvm_distx.build.board_plan import lower_for_vm, rank_plan
 from tvm_distx.build.fuse_attention import FuseAttention
 from tvm_distx.build.fuse_cache_writes import FuseCacheWrites
+from tvm_distx.build.operator_rules import legalize_rules
 from tvm_distx.build.executable import DistExecutable
 from tvm_distx.build.schedule import (SCHEDULED_ATTR, ScheduleCPU, WidenHalves, fuse_kernels,
                                       implement_kernels)
@@ -82,40 +82,7 @@ def legalize_operators(mod: tvm.IRModule, *, fuse: bool = True) -> tvm.IRModule:
     mod = LegalizeLinear()(mod)
     with tvm.target.Target({"kind": "llvm"}):
         mod = relax.backend.DispatchSortScan()(mod)
-    return relax.transform.LegalizeOps(customize_legalize_map=_legalize_rules())(mod)
-
-
-def _legalize_rules() -> dict:
-    """Our rules where TVM's would fail: ``full`` and ``full_like`` of an infinite or NaN value.
-
-    TVM's rules pass the result's dtype to ``topi.full`` as a type object, and
-    ``topi.full`` checks a non-finite value's dtype with ``in`` on a string
-    (``TypeError: argument of type 'PrimType' is not iterable``). Such fills are
-    common: routers start their scores at ``-inf`` (``full_like(logits, -inf)``),
-    masks at ``-inf`` too. Every other call keeps TVM's rule.
-    """
-    rules = {}
-    for name in ("relax.full", "relax.full_like"):
-        rules[name] = _non_finite_fill(tvm.ir.Op.get(name).get_attr("FLegalize"))
-    return rules
-
-
-def _non_finite_fill(default):
-    """The legalization of a fill whose value is a non-finite scalar constant, else ``default``."""
-
-    def rule(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-        value, ty = call.args[1], call.ty
-        if not isinstance(value, tvm.ir.Constant) or value.value.shape != () \
-                or not isinstance(ty, relax.TensorType) \
-                or not isinstance(ty.shape, relax.ShapeExpr):
-            return default(bb, call)
-        number = value.value.numpy().item()
-        if not isinstance(number, float) or math.isfinite(number):
-            return default(bb, call)
-        return bb.call_te(topi.full, list(ty.shape.values), str(ty.dtype), number,
-                          primfunc_name_hint="full")
-
-    return rule
+    return relax.transform.LegalizeOps(customize_legalize_map=legalize_rules())(mod)
 
 
 #: The stage names, in order (also the file names under ``dump_dir``).
