@@ -66,3 +66,13 @@ def test_the_benchmarks_across_test_hosts_run_and_take_their_hosts_down():
     assert "two hosts (TCP) ms" in out["collectives"]
     assert re.search(r"\| 1 rank on each of k\d+t1 and k\d+t2 \(TCP\) \|[^\n]* \| yes \|",
                      out["llm_decode"])
+
+
+def test_the_start_up_benchmark_times_every_command_against_import_tvm():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "cli_startup.py"),
+                           "--rounds", "1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for command in ("import tvm", "tvm-distx explain model.py --rules rules.json",
+                    "tvm-distx run --help", "tvm-distx --version"):
+        assert re.search(rf"\| `{re.escape(command)}` \| \d+\.\d\d \|", done.stdout), command

@@ -52,6 +52,7 @@ import numpy as np
 
 from tvm_distx.cli.deploy import add_parser as _add_deploy_parser
 from tvm_distx.cli.hosts import add_host_arguments, session_options
+from tvm_distx.cli.startup import WITHOUT_TORCH, import_tvm_without_torch
 from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, _input_file,
                          _load_plain, _output_directory, _progress, _read_rules, _with_mesh,
                          _writable_file)
@@ -630,6 +631,8 @@ def _command(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.command in WITHOUT_TORCH:
+            import_tvm_without_torch()
         return args.handler(args)
     except (KeyboardInterrupt, Exception) as err:
         if _interrupted(err):
