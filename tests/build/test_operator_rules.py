@@ -7,8 +7,11 @@ import pytest
 import tvm
 from tvm import relax
 
-from tvm_distx.build.operator_rules import legalize_rules
+from tvm_distx.build.operator_rules import SCATTER_MAX_UPDATES, legalize_rules
 from tvm_distx.build.pipeline import legalize_operators
+from tvm_distx.build.schedule import AS_WRITTEN, RULE_ATTR, ScheduleCPU, x86_target
+
+TARGET = x86_target(1)
 
 FAST_MODE_LOG = "Fast mode segfaults"
 
@@ -91,5 +94,72 @@ def test_a_non_finite_fill_legalizes(value):
     np.testing.assert_array_equal(got, np.full((2, 3), value, "float32"))
 
 
+def scatter_reference(data, indices, updates, axis):
+    """``scatter_elements`` with ``reduction="update"`` as the loop its definition is."""
+    out = data.copy()
+    for position in np.ndindex(*indices.shape):
+        at = list(position)
+        at[axis] = indices[position] % data.shape[axis]
+        out[tuple(at)] = updates[position]
+    return out
+
+
+@pytest.mark.parametrize("shape, count, axis", [((6, 8), 2, 1), ((6, 8), 5, 0), ((6, 8), 1, 1),
+                                                ((3, 4, 10), 3, -1)])
+def test_scatter_of_a_few_updates_equals_the_loop(shape, count, axis, capfd):
+    index_shape = list(shape)
+    index_shape[axis] = count
+    mod = module({"x": (shape, "float32"), "i": (tuple(index_shape), "int64"),
+                  "u": (tuple(index_shape), "float32")},
+                 lambda x, i, u: relax.op.scatter_elements(x, i, u, axis=axis))
+    rng = np.random.default_rng(count)
+    x = rng.standard_normal(shape, dtype="float32")
+    # negative entries count from the end; repeated ones keep the last update
+    i = rng.integers(-shape[axis], shape[axis], index_shape).astype("int64")
+    u = rng.standard_normal(index_shape, dtype="float32")
+    legalized = legalize_operators(mod)
+    got = run(ScheduleCPU(TARGET)(legalized), x, i, u)
+    np.testing.assert_array_equal(got, scatter_reference(x, i, u, axis % len(shape)))
+    assert "Unknown pragma" not in capfd.readouterr().err
+    scheduled = ScheduleCPU(TARGET)(legalized)
+    rules = {str(f.attrs[RULE_ATTR]) for f in scheduled.functions.values()
+             if isinstance(f, tvm.tirx.PrimFunc)}
+    assert AS_WRITTEN not in rules and None not in rules, rules
+
+
+def test_a_routers_scatter_over_a_run_time_token_count():
+    """Top-k weights written into a row per expert, for a prompt of any length."""
+    n = tvm.tirx.Var("n", "int64")
+    mod = module({"x": ((n, 8), "float32"), "i": ((n, 2), "int64"), "u": ((n, 2), "float32")},
+                 lambda x, i, u: relax.op.scatter_elements(x, i, u, axis=1))
+    lowered = legalize_operators(mod)
+    assert "pragma_scope" not in lowered.script()
+    for tokens in (1, 7):
+        rng = np.random.default_rng(tokens)
+        x = np.zeros((tokens, 8), "float32")
+        i = np.stack([rng.permutation(8)[:2] for _ in range(tokens)]).astype("int64")
+        u = rng.random((tokens, 2), dtype="float32")
+        np.testing.assert_array_equal(run(lowered, x, i, u), scatter_reference(x, i, u, 1))
+
+
+@pytest.mark.parametrize("reduction, count", [("add", 2), ("update", SCATTER_MAX_UPDATES + 1)])
+def test_other_scatters_keep_tvms_rule(reduction, count):
+    mod = module({"x": ((4, 80), "float32"), "i": ((4, count), "int64"),
+                  "u": ((4, count), "float32")},
+                 lambda x, i, u: relax.op.scatter_elements(x, i, u, axis=1,
+                                                           reduction=reduction))
+    lowered = legalize_operators(mod)
+    assert "pragma_scope" in lowered.script()  # TVM's loop program
+    rng = np.random.default_rng(count)
+    x = rng.standard_normal((4, 80), dtype="float32")
+    i = np.stack([rng.permutation(80)[:count] for _ in range(4)]).astype("int64")
+    u = rng.standard_normal((4, count), dtype="float32")
+    want = x.copy()
+    np.add.at(want, (np.arange(4)[:, None], i), u) if reduction == "add" else \
+        np.put_along_axis(want, i, u, axis=1)
+    np.testing.assert_allclose(run(lowered, x, i, u), want, rtol=1e-6)
+
+
 def test_the_rules_cover_what_the_module_says():
-    assert set(legalize_rules()) == {"relax.full", "relax.full_like", "relax.take"}
+    assert set(legalize_rules()) == {"relax.full", "relax.full_like", "relax.take",
+                                     "relax.scatter_elements"}

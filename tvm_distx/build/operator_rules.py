@@ -17,6 +17,15 @@ for every call the reason below does not cover.
   expression without the log line. The indices a user gives are checked before
   any call (a prompt's token ids against the vocabulary), which is what makes
   the mode safe here.
+* ``scatter_elements`` that replaces (``reduction="update"``) a few entries per
+  row, as a router writes its top-k weights into a row per expert. TVM's rule
+  is a loop program built with its IR builder, whose ``seq_scope`` mark LLVM's
+  code generator does not know ("Unknown pragma pragma_scope", once per
+  kernel), and which no schedule can read. Ours is one element-wise block:
+  each entry is a chain of one select per update of its row, the last update
+  outermost, so a repeated index keeps the last update, as the loop's
+  sequential order does. It reads each row's ``k`` indices once per entry,
+  so it is used up to :data:`SCATTER_MAX_UPDATES` updates per row.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import math
 from typing import Callable
 
 import tvm
+import tvm_ffi
 from tvm import relax, te, topi
 
 __all__ = ["legalize_rules"]
@@ -34,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 Rule = Callable[[relax.BlockBuilder, relax.Call], relax.Expr]
 
+#: The most updates per row (along the scatter's axis) that our ``scatter_elements`` takes.
+SCATTER_MAX_UPDATES = 16
+
 
 def legalize_rules() -> dict[str, Rule]:
     """The ``customize_legalize_map`` of our rules (the module's docstring lists them)."""
@@ -41,6 +54,7 @@ def legalize_rules() -> dict[str, Rule]:
     for name in ("relax.full", "relax.full_like"):
         rules[name] = _non_finite_fill(_tvm_rule(name))
     rules["relax.take"] = _take_in_bounds(_tvm_rule("relax.take"))
+    rules["relax.scatter_elements"] = _scatter_few(_tvm_rule("relax.scatter_elements"))
     return rules
 
 
@@ -93,3 +107,54 @@ def _gather(data: te.Tensor, indices: te.Tensor, axis: int) -> te.Tensor:
         return data[(*index[:axis], at, *index[axis + depth:])]
 
     return te.compute(shape, element, name="T_take", tag="injective")
+
+
+def _shape(expr: relax.Expr) -> list[tvm.tirx.PrimExpr] | None:
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    return list(ty.shape.values)
+
+
+def _scatter_few(default: Rule) -> Rule:
+    """``scatter_elements`` of a few updates per row as two blocks; else ``default``."""
+
+    def rule(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        data, indices, updates = call.args
+        shapes = [_shape(arg) for arg in call.args]
+        if str(call.attrs.reduction) != "update" or any(s is None for s in shapes):
+            return default(bb, call)
+        data_shape, index_shape, update_shape = shapes
+        axis = int(call.attrs.axis) % len(data_shape)
+        same = tvm_ffi.structural_equal
+        count = index_shape[axis]
+        if not (same(index_shape, update_shape) and isinstance(count, tvm.tirx.IntImm)
+                and int(count) <= SCATTER_MAX_UPDATES
+                and all(same(index_shape[d], data_shape[d])
+                        for d in range(len(data_shape)) if d != axis)):
+            return default(bb, call)
+        return bb.call_te(_scatter_update, data, indices, updates, axis,
+                          primfunc_name_hint="scatter_elements")
+
+    return rule
+
+
+def _scatter_update(data: te.Tensor, indices: te.Tensor, updates: te.Tensor,
+                    axis: int) -> te.Tensor:
+    """``data`` with ``updates`` written along ``axis`` at ``indices`` (the last one wins).
+
+    Each entry is a chain of selects, one per update of its row, the last
+    update outermost: an index repeated in a row keeps its last update.
+    """
+    extent = data.shape[axis].astype("int64")
+
+    def entry(*index):
+        value = data[index]
+        for k in range(int(indices.shape[axis])):
+            at = (*index[:axis], k, *index[axis + 1:])
+            target = indices[at].astype("int64")
+            target = tvm.tirx.Select(target < 0, target + extent, target)
+            value = tvm.tirx.Select(target == index[axis].astype("int64"), updates[at], value)
+        return value
+
+    return te.compute(data.shape, entry, name="T_scatter_elements", tag="injective")
