@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from typing import Iterator, NamedTuple
+import warnings
 
 import numpy as np
 from tvm import relax
@@ -127,6 +129,34 @@ def _writes_into_views(exported) -> bool:
     return False
 
 
+#: Warnings that torch gives about its own internals while a model is exported and
+#: translated, with the reason each says nothing to the user: ``(category, message
+#: pattern, reason)``.
+INTERNAL_WARNINGS = (
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+     "torch's pytree warns about its own deprecated check while copying an exported "
+     "program's tree specs; nothing of the model's"),
+)
+
+
+@contextlib.contextmanager
+def _internal_warnings_logged() -> Iterator[None]:
+    """Log :data:`INTERNAL_WARNINGS` (DEBUG, with their reason); show every other warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for warning in caught:
+        reason = next((why for category, pattern, why in INTERNAL_WARNINGS
+                       if issubclass(warning.category, category)
+                       and re.search(pattern, str(warning.message))), None)
+        if reason is not None:
+            logger.debug("hidden %s (%s): %s", warning.category.__name__, reason,
+                         warning.message)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                   warning.lineno, source=warning.source)
+
+
 def _export(module, args: tuple, kwargs: dict, dynamic_shapes):
     """``torch.export.export``, again with size-oblivious reasoning if a guard breaks a range.
 
@@ -208,12 +238,12 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
     """
     import torch
 
-
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     args, kwargs, dynamic_shapes = _export_arguments(module, example_inputs, dynamic_shapes)
     try:
-        with torch.no_grad(), _without_cache(module), static_experts(module):
+        with torch.no_grad(), _without_cache(module), static_experts(module), \
+                _internal_warnings_logged():
             exported = _export(module.eval(), args, kwargs, dynamic_shapes)
         if _writes_into_views(exported):
             # ``y[..., :8].copy_(x)`` writes into a view of y; TVM's frontend would
@@ -226,10 +256,11 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
                             hint="make forward traceable (no data-dependent Python control "
                             "flow) or export it yourself") from None
     try:
-        mod = from_exported_program(exported, keep_params_as_input=True,
-                                    unwrap_unit_return_tuple=unwrap_single_result,
-                                    run_ep_decomposition=decompose,
-                                    custom_convert_map=converters(exported))
+        with _internal_warnings_logged():
+            mod = from_exported_program(exported, keep_params_as_input=True,
+                                        unwrap_unit_return_tuple=unwrap_single_result,
+                                        run_ep_decomposition=decompose,
+                                        custom_convert_map=converters(exported))
     except Exception as err:  # the frontend raises assertion and key errors
         node = _failing_node(err)
         where = f" at operator {node.target} (node '{node.name}')" if node is not None else ""
