@@ -1,7 +1,7 @@
 # Shared set-up for scripts/test and scripts/demo (sourced, not run).
 # Creates or reuses .venv at the repository root and installs the package with
 # the extras the caller names in DISTX_EXTRAS ("" for the demo, "test" for the
-# tests). Nothing has to be installed by hand.
+# tests and for `scripts/demo --full`). Nothing has to be installed by hand.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -80,7 +80,7 @@ def _tool(name: str) -> str:
     if path is None:
         raise QemuError(f"{name} is not installed",
                         hint="apt-get install gcc-riscv64-linux-gnu qemu-user "
-                        "(scripts/test and scripts/demo do it)")
+                        "(scripts/test and scripts/demo --full do it)")
     return path
 
 
