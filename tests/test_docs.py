@@ -13,6 +13,7 @@ import html
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,85 @@ def test_pages_run_every_python_block_and_name_no_deprecated_api():
             continue  # the design's page; the API pages exclude the deprecated names by name
         for name in DEPRECATED:
             assert name not in text, (page.name, name)
+
+
+#: The extra each guide needs, named in its opening paragraph (the text before its first
+#: ``##``): ``None`` for a guide that needs none, which it says ("needs no extra").
+GUIDE_EXTRAS = {
+    "concepts.md": None,
+    "execution.md": None,
+    "across-machines.md": None,
+    "cli.md": {"auto", "hf", "serve"},
+    "pytorch.md": {"torch", "hf"},
+    "generation.md": {"hf"},
+    "weights.md": {"hf"},
+    "autoshard.md": {"auto", "torch"},
+    "moe.md": {"hf"},
+    "serving.md": {"serve"},
+    "targets.md": {"hf"},
+}
+#: Pages that document no feature a user installs, each with the reason.
+NOT_GUIDES = {
+    "index.md": "the site's front page: points to the README's set-up and extras table",
+    "architecture.md": "for people who change tvm-distx (the test extra has everything)",
+    "benchmarks.md": "the benchmarks' tables, included from scripts/bench",
+    "performance.md": "the benchmarks, run by scripts/bench/all in the test environment",
+    "reliability.md": "what scripts/test checks",
+    "status.md": "what is done, with links to the guides",
+    "testhosts.md": "the suite's test hosts: root and system python3, no virtual environment",
+    "tvm-wheel.md": "the pinned TVM wheel, a dependency of the package itself",
+}
+
+
+def _extras() -> dict[str, list[str]]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["optional-dependencies"]
+
+
+def _opening(page: Path) -> str:
+    text = page.read_text()
+    return text[:text.index("\n## ")] if "\n## " in text else text
+
+
+def test_every_guide_names_the_extra_it_needs_in_its_opening():
+    pages = {p.name for p in DOCS.glob("*.md")}
+    assert pages == set(GUIDE_EXTRAS) | set(NOT_GUIDES), pages ^ (set(GUIDE_EXTRAS) | set(NOT_GUIDES))
+    assert not set(GUIDE_EXTRAS) & set(NOT_GUIDES)
+    extras = _extras()
+    for name, needed in GUIDE_EXTRAS.items():
+        opening = " ".join(_opening(DOCS / name).split())
+        if needed is None:
+            assert "no extra" in opening, name
+            continue
+        for extra in needed:
+            assert extra in extras, (name, extra)  # a renamed extra fails here
+            assert re.search(rf"`{extra}`(?: and `\w+`)? extras?\b", opening), (name, extra)
+
+
+def test_the_extras_a_guide_names_hold_what_its_examples_import():
+    extras = _extras()
+    provides = {extra: {re.split(r"[=<>\[ ]", req)[0] for req in reqs}
+                for extra, reqs in extras.items()}
+    for name, needed in GUIDE_EXTRAS.items():
+        blocks = "\n".join(re.findall(r"```(?:python|bash)\n(.*?)```", (DOCS / name).read_text(),
+                                      flags=re.S))
+        imported = {m.split(".")[0] for m in
+                    re.findall(r"^\s*(?:import|from)\s+([\w.]+)", blocks, flags=re.M)}
+        for package in imported & {"torch", "transformers", "scipy", "fastapi", "gguf"}:
+            assert any(package in provides[e] for e in needed or ()), (name, package)
+
+
+def test_the_readme_says_what_each_command_installs_and_how_to_get_the_rest():
+    text = (ROOT / "README.md").read_text()
+    section = " ".join(text[text.index("## Two commands"):text.index("\n## ", text.index(
+        "## Two commands") + 1)].split())
+    assert "`scripts/demo`: the package with no extra" in section
+    assert "`scripts/demo --full`, and `scripts/test`: the `test` extra" in section
+    assert "No module named 'torch'" in section and "everything installed" not in section
+    demo = (ROOT / "scripts" / "demo").read_text()
+    assert 'if [ "$arg" = --full ]; then EXTRAS=test' in demo
+    assert "test" in _extras()
+    # the test extra holds every other extra's packages, so --full runs every guide
+    everything = set(_extras()["test"])
+    for extra, reqs in _extras().items():
+        assert set(reqs) <= everything, (extra, set(reqs) - everything)

@@ -38,7 +38,7 @@ def _annotate(out: str, scratch: Path) -> None:
 def _tour(out: str, scratch: Path) -> None:
     assert "function mlp" in out and "S[1]" in out  # explain's table
     assert _error(out, "mpi max |error|:") < 1e-5  # two MPI ranks equal numpy
-    assert (scratch / "bundle" / "manifest.json").is_file()  # the exported bundle
+    assert (scratch / "tour" / "bundle" / "manifest.json").is_file()  # the exported bundle
 
 
 def _propagate(out: str, scratch: Path) -> None:
