@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.runtime import DataType
 from tvm.ir.expr import TensorLoad
@@ -173,11 +174,62 @@ class MatmulRule(Rule):
         if self.row_panels and self.weight_rows(found):
             trial = sch.copy()
             try:
-                return self._apply_row_panels(trial, found, cpu)
+                long = self._apply_row_panels(trial, found, cpu)
             except ScheduleError as err:
                 logger.debug("matmul: row panels do not fit %s (%s); column panels",
                              found.block.name, first_line(err))
+            else:
+                return self._with_short_panels(sch, found, cpu, long)
         return self._apply_column_panels(sch, found, cpu)
+
+    def _with_short_panels(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits,
+                           long: Schedule) -> Schedule:
+        """Row panels of two vectors, and of one for the row counts they would pad most.
+
+        A run-time row count is padded to whole panels. Panels of two vectors
+        feed the micro-kernel best, but a prompt of 16 tokens would then compute
+        32 rows. With AVX-512 a second micro-kernel of one vector of tokens by
+        :attr:`SHORT_PANEL_ROWS` weight rows (about 0.88 of the speed of the
+        long one, measured with ``scripts/bench/kernels.py --prefill``) takes the
+        row counts where that costs less than the padding; the kernel chooses at
+        run time (:meth:`short_panels_cost_less`). Static row counts, other
+        vector widths and weights that the two variants would not share keep the
+        long panels alone.
+        """
+        if cpu.vector_bits < 512:
+            return long
+        *_, i, _, _ = sch.get_loops(found.block.rv)
+        rows = sch.get(i).extent
+        if isinstance(rows, tirx.IntImm):
+            return long
+        try:
+            short = self._apply_row_panels(sch.copy(), found, cpu, vectors=1)
+        except ScheduleError as err:
+            logger.debug("matmul: no short row panels for %s (%s)", found.block.name,
+                         first_line(err))
+            return long
+        merged = _dispatch(short.mod["main"], long.mod["main"],
+                           self.short_panels_cost_less(rows, cpu.lanes(found.block.output.dtype)))
+        if merged is None:
+            return long
+        # the two bodies define the same loop variables: one definition each, renamed
+        return Schedule(s_tir.transform.ConvertSSA()(tvm.IRModule({"main": merged})))
+
+    #: Weight rows of the short row panels' tile (one vector of tokens each); a taller
+    #: tile of 16 rows measured slower.
+    SHORT_PANEL_ROWS = 8
+
+    @staticmethod
+    def short_panels_cost_less(rows: tirx.PrimExpr, lanes: int) -> tirx.PrimExpr:
+        """Whether ``rows`` padded to one-vector panels cost less than to two-vector ones.
+
+        The long panels run about 9/8 as fast: the short ones win when padding to
+        two vectors adds more than an eighth to the rows of one-vector panels.
+        """
+        def padded(width: int) -> tirx.PrimExpr:
+            return tirx.floordiv(rows + (width - 1), width) * width
+
+        return padded(2 * lanes) * 8 > padded(lanes) * 9
 
     @staticmethod
     def weight_rows(found: MatmulMatch) -> bool:
@@ -225,8 +277,13 @@ class MatmulRule(Rule):
                 separate.append(consumer)
         return separate
 
-    def _apply_row_panels(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits) -> Schedule:
-        """The row-panel micro-kernel (the module's docstring describes it)."""
+    def _apply_row_panels(self, sch: Schedule, found: MatmulMatch, cpu: CPUTraits,
+                          vectors: int = 2) -> Schedule:
+        """The row-panel micro-kernel (the module's docstring describes it).
+
+        ``vectors`` is the width of a token panel in vectors: 2, or 1 for the
+        short panels of :meth:`_with_short_panels` (with a taller tile).
+        """
         mm = found.block.rv
         dtype = found.block.output.dtype
         decodes = self._inline_prologue(sch, found, cpu)
@@ -236,9 +293,10 @@ class MatmulRule(Rule):
         if n is None:
             raise ScheduleError("matmul: the recipe needs a static number of columns")
         # one vector of tokens when the rows fit in one, else two
-        panel = lanes if rows is not None and rows <= lanes else 2 * lanes
+        panel = lanes if rows is not None and rows <= lanes else vectors * lanes
         wide = cpu.vector_bits >= 512
-        mr = first_divisor(n, [self.rows or (8 if wide else 6), 8, 6, 4, 3, 2])
+        tall = self.SHORT_PANEL_ROWS if vectors == 1 else self.rows or (8 if wide else 6)
+        mr = first_divisor(n, [tall, 8, 6, 4, 3, 2])
         before = {b.name for b in describe_blocks(sch)}
         padded = rows is None or rows % panel != 0
         if padded:  # copies of the left operand and of the result with whole panels of rows
@@ -399,6 +457,28 @@ class MatmulRule(Rule):
             rows, depth = sch.get_loops(pack)[-2:]
             sch.reorder(depth, rows)
             sch.vectorize(rows)
+
+
+def _dispatch(short: tirx.PrimFunc, long: tirx.PrimFunc,
+              use_short: tirx.PrimExpr) -> tirx.PrimFunc | None:
+    """One kernel that runs ``short``'s body when ``use_short`` holds, else ``long``'s.
+
+    Both are schedules of one kernel, so they share its parameters; their root
+    blocks' buffers are all allocated (only the chosen body touches its own).
+    None when the parameters differ.
+    """
+    same = len(short.params) == len(long.params) and all(
+        a.same_as(b) for a, b in zip(short.params, long.params))
+    roots = [f.body for f in (short, long)]
+    if not same or not all(isinstance(r, s_tir.SBlockRealize) for r in roots):
+        return None
+    a, b = (r.block for r in roots)
+    # a buffer both schedules kept from the kernel (an epilogue's input) is allocated once
+    buffers = list(a.alloc_buffers)
+    buffers += [buf for buf in b.alloc_buffers if not any(buf.same_as(x) for x in buffers)]
+    root = s_tir.SBlock([], [], [], "root", tirx.IfThenElse(use_short, a.body, b.body),
+                        alloc_buffers=buffers)
+    return long.with_body(s_tir.SBlockRealize([], True, root))
 
 
 def _panels(load: TensorLoad, across: tirx.Var, depth: tirx.Var, width: int) -> tirx.IndexMap:
