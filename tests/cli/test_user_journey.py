@@ -349,3 +349,59 @@ def test_explaining_an_unknown_value_prints_no_table_before_the_error(journey):
                  "mlp:Z"], home)
     _one_line_error(done, 2, "function 'mlp' has no tensor value 'Z'")
     assert done.stdout == ""
+
+
+def _doc_command(page: str, start: str) -> str:
+    """The command line of ``docs/<page>`` that starts with ``start``, its comment removed."""
+    text = (ROOT / "docs" / page).read_text()
+    line = next((line for line in text.splitlines() if line.startswith(start)), None)
+    assert line is not None, f"docs/{page} no longer shows {start!r}"
+    return line.split("  #")[0].strip()
+
+
+def test_the_documented_mesh_flags_run_on_a_module_with_its_own_mesh(journey):
+    home, _ = journey  # model.py declares its mesh, of 2 devices
+    command = _doc_command("autoshard.md", "tvm-distx autoshard model.py --mesh 2x2")
+    assert command == "tvm-distx autoshard model.py --mesh 2x2 --memory 1GiB -o rules.yaml"
+    done = _cli(command, home)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[0] == ("tvm-distx: warning: --mesh 2x2 replaces the "
+                                           "module's mesh (shape 2) by a mesh of shape 2x2")
+    assert "auto_shard on a (2, 2) mesh" in done.stderr
+    written = (home / "rules.yaml").read_text()
+    assert "function: main" in written and "result: RS[1]" in written  # a plan for 2x2
+    # the same shape as the module's: nothing to replace, nothing said
+    command = _doc_command("cli.md", "tvm-distx plan model.py --preset tensor-parallel --mesh")
+    assert command == "tvm-distx plan model.py --preset tensor-parallel --mesh 2"
+    done = _cli(command, home)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.startswith("tensor-parallel plan for 2 ranks"), done.stdout
+    # another shape: the plan is for that many ranks
+    done = _cli(["tvm-distx", "plan", "model.py", "--rules", "rules.json", "--mesh", "4"], home)
+    assert done.returncode == 0, done.stderr
+    assert "98,304 (96.0 KiB)" in done.stdout  # an all-reduce over 4 ranks, not 2
+
+
+def test_a_mesh_flag_is_refused_where_the_module_cannot_change_its_mesh(journey):
+    home, _ = journey
+    done = _cli(["tvm-distx", "propagate", "model.py", "--rules", "rules.json", "--legalize",
+                 "-o", "typed.py"], home)
+    assert done.returncode == 0, done.stderr
+    done = _cli(["tvm-distx", "plan", "typed.py", "--mesh", "4"], home)
+    err = _one_line_error(done, 2, "--mesh 4: the module's values are typed on its mesh "
+                          "(shape 2) already")
+    assert err.splitlines()[1] == ("hint: drop --mesh, or give --mesh the module from before "
+                                   "propagate (with R.Tensor types)")
+    done = _cli(["tvm-distx", "plan", "typed.py", "--mesh", "2"], home)  # its own mesh: fine
+    assert done.returncode == 0 and "all_reduce" in done.stdout, done.stderr
+    stages = SEED.read_text().replace(
+        "[R.dist.device_mesh((2,), I.Range(0, 2))]",
+        "[R.dist.device_mesh((1,), I.Range(0, 1)), R.dist.device_mesh((1,), I.Range(1, 2))]")
+    (home / "stages.py").write_text(stages)
+    done = _cli(["tvm-distx", "plan", "stages.py", "--mesh", "2"], home)
+    err = _one_line_error(done, 2, "--mesh 2: the module has 2 meshes (shapes 1, 1: pipeline "
+                          "stages), and one --mesh cannot replace them")
+    assert err.splitlines()[1] == ("hint: drop --mesh to run on the module's meshes, or change "
+                                   "them in its I.module_global_infos")
+    done = _cli(["tvm-distx", "plan", "stages.py"], home)  # the hint's way works
+    assert done.returncode == 0, done.stderr

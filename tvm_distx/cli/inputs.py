@@ -11,6 +11,8 @@ import argparse
 import contextlib
 import json
 import logging
+import math
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +21,8 @@ from tvm_distx.errors import ArgumentError
 from tvm_distx.layout.mesh import set_device_meshes
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED"]
+
+logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -113,7 +117,13 @@ def _output_directory(path: Path, option: str) -> None:
 
 
 def _with_mesh(mod, text: str | None):
-    """``mod`` with the mesh of --mesh (``2``, ``2x2``) when it has none."""
+    """``mod`` on the mesh of --mesh (``2``, ``2x2``): added, or replacing the module's one mesh.
+
+    A module's own mesh (its ``I.module_global_infos``) gives way to --mesh, with a
+    warning when the shape changes. Refused, before any work, where it cannot: a module
+    with several meshes (pipeline stages), or one whose values are typed on its mesh
+    already (the output of ``propagate``).
+    """
     if text is None:
         return mod
     try:
@@ -123,10 +133,57 @@ def _with_mesh(mod, text: str | None):
     if not shape or any(n <= 0 for n in shape):
         raise ArgumentError(f"--mesh {text!r} is not a mesh shape",
                             hint="give --mesh a device count or a shape: --mesh 2, --mesh 2x2")
-    if mod.global_infos and mod.global_infos.get("mesh"):
-        raise ArgumentError(f"--mesh {text}: the module already has its meshes",
-                            hint="drop --mesh, or remove the module's I.module_global_infos")
-    return set_device_meshes(mod, [shape])
+    meshes = list(mod.global_infos.get("mesh", [])) if mod.global_infos else []
+    if not meshes:
+        return _with_device_num(set_device_meshes(mod, [shape]), shape)
+    olds = [tuple(int(n) for n in m.shape) for m in meshes]
+    shown = ", ".join("x".join(map(str, o)) for o in olds)
+    if len(meshes) > 1:
+        raise ArgumentError(f"--mesh {text}: the module has {len(meshes)} meshes (shapes "
+                            f"{shown}: pipeline stages), and one --mesh cannot replace them",
+                            hint="drop --mesh to run on the module's meshes, or change them "
+                            "in its I.module_global_infos")
+    if olds[0] == shape:
+        logger.info("--mesh %s: the module's mesh has that shape already", text)
+        return mod
+    if _typed_on_meshes(mod):
+        raise ArgumentError(f"--mesh {text}: the module's values are typed on its mesh "
+                            f"(shape {shown}) already, as R.DTensor, so they cannot move to "
+                            "another", hint="drop --mesh, or give --mesh the module from before "
+                            "propagate (with R.Tensor types)")
+    sys.stderr.write(f"tvm-distx: warning: --mesh {text} replaces the module's mesh (shape "
+                     f"{shown}) by a mesh of shape {'x'.join(map(str, shape))}\n")
+    return _with_device_num(set_device_meshes(mod, [shape]), shape)
+
+
+def _with_device_num(mod, shape: tuple[int, ...]):
+    """``mod`` with its ``device_num`` attribute, where it has one, counting the mesh's devices."""
+    count = math.prod(shape)
+    if mod.attrs is not None and "device_num" in mod.attrs and \
+            int(mod.attrs["device_num"]) != count:
+        mod = mod.with_attr("device_num", count)
+    return mod
+
+
+def _typed_on_meshes(mod) -> bool:
+    """Whether a function of ``mod`` has a value typed ``R.DTensor`` (bound to a mesh)."""
+    from tvm import relax
+    from tvm.relax.distributed import DTensorType
+
+    def dtensor(ty) -> bool:
+        if isinstance(ty, DTensorType):
+            return True
+        return isinstance(ty, relax.TupleType) and any(dtensor(f) for f in ty.fields)
+
+    for func in mod.functions.values():
+        if not isinstance(func, relax.Function):
+            continue
+        if any(dtensor(p.ty) for p in func.params):
+            return True
+        for block in getattr(func.body, "blocks", []):
+            if any(dtensor(b.var.ty) for b in block.bindings):
+                return True
+    return False
 
 
 @contextlib.contextmanager

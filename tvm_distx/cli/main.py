@@ -370,7 +370,8 @@ def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = Fa
                         help="instead of --rules: the tensor-parallel plan found from the "
                         "graph's structure (presets.tensor_parallel())")
     parser.add_argument("--mesh", default=None, metavar="N or AxB",
-                        help="the device mesh to add when the module has none (2, 2x2)")
+                        help="the device mesh (2, 2x2): added to the module, or replacing "
+                        "its one mesh")
     parser.add_argument("--split-fused", action="store_true",
                         help="first give each segment of a fused projection (q|k|v, gate|up) "
                         "its own weight, <weight>_seg<j>, for the rules to place; --weights "
@@ -440,7 +441,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("autoshard", help="choose every placement by cost under a memory "
                        "budget, and write them as editable rules")
     p.add_argument("module", type=Path, help="a TVMScript file")
-    p.add_argument("--mesh", default=None, metavar="N or AxB", help="the device mesh (2, 2x2)")
+    p.add_argument("--mesh", default=None, metavar="N or AxB",
+                   help="the device mesh (2, 2x2): added to the module, or replacing its one "
+                   "mesh")
     p.add_argument("--memory", default=None, metavar="SIZE",
                    help="bytes per rank for weights and activations (1GiB, 512MiB)")
     p.add_argument("--objective", choices=["latency", "throughput"], default="latency")
