@@ -405,3 +405,29 @@ def test_a_mesh_flag_is_refused_where_the_module_cannot_change_its_mesh(journey)
                                    "them in its I.module_global_infos")
     done = _cli(["tvm-distx", "plan", "stages.py"], home)  # the hint's way works
     assert done.returncode == 0, done.stderr
+
+
+def test_the_tensor_parallel_preset_finds_the_readme_plan_in_the_seed(journey):
+    home, _ = journey
+    done = _cli(["tvm-distx", "plan", "model.py", "--preset", "tensor-parallel"], home)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1:6] == [
+        "weights split: 100% of the matrices' bytes (0.1 of 0.1 MiB)",
+        "model: 2 all-reduce(s), ideal 2 (ideal)",  # one per call of mlp
+        "  split S[1]   A: reads the mlp block's input; output features split",
+        "  split S[0]   B: ends the mlp block, after its elementwise work; input features "
+        "split, one all-reduce",
+        "  whole        x: not a linear's weight (an input, or a table read by index)"], lines
+    assert lines[-1] == "total received per rank: 131,072 bytes"
+    # the documented command (its own mesh given again) prints the same plan
+    documented = _cli(_doc_command("cli.md", "tvm-distx plan model.py --preset"), home)
+    assert documented.stdout == done.stdout
+    # the preset's program is the rules' program: same numbers as numpy on 2 ranks
+    done = _cli(["tvm-distx", "compile", "model.py", "--preset", "tensor-parallel",
+                 "--weights", "weights.npz", "-o", "preset_bundle"], home)
+    assert done.returncode == 0, done.stderr
+    done = _cli(["tvm-distx", "run", "preset_bundle", "-i", "x.npy", "-o", "preset_out"], home)
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_allclose(np.load(home / "preset_out" / "out0.npy"),
+                               np.load(home / "want.npy"), atol=1e-5)

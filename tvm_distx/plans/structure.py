@@ -20,7 +20,14 @@ from tvm import relax
 from tvm_distx.ir import helpers as _ir
 
 __all__ = ["LinearSite", "ModelGraph", "WeightRole", "attention_heads", "linear_outputs",
-           "tied_weights"]
+           "tied_weights", "ELEMENTWISE"]
+
+#: Operators computed feature by feature. A chain of them between two linears (an MLP's
+#: nonlinearity, a gated MLP's product) keeps each rank's share of the features.
+ELEMENTWISE = frozenset(f"relax.{name}" for name in (
+    "nn.relu", "nn.gelu", "nn.gelu_tanh", "nn.silu", "nn.leakyrelu", "nn.softplus", "nn.selu",
+    "sigmoid", "tanh", "exp", "erf", "sqrt", "rsqrt", "square", "negative", "abs", "clip",
+    "astype", "add", "subtract", "multiply", "divide", "power", "maximum", "minimum"))
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,44 @@ class ModelGraph:
                 region.add(user)
                 frontier.append(user)
         return found
+
+    def elementwise_columns(self, row: LinearSite) -> list[LinearSite] | None:
+        """The linears whose results reach ``row``'s input through elementwise operators only.
+
+        ``relu(x @ A) @ B`` (an MLP whose result is not added to a residual
+        stream: a function's output, or the next block's input), or a gated MLP's
+        ``(silu(x @ G) * (x @ U)) @ D``: every value on the way is computed feature
+        by feature (:data:`ELEMENTWISE`) from linears' results, scalars and
+        constants, and nothing but that way reads it. Split on their output
+        features, those linears and the elementwise work run on each rank's share,
+        and ``row``, split on its input features, ends the block with one
+        all-reduce. None when the walk meets anything else.
+        """
+        found, region, stack = [], set(), [row.source]
+        while stack:
+            node = stack.pop()
+            if not isinstance(node, relax.Var) or node in region:
+                continue
+            if node in self.linears:
+                region.add(node)
+                if self.linears[node].matmul.same_as(row.matmul):
+                    return None
+                found.append(self.linears[node])
+                continue
+            value = self.value.get(node)
+            if value is None:  # a parameter: a scalar is fine, an activation ends the chain
+                if _ir.static_shape(node.ty) == ():
+                    continue
+                return None
+            if not isinstance(value, relax.Call) or _ir.operator_name(value) not in ELEMENTWISE:
+                return None
+            region.add(node)
+            stack.extend(a for a in value.args if isinstance(a, relax.Var))
+        for node in region:  # read by nothing but the chain and row
+            if node in self.outputs or any(u not in region and not u.same_as(row.matmul)
+                                           for u in self.users.get(node, [])):
+                return None
+        return found or None
 
     def forward_to(self, var, stop, limit: int = 32) -> relax.Var | None:
         """The first value downstream of ``var`` for which ``stop`` holds, before any product.

@@ -19,6 +19,15 @@ for every weight, Megatron's placement:
   gated MLP, the first layer of a plain MLP). Their weights are split on their
   output features, so the block between them runs on each rank's share with
   no communication.
+* A plain **MLP chain** with no residual add after it, ``relu(x @ A) @ B``
+  (or a gated one), is such a block too: a linear whose input is computed from
+  other linears' results by elementwise operators only, which nothing else
+  reads, is row parallel, and those linears are column parallel
+  (:meth:`~tvm_distx.plans.structure.ModelGraph.elementwise_columns`).
+* Calls to **private functions** are planned through: each call's linears are
+  read where it runs (:func:`tvm_distx.ir.inline.inline_calls`), and the plan
+  places the caller's parameters, which propagation carries into the callee.
+  A function called twice with the same weights is one block per call.
 * **Attention** splits whole heads only. A column-parallel linear whose result
   is reshaped to ``(..., heads, head_dim)`` is split only when ``heads``
   divides by the rank count. Key and value projections with fewer heads than
@@ -60,6 +69,7 @@ import tvm
 from tvm_distx.build.pipeline import run_stages
 from tvm_distx.errors import RuleError
 from tvm_distx.ir import helpers as _ir
+from tvm_distx.ir.inline import inline_calls
 from tvm_distx.layout.rules import ShardingRule, pattern_entries, rules_for
 from tvm_distx.passes import (SplitFusedProjections, GroupedQueryAttention, VocabParallelEmbedding,
                               AnnotateSharding)
@@ -184,22 +194,32 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
     -------
     TensorParallelPlan
     """
+    mod = inlined(mod, function)
     graph = ModelGraph(mod[function])
     roles: dict[str, WeightRole] = {}
     blocks: list[ParallelBlock] = []
     linears = list(graph.linears.values())
+    order = {name: i for i, name in enumerate(graph.params)}
+    seen: dict[tuple, ParallelBlock] = {}  # a block's weights -> the block (one per call)
 
     for row in linears:
-        if graph.residual_add(row.result) is None:
-            continue
-        order = {name: i for i, name in enumerate(graph.params)}
-        columns = sorted((c for c in graph.linears_behind(row.source) if c is not row),
-                         key=lambda c: order[c.weight])
+        residual = graph.residual_add(row.result) is not None
+        if residual:
+            columns = [c for c in graph.linears_behind(row.source) if c is not row]
+        else:  # x @ A -> elementwise -> @ B with no residual add after it
+            columns = graph.elementwise_columns(row) or []
+            if row.weight in {c.weight for c in columns}:
+                continue
+        columns = sorted(columns, key=lambda c: order[c.weight])
         if not columns:
             continue
-        block = _plan_block(graph, row, columns, ranks, roles)
+        key = (tuple(c.weight for c in columns), row.weight)
+        block = _plan_block(graph, row, columns, ranks, roles, residual=residual)
+        if block is None:  # the same weights again (a function called twice): same roles
+            block = seen.get(key)
         if block is not None:
             blocks.append(block)
+            seen[key] = block
     feeders = {f.matmul for block in blocks if block.kind != "replicated"
                for c in linears if c.weight in block.column
                for f in graph.linears_behind(c.source)}
@@ -256,9 +276,28 @@ def plan_tensor_parallel(mod: tvm.IRModule, ranks: int,
     return TensorParallelPlan(ranks, sized, tuple(blocks))
 
 
+def inlined(mod: tvm.IRModule, function: str = "main") -> tvm.IRModule:
+    """``mod`` with the calls ``function`` makes to private functions written in place.
+
+    Propagation carries a weight's placement into the functions it is passed to,
+    so the plan reads each call's linears where they are; the weights keep the
+    names of ``function``'s parameters. A module whose ``function`` calls no
+    private function is returned as it is.
+    """
+    out, sites = inline_calls(mod, function)
+    if sites:
+        logger.info("tensor_parallel: %s's %d call(s) of private functions planned through "
+                    "(inlined)", function, sites)
+    return out
+
+
 def _plan_block(graph: ModelGraph, row: LinearSite, columns: list[LinearSite], ranks: int,
-                roles: dict[str, WeightRole]) -> ParallelBlock | None:
-    """The roles of one region's weights; None if a weight already has a role."""
+                roles: dict[str, WeightRole], *, residual: bool = True) -> ParallelBlock | None:
+    """The roles of one region's weights; None if a weight already has a role.
+
+    ``residual``: the row linear writes a residual branch (else it ends a plain
+    chain of linears and elementwise operators).
+    """
     if any(c.weight in roles for c in columns) or row.weight in roles:
         return None
     heads = {c.weight: graph.heads_of(c) for c in columns}
@@ -306,9 +345,10 @@ def _plan_block(graph: ModelGraph, row: LinearSite, columns: list[LinearSite], r
         roles[c.weight] = WeightRole(c.weight, "replicated", None, reason)
         if c.bias:
             roles[c.bias] = WeightRole(c.bias, "replicated", None, reason, bias=True)
+    ends = f"writes the {kind} block's residual branch" if residual else \
+        f"ends the {kind} block, after its elementwise work"
     roles[row.weight] = WeightRole(row.weight, "row", 1 - row.out_axis,
-                                   f"writes the {kind} block's residual branch; input features "
-                                   "split, one all-reduce")
+                                   f"{ends}; input features split, one all-reduce")
     if row.bias:
         roles[row.bias] = WeightRole(row.bias, "replicated", None,
                                      "bias of a row-parallel linear: added once, after the sum",
@@ -389,6 +429,7 @@ class TensorParallel:
         whole or a gather between layers shows at once.
         """
 
+        mod = inlined(mod, function)  # each call's collectives counted where it runs
         meshed = self.prepare(mod, function)
         plan = self.plan(meshed, function)
         report = comm_report(run_stages(self.apply(mod, function))["local_view"])
@@ -412,6 +453,7 @@ class TensorParallel:
         prints).
         """
 
+        mod = inlined(mod, function)  # each call's collectives counted where it runs
         meshed = self.prepare(mod, function)
         plan = self.plan(meshed, function)
         annotated = self.apply(mod, function)
