@@ -431,3 +431,25 @@ def test_the_tensor_parallel_preset_finds_the_readme_plan_in_the_seed(journey):
     assert done.returncode == 0, done.stderr
     np.testing.assert_allclose(np.load(home / "preset_out" / "out0.npy"),
                                np.load(home / "want.npy"), atol=1e-5)
+
+
+def test_a_pytorch_file_is_named_and_the_hint_gets_a_module_the_cli_reads(journey):
+    home, _ = journey
+    shutil.copy(ROOT / "tests" / "models" / "transformer.py", home / "transformer.py")
+    done = _cli(["tvm-distx", "plan", "transformer.py"], home)
+    err = _one_line_error(done, 2)
+    assert err.splitlines()[0] == (
+        "tvm-distx: error: [tvmscript] transformer.py is a PyTorch file (4 torch.nn.Module "
+        "classes: Attention, MLP, Block, Transformer), not a TVMScript module")
+    hint = err.splitlines()[1]
+    steps = re.fullmatch(r"hint: the command line reads TVMScript: in Python, (.*); then "
+                         r"(tvm-distx .*)", hint)
+    assert steps, hint
+    # the hint's steps, as written, with the model's example input
+    python = ("import numpy, torch, tvm_distx\nfrom transformer import Transformer\n"
+              "example_input = torch.randn(1, 8, 256)\n" + steps.group(1).replace("; ", "\n"))
+    done = _cli([sys.executable, "-c", python], home)
+    assert done.returncode == 0, done.stderr
+    done = _cli(steps.group(2), home)
+    assert done.returncode == 0, done.stderr
+    assert "layer 1: 2 all-reduce(s), ideal 2 (ideal)" in done.stdout

@@ -138,14 +138,37 @@ class TestScriptErrors:
         with pytest.raises(ScriptError) as info:
             load_module(path)
         assert str(info.value) == (
-            f"[tvmscript] {path} must define exactly one @I.ir_module class, found 0\n"
-            "hint: keep one module per file"
+            f"[tvmscript] {path} defines no @I.ir_module class\n"
+            "hint: a module file holds one class decorated @I.ir_module, as mod.script() "
+            "prints it"
         )
 
     def test_empty_file(self, tmp_path):
         path = write(tmp_path, "blank.py", "")
-        with pytest.raises(ScriptError, match="found 0"):
+        with pytest.raises(ScriptError, match="defines no @I.ir_module class"):
             load_module(path)
+
+    def test_only_the_ir_module_classes_count(self, tmp_path):
+        helper = "class Helper:\n    pass\n\n\n"
+        path = write(tmp_path, "helped.py", HEADER + helper + IDENTITY_CLASS)
+        assert "main" in [gv.name_hint for gv in load_module(path).functions]
+        path = write(tmp_path, "helpers.py", HEADER + helper + helper.replace("Helper", "Other"))
+        with pytest.raises(ScriptError, match=r"defines no @I.ir_module class \(it has 2 "
+                                              r"other classes\)"):
+            load_module(path)
+
+    def test_a_pytorch_file_is_named_as_one(self, tmp_path):
+        torch_file = ("import torch\n\n\nclass Inner(torch.nn.Module):\n    pass\n\n\n"
+                      "class Net(torch.nn.Module):\n    def __init__(self):\n"
+                      "        super().__init__()\n        self.inner = Inner()\n")
+        path = write(tmp_path, "net.py", torch_file)
+        with pytest.raises(ScriptError) as info:
+            load_module(path)
+        assert str(info.value) == (
+            f"[tvmscript] {path} is a PyTorch file (2 torch.nn.Module classes: Inner, Net), "
+            "not a TVMScript module\nhint: import the model with tvm_distx.from_torch(Net(), "
+            "(example_input,)), which returns the Relax module and its weights")
+        assert "the command line reads TVMScript" in info.value.for_cli()
 
     def test_two_classes(self, tmp_path):
         path = write(
@@ -153,7 +176,8 @@ class TestScriptErrors:
         )
         with pytest.raises(ScriptError) as info:
             load_module(path)
-        assert "must define exactly one @I.ir_module class, found 2" in str(info.value)
+        assert "must define exactly one @I.ir_module class, found 2 (Identity, Other)" in \
+            str(info.value)
 
     def test_tvm_parse_error(self, tmp_path):
         body = IDENTITY_CLASS.replace("return x", "return R.no_such_operator(x)")

@@ -71,11 +71,16 @@ def load_module(path: str | os.PathLike):
                     names[alias.asname or alias.name] = modules[alias.name]
         elif isinstance(node, ast.ClassDef):
             classes.append(node)
-    if len(classes) != 1:
+    scripts = [c for c in classes if any(_is_ir_module(d) for d in c.decorator_list)]
+    if len(scripts) > 1:
         raise ScriptError(
-            f"{path} must define exactly one @I.ir_module class, found {len(classes)}",
+            f"{path} must define exactly one @I.ir_module class, found {len(scripts)} "
+            f"({', '.join(c.name for c in scripts)})",
             hint="keep one module per file",
         )
+    if not scripts and len(classes) != 1:  # one undecorated class: TVM's parser says why
+        raise _no_module_error(path, tree, classes)
+    classes = scripts or classes
     # TVM's parser takes "mesh[-1]" as the last mesh, and reports an unknown mesh or a
     # placement that does not fit its DTensor as a C++ check: look at the literals first
     _check_mesh_literals(classes[0])
@@ -91,6 +96,46 @@ def load_module(path: str | os.PathLike):
     if not isinstance(mod, tvm.IRModule):
         raise ScriptError(f"{path} does not define an IRModule (got {type(mod).__name__})")
     return mod
+
+
+def _is_ir_module(decorator: ast.expr) -> bool:
+    """Whether a class decorator is ``@I.ir_module`` (``@tvm.script.ir_module``, called or not)."""
+    if isinstance(decorator, ast.Call):
+        decorator = decorator.func
+    return (isinstance(decorator, ast.Attribute) and decorator.attr == "ir_module") or \
+        (isinstance(decorator, ast.Name) and decorator.id == "ir_module")
+
+
+def _no_module_error(path: Path, tree: ast.Module, classes: list[ast.ClassDef]) -> ScriptError:
+    """The error for a file with no ``@I.ir_module`` class: a PyTorch file is named as one."""
+    torch = any(isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch"
+                                                     for a in node.names)
+                or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0]
+                == "torch" for node in ast.walk(tree))
+    modules = [c for c in classes
+               if any(ast.unparse(b).split(".")[-1] == "Module" for b in c.bases)]
+    if not (torch and modules):
+        return ScriptError(
+            f"{path} defines no @I.ir_module class (it has {len(classes)} other classes)"
+            if classes else f"{path} defines no @I.ir_module class",
+            hint="a module file holds one class decorated @I.ir_module, as mod.script() "
+            "prints it", cli_hint="a module file holds one class decorated @I.ir_module "
+            "(from tvm.script import ir as I), as tvm-distx annotate -o writes it")
+    # the model: a module no other module of the file builds (the last one, if several)
+    used = {n.id for c in modules for n in ast.walk(c) if isinstance(n, ast.Name)} | \
+        {n.attr for c in modules for n in ast.walk(c) if isinstance(n, ast.Attribute)}
+    top = [c.name for c in modules if c.name not in used] or [modules[-1].name]
+    model = top[-1]
+    script = f"{path.stem}_tvm.py"
+    return ScriptError(
+        f"{path} is a PyTorch file ({len(modules)} torch.nn.Module classes: "
+        f"{', '.join(c.name for c in modules)}), not a TVMScript module",
+        hint=f"import the model with tvm_distx.from_torch({model}(), (example_input,)), "
+        "which returns the Relax module and its weights",
+        cli_hint=f"the command line reads TVMScript: in Python, mod, weights = "
+        f"tvm_distx.from_torch({model}(), (example_input,)); open('{script}', 'w')"
+        f".write(mod.script()); numpy.savez('weights.npz', **weights); then tvm-distx plan "
+        f"{script} --preset tensor-parallel --mesh 2")
 
 
 #: What some of TVM's parse errors mean for DistIR modules: (text in TVM's message, hint).
