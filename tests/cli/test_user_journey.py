@@ -453,3 +453,32 @@ def test_a_pytorch_file_is_named_and_the_hint_gets_a_module_the_cli_reads(journe
     done = _cli(steps.group(2), home)
     assert done.returncode == 0, done.stderr
     assert "layer 1: 2 all-reduce(s), ideal 2 (ideal)" in done.stdout
+
+
+def test_too_few_inputs_say_whether_the_bundle_holds_the_weights(journey, input_bundle):
+    home, _ = journey
+    done = _cli(["tvm-distx", "run", str(input_bundle), "-i", "x.npy", "-o", "never"], home)
+    err = _one_line_error(done, 2)
+    assert err.splitlines() == [
+        "tvm-distx: error: [argument] 'main' takes 3 positional input(s) (x, A, B), got 1; "
+        "the bundle holds no weights, so each parameter is an input",
+        "hint: give one -i file for each of x, A, B, in that order (-i x.npy -i A.npy "
+        "-i B.npy), or compile the bundle with --weights W.npz to store the weights in it"]
+    done = _cli(["tvm-distx", "run", str(input_bundle), "-i", "x.npy", "-i", "A.npy", "-i",
+                 "B.npy", "-o", "inputs_out"], home)  # the hint's first way
+    assert done.returncode == 0, done.stderr
+    # a bundle with its weights: one input, and a weight given again is named
+    done = _cli(["tvm-distx", "run", "bundle", "-i", "x.npy", "-i", "A.npy"], home)
+    err = _one_line_error(done, 2)
+    assert err.splitlines() == [
+        "tvm-distx: error: [argument] 'main' takes 1 positional input(s) (x), got 2; the "
+        "bundle holds the weights A, B",
+        "hint: give one -i file per input, in parameter order (-i x.npy), or -i NAME=PATH; "
+        "the bundle gives the weights"]
+    done = _cli(["tvm-distx", "run", "bundle", "-i", "x.npy", "-i", "A=A.npy"], home)
+    assert _one_line_error(done, 2).splitlines() == [
+        "tvm-distx: error: [argument] A is a weight stored in the bundle",
+        "hint: drop -i A=...: the bundle gives it"]
+    assert not (home / "never").exists()
+    np.testing.assert_allclose(np.load(home / "inputs_out" / "out0.npy"),
+                               np.load(home / "want.npy"), atol=1e-5)

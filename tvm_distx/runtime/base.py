@@ -131,12 +131,16 @@ def bind_inputs(manifest: Manifest, function: str, inputs: Sequence, params: Map
     runtime_params = derivations.bind(params, stored) if derivations else dict(params or {})
     for name in stored & {m.name for m in (derivations.made if derivations else ())}:
         runtime_params.pop(name, None)  # made from the layout: the bundle holds the same values
-    overlap = stored & set(runtime_params)
+    overlap = sorted(stored & set(runtime_params))
     if overlap:
-        raise ArgumentError(f"{', '.join(sorted(overlap))} are weights stored in the bundle",
-                            hint="do not pass them again")
+        what = f"{overlap[0]} is a weight" if len(overlap) == 1 else \
+            f"{', '.join(overlap)} are weights"
+        raise ArgumentError(f"{what} stored in the bundle", hint="do not pass them again",
+                            cli_hint=f"drop -i {overlap[0]}=...: the bundle gives "
+                            f"{'it' if len(overlap) == 1 else 'them'}")
     # bind the run-time inputs against the parameters that are not stored weights
     free = signature.without(frozenset(stored.union(from_state)))
+    _check_input_count(function, free, list(inputs), runtime_params, sorted(stored))
     values = free.bind(list(inputs), runtime_params)
     sizes = free.sizes(values)  # symbolic extents: checked here, before any rank starts
     for spec in (p for p in signature.params if p.name in from_state):
@@ -149,6 +153,33 @@ def bind_inputs(manifest: Manifest, function: str, inputs: Sequence, params: Map
     signature = signature.specialize(sizes) if signature.symbolic else signature
     free = free.specialize(sizes) if free.symbolic else free
     return signature, free, values, sizes
+
+
+def _check_input_count(function: str, free, inputs: list, params: Mapping,
+                       stored: list[str]) -> None:
+    """Refuse a call with too few or too many positional inputs, saying where the weights are.
+
+    A bundle compiled with its weights gives them itself; one compiled without
+    takes every parameter as an input.
+    """
+    positional = [p.name for p in free.params if p.name not in params]
+    if len(inputs) == len(positional):
+        return
+    names = ", ".join(positional) or "none"
+    files = " ".join(f"-i {n}.npy" for n in positional)
+    if stored:
+        raise ArgumentError(
+            f"'{function}' takes {len(positional)} positional input(s) ({names}), got "
+            f"{len(inputs)}; the bundle holds the weights {', '.join(stored)}",
+            hint="pass the other inputs in order, or by name in params=",
+            cli_hint=f"give one -i file per input, in parameter order ({files}), or "
+            "-i NAME=PATH; the bundle gives the weights")
+    raise ArgumentError(
+        f"'{function}' takes {len(positional)} positional input(s) ({names}), got "
+        f"{len(inputs)}; the bundle holds no weights, so each parameter is an input",
+        hint="pass every parameter: in order, or by name in params=",
+        cli_hint=f"give one -i file for each of {names}, in that order ({files}), or compile "
+        "the bundle with --weights W.npz to store the weights in it")
 
 
 class Session:
