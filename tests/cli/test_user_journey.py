@@ -482,3 +482,49 @@ def test_too_few_inputs_say_whether_the_bundle_holds_the_weights(journey, input_
     assert not (home / "never").exists()
     np.testing.assert_allclose(np.load(home / "inputs_out" / "out0.npy"),
                                np.load(home / "want.npy"), atol=1e-5)
+
+
+def test_a_plan_of_nothing_sharded_says_how_to_shard(journey):
+    home, _ = journey
+    done = _cli(["tvm-distx", "plan", "model.py"], home)
+    assert done.returncode == 0 and "0 (0 B)" in done.stdout
+    assert done.stderr == ("hint: nothing in model.py is sharded, so nothing moves: give "
+                           "--rules FILE, or --preset tensor-parallel\n")
+    done = _cli(["tvm-distx", "annotate", "model.py", "--rules", "rules.json", "-o",
+                 "annotated.py"], home)
+    assert done.returncode == 0, done.stderr
+    done = _cli(["tvm-distx", "plan", "annotated.py"], home)  # sharded by its annotations
+    assert done.returncode == 0 and done.stderr == "" and "all_reduce" in done.stdout
+
+
+def test_explain_keeps_each_row_on_one_line_in_a_pipe_and_wraps_to_columns(journey):
+    home, _ = journey
+    why = "signature of this version, from the call at 'y' in 'main'"
+    piped = _cli(["tvm-distx", "explain", "model.py", "--rules", "rules.json"], home)
+    assert piped.returncode == 0, piped.stderr
+    row = [line for line in piped.stdout.splitlines() if line.startswith("│ A ")]
+    assert row and why in row[0], piped.stdout
+    narrow = _cli("COLUMNS=80 tvm-distx explain model.py --rules rules.json", home)
+    assert narrow.returncode == 0, narrow.stderr
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 80
+    assert why not in narrow.stdout  # wrapped in its column
+
+
+def test_every_flag_says_what_it_is_for(journey):
+    home, _ = journey
+    for command, flag, text in [
+            ("compile", "--target {x86,rvv}", "the machine to compile for: x86 (this host's "
+             "kind) or rvv (RISC-V with vectors) (default: x86)"),
+            ("compile", "--function FUNCTION", "the function whose parameters --weights gives "
+             "(default: main)"),
+            ("run", "--function FUNCTION", "the bundle's function to run (default: main)"),
+            ("run", "--backend mpi|disco|emulate|board", "where the ranks run: mpi:"),
+            ("propagate", "--legalize", "legalize high-level operators first, as compile does"),
+            ("plan", "--preset {tensor-parallel}", "instead of --rules: Megatron's "
+             "tensor-parallel plan, found from the graph's structure")]:
+        done = _cli(["tvm-distx", command, "--help"], home)
+        assert done.returncode == 0, done.stderr
+        assert f"{flag} {text}" in " ".join(done.stdout.split()), (command, flag, done.stdout)
+        # the help speaks the command line: no Python names of the package
+        for python in ("ShardingRule", "presets.", "LegalizeOps", "()"):
+            assert python not in done.stdout, (command, python)

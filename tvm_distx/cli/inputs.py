@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import tempfile
 import time
@@ -184,6 +185,21 @@ def _typed_on_meshes(mod) -> bool:
             if any(dtensor(b.var.ty) for b in block.bindings):
                 return True
     return False
+
+
+def _console():
+    """The console tables are printed on: wrapped to a terminal's width (or $COLUMNS); a pipe
+    or a file gets every row on one line, as wide as it is."""
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console
+    return Console(width=_UNWRAPPED)
+
+
+#: The width of tables written to a pipe or a file: no row is wrapped.
+_UNWRAPPED = 10_000
 
 
 @contextlib.contextmanager

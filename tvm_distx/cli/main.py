@@ -53,9 +53,9 @@ import numpy as np
 from tvm_distx.cli.deploy import add_parser as _add_deploy_parser
 from tvm_distx.cli.hosts import add_host_arguments, session_options
 from tvm_distx.cli.startup import WITHOUT_TORCH, import_tvm_without_torch
-from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, _input_file,
-                         _load_plain, _output_directory, _progress, _read_rules, _with_mesh,
-                         _writable_file)
+from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, _console,
+                         _input_file, _load_plain, _output_directory, _progress, _read_rules,
+                         _typed_on_meshes, _with_mesh, _writable_file)
 from tvm_distx.errors import ArgumentError, DistxError, LaunchError
 from tvm_distx.runtime.backends import BACKENDS, NAMES, launch
 from tvm_distx.runtime.generation import PREFILL_CHUNK
@@ -141,16 +141,8 @@ def _propagate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _propagated(args: argparse.Namespace):
-    from tvm_distx.build.pipeline import run_stages
-
-    with _progress("propagating and lowering"):
-        return run_stages(_load(args))
-
-
 def _plan(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    from tvm_distx.build.pipeline import run_stages
     from tvm_distx.reports.comm_report import comm_report
     from tvm_distx.reports.views import comm_table
 
@@ -161,9 +153,37 @@ def _plan(args: argparse.Namespace) -> int:
             summary = preset.layers(mod)
         sys.stdout.write(str(summary) + "\n")
         return EXIT_OK
-    report = comm_report(_propagated(args)["local_view"])
-    Console().print(comm_table(report))
+    mod = _load(args)
+    with _progress("propagating and lowering"):
+        report = comm_report(run_stages(mod)["local_view"])
+    _console().print(comm_table(report))
+    _hint_if_unsharded(args, mod)
     return EXIT_OK
+
+
+def _hint_if_unsharded(args: argparse.Namespace, mod) -> None:
+    """A hint on stderr when no rules, no preset and no annotation in the module shard anything."""
+    if args.rules is not None or args.preset is not None or _sharded(mod):
+        return
+    sys.stderr.write(f"hint: nothing in {args.module} is sharded, so nothing moves: give "
+                     "--rules FILE, or --preset tensor-parallel\n")
+
+
+def _sharded(mod) -> bool:
+    """Whether ``mod`` places anything: an annotation, a redistribution or an R.DTensor type."""
+    from tvm import relax
+
+    from tvm_distx.ir import helpers as ir_helpers
+
+    if _typed_on_meshes(mod):
+        return True
+    for func in mod.functions.values():
+        for block in getattr(getattr(func, "body", None), "blocks", []):
+            for binding in block.bindings:
+                if isinstance(binding.value, relax.Call) and (
+                        ir_helpers.operator_name(binding.value) or "").startswith("relax.dist."):
+                    return True
+    return False
 
 
 def _autoshard(args: argparse.Namespace) -> int:
@@ -173,8 +193,6 @@ def _autoshard(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from tvm_distx.reports.comm_report import comm_report
     from tvm_distx.build.pipeline import legalize_ops, run_stages
     from tvm_distx.reports.views import (comm_table, plot_value, sharding_tables, show_value,
@@ -191,7 +209,7 @@ def _explain(args: argparse.Namespace) -> int:
         value_sharding(annotated, function, value)  # an unknown value: its error, no tables
     with _progress("propagating and lowering"):
         stages = run_stages(annotated)
-    console = Console()
+    console = _console()
     for table in sharding_tables(annotated):
         console.print(table)
     console.print(comm_table(comm_report(stages["local_view"])))
@@ -203,6 +221,7 @@ def _explain(args: argparse.Namespace) -> int:
             except OSError as err:
                 raise ArgumentError(f"cannot write --png {args.png}: {err.strerror}") from None
             console.print(f"wrote {args.png}")
+    _hint_if_unsharded(args, annotated)
     return EXIT_OK
 
 
@@ -365,10 +384,11 @@ def _positive(kind):
 def _module_arguments(parser: argparse.ArgumentParser, rules_required: bool = False) -> None:
     parser.add_argument("module", type=Path, help="a TVMScript file")
     parser.add_argument("--rules", type=Path, required=rules_required,
-                        help="sharding rules: a JSON or YAML list of ShardingRule fields")
+                        help="sharding rules: a JSON or YAML list of rules, each one like "
+                        "{\"param\": \"A\", \"result\": \"S[1]\", \"function\": \"mlp\"}")
     parser.add_argument("--preset", choices=["tensor-parallel"], default=None,
-                        help="instead of --rules: the tensor-parallel plan found from the "
-                        "graph's structure (presets.tensor_parallel())")
+                        help="instead of --rules: Megatron's tensor-parallel plan, found from "
+                        "the graph's structure (its linears), not from names")
     parser.add_argument("--mesh", default=None, metavar="N or AxB",
                         help="the device mesh (2, 2x2): added to the module, or replacing "
                         "its one mesh")
@@ -409,7 +429,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("propagate", help="propagate sharding through the whole module")
     _module_arguments(p)
     p.add_argument("--legalize", action="store_true",
-                   help="run LegalizeOps first (what compile does)")
+                   help="legalize high-level operators first, as compile does, so that "
+                   "their collectives are kept")
     p.add_argument("-o", "--output", type=Path, help="write TVMScript here (default stdout)")
     p.set_defaults(handler=_propagate)
 
@@ -429,13 +450,18 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         _module_arguments(p)
         p.add_argument("--weights", type=Path, help="an .npz of global weights by parameter")
-        p.add_argument("--target", default="x86", choices=["x86", "rvv"])
+        p.add_argument("--target", default="x86", choices=["x86", "rvv"],
+                       help="the machine to compile for: x86 (this host's kind) or rvv "
+                       "(RISC-V with vectors) (default: %(default)s)")
         p.add_argument("--vlen", type=_positive(int), default=None,
                        help="RVV vector length in bits")
-        p.add_argument("--function", default="main")
+        p.add_argument("--function", default="main",
+                       help="the function whose parameters --weights gives (default: "
+                       "%(default)s)")
         p.add_argument("--check", action="store_true",
                        help="for rvv: run every kernel under qemu against this host")
-        p.add_argument("-o", "--output", type=Path, required=True)
+        p.add_argument("-o", "--output", type=Path, required=True,
+                       help="the bundle's directory (made if missing)")
         p.set_defaults(handler=handler)
 
     p = sub.add_parser("autoshard", help="choose every placement by cost under a memory "
@@ -446,7 +472,10 @@ def _parser() -> argparse.ArgumentParser:
                    "mesh")
     p.add_argument("--memory", default=None, metavar="SIZE",
                    help="bytes per rank for weights and activations (1GiB, 512MiB)")
-    p.add_argument("--objective", choices=["latency", "throughput"], default="latency")
+    p.add_argument("--objective", choices=["latency", "throughput"], default="latency",
+                   help="what the plan makes short: latency, the time of one call with every "
+                   "message's start-up; throughput, arithmetic and bytes only (default: "
+                   "%(default)s)")
     p.add_argument("--rules", type=Path, default=None,
                    help="parameter rules the plan must keep (JSON or YAML)")
     p.add_argument("--profile", type=Path, default=None,
@@ -468,7 +497,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the number of ranks; the bundle fixes it, so this only checks it")
     p.add_argument("--backend", default=NAMES[0], metavar="|".join(NAMES),
                    help=_BACKEND_HELP)
-    p.add_argument("--function", default="main")
+    p.add_argument("--function", default="main",
+                   help="the bundle's function to run (default: %(default)s)")
     p.add_argument("-i", "--inputs", nargs="+", action="extend", default=[], metavar="NPY",
                    help="global inputs, in parameter order (-i a.npy b.npy, or -i a.npy -i b.npy); "
                    "NAME=PATH gives a parameter by name (-i x=x.npy)")
@@ -485,7 +515,8 @@ def _parser() -> argparse.ArgumentParser:
                    "written by save_pretrained, or a llama.cpp .gguf file")
     p.add_argument("--ids", type=int, nargs="+", help="the prompt's token ids")
     p.add_argument("--input", type=Path, help="the prompt's token ids as a .npy array")
-    p.add_argument("--max-new-tokens", type=_positive(int), default=32)
+    p.add_argument("--max-new-tokens", type=_positive(int), default=32,
+                   help="the most tokens to generate after the prompt (default: %(default)s)")
     p.add_argument("--prefill-chunk", type=_positive(int), default=PREFILL_CHUNK,
                    help="the most prompt tokens per prefill call; a longer prompt is "
                    "prefilled chunk by chunk (default: %(default)s)")
