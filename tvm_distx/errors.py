@@ -77,13 +77,18 @@ class DistxError(Exception):
     rule: str = "tvm-distx"
     #: The hint in command-line terms (flags, not Python), when it differs.
     cli_hint: str | None = None
+    #: ``(python text, command-line text)`` pairs the command line shows in place of the
+    #: first: a sharding rule's ``ShardingRule(param='A', ...)`` as a rules file writes it.
+    cli_names: tuple[tuple[str, str], ...] = ()
 
     def for_cli(self) -> str:
         """The message as the command line shows it: its hint in flags, where there is one."""
         text = str(self)
         hint = getattr(self, "hint", None)
         if self.cli_hint and hint and text.endswith(f"\nhint: {hint}"):
-            return text[: -len(hint)] + self.cli_hint
+            text = text[: -len(hint)] + self.cli_hint
+        for python, cli in self.cli_names:
+            text = text.replace(python, cli)
         return text
 
 

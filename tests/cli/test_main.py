@@ -141,7 +141,7 @@ def test_compile_then_run_a_bundle_on_disco(rules, tmp_path):
     (["annotate", TP], "annotate needs --rules"),
     (["propagate", "nowhere.py"], "module file nowhere.py does not exist"),
     (["propagate", TP, "--rules", "RULES_NOT_JSON"], "cannot read rules"),
-    (["propagate", TP, "--rules", "RULES_BAD_FIELD"], "rule 0 in .*unexpected keyword"),
+    (["propagate", TP, "--rules", "RULES_BAD_FIELD"], "rule 0 in .* has an unknown field"),
     (["propagate", TP, "--rules", "RULES_BAD_PLACEMENT"], "\\[sharding-rule\\] placement \"Q\\[1\\]\""),
     (["compile", TP, "--weights", "nowhere.npz", "-o", "OUT"], "cannot read weights"),
     (["propagate", TP, "--rules", "bad.yaml"], "cannot read rules from .*bad.yaml: YAML .* "

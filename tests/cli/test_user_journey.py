@@ -528,3 +528,32 @@ def test_every_flag_says_what_it_is_for(journey):
         # the help speaks the command line: no Python names of the package
         for python in ("ShardingRule", "presets.", "LegalizeOps", "()"):
             assert python not in done.stdout, (command, python)
+
+
+def test_messages_about_rules_and_usage_speak_the_command_line(journey):
+    home, _ = journey
+    (home / "typo.json").write_text('[{"parm": "A", "result": "S[1]"}]')
+    err = _one_line_error(_cli(["tvm-distx", "plan", "model.py", "--rules", "typo.json"], home),
+                          2)
+    assert err.splitlines() == [
+        "tvm-distx: error: [argument] rule 0 in typo.json has an unknown field 'parm' (did you "
+        "mean 'param'?)", "hint: fields are callee, op, param, args, result, function, meshes"]
+    (home / "unmatched.json").write_text('[{"param": "Z", "result": "S[1]"}]')
+    err = _one_line_error(_cli(["tvm-distx", "plan", "model.py", "--rules", "unmatched.json"],
+                               home), 2)
+    assert err.splitlines()[0] == ('tvm-distx: error: [rule-unmatched] {"param": "Z", '
+                                   '"result": "S[1]"} matched nothing')
+    # bad usage: one line and the subcommand's help, no usage block of the top command
+    err = _one_line_error(_cli(["tvm-distx", "run", "bundle", "-n", "x"], home), 2)
+    assert err.splitlines() == ["tvm-distx: error: [argument] argument -n/--ranks: invalid int "
+                                "value: 'x'", "hint: see tvm-distx run --help"]
+    # a preset that finds nothing to split: the way out in flags, not Python
+    odd = SEED.read_text().replace("A: R.Tensor((128, 128)", "A: R.Tensor((128, 127)").replace(
+        "B: R.Tensor((128, 128)", "B: R.Tensor((127, 128)")
+    (home / "odd.py").write_text(odd)
+    err = _one_line_error(_cli(["tvm-distx", "plan", "odd.py", "--preset", "tensor-parallel"],
+                               home), 2, "--preset tensor-parallel splits no matrix of 'main'")
+    assert err.splitlines()[1] == (
+        'hint: name the splits in a rules file instead of --preset: --rules FILE with '
+        '[{"param": "W", "result": "S[1]"}, ...], or let tvm-distx autoshard write one')
+    assert "tensor_parallel()" not in err

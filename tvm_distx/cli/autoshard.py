@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from tvm_distx.cli.inputs import (EXIT_OK, _input_file, _load_plain, _progress, _read_rules,
-                         _with_mesh, _writable_file)
+                         _rules_as_written, _with_mesh, _writable_file)
 from tvm_distx.errors import ArgumentError
 
 __all__ = ["autoshard"]
@@ -66,7 +66,7 @@ def autoshard(args: argparse.Namespace) -> int:
                             "such function", hint="its functions: " + ", ".join(names)
                             + f" (--function {names[0] if names else 'main'})")
     sizes = dict(_size(text) for text in args.size)
-    with _progress("choosing placements"):
+    with _progress("choosing placements"), _rules_as_written(rules):
         _, report = auto_shard(mod, shape, memory_per_rank=memory, objective=args.objective,
                                rules=rules, profile=profile, time_limit=args.time_limit,
                                pin=False, function=args.function, sizes=sizes or None)

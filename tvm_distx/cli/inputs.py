@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -18,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tvm_distx.errors import ArgumentError
+from tvm_distx.errors import ArgumentError, DistxError
 from tvm_distx.layout.mesh import set_device_meshes
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_INTERRUPTED"]
@@ -56,14 +58,32 @@ def _read_rules(path: Path | None) -> list:
         raise ArgumentError(f"rules in {path} must be a list of objects",
                             hint='for example [{"callee": "mlp", "args": {"0": "R"}}]')
     rules = []
+    known = [f.name for f in dataclasses.fields(ShardingRule)]
     for index, fields in enumerate(data):
+        unknown = [name for name in fields if name not in known]
+        if unknown:
+            close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+            raise ArgumentError(f"rule {index} in {path} has an unknown field "
+                                f"{', '.join(repr(str(n)) for n in unknown)}"
+                                + (f" (did you mean {close[0]!r}?)" if close else ""),
+                                hint=f"fields are {', '.join(known)}")
         try:
             rules.append(ShardingRule(**_rule_fields(fields)))
         except TypeError as err:
             raise ArgumentError(f"rule {index} in {path}: {err}",
-                                hint="fields are callee, op, param, args, result, function, "
-                                "meshes") from None
+                                hint=f"fields are {', '.join(known)}") from None
     return rules
+
+
+@contextlib.contextmanager
+def _rules_as_written(rules: list):
+    """Errors raised inside show each rule of ``rules`` as the rules file writes it
+    (``{"param": "A", "result": "S[1]"}``), not as Python's ``ShardingRule(...)``."""
+    try:
+        yield
+    except DistxError as err:
+        err.cli_names = tuple(err.cli_names) + tuple((repr(r), r.as_json()) for r in rules)
+        raise
 
 
 def _rule_fields(fields: dict) -> dict:

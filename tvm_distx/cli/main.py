@@ -55,7 +55,7 @@ from tvm_distx.cli.hosts import add_host_arguments, session_options
 from tvm_distx.cli.startup import WITHOUT_TORCH, import_tvm_without_torch
 from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, _console,
                          _input_file, _load_plain, _output_directory, _progress, _read_rules,
-                         _typed_on_meshes, _with_mesh, _writable_file)
+                         _rules_as_written, _typed_on_meshes, _with_mesh, _writable_file)
 from tvm_distx.errors import ArgumentError, DistxError, LaunchError
 from tvm_distx.runtime.backends import BACKENDS, NAMES, launch
 from tvm_distx.runtime.generation import PREFILL_CHUNK
@@ -80,7 +80,8 @@ def _load(args: argparse.Namespace):
 
         mod = SplitFusedProjections()(mod)
     rules = _read_rules(getattr(args, "rules", None))
-    return AnnotateSharding(rules)(mod) if rules else mod
+    with _rules_as_written(rules):
+        return AnnotateSharding(rules)(mod) if rules else mod
 
 
 def _preset(args: argparse.Namespace):
@@ -635,6 +636,13 @@ def _interrupted(err: BaseException) -> bool:
     return False
 
 
+def _errors_for_cli(record: logging.LogRecord) -> bool:
+    """A logging filter: an error logged as a warning shows its command-line form (hint in flags)."""
+    if isinstance(record.args, tuple) and any(isinstance(a, DistxError) for a in record.args):
+        record.args = tuple(a.for_cli() if isinstance(a, DistxError) else a for a in record.args)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     previous = signal.getsignal(signal.SIGINT)
@@ -653,8 +661,7 @@ def _command(argv: list[str] | None) -> int:
     try:
         parser = _parser()
         args = parser.parse_args(argv)
-    except ArgumentError as err:  # bad usage: argparse's conventional exit, our message
-        parser.print_usage(sys.stderr)
+    except ArgumentError as err:  # bad usage: argparse's exit code, our one line and hint
         sys.stderr.write(f"tvm-distx: error: {err}\n")
         raise SystemExit(EXIT_USAGE) from None
     except (KeyboardInterrupt, Exception) as err:
@@ -664,6 +671,8 @@ def _command(argv: list[str] | None) -> int:
         return EXIT_INTERRUPTED
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_errors_for_cli)
     try:
         if args.command in WITHOUT_TORCH:
             import_tvm_without_torch()

@@ -29,6 +29,7 @@ ShardingRule(param='A', result='S[1]', function='mlp')
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -189,6 +190,19 @@ class ShardingRule:
         if not self.meshes:
             return None
         return self.meshes[site_index % len(self.meshes)]
+
+    def as_json(self) -> str:
+        """The rule as a rules file writes it: ``{"param": "A", "result": "S[1]"}``."""
+        fields: dict = {self.kind: self.target}
+        if self.args:
+            fields["args"] = {str(i): str(p) for i, p in self.args.items()}
+        if self.result is not None:
+            fields["result"] = str(self.result)
+        if self.function is not None:
+            fields["function"] = self.function
+        if self.meshes:
+            fields["meshes"] = [str(m) for m in self.meshes]
+        return json.dumps(fields)
 
     def __repr__(self) -> str:
         parts = [f"{self.kind}={self.target!r}"]

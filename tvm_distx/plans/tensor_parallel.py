@@ -544,13 +544,18 @@ def _too_little_split(plan: TensorParallelPlan, function: str) -> RuleError | No
                        for reason, names in list(reasons.items())[:3])
     what = "splits no matrix" if not plan.split_bytes else "splits less than half of the " \
         "matrices"
-    return RuleError(
+    error = RuleError(
         f"tensor_parallel() {what} of '{function}' on {plan.ranks} ranks "
         f"({plan.split_text()}); whole: {listed}",
         function=function,
         hint="presets.from_hf(model) follows the model's own transformers plan; or name the "
         "splits: tensor_parallel().override({'*_q_proj_weight': 'S[0]', "
-        "'*_o_proj_weight': 'S[1]'})")
+        "'*_o_proj_weight': 'S[1]'})",
+        cli_hint="name the splits in a rules file instead of --preset: --rules FILE with "
+        "[{\"param\": \"W\", \"result\": \"S[1]\"}, ...], or let tvm-distx autoshard "
+        "write one")
+    error.cli_names = (("tensor_parallel()", "--preset tensor-parallel"),)
+    return error
 
 
 def _refuse_stored_formats(mod: tvm.IRModule) -> None:
