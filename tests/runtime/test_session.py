@@ -121,7 +121,7 @@ def test_a_bad_call_leaves_the_session_usable(tensor_parallel):
     with exe.session(params=weights) as session:
         with pytest.raises(td.errors.ArgumentError, match="has shape \\(64, 128\\)"):
             session.run(np.ones((64, 128), "float32"))
-        with pytest.raises(td.errors.ArgumentError, match="weights stored in the bundle"):
+        with pytest.raises(td.errors.ArgumentError, match="A is a weight stored in the bundle"):
             session.run(x, params={"A": weights["A"]})
         np.testing.assert_allclose(session.run(x), _mlp_twice(x, weights), atol=1e-5)
 
