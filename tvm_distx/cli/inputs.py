@@ -186,6 +186,31 @@ def _with_device_num(mod, shape: tuple[int, ...]):
     return mod
 
 
+def _hint_if_unsharded(args: argparse.Namespace, mod) -> None:
+    """A hint on stderr when no rules, no preset and no annotation in the module shard anything."""
+    if args.rules is not None or args.preset is not None or _sharded(mod):
+        return
+    sys.stderr.write(f"hint: nothing in {args.module} is sharded, so nothing moves: give "
+                     "--rules FILE, or --preset tensor-parallel\n")
+
+
+def _sharded(mod) -> bool:
+    """Whether ``mod`` places anything: an annotation, a redistribution or an R.DTensor type."""
+    from tvm import relax
+
+    from tvm_distx.ir import helpers as ir_helpers
+
+    if _typed_on_meshes(mod):
+        return True
+    for func in mod.functions.values():
+        for block in getattr(getattr(func, "body", None), "blocks", []):
+            for binding in block.bindings:
+                if isinstance(binding.value, relax.Call) and (
+                        ir_helpers.operator_name(binding.value) or "").startswith("relax.dist."):
+                    return True
+    return False
+
+
 def _typed_on_meshes(mod) -> bool:
     """Whether a function of ``mod`` has a value typed ``R.DTensor`` (bound to a mesh)."""
     from tvm import relax

@@ -54,8 +54,8 @@ from tvm_distx.cli.deploy import add_parser as _add_deploy_parser
 from tvm_distx.cli.hosts import add_host_arguments, session_options
 from tvm_distx.cli.startup import WITHOUT_TORCH, import_tvm_without_torch
 from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, _console,
-                         _input_file, _load_plain, _output_directory, _progress, _read_rules,
-                         _rules_as_written, _typed_on_meshes, _with_mesh, _writable_file)
+                         _hint_if_unsharded, _input_file, _load_plain, _output_directory, _progress,
+                         _read_rules, _rules_as_written, _with_mesh, _writable_file)
 from tvm_distx.errors import ArgumentError, DistxError, LaunchError
 from tvm_distx.runtime.backends import BACKENDS, NAMES, launch
 from tvm_distx.runtime.generation import PREFILL_CHUNK
@@ -160,31 +160,6 @@ def _plan(args: argparse.Namespace) -> int:
     _console().print(comm_table(report))
     _hint_if_unsharded(args, mod)
     return EXIT_OK
-
-
-def _hint_if_unsharded(args: argparse.Namespace, mod) -> None:
-    """A hint on stderr when no rules, no preset and no annotation in the module shard anything."""
-    if args.rules is not None or args.preset is not None or _sharded(mod):
-        return
-    sys.stderr.write(f"hint: nothing in {args.module} is sharded, so nothing moves: give "
-                     "--rules FILE, or --preset tensor-parallel\n")
-
-
-def _sharded(mod) -> bool:
-    """Whether ``mod`` places anything: an annotation, a redistribution or an R.DTensor type."""
-    from tvm import relax
-
-    from tvm_distx.ir import helpers as ir_helpers
-
-    if _typed_on_meshes(mod):
-        return True
-    for func in mod.functions.values():
-        for block in getattr(getattr(func, "body", None), "blocks", []):
-            for binding in block.bindings:
-                if isinstance(binding.value, relax.Call) and (
-                        ir_helpers.operator_name(binding.value) or "").startswith("relax.dist."):
-                    return True
-    return False
 
 
 def _autoshard(args: argparse.Namespace) -> int:
