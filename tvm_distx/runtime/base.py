@@ -162,6 +162,9 @@ def _check_input_count(function: str, free, inputs: list, params: Mapping,
     A bundle compiled with its weights gives them itself; one compiled without
     takes every parameter as an input.
     """
+    known = {p.name for p in free.params}
+    if not set(params) <= known:
+        return  # an unknown name: binding names it, which says more than a count
     positional = [p.name for p in free.params if p.name not in params]
     if len(inputs) == len(positional):
         return
