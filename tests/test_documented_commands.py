@@ -205,6 +205,11 @@ def _environment(clone: Path) -> dict[str, str]:
     for name in ("mpiexec", "mpiexec.hydra", "hydra_pmi_proxy"):
         if (here / name).exists():
             (env_dir / "bin" / name).symlink_to((here / name).resolve())
+    # the mpich wheel's libraries where mpi4py looks for them, the environment's lib/, with
+    # the folder their $ORIGIN run path names (mpich/libfabric)
+    for entry in (Path(sys.prefix) / "lib").iterdir():
+        if not entry.name.startswith("python") and not (env_dir / "lib" / entry.name).exists():
+            (env_dir / "lib" / entry.name).symlink_to(entry.resolve())
     # what scripts/_env.sh writes after installing the test extra: the set-up is done
     stamp = hashlib.sha256((clone / "pyproject.toml").read_bytes() + b"extras=test\n")
     (env_dir / ".tvm_distx-installed").write_text(stamp.hexdigest() + "\n")
