@@ -557,3 +557,38 @@ def test_messages_about_rules_and_usage_speak_the_command_line(journey):
         'hint: name the splits in a rules file instead of --preset: --rules FILE with '
         '[{"param": "W", "result": "S[1]"}, ...], or let tvm-distx autoshard write one')
     assert "tensor_parallel()" not in err
+
+
+def test_generating_from_a_checkpoint_prints_no_tvm_or_torch_noise(tmp_path):
+    """A checkpoint compiled by the command line: transformers' tokens and a quiet stderr.
+
+    TVM's ``take`` used to log "Fast mode segfaults when there are out-of-bounds
+    indices" for every embedding lookup, and torch a FutureWarning about its pytree,
+    while the model compiled; neither means anything to a user.
+    """
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "tests" / "models"))
+    from hf_tiny import build, greedy, prompt_ids
+
+    model = build("llama", layers=1)
+    model.save_pretrained(tmp_path / "ckpt")
+    prompt = prompt_ids(5, seed=11)
+    done = _cli(["tvm-distx", "generate", "ckpt", "--ids", *map(str, prompt),
+                 "--max-new-tokens", "4", "-n", "2"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    with torch.no_grad():
+        want = greedy(model, prompt, 4)
+    assert done.stdout.split() == [str(t) for t in want]
+    assert done.stderr == "", done.stderr
+
+
+def test_a_bundle_path_that_does_not_exist_is_named_so(journey):
+    home, _ = journey
+    _one_line_error(_cli(["tvm-distx", "run", "nodir", "-i", "x.npy"], home), 2,
+                    "[bundle] nodir does not exist",
+                    "hint: give the directory tvm-distx compile ... -o DIR wrote")
+    err = _one_line_error(_cli(["tvm-distx", "generate", "nodir", "--ids", "1", "2"], home), 2)
+    assert err.splitlines() == ["tvm-distx: error: [bundle] nodir does not exist",
+                                "hint: give a generation bundle, a Hugging Face checkpoint "
+                                "directory or a .gguf file"]

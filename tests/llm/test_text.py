@@ -148,7 +148,9 @@ def test_the_bundle_carries_the_tokenizer_and_the_command_line_prints_text(
 
 
 def test_the_command_line_refuses_ids_outside_the_vocabulary_in_one_line(text_bundle):
-    done = _cli(text_bundle, "--ids", 3, 14, 999, "--max-new-tokens", 2)
+    # before any rank starts: the ranks would go to a host that cannot be reached
+    done = _cli(text_bundle, "--ids", 3, 14, 999, "--max-new-tokens", 2,
+                "--hosts", "203.0.113.9:2", "--rsh", "false")
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert lines[0] == "tvm-distx: error: [argument] token id 999 is outside the vocabulary " \

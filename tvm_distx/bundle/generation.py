@@ -119,7 +119,9 @@ def read_generation(directory: str | Path) -> GenerationInfo:
     if not root.is_dir():
         raise BundleError(f"{directory} does not exist" if not root.exists()
                           else f"{directory} is not a directory",
-                          hint="give the directory CausalLM.export(directory) wrote")
+                          hint="give the directory CausalLM.export(directory) wrote",
+                          cli_hint="give a generation bundle, a Hugging Face checkpoint "
+                          "directory or a .gguf file")
     path = root / GENERATION_FILE
     if not path.is_file():
         raise BundleError(f"{directory} is not a generation bundle: it has no {GENERATION_FILE}",

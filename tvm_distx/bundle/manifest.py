@@ -316,12 +316,16 @@ def read_manifest(bundle: str | os.PathLike) -> Manifest:
     Raises
     ------
     BundleError
-        If the manifest is missing, not JSON, of another format or version, lacks
-        a field, has a placement that does not fit its mesh, or its library is
-        missing.
+        If the directory or its manifest is missing, the manifest is not JSON, of
+        another format or version, lacks a field, has a placement that does not
+        fit its mesh, or its library is missing.
     """
     root = Path(bundle)
     path = root / MANIFEST
+    if not root.exists():
+        raise BundleError(f"{root} does not exist",
+                          hint="give the directory DistExecutable.export(dir) wrote",
+                          cli_hint="give the directory tvm-distx compile ... -o DIR wrote")
     if not path.is_file():
         raise BundleError(f"{root} is not a tvm-distx bundle: {MANIFEST} is missing",
                           hint="make one with tvm_distx.compile(...).export(dir)",

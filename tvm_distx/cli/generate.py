@@ -54,6 +54,19 @@ def _check_rank_count(bundle: Path, ranks: int | None) -> None:
                             f"of {built} ranks", hint=f"--ranks {built}, or leave --ranks out")
 
 
+def _check_ids_in_vocabulary(bundle: Path, prompt: np.ndarray) -> None:
+    """Refuse ``--ids`` outside the bundle's vocabulary, before any rank starts."""
+    from tvm_distx.bundle.manifest import read_manifest
+    from tvm_distx.errors import BundleError
+    from tvm_distx.runtime.generation import check_token_ids, vocabulary_of
+
+    try:
+        vocab = vocabulary_of(read_manifest(bundle))
+    except (BundleError, KeyError, IndexError):
+        return  # not a generation bundle: CausalLM.from_bundle says so, with its own hint
+    check_token_ids([prompt], vocab)
+
+
 def _check_cache_length(bundle: Path, prompt_tokens: int, new_tokens: int) -> None:
     """Refuse a prompt and new tokens the bundle's cache cannot hold, before any rank starts
     (the last new token needs no cache position)."""
@@ -79,9 +92,11 @@ def _magic(path: Path) -> bytes:
         return f.read(4)
 
 
-def open_model(args: argparse.Namespace, length: int, causal_lm):
+def open_model(args: argparse.Namespace, length: int, causal_lm, ids: np.ndarray | None = None):
     """The model of ``args.bundle`` (a bundle, a checkpoint or a GGUF file), its ranks started;
-    a checkpoint's or GGUF file's cache holds ``args.max_length`` tokens, else ``length``."""
+    a checkpoint's or GGUF file's cache holds ``args.max_length`` tokens, else ``length``.
+    A bundle is first asked what it knows: its rank count, cache length and vocabulary
+    (``ids``, the prompt's token ids when given as ids)."""
     from tvm_distx.runtime.backends import check_backend
 
     check_backend(args.backend, session_options(args))  # a bad flag first, then the model
@@ -96,6 +111,8 @@ def open_model(args: argparse.Namespace, length: int, causal_lm):
                                     "were fixed when it was exported",
                                     hint=f"leave --{flag.replace('_', '-')} out")
         _check_rank_count(path, args.ranks)
+        if ids is not None:
+            _check_ids_in_vocabulary(path, ids)
         if getattr(args, "max_new_tokens", None) is not None:
             _check_cache_length(path, length - args.max_new_tokens, args.max_new_tokens)
         with _progress(f"starting the ranks of {path} ({args.backend})",
@@ -192,7 +209,8 @@ def generate(args: argparse.Namespace) -> int:
     text = _text_prompt(args)
     prompt = text[1] if text is not None else _id_prompt(args)
     console = Console(stderr=True)
-    lm = open_model(args, len(prompt) + args.max_new_tokens, CausalLM)
+    lm = open_model(args, len(prompt) + args.max_new_tokens, CausalLM,
+                    ids=prompt if text is None else None)
     lm.prefill_chunk = args.prefill_chunk
     if text is not None:
         with lm:

@@ -37,8 +37,8 @@ from tvm_distx.runtime.batch import generate_batch
 from tvm_distx.runtime.sampling import Sampler, Sampling
 from tvm_distx.runtime.text import TextStream, Tokenizer
 
-__all__ = ["Generator", "GenerationStats", "PREFILL_CHUNK", "TextStats", "prompts_of",
-           "stops_of"]
+__all__ = ["Generator", "GenerationStats", "PREFILL_CHUNK", "TextStats", "check_token_ids",
+           "prompts_of", "stops_of", "vocabulary_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,32 @@ class TextStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str = "length"
+
+
+def vocabulary_of(manifest) -> int | None:
+    """The vocabulary of a generation bundle's manifest: the size of ``decode``'s logits."""
+    extent = manifest.function("decode").results[0].shape[-1]
+    return extent if isinstance(extent, int) else None
+
+
+def check_token_ids(prompts: Sequence[np.ndarray], vocab: int | None) -> None:
+    """Refuse token ids outside ``0 .. vocab - 1`` (only negative ones when ``vocab`` is None).
+
+    Raises
+    ------
+    ArgumentError
+        Naming the first id outside, in Python's words and the command line's.
+    """
+    for prompt in prompts:
+        prompt = np.asarray(prompt)
+        bad = prompt[(prompt < 0) | (prompt >= vocab)] if vocab else prompt[prompt < 0]
+        if bad.size:
+            raise ArgumentError(
+                f"token id {int(bad[0])} is outside the vocabulary "
+                f"(0 to {vocab - 1})" if vocab else f"token id {int(bad[0])} is negative",
+                hint="give ids the model's tokenizer made",
+                cli_hint=f"--ids takes ids from 0 to {vocab - 1}" if vocab else
+                "--ids takes ids >= 0")
 
 
 class Generator:
@@ -326,23 +352,11 @@ class Generator:
     def vocab_size(self) -> int | None:
         """The size of the logits (the model's vocabulary); None when unknown."""
         manifest = getattr(self.session, "manifest", None)
-        if manifest is None:
-            return None
-        extent = manifest.function("decode").results[0].shape[-1]
-        return extent if isinstance(extent, int) else None
+        return None if manifest is None else vocabulary_of(manifest)
 
     def _check_ids(self, prompts: Sequence[np.ndarray]) -> None:
         """Refuse token ids outside the vocabulary, before any rank runs."""
-        vocab = self.vocab_size
-        for prompt in prompts:
-            bad = prompt[(prompt < 0) | (prompt >= vocab)] if vocab else prompt[prompt < 0]
-            if bad.size:
-                raise ArgumentError(
-                    f"token id {int(bad[0])} is outside the vocabulary "
-                    f"(0 to {vocab - 1})" if vocab else f"token id {int(bad[0])} is negative",
-                    hint="give ids the model's tokenizer made",
-                    cli_hint=f"--ids takes ids from 0 to {vocab - 1}" if vocab else
-                    "--ids takes ids >= 0")
+        check_token_ids(prompts, self.vocab_size)
 
     @property
     def prefill_chunk(self) -> int | None:
