@@ -115,9 +115,10 @@ class ModelGraph:
     def only_used_by(self, param: str, linear: LinearSite) -> bool:
         """Whether the weight ``param`` feeds nothing but ``linear`` (it is not tied)."""
         users = self.users.get(self.params[param], [])
-        return all(u is linear.matmul or (
+        matmul = linear.matmul
+        return all(u.same_as(matmul) or (
             _ir.is_call_to(self.value[u], "relax.permute_dims") and
-            self.users.get(u, []) == [linear.matmul]) for u in users)
+            [v.same_as(matmul) for v in self.users.get(u, [])] == [True]) for u in users)
 
     def _linear(self, var, value) -> LinearSite | None:
         if not _ir.is_call_to(value, "relax.matmul"):
