@@ -21,7 +21,10 @@ The weight rows are taken in blocks of about 256 KiB
 block while it sits in L2: a panel then comes from L3 once per block, not once
 per ``mr`` rows, which is what lets two ranks on one chip each run at the speed
 of one alone. A weight stored in another format is decoded once per block into
-a buffer that the token panels share.
+a buffer that the token panels share. With AVX-512 a kernel over a run-time row
+count holds a second micro-kernel with panels of one vector and runs it for the
+row counts that two-vector panels would pad most
+(:meth:`MatmulRule.short_panels_cost_less`).
 
 **Column panels** (any other layout): the vectors run along the columns ``j``;
 each ``nr``-wide panel of ``B`` is packed into a contiguous ``[k, nr]`` buffer by
