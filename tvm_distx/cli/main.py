@@ -632,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(argv: list[str] | None) -> int:
-    """Parse ``argv`` and run its command; errors and Ctrl-C become exit codes."""
+    """Parse ``argv`` and run its command (:func:`_run_command`)."""
     try:
         parser = _parser()
         args = parser.parse_args(argv)
@@ -646,8 +646,19 @@ def _command(argv: list[str] | None) -> int:
         return EXIT_INTERRUPTED
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
+    # warnings in flags for this command only: main() may run inside a larger program
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
         handler.addFilter(_errors_for_cli)
+    try:
+        return _run_command(args)
+    finally:
+        for handler in handlers:
+            handler.removeFilter(_errors_for_cli)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command; errors and Ctrl-C become exit codes."""
     try:
         if args.command in WITHOUT_TORCH:
             import_tvm_without_torch()
