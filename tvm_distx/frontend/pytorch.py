@@ -249,7 +249,8 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
             # ``y[..., :8].copy_(x)`` writes into a view of y; TVM's frontend would
             # copy into a temporary. Functionalising (no decomposition) turns such
             # writes into slice_scatter and the like.
-            exported = exported.run_decompositions({})
+            with _internal_warnings_logged():
+                exported = exported.run_decompositions({})
     except Exception as err:  # torch raises many types while tracing
         raise ArgumentError(f"torch.export could not trace {type(module).__name__}: "
                             f"{type(err).__name__}: {str(err).splitlines()[0]}",
