@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
 from tvm_distx.plans import presets  # noqa: E402
-from tvm_distx.errors import ArgumentError  # noqa: E402
+from tvm_distx.errors import ArgumentError, UnsupportedProgramError  # noqa: E402
 from tvm_distx.layout import Replicate, Shard  # noqa: E402
 from tvm_distx.build.pipeline import run_stages  # noqa: E402
 from tvm_distx.runtime.backends import launch  # noqa: E402
@@ -236,3 +236,15 @@ def test_a_public_function_left_unannotated_lowers_as_it_is(llama2):
         list(llama2["cache"].shapes)
     assert "tvm_distx.ccl" not in decode.script() and "tvm_distx.ccl" in \
         lowered["prefill"].script()
+
+
+def test_a_prefill_that_imports_only_for_a_fixed_length_says_how_to_fix_it():
+    """DeepSeek-V3's experts translate for a fixed prompt length only: the error says so."""
+    model = build("deepseek_v3", layers=1)
+    with pytest.raises(UnsupportedProgramError) as err:
+        td.export_decoder(model, max_length=16)
+    assert "it translates for a fixed prompt length" in str(err.value)
+    assert err.value.hint.startswith("fix the prompt length: CausalLM.from_hf(model, "
+                                     "prompt_length=N)")
+    mod = td.export_decoder(model, max_length=16, prompt_length=4).mod  # the fix works
+    assert {"prefill", "decode"} <= {gv.name_hint for gv in mod.functions}

@@ -349,11 +349,40 @@ def _pair(model, layers: int, cache: KVCacheLayout, traced: int, prompt_length: 
                         torch.ones((batch, max_length), dtype=torch.long)]
             dims += [{1: seq} if symbolic else None, None]
             inputs += ["position_ids", "attention_mask"]
-        functions[name + suffix] = _import(
-            step, (*example, *caches), (*dims[:2], (*dims[2:], *(None for _ in caches))),
-            name + suffix,
-            [*inputs, *cache.names], with_weights)
+        arguments = (step, (*example, *caches),
+                     (*dims[:2], (*dims[2:], *(None for _ in caches))), name + suffix,
+                     [*inputs, *cache.names], with_weights)
+        try:
+            functions[name + suffix] = _import(*arguments)
+        except UnsupportedProgramError as err:
+            if symbolic:
+                _refuse_a_run_time_length(err, arguments, traced)
+            raise
     return functions
+
+
+def _refuse_a_run_time_length(err: UnsupportedProgramError, arguments: tuple,
+                              traced: int) -> None:
+    """Raise ``err`` with the fix when the prefill imports with a fixed prompt length only.
+
+    Some operators translate for a fixed prompt length but not for a run-time one (the
+    experts' dispatch of some mixture-of-experts models). The prefill is imported again
+    with the traced length fixed; if that works, the length was the cause, and the error
+    says how to fix the length. Otherwise the caller raises ``err`` as it is.
+    """
+    step, example, dynamic, function, names, with_weights = arguments
+    try:
+        _import(step, example, tuple(None for _ in dynamic[:2]) + (tuple(
+            None for _ in dynamic[2]),), function, names, with_weights=False)
+    except UnsupportedProgramError:
+        return
+    raise UnsupportedProgramError(
+        f"{err.message}; it translates for a fixed prompt length ({traced} tokens traced), "
+        "not for a prompt of any length",
+        hint="fix the prompt length: CausalLM.from_hf(model, prompt_length=N) or "
+        "export_decoder(model, prompt_length=N); prompts are then N tokens",
+        cli_hint="the command line serves prompts of any length: export a bundle in Python "
+        "with CausalLM.from_hf(model, prompt_length=N).export(DIR)") from None
 
 
 def _import(step, example: tuple, dynamic_shapes: tuple, function: str,
