@@ -38,45 +38,34 @@ __all__ = ["generate", "open_model"]
 logger = logging.getLogger(__name__)
 
 
-def _check_rank_count(bundle: Path, ranks: int | None) -> None:
-    """Refuse ``--ranks`` other than the bundle's own count, in flags (before any rank starts)."""
-    from tvm_distx.bundle.manifest import read_manifest
-    from tvm_distx.errors import BundleError
-
-    if ranks is None:
-        return
-    try:
-        built = read_manifest(bundle).num_ranks
-    except BundleError:
-        return  # not a bundle: CausalLM.from_bundle says so, with its own hint
-    if ranks != built:
-        raise ArgumentError(f"generate --ranks {ranks}: the bundle {bundle} holds the shards "
-                            f"of {built} ranks", hint=f"--ranks {built}, or leave --ranks out")
-
-
-def _check_ids_in_vocabulary(bundle: Path, prompt: np.ndarray) -> None:
-    """Refuse ``--ids`` outside the bundle's vocabulary, before any rank starts."""
+def _check_against_bundle(bundle: Path, ranks: int | None, ids: np.ndarray | None,
+                          prompt_tokens: int, new_tokens: int | None) -> None:
+    """Refuse, in flags and before any rank starts, what the bundle already rules out:
+    another rank count, ``--ids`` outside its vocabulary, more tokens than its cache holds
+    (the last new token needs no cache position). A path that is no bundle passes:
+    ``CausalLM.from_bundle`` says so, with its own hint."""
+    from tvm_distx.bundle.generation import read_generation
     from tvm_distx.bundle.manifest import read_manifest
     from tvm_distx.errors import BundleError
     from tvm_distx.runtime.generation import check_token_ids, vocabulary_of
 
     try:
-        vocab = vocabulary_of(read_manifest(bundle))
-    except (BundleError, KeyError, IndexError):
-        return  # not a generation bundle: CausalLM.from_bundle says so, with its own hint
-    check_token_ids([prompt], vocab)
-
-
-def _check_cache_length(bundle: Path, prompt_tokens: int, new_tokens: int) -> None:
-    """Refuse a prompt and new tokens the bundle's cache cannot hold, before any rank starts
-    (the last new token needs no cache position)."""
-    from tvm_distx.bundle.generation import read_generation
-    from tvm_distx.errors import BundleError
-
-    try:
-        limit = read_generation(bundle).cache.max_length
+        manifest, generation = read_manifest(bundle), read_generation(bundle)
     except BundleError:
-        return  # not a bundle: CausalLM.from_bundle says so, with its own hint
+        return
+    if ranks is not None and ranks != manifest.num_ranks:
+        raise ArgumentError(f"generate --ranks {ranks}: the bundle {bundle} holds the shards "
+                            f"of {manifest.num_ranks} ranks",
+                            hint=f"--ranks {manifest.num_ranks}, or leave --ranks out")
+    if ids is not None:
+        try:
+            vocab = vocabulary_of(manifest)
+        except (KeyError, IndexError):
+            vocab = None  # no decode function: from_bundle refuses the bundle
+        check_token_ids([ids], vocab)
+    if new_tokens is None:
+        return
+    limit = generation.cache.max_length
     needed = prompt_tokens + new_tokens - 1
     if needed > limit:
         most = limit - prompt_tokens + 1
@@ -110,11 +99,8 @@ def open_model(args: argparse.Namespace, length: int, causal_lm, ids: np.ndarray
                                     f"GGUF file; {path} is a bundle, whose weights and cache "
                                     "were fixed when it was exported",
                                     hint=f"leave --{flag.replace('_', '-')} out")
-        _check_rank_count(path, args.ranks)
-        if ids is not None:
-            _check_ids_in_vocabulary(path, ids)
-        if getattr(args, "max_new_tokens", None) is not None:
-            _check_cache_length(path, length - args.max_new_tokens, args.max_new_tokens)
+        new_tokens = getattr(args, "max_new_tokens", None)
+        _check_against_bundle(path, args.ranks, ids, length - (new_tokens or 0), new_tokens)
         with _progress(f"starting the ranks of {path} ({args.backend})",
                        follow="tvm_distx.llm"):
             return causal_lm.from_bundle(path, backend=args.backend, num_ranks=args.ranks,
