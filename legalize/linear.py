@@ -18,7 +18,7 @@ program (:func:`tvm_distx.quantize`: ``astype``, the groups' ``multiply``, the
 nibbles of ``q4``, through the sharding annotations of the stored parts): the
 matmul reads the decoded weight ``W[j, k]`` in its stored ``(out, in)`` layout,
 and the decode stays a chain of operators that propagation shards as before.
-:func:`tvm_distx.build.schedule.fuse_kernels` later fuses that decode into the
+:func:`tvm_distx.compiler.schedule.fuse_kernels` later fuses that decode into the
 matmul's kernel, so it happens in registers.
 
 Only a ``permute_dims`` (with no other use) of a 2-D function parameter, of its

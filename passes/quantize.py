@@ -2,7 +2,7 @@
 
 Decoding a token reads every weight a rank holds once, so its time is the
 weights' bytes. :func:`quantize` stores weights in one of the formats of
-:mod:`tvm_distx.bundle.formats` (16-bit floats, or int8/int4 groups of 32
+:mod:`tvm_distx.sources.formats` (16-bit floats, or int8/int4 groups of 32
 values with a float16 scale each) and decodes them **in the program**, as Relax
 operators, right before each use::
 
@@ -27,7 +27,7 @@ Three things follow from writing the decoding as operators:
 
 The weights given with the module become the stored parts: the data part keeps
 the weight's name, the scale part is ``<name>_scale``. A value that is a float
-array (or a lazy checkpoint tensor) becomes :class:`~tvm_distx.bundle.formats.EncodedPart`
+array (or a lazy checkpoint tensor) becomes :class:`~tvm_distx.sources.formats.EncodedPart`
 objects: nothing is encoded until a rank's block is read, so each rank encodes
 only its own slice. A value already encoded (an object with ``format`` and
 ``parts``, as a GGUF file's tensors are) is used as stored.
@@ -49,7 +49,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from tvm_distx.bundle.formats import FORMATS, EncodedPart, WeightFormat, weight_format
+from tvm_distx.sources.formats import FORMATS, EncodedPart, WeightFormat, weight_format
 from tvm_distx.errors import ArgumentError
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout.derived import is_deferred

@@ -227,14 +227,12 @@ class TestHierarchy:
         tags = [cls.rule for cls in expected]
         assert len(tags) == len(set(tags))
 
-    def test_package_exports_the_errors(self):
-        """``DistxError`` at the top level; the others there for one release, with a warning."""
+    def test_package_exports_the_base_error_and_the_module(self):
+        """``DistxError`` at the top level; every other class in :mod:`tvm_distx.errors`."""
         assert tvm_distx.DistxError is errors.DistxError and tvm_distx.errors is errors
         for name in errors.__all__:
-            if name == "DistxError":
-                continue
-            with pytest.warns(DeprecationWarning, match=f"use tvm_distx.errors.{name}$"):
-                assert getattr(tvm_distx, name) is getattr(errors, name)
+            if name != "DistxError":
+                assert not hasattr(tvm_distx, name), name
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,7 +261,7 @@ class TestArchitecture:
         names = {m.__name__ for m in modules}
         # the walk reaches the subpackages installed from other directories, and the entry points
         assert {"tvm_distx.__main__", "tvm_distx.runtime.mpi_rank", "tvm_distx.passes.tir_access",
-                "tvm_distx.legalize.planner", "tvm_distx.build.schedule.matmul"} <= names
+                "tvm_distx.legalize.planner", "tvm_distx.compiler.schedule.matmul"} <= names
         defined = {obj for m in modules for obj in vars(m).values()
                    if inspect.isclass(obj) and issubclass(obj, BaseException)
                    and obj.__module__.startswith("tvm_distx")}
@@ -275,7 +273,7 @@ class TestArchitecture:
 
     @pytest.mark.parametrize("module, name, bases", [
         ("tvm_distx.frontend.script", "ScriptError", (ShardingError,)),
-        ("tvm_distx.build.rvv", "QemuError", (RuntimeError,)),
+        ("tvm_distx.compiler.rvv", "QemuError", (RuntimeError,)),
         ("tvm_distx.runtime.mpi_ccl", "CollectiveGroupError", (RuntimeError,)),
         ("tvm_distx.runtime.disco_shm", "PeerFailedError", (RuntimeError,)),
     ])

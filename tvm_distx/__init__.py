@@ -17,15 +17,13 @@ The top level holds what a user of the package needs (see ``__all__``):
 
 Everything else lives in its package: :mod:`tvm_distx.plans` (presets, tensor,
 vocabulary and expert plans), :mod:`tvm_distx.passes`, :mod:`tvm_distx.legalize`,
-:mod:`tvm_distx.runtime`, :mod:`tvm_distx.autoshard`, :mod:`tvm_distx.reports`.
+:mod:`tvm_distx.compiler`, :mod:`tvm_distx.runtime`, :mod:`tvm_distx.generation`,
+:mod:`tvm_distx.sources`, :mod:`tvm_distx.autoshard`, :mod:`tvm_distx.reports`.
 
 Only the errors and the layout vocabulary are imported with the package. The
 other names are loaded on first use (PEP 562, the ``_LAZY`` table below), so a
 rank process, which imports :mod:`tvm_distx.runtime`, never loads
-:mod:`tvm_distx.passes` or :mod:`tvm_distx.legalize`. The names of the previous
-release (``distribute``, ``profile``, the error classes other than
-``DistxError``, ...) still work for one release and emit a ``DeprecationWarning``
-naming their new place (``_DEPRECATED``).
+:mod:`tvm_distx.passes` or :mod:`tvm_distx.legalize`.
 """
 
 import importlib
@@ -62,7 +60,6 @@ def _quiet_ctrl_c_while_the_command_line_starts() -> None:
 _quiet_ctrl_c_while_the_command_line_starts()
 
 from tvm_distx import errors
-from tvm_distx._deprecated import MovedModules, deprecated_names
 from tvm_distx.errors import DistxError
 from tvm_distx.layout import Partial, Placement, Replicate, Shard, TensorSharding
 from tvm_distx.layout.mesh import DeviceMesh, set_device_meshes
@@ -76,54 +73,26 @@ _LAZY = {
     "from_torch": "tvm_distx.frontend.pytorch",  # imports torch
     "export_decoder": "tvm_distx.frontend.decoder",  # imports torch and transformers
     "quantize": "tvm_distx.passes.quantize",
-    "compile": "tvm_distx.build.pipeline",
-    "lower_to_ranks": "tvm_distx.build.pipeline",
-    "DistExecutable": "tvm_distx.build.executable",
+    "compile": "tvm_distx.compiler.pipeline",
+    "lower_to_ranks": "tvm_distx.compiler.pipeline",
+    "DistExecutable": "tvm_distx.compiler.executable",
     "CausalLM": "tvm_distx.llm.causal_lm",
     "auto_shard": "tvm_distx.autoshard",  # imports scipy
     "explain": "tvm_distx.reports.explain",
     "comm_report": "tvm_distx.reports.comm_report",
 }
 
-#: Old top-level names, kept for one release: each warns and gives the object at its new path.
-_DEPRECATED = {
-    "distribute": "tvm_distx.lower_to_ranks",
-    "profile": "tvm_distx.autoshard.measure_cost_profile",
-    "CostProfile": "tvm_distx.autoshard.CostProfile",
-    "MeshRef": "tvm_distx.layout.mesh.MeshReference",
-    "module_meshes": "tvm_distx.layout.mesh.device_meshes",
-    **{name: f"tvm_distx.errors.{name}" for name in errors.__all__ if name != "DistxError"},
-}
 
-
-#: Modules that moved into the packages by concept, kept for one release under their old
-#: names (``explain`` and ``comm_report`` are public functions of the top level, not modules).
-_MOVED_MODULES = {f"tvm_distx.{old}": f"tvm_distx.{new}" for old, new in {
-    "mesh": "layout.mesh", "rules": "layout.rules", "signature": "bundle.signature",
-    "pipeline": "build.pipeline", "executable": "build.executable", "targets": "build.targets",
-    "rvv": "build.rvv", "schedule": "build.schedule", "views": "reports.views",
-    "script": "frontend.script", "kv_export": "frontend.decoder", "torch_ops": "frontend.torch_ops",
-    "torch_moe": "frontend.torch_moe", "presets": "plans.presets",
-    "tp_plan": "plans.tensor_parallel", "tp_summary": "plans.summary", "vocab_plan": "plans.vocab",
-    "hf_plan": "plans.hf", "moe": "plans.moe", "moe_dispatch": "plans.moe_dispatch",
-    "llm_batch": "runtime.batch", "demo": "cli.demo",
-}.items()}
-MovedModules(_MOVED_MODULES).install()
-
-
-def _lazy(name: str):
+def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
-        # a submodule not imported yet (``tvm_distx.build.pipeline``), as before lazy loading
+        # a submodule not imported yet (``tvm_distx.compiler``), as before lazy loading
         if importlib.util.find_spec(f"{__name__}.{name}") is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         return importlib.import_module(f".{name}", __name__)
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
-
-
-__getattr__ = deprecated_names(__name__, _DEPRECATED, fallback=_lazy)
 
 
 def __dir__():

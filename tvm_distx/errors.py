@@ -429,14 +429,14 @@ class DeployError(LaunchError):
 
 
 class QemuError(_RuntimeErrorBase, RuntimeError):
-    """A RISC-V kernel could not be built or run under qemu (:mod:`tvm_distx.build.rvv`)."""
+    """A RISC-V kernel could not be built or run under qemu (:mod:`tvm_distx.compiler.rvv`)."""
 
     rule = "qemu"
 
 
 class PlanError(_RuntimeErrorBase, RuntimeError):
     """A rank plan asks for something the board's executor cannot do, or a check of the
-    program failed while it ran (:mod:`tvm_distx.board.executor`)."""
+    program failed while it ran (:mod:`tvm_distx.runtime.board.executor`)."""
 
     rule = "board"
 

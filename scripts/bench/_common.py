@@ -156,7 +156,7 @@ def unscheduled_kernels(built) -> list[str]:
 
     A benchmark warns about each: its figures would then measure TVM's naive loops.
     """
-    from tvm_distx.build.schedule import RULE_ATTR
+    from tvm_distx.compiler.schedule import RULE_ATTR
     import tvm
 
     return sorted(gv.name_hint for gv, f in built.functions.items()

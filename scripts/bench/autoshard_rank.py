@@ -36,7 +36,7 @@ import tvm_distx as td  # noqa: E402
 from tvm_distx import ShardingRule
 from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.autoshard import CostProfile, auto_shard, measure_cost_profile, plan_cost  # noqa: E402
-from tvm_distx.build.pipeline import run_stages  # noqa: E402
+from tvm_distx.compiler.pipeline import run_stages  # noqa: E402
 from transformer import Transformer  # noqa: E402
 
 

@@ -328,7 +328,7 @@ def model_rows() -> list[list]:
 
     import tvm_distx as td
     from tvm_distx.frontend.pytorch import from_torch
-    from tvm_distx.build.pipeline import run_stages
+    from tvm_distx.compiler.pipeline import run_stages
     from tvm_distx.plans.presets import megatron, set_device_meshes
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "models"))

@@ -1,13 +1,13 @@
 """Benchmark our scheduled x86 kernels: matmuls against numpy, matvecs per weight format.
 
 For every shape it builds ``R.matmul`` through ``LegalizeOps`` and
-:class:`tvm_distx.build.schedule.ScheduleCPU`, compiles the kernel with
+:class:`tvm_distx.compiler.schedule.ScheduleCPU`, compiles the kernel with
 ``tvm.compile`` for the host CPU, checks it against numpy, then times both in
 alternating rounds and prints a markdown table of GFLOP/s (medians over the
 rounds) and their ratio.
 
 Both sides run on every core: numpy through its multithreaded BLAS, TVM
-through its own thread pool (sized by :func:`tvm_distx.build.schedule.use_cpu_threads`,
+through its own thread pool (sized by :func:`tvm_distx.compiler.schedule.use_cpu_threads`,
 since TVM would otherwise take half the cores on x86). Only the kernel is
 timed, with preallocated outputs on both sides (``np.matmul(..., out=)``).
 The two thread pools spin for a while after each call, so the script pauses
@@ -16,10 +16,10 @@ repeat runs.
 
 **Matrix-vector products per weight format** (``--matvec``): one token times
 a weight stored ``(out, in)`` in each format of
-:mod:`tvm_distx.bundle.formats` (``f32``, ``bf16``, ``f16``, ``q8``, ``q4``),
+:mod:`tvm_distx.sources.formats` (``f32``, ``bf16``, ``f16``, ``q8``, ``q4``),
 compiled as a program compiles it: :func:`tvm_distx.quantize` writes the
-decode, ``legalize_ops`` folds the transpose, :func:`tvm_distx.build.schedule.fuse_kernels`
-fuses the decode into the matvec kernel and :class:`~tvm_distx.build.schedule.ScheduleCPU`
+decode, ``legalize_ops`` folds the transpose, :func:`tvm_distx.compiler.schedule.fuse_kernels`
+fuses the decode into the matvec kernel and :class:`~tvm_distx.compiler.schedule.ScheduleCPU`
 schedules it. Each kernel is checked against numpy on the decoded weight, then
 timed on 1 thread (``--threads``) cycling through enough copies of the stored
 weight to exceed ``--mib`` MiB, so that the weight comes from memory as in a
@@ -67,7 +67,7 @@ if "--prefill" in sys.argv and "--threads" not in sys.argv:
     # one core against one core: BLAS sizes its pool when numpy is first imported
     os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"
 
-from tvm_distx.build.schedule import (  # noqa: E402 - the paths above come first
+from tvm_distx.compiler.schedule import (  # noqa: E402 - the paths above come first
     DEFAULT_RULES, RULE_ATTR, MatmulRule, ScheduleCPU, fuse_kernels, use_cpu_threads,
     x86_target)
 from llm_decode import stream  # noqa: E402
@@ -174,7 +174,7 @@ def matvec_kernel(fmt: str, n: int, k: int, target, rows=1):
     rule that scheduled the kernel.
     """
     import tvm_distx as td
-    from tvm_distx.build.pipeline import legalize_ops
+    from tvm_distx.compiler.pipeline import legalize_ops
     from tvm_distx.bundle import formats
 
     bb = relax.BlockBuilder()

@@ -39,7 +39,7 @@ not timed; a short generation warms each one up first):
 Every contender's greedy tokens are compared with those of transformers
 (float32) on 1 thread; a 16-bit or quantized contender's also with those of
 transformers on that format's weights (every 2-D weight encoded and decoded
-by :mod:`tvm_distx.bundle.formats`, whose q8 and q4 are llama.cpp's Q8_0 and
+by :mod:`tvm_distx.sources.formats`, whose q8 and q4 are llama.cpp's Q8_0 and
 Q4_0; run once, not timed), and ours in each format with llama.cpp's in that
 format. Float32 ones should agree throughout; others may part after a few
 tokens (random weights leave small gaps between the top logits, and
@@ -72,7 +72,7 @@ varies with the host's other tenants from moment to moment, so it is a
 reading, not a ceiling. (On separate machines each rank has its own memory.)
 
 **Matrix-vector kernels.** ``1 x K @ (N x K)^T`` products as decode runs them,
-our :class:`tvm_distx.build.schedule.MatvecRule` kernel (chosen by default) against
+our :class:`tvm_distx.compiler.schedule.MatvecRule` kernel (chosen by default) against
 ``torch.nn.functional.linear``, both on 1 thread. Each side cycles through
 enough copies of the weight to exceed 256 MiB, so the weight comes from memory
 as in decode, not from the caches.
@@ -255,12 +255,12 @@ def hf_job(data: str, out: str, threads: int, new_tokens: int, fmt: str = "f32")
     ``fmt`` other than f32: the tokens' reference for that format, every 2-D
     weight (the linears, the embedding and the LM head, as llama.cpp's files
     have them) replaced by its value encoded in ``fmt`` and decoded
-    (:mod:`tvm_distx.bundle.formats`).
+    (:mod:`tvm_distx.sources.formats`).
     """
     import torch
     import transformers
 
-    from tvm_distx.bundle.formats import decode, encode
+    from tvm_distx.sources.formats import decode, encode
 
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
@@ -383,8 +383,8 @@ def matvec_kernel(k: int, n: int):
     import tvm
     from tvm import relax
 
-    from tvm_distx.build.pipeline import legalize_ops
-    from tvm_distx.build.schedule import RULE_ATTR, schedule_module, x86_target
+    from tvm_distx.compiler.pipeline import legalize_ops
+    from tvm_distx.compiler.schedule import RULE_ATTR, schedule_module, x86_target
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((1, k), "float32"))

@@ -24,7 +24,7 @@ from tvm_distx.autoshard import CostProfile, auto_shard, measure_cost_profile, p
 from tvm_distx.autoshard.graph import Node, ShardGraph
 from tvm_distx.autoshard.ilp import solve
 from tvm_distx.errors import MemoryBudgetError, RuleError
-from tvm_distx.build.pipeline import run_stages
+from tvm_distx.compiler.pipeline import run_stages
 
 from transformer import Transformer  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The board backend on this machine: MPI ranks that run the bundle's plan, with no TVM.
 
 ``backend="board"`` runs each rank's program from ``plan.json`` (the VM's own program as data)
-with numpy and ctypes; ``python -m tvm_distx.board run|generate`` is what a board's ``run.sh``
+with numpy and ctypes; ``python -m tvm_distx.runtime.board run|generate`` is what a board's ``run.sh``
 calls, here with MPICH's ``mpiexec``. Both must give what the VM gives, and every failure must
 be one line.
 """
@@ -22,7 +22,7 @@ import pytest
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
-from tvm_distx.board.payload import runtime_modules, write_board_runtime
+from tvm_distx.runtime.board.payload import runtime_modules, write_board_runtime
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime.mpi import mpiexec_path
 
@@ -59,13 +59,13 @@ def bundle(seed, tmp_path):
 
 
 def _board(*argv: str, cwd: Path, path: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -m tvm_distx.board ARGV`` with this environment's mpiexec (MPICH's); ``path``
+    """``python -m tvm_distx.runtime.board ARGV`` with this environment's mpiexec (MPICH's); ``path``
     goes first on the ranks' PYTHONPATH."""
     env = {**os.environ, "PATH": f"{Path(mpiexec_path()).parent}:{os.environ['PATH']}"}
     if path is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(path), *filter(None, [
             os.environ.get("PYTHONPATH")])])
-    return subprocess.run([sys.executable, "-m", "tvm_distx.board", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tvm_distx.runtime.board", *argv], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=300)
 
 
@@ -95,7 +95,7 @@ def test_board_errors_are_one_line(bundle, tmp_path):
     _one_line(_board("generate", str(bundle), "--ids", "1", "2", cwd=tmp_path),
               "not a generation bundle")
     # a job of the wrong size, as a user's own mpiexec would start it
-    done = subprocess.run([mpiexec_path(), "-n", "1", sys.executable, "-m", "tvm_distx.board",
+    done = subprocess.run([mpiexec_path(), "-n", "1", sys.executable, "-m", "tvm_distx.runtime.board",
                            "job", "run", str(bundle), "-i", str(tmp_path / "x.npy"), "-o",
                            str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
@@ -173,12 +173,12 @@ def test_the_boards_runtime_imports_no_tvm():
     """Every module a board runs is found from its entry by reading imports; none imports TVM
     at its top, and the board's own modules import it nowhere."""
     modules = runtime_modules()  # refuses a module that imports TVM at its top
-    assert {"tvm_distx.board.job", "tvm_distx.board.executor", "tvm_distx.runtime.mpi_rank",
-            "tvm_distx.runtime.generation", "tvm_distx.bundle.manifest"} <= set(modules)
-    assert not any(m.startswith(("tvm_distx.build", "tvm_distx.passes", "tvm_distx.legalize",
+    assert {"tvm_distx.runtime.board.job", "tvm_distx.runtime.board.executor", "tvm_distx.runtime.mpi_rank",
+            "tvm_distx.generation.generator", "tvm_distx.bundle.manifest"} <= set(modules)
+    assert not any(m.startswith(("tvm_distx.compiler", "tvm_distx.passes", "tvm_distx.legalize",
                                  "tvm_distx.frontend", "tvm_distx.llm")) for m in modules)
     for module in modules:
-        if not module.startswith("tvm_distx.board"):
+        if not module.startswith("tvm_distx.runtime.board"):
             continue
         path = importlib.util.find_spec(module).origin
         for node in ast.walk(ast.parse(Path(path).read_text())):

@@ -12,8 +12,8 @@ import tvm
 
 import tvm_distx as td
 from tvm_distx import AnnotateSharding, ShardingRule
-from tvm_distx.board.executor import BUILTINS, Executor, Kernels, PlanError, aligned
-from tvm_distx.build.board_plan import build_board_runtime, lower_for_vm, rank_plan
+from tvm_distx.runtime.board.executor import BUILTINS, Executor, Kernels, PlanError, aligned
+from tvm_distx.compiler.board_plan import build_board_runtime, lower_for_vm, rank_plan
 from tvm_distx.errors import DistxError
 from locations import TESTS_DIR
 
@@ -160,7 +160,7 @@ def test_plans_of_another_version_are_refused(seed, kernels):
 
 
 def test_every_builtin_the_plan_writer_accepts_is_one_the_executor_runs():
-    from tvm_distx.board import executor
+    from tvm_distx.runtime.board import executor
 
     assert BUILTINS == frozenset(executor._BUILTINS)
     assert {"vm.builtin.match_shape", "vm.builtin.make_shape", "vm.builtin.alloc_shape_heap",
@@ -173,7 +173,7 @@ sys.modules["tvm"] = None  # the board has no TVM: importing it must fail
 sys.modules["tvm_ffi"] = None
 import numpy as np
 from mpi4py import MPI
-from tvm_distx.board.executor import Executor, Kernels
+from tvm_distx.runtime.board.executor import Executor, Kernels
 from tvm_distx.runtime.collectives import abi_functions
 from tvm_distx.runtime.mpi_ccl import MpiCollectives
 folder = sys.argv[1]

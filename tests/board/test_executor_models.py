@@ -19,9 +19,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
-from tvm_distx.board.executor import Executor, Kernels, aligned  # noqa: E402
-from tvm_distx.bundle.formats import BFLOAT16_BITS, is_bfloat16  # noqa: E402
-from tvm_distx.build.board_plan import build_board_runtime  # noqa: E402
+from tvm_distx.runtime.board.executor import Executor, Kernels, aligned  # noqa: E402
+from tvm_distx.sources.formats import BFLOAT16_BITS, is_bfloat16  # noqa: E402
+from tvm_distx.compiler.board_plan import build_board_runtime  # noqa: E402
 from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.runtime.collectives import abi_functions  # noqa: E402
 from tvm_distx.runtime.emulated import EmulatedCollectives, _Exchange, emulate  # noqa: E402
@@ -176,7 +176,7 @@ def test_a_tiny_llama_with_stored_weights_equals_the_vm(tmp_path, fmt):
 
 def test_a_prompt_longer_than_the_cache_is_the_executors_error_not_a_memory_overrun(llama):
     """Storage is planned for the upper bound of the sequence length; beyond it, an error."""
-    from tvm_distx.board.executor import PlanError
+    from tvm_distx.runtime.board.executor import PlanError
 
     compiled, cache = llama
     empty = [np.zeros(s, cache.dtype) for s in cache.shapes]

@@ -156,7 +156,7 @@ def test_a_tampered_missing_or_misshapen_weight_is_refused_before_any_rank_runs(
 
 
 def test_a_bundle_can_link_a_checkpoint_that_each_rank_reads_itself(exe, data, tmp_path):
-    from tvm_distx.bundle.checkpoint import open_checkpoint
+    from tvm_distx.sources.checkpoint import open_checkpoint
 
     x, A, B = data
     save_file({"A": A, "B": B}, tmp_path / "model.safetensors")

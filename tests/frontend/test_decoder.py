@@ -23,7 +23,7 @@ import tvm_distx as td  # noqa: E402
 from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.errors import ArgumentError, UnsupportedProgramError  # noqa: E402
 from tvm_distx.layout import Replicate, Shard  # noqa: E402
-from tvm_distx.build.pipeline import run_stages  # noqa: E402
+from tvm_distx.compiler.pipeline import run_stages  # noqa: E402
 from tvm_distx.runtime.backends import launch  # noqa: E402
 from tvm_distx.bundle.signature import FunctionSignature  # noqa: E402
 

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 import tvm_distx as td  # noqa: E402
 from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.frontend.pytorch import relax_name  # noqa: E402
-from tvm_distx.build.pipeline import run_stages  # noqa: E402
+from tvm_distx.compiler.pipeline import run_stages  # noqa: E402
 
 from hf_tiny import VOCAB, build, logits, tokens  # noqa: E402
 from reference_llama import ReferenceLlama  # noqa: E402
@@ -165,7 +165,7 @@ def _mlp_module():
 
 
 def test_a_tvm_failure_inside_a_stage_is_a_compiler_stage_error(monkeypatch):
-    from tvm_distx.build import pipeline
+    from tvm_distx.compiler import pipeline
 
     annotated, *_ = _mlp_module()
 
@@ -185,8 +185,8 @@ def test_a_scheduled_kernel_that_does_not_build_falls_back_to_tvm_lowering(monke
     """The build retries with TVM's lowering for exactly the kernels that fail alone."""
     import tvm
 
-    from tvm_distx.build import pipeline
-    from tvm_distx.build.schedule import RULE_ATTR
+    from tvm_distx.compiler import pipeline
+    from tvm_distx.compiler.schedule import RULE_ATTR
 
     annotated, weights, x, want = _mlp_module()
     real = tvm.compile
@@ -199,7 +199,7 @@ def test_a_scheduled_kernel_that_does_not_build_falls_back_to_tvm_lowering(monke
         return real(mod, target=target, **kwargs)
 
     monkeypatch.setattr(pipeline.tvm, "compile", compile_refusing_matmul_schedules)
-    with caplog.at_level(logging.WARNING, logger="tvm_distx.build.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="tvm_distx.compiler.pipeline"):
         exe = td.compile(annotated)
     monkeypatch.undo()
     assert "does not build" in caplog.text and "matmul" in caplog.text  # the kernel's name

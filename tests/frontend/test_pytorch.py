@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tvm_distx as td
-from tvm_distx.build.pipeline import run_stages
+from tvm_distx.compiler.pipeline import run_stages
 from tvm_distx.frontend.pytorch import from_torch, relax_name
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.plans.presets import (data_and_tensor_parallel, data_parallel, megatron, pipeline_stages,
@@ -59,7 +59,7 @@ def test_megatron_holds_half_of_each_split_weight_and_all_reduces_per_block(mode
     report = td.explain(relax.transform.LegalizeOps()(annotated))
     assert report.row("main", "p_layers_0_mlp_fc1_weight").local_shape == (512, 256)
     assert report.row("main", "p_layers_1_attn_out_proj_weight").local_shape == (256, 128)
-    from tvm_distx.build.pipeline import run_stages
+    from tvm_distx.compiler.pipeline import run_stages
 
     rows = td.comm_report(run_stages(annotated)["local_view"]).rows
     # one all-reduce completes each row-parallel layer: 2 per block, 2 blocks; the heads
@@ -165,7 +165,7 @@ def sequence_parallel(model):
 def test_sequence_parallel_gathers_before_and_reduce_scatters_after_each_parallel_layer(
         model, sequence_parallel):
     from tvm import relax
-    from tvm_distx.build.pipeline import run_stages
+    from tvm_distx.compiler.pipeline import run_stages
 
     annotated, exe = sequence_parallel
     report = td.explain(relax.transform.LegalizeOps()(annotated))

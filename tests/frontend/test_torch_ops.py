@@ -10,7 +10,7 @@ from tvm import relax
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
-from tvm_distx.build.pipeline import legalize_operators
+from tvm_distx.compiler.pipeline import legalize_operators
 from tvm_distx.frontend.pytorch import from_torch
 from tvm_distx.frontend.torch_ops import CONVERTERS
 from tvm_distx.passes import AnnotateSharding

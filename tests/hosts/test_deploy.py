@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
-from tvm_distx.bundle.checkpoint import open_checkpoint
+from tvm_distx.sources.checkpoint import open_checkpoint
 from tvm_distx.bundle.manifest import check_weights, read_manifest, sha256_file
 from tvm_distx.errors import ArgumentError, DeployError, LaunchError
 from tvm_distx.hosts import bundle_sha256, check_deployed, deploy, place_ranks, split

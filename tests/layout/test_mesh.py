@@ -265,10 +265,6 @@ class TestModuleMeshes:
     def test_non_mesh_global_infos_are_skipped(self, vdevice_module):
         assert device_meshes(vdevice_module) == {}
 
-    def test_the_old_top_level_name_warns_and_is_device_meshes(self):
-        with pytest.warns(DeprecationWarning, match="use tvm_distx.layout.mesh.device_meshes"):
-            assert td.module_meshes is device_meshes
-
 
 class TestMeshTable:
     def test_types_find_the_module_mesh_by_identity(self):

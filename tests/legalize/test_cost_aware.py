@@ -18,7 +18,7 @@ from tvm.script import relax as R
 
 import tvm_distx as td
 from tvm_distx.passes import PropagateSharding
-from tvm_distx.build.pipeline import legalize_ops, run_stages
+from tvm_distx.compiler.pipeline import legalize_ops, run_stages
 
 
 @I.ir_module

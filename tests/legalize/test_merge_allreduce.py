@@ -18,7 +18,7 @@ import tvm_distx as td
 from tvm_distx.legalize.linearity import linear_in
 from tvm_distx.legalize.local_view import _tvm_local_view
 from tvm_distx.legalize.merge_allreduce import MergeAllReduces
-from tvm_distx.build.pipeline import run_stages
+from tvm_distx.compiler.pipeline import run_stages
 
 
 # ------------------------------------------------------------------- linear_in

@@ -39,7 +39,7 @@ import dropin_decoders as dec
 import tvm_distx as td
 from reference import mlp_twice
 from tvm_distx import legalize
-from tvm_distx.build import pipeline
+from tvm_distx.compiler import pipeline
 from tvm_distx.bundle.manifest import read_manifest
 from tvm_distx.errors import ArgumentError, BundleError, UnsupportedProgramError
 from tvm_distx.passes import PropagateSharding

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
-from tvm_distx.runtime.sampling import Sampling  # noqa: E402
+from tvm_distx.generation.sampling import Sampling  # noqa: E402
 
 from hf_tiny import build, greedy, greedy_batch, prompt_ids  # noqa: E402
 
@@ -127,7 +127,7 @@ def test_a_batch_is_one_prefill_and_one_decode_per_step_with_transformers_tokens
 
 
 def test_left_padding_gives_transformers_positions_and_a_mask_over_the_whole_cache():
-    from tvm_distx.runtime.batch import left_padded
+    from tvm_distx.generation.batch import left_padded
 
     ids, positions, mask = left_padded([np.array([5, 6]), np.array([7, 8, 9])], batch=3,
                                        max_length=6, pad_token_id=0, length=4)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tvm_distx.bundle import checkpoint, formats  # noqa: E402
-from tvm_distx.bundle.formats import numpy_dtype  # noqa: E402
+from tvm_distx.sources.formats import numpy_dtype  # noqa: E402
 from tvm_distx.frontend.pytorch import relax_name  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
 from tvm_distx.passes.quantize import weight_formats  # noqa: E402

@@ -17,9 +17,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from tvm_distx.bundle import gguf as gguf_reader  # noqa: E402
-from tvm_distx.bundle.formats import decode  # noqa: E402
+from tvm_distx.sources.formats import decode  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
-from tvm_distx.runtime.text import Tokenizer  # noqa: E402
+from tvm_distx.generation.text import Tokenizer  # noqa: E402
 
 from gguf_files import train_tokenizer, write_gguf  # noqa: E402
 

@@ -19,11 +19,11 @@ import tvm
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tvm_distx.build.schedule import AS_WRITTEN, RULE_ATTR  # noqa: E402
+from tvm_distx.compiler.schedule import AS_WRITTEN, RULE_ATTR  # noqa: E402
 from tvm_distx.layout.rules import pattern_entries  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
 from tvm_distx.plans import presets  # noqa: E402
-from tvm_distx.plans.preset import Preset  # noqa: E402
+from tvm_distx.plans.patterns import Preset  # noqa: E402
 
 from hf_tiny import VOCAB, build  # noqa: E402
 

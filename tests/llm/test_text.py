@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 import tvm_distx as td  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
-from tvm_distx.runtime.text import TextStream, Tokenizer  # noqa: E402
+from tvm_distx.generation.text import TextStream, Tokenizer  # noqa: E402
 
 import tiny_text  # noqa: E402
 

@@ -29,7 +29,7 @@ from tvm_distx.ir import helpers as _ir
 from tvm_distx.layout import TensorSharding
 from tvm_distx.passes import PropagateSharding
 from tvm_distx.legalize import LowerGlobalViewToLocalView
-from tvm_distx.build.pipeline import legalize_ops, run_stages
+from tvm_distx.compiler.pipeline import legalize_ops, run_stages
 
 LENGTHS = [8, "n"]
 

@@ -52,7 +52,7 @@ def _repeat(bb: relax.BlockBuilder, x: relax.Var) -> relax.Var:
 
 
 def _run(mod: tvm.IRModule, *arrays) -> np.ndarray:
-    from tvm_distx.build.pipeline import legalize_ops
+    from tvm_distx.compiler.pipeline import legalize_ops
 
     exe = tvm.compile(legalize_ops(mod), target="llvm")
     vm = relax.VirtualMachine(exe, tvm.cpu())

@@ -191,7 +191,7 @@ def test_a_constant_that_a_use_splits_is_replicated_and_sliced_locally():
              if isinstance(b.value, relax.Call) and b.value.op.name == "relax.dist.redistribute"]
     assert [(b.var.name, str(b.value.args[0].ty.placement), str(b.var.ty.placement))
             for b in moves] == [("y_const_redist", '"R"', '"S[1]"')]
-    from tvm_distx.build.pipeline import run_stages
+    from tvm_distx.compiler.pipeline import run_stages
 
     rows = td.comm_report(run_stages(relax.transform.LegalizeOps()(mod))["local_view"]).rows
     assert [(r.collective, r.bytes_per_rank) for r in rows] == [("local_slice", 0)]

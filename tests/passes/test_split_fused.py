@@ -341,7 +341,7 @@ def _column_per_segment(mod, column: dict[str, str], row: dict[str, str], parts:
 
 
 def _collectives(annotated) -> list[str]:
-    from tvm_distx.build.pipeline import run_stages
+    from tvm_distx.compiler.pipeline import run_stages
 
     return [r.collective for r in td.comm_report(run_stages(annotated)["local_view"]).rows]
 

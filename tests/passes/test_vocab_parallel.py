@@ -30,7 +30,7 @@ from tvm_distx.errors import RuleError
 from tvm_distx.layout.derived import BlockOffsets, Derivations
 from tvm_distx.passes import AnnotateSharding, VocabParallelEmbedding, derivations_of
 from tvm_distx.passes.vocab_parallel import KERNEL_ATTR, vocab_lookups
-from tvm_distx.build.pipeline import run_stages
+from tvm_distx.compiler.pipeline import run_stages
 from tvm_distx.layout.rules import ShardingRule
 from tvm_distx.plans.vocab import embedding_roles
 

@@ -33,7 +33,7 @@ import tvm_distx as td  # noqa: E402
 from tvm_distx.plans import presets  # noqa: E402
 from tvm_distx.errors import RuleError  # noqa: E402
 from tvm_distx.plans.moe_dispatch import experts_calls  # noqa: E402
-from tvm_distx.build.pipeline import run_stages  # noqa: E402
+from tvm_distx.compiler.pipeline import run_stages  # noqa: E402
 
 from hf_tiny import build, logits, tokens  # noqa: E402
 

@@ -16,7 +16,7 @@ import pytest
 import tvm
 
 import tvm_distx as td
-from tvm_distx.build.pipeline import run_stages
+from tvm_distx.compiler.pipeline import run_stages
 from tvm_distx.plans import presets
 
 GATED = """

@@ -13,7 +13,7 @@ import tvm_distx as td  # noqa: E402
 from tvm_distx.plans import moe  # noqa: E402
 from tvm_distx.errors import RuleError  # noqa: E402
 from tvm_distx.frontend.pytorch import from_torch  # noqa: E402
-from tvm_distx.build.pipeline import run_stages  # noqa: E402
+from tvm_distx.compiler.pipeline import run_stages  # noqa: E402
 from tvm_distx.plans.presets import megatron, set_device_meshes  # noqa: E402
 from tvm_distx.layout.arrays import shard_array  # noqa: E402
 from tvm_distx.frontend.torch_moe import find_experts, static_experts  # noqa: E402

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tvm
 
-from tvm_distx.build.schedule.experts import (EXPERTS_ATTR, ExpertsKernel, experts_definition,
+from tvm_distx.compiler.schedule.experts import (EXPERTS_ATTR, ExpertsKernel, experts_definition,
                                         sparse_experts)
 
 HIDDEN, INTER, EXPERTS = 16, 12, 4
@@ -19,7 +19,7 @@ def _build(func: tvm.tirx.PrimFunc):
 
 
 def _reference(x, routing, w_up, w_down, kernel: ExpertsKernel):
-    """The dense formula of tvm_distx.build.schedule.experts, in numpy (float64)."""
+    """The dense formula of tvm_distx.compiler.schedule.experts, in numpy (float64)."""
     up = w_up.transpose(0, 2, 1) if kernel.up_transposed else w_up         # (E, 2I, H)
     down = w_down.transpose(0, 2, 1) if kernel.down_transposed else w_down  # (E, H, I)
     h = np.einsum("th,ejh->etj", x.astype(np.float64), up)
@@ -120,7 +120,7 @@ def test_expert_parallel_never_touches_unrouted_experts_on_two_mpi_ranks():
     import tvm_distx as td
     from tvm_distx.plans import moe
     from tvm_distx.plans.moe_dispatch import experts_calls
-    from tvm_distx.build.pipeline import run_stages
+    from tvm_distx.compiler.pipeline import run_stages
     from tvm_distx.plans.presets import set_device_meshes
 
     torch.manual_seed(0)

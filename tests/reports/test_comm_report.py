@@ -11,7 +11,7 @@ from tvm.relax.distributed import transform as dist_transform
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
-from tvm_distx.build.pipeline import run_stages
+from tvm_distx.compiler.pipeline import run_stages
 from tvm_distx.reports.comm_report import comm_report
 from tvm_distx.passes import AnnotateSharding, PropagateSharding
 

@@ -19,7 +19,7 @@ import tvm_distx as td
 from tvm_distx import ShardingRule
 from tvm_distx.legalize.lower_distir import rank_entry
 from tvm_distx.passes import AnnotateSharding
-from tvm_distx.build.pipeline import run_stages
+from tvm_distx.compiler.pipeline import run_stages
 from tvm_distx.runtime import emulate, shard_array
 from tvm_distx.runtime.disco import run_disco
 from tvm_distx.runtime.disco_shm import Layout, ShmComm

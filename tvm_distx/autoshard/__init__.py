@@ -10,8 +10,6 @@ module                                 what it does
 :mod:`~tvm_distx.autoshard.ilp`        the integer program (HiGHS via scipy), the
                                        exact cost of a plan
 :mod:`~tvm_distx.autoshard.extract`    a Relax function read into the problem
-:mod:`~tvm_distx.autoshard.inline`     calls to private functions inlined, to plan
-                                       through them (call site ``k`` = layer ``k``)
 :mod:`~tvm_distx.autoshard.api`        ``auto_shard``, ``plan_cost``, the report
 :mod:`~tvm_distx.autoshard.measure`    ``measure_cost_profile``: measured on MPI ranks
 =====================================  ==============================================
@@ -20,10 +18,6 @@ module                                 what it does
 from tvm_distx.autoshard.api import AutoShardReport, auto_shard, plan_cost
 from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
 from tvm_distx.autoshard.measure import measure_cost_profile
-from tvm_distx._deprecated import deprecated_names
 
 __all__ = ["AutoShardReport", "CostProfile", "DEFAULT_PROFILE", "auto_shard", "plan_cost",
            "measure_cost_profile"]
-
-__getattr__ = deprecated_names(__name__, {
-    "profile": "tvm_distx.autoshard.measure_cost_profile"})

@@ -19,18 +19,18 @@ import tvm
 
 from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
 from tvm_distx.autoshard.extract import check_sizes, extract
-from tvm_distx.autoshard.graph import ShardGraph
+from tvm_distx.autoshard.graph import CALL_SITE, ShardGraph
 from tvm_distx.autoshard.ilp import Solution, kernel_seconds, solve, evaluate
-from tvm_distx.autoshard.inline import inline_calls
 from tvm_distx.autoshard.pin import pin_values
 from tvm_distx.autoshard.realized import propagated_placements, realized_choice
-from tvm_distx.build.pipeline import legalize_operators
+from tvm_distx.compiler.pipeline import legalize_operators
 from tvm_distx.errors import RuleError, MemoryBudgetError
+from tvm_distx.ir.inline import inline_calls
 from tvm_distx.layout.mesh import set_device_meshes
 from tvm_distx.layout.rules import ShardingRule, rules_for
 from tvm_distx.passes import SplitFusedProjections, AnnotateSharding, PropagateSharding
 from tvm_distx.plans import moe
-from tvm_distx.plans.preset import Preset
+from tvm_distx.plans.patterns import Preset
 
 __all__ = ["AutoShardReport", "auto_shard", "plan_cost"]
 
@@ -333,7 +333,13 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
     check_sizes(mod[function], function, sizes or {})
 
     meshed = _split_fused(_with_mesh(mod, mesh_shape), function)
-    legal = legalize_operators(inline_calls(meshed, function), fuse=False)
+    # calls to private functions planned through: each call site priced on its own operands,
+    # its values named <name>__call<k> (CALL_SITE) so that repeated sites are solved once
+    inlined, sites = inline_calls(meshed, function, CALL_SITE)
+    if sites:
+        logger.info("auto_shard: %s calls private functions at %d sites; planned through the "
+                    "calls (inlined)", function, sites)
+    legal = legalize_operators(inlined, fuse=False)
     graph = extract(legal, mesh_shape, function, legalized=True, sizes=sizes)
     fixed = _fixed_from_rules(graph, rules, meshed, function)
     options = dict(profile=profile, objective=objective, memory_per_rank=memory_per_rank,

@@ -3,7 +3,7 @@
 This is the only part of automatic sharding that reads TVM. The module is
 first legalized as :func:`tvm_distx.compile` legalizes it, except that attention
 and the cache writes stay the operators that compute them
-(:func:`tvm_distx.build.pipeline.legalize_operators` with ``fuse=False``: the
+(:func:`tvm_distx.compiler.pipeline.legalize_operators` with ``fuse=False``: the
 operator costs know them one by one), so the problem sees the kernels
 propagation sees. Each binding of ``main`` becomes a
 :class:`~tvm_distx.autoshard.graph.Node` with the labels of its operator rule
@@ -28,7 +28,7 @@ import tvm
 
 from tvm_distx import passes  # noqa: F401  (registers the operator rules)
 from tvm_distx.autoshard.graph import Node, ShardGraph
-from tvm_distx.build.pipeline import legalize_operators
+from tvm_distx.compiler.pipeline import legalize_operators
 from tvm_distx.errors import SymbolicExtentError, UnsupportedProgramError
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.passes.op_signatures import op_signature
@@ -113,7 +113,7 @@ def extract(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str = "mai
     """The sharding problem of ``mod[function]`` on a mesh of ``mesh_shape``.
 
     With ``legalized`` the module is taken as legalized already
-    (:func:`tvm_distx.build.pipeline.legalize_operators`, ``fuse=False``). The graph's ``variables`` are the Relax variables of its nodes.
+    (:func:`tvm_distx.compiler.pipeline.legalize_operators`, ``fuse=False``). The graph's ``variables`` are the Relax variables of its nodes.
 
     A symbolic extent (``seq``) is priced at ``sizes[name]``, or at the
     variable's upper bound (the function's ``tir_var_upper_bound``, which

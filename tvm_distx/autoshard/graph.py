@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 #: Where a parameter's layer number is in its name (``p_model_layers_3_mlp_up_proj_weight``).
 LAYER_PATTERN = re.compile(r"(?:^|_)(?:layers|layer|h|blocks|block)_(\d+)_")
 #: What a value of the ``k``-th call site of a private function, inlined for planning
-#: (:func:`tvm_distx.autoshard.inline.inline_calls`), has after its name, before ``k``.
+#: (:func:`tvm_distx.ir.inline.inline_calls`), has after its name, before ``k``.
 CALL_SITE = "__call"
 #: Reads ``k`` back from such a name (``<name>__call<k>``).
 CALL_SITE_PATTERN = re.compile(re.escape(CALL_SITE) + r"(\d+)$")

@@ -25,13 +25,12 @@ import tvm
 from tvm import relax
 from tvm.relax.op import add, matmul, permute_dims
 
-from tvm_distx._deprecated import deprecated_names
 from tvm_distx.autoshard import _probe
 from tvm_distx.autoshard._probe import ELEMENTWISE, MATMUL
 from tvm_distx.autoshard.costs import DEFAULT_PROFILE, CostProfile
-from tvm_distx.build.pipeline import legalize_ops
-from tvm_distx.build.schedule import schedule_module
-from tvm_distx.build.targets import resolve_target
+from tvm_distx.compiler.pipeline import legalize_ops
+from tvm_distx.compiler.schedule import schedule_module
+from tvm_distx.compiler.targets import resolve_target
 from tvm_distx.errors import ArgumentError, LaunchError
 from tvm_distx.runtime.mpi import mpiexec_path
 from tvm_distx.runtime.rank_env import rank_environment
@@ -127,6 +126,3 @@ def build_kernels(folder: Path, target="x86") -> Path:
     tvm.compile(mod, target=resolved.target).export_library(str(path))
     return path
 
-
-__getattr__ = deprecated_names(__name__, {
-    "measure_profile": "tvm_distx.autoshard.measure_cost_profile"})

@@ -6,10 +6,11 @@ compiler (which writes bundles) and the runtime (which runs them):
 
 - :mod:`~tvm_distx.bundle.manifest`: the manifest, its checks and the weight files;
 - :mod:`~tvm_distx.bundle.signature`: each function's inputs and outputs, global and per rank;
-- :mod:`~tvm_distx.bundle.checkpoint`: Hugging Face checkpoints read lazily, a block at a time;
-- :mod:`~tvm_distx.bundle.formats`: the weight formats (f32, bf16, f16, q8, q4) and their codecs;
-- :mod:`~tvm_distx.bundle.gguf`: llama.cpp's GGUF files (config, tokenizer, tensors in their
-  stored formats), read a block at a time.
+- :mod:`~tvm_distx.bundle.generation`: ``generation.json`` and the key-value cache's layout.
+
+The weights a bundle holds are in the formats of :mod:`tvm_distx.sources.formats`; a
+bundle may link to blocks of a checkpoint or GGUF file (:mod:`tvm_distx.sources`) instead
+of copying them.
 
 It imports no compiler module and no TVM.
 """

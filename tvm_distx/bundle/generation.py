@@ -12,7 +12,7 @@ and which holds one more file, ``generation.json``::
 
 This module owns that file and the layout of the key-value cache it describes
 (:class:`KVCacheLayout`); the exporter and every runner of a generation bundle (a
-session's :class:`~tvm_distx.runtime.generation.Generator`, a board's job) read it
+session's :class:`~tvm_distx.generation.generator.Generator`, a board's job) read it
 here. It imports no TVM.
 """
 

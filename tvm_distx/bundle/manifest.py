@@ -28,7 +28,7 @@ The manifest (``"format": "tvm-distx-bundle"``, ``"version": 2``) holds:
     (:meth:`Manifest.program_files`); deployment copies them to every host.
 ``plan``, ``plan_sha256`` (optional)
     The rank plan's file name and sha256: the program the library's virtual
-    machine runs, written as data (:mod:`tvm_distx.build.board_plan`), which the
+    machine runs, written as data (:mod:`tvm_distx.compiler.board_plan`), which the
     board's ranks run with the library's kernels and no TVM. Absent when the
     program has a construct the plan cannot write; ``plan_refusal`` then says which.
 ``meshes``
@@ -88,9 +88,9 @@ from typing import Sequence
 
 import numpy as np
 
-from tvm_distx.bundle.checkpoint import LazyTensor
-from tvm_distx.bundle.formats import EncodedPart, numpy_dtype, weight_format
-from tvm_distx.bundle.gguf import GGUFBlock
+from tvm_distx.sources.checkpoint import LazyTensor
+from tvm_distx.sources.formats import EncodedPart, numpy_dtype, weight_format
+from tvm_distx.sources.gguf import GGUFBlock
 from tvm_distx.bundle.signature import FEEDS, SHARDS, FunctionSignature, TensorSpec
 from tvm_distx.errors import BundleError
 from tvm_distx.layout.derived import Derivations
@@ -127,10 +127,10 @@ class WeightLink:
     """One rank's shard of one weight, read from a checkpoint file by the rank itself.
 
     ``start`` and ``stop`` bound the block of the checkpoint's tensor. With an
-    ``encoding`` (a format of :mod:`tvm_distx.bundle.formats`), the shard is
+    ``encoding`` (a format of :mod:`tvm_distx.sources.formats`), the shard is
     that block encoded, the ``part`` of it the program takes (``"data"`` or
     ``"scale"``): the rank quantizes its own slice as it reads it. With ``gguf``
-    (a :class:`~tvm_distx.bundle.gguf.GGUFBlock` as JSON), the shard is that block
+    (a :class:`~tvm_distx.sources.gguf.GGUFBlock` as JSON), the shard is that block
     of a GGUF file's tensor, in its stored format: ``start`` and ``stop`` bound
     the part itself.
     """

@@ -37,7 +37,7 @@ from typing import Mapping
 
 import numpy as np
 
-from tvm_distx.bundle.formats import numpy_dtype
+from tvm_distx.sources.formats import numpy_dtype
 from tvm_distx.errors import ArgumentError, SymbolicExtentError, UnsupportedProgramError
 from tvm_distx.layout import MeshTable, Placement, TensorSharding
 from tvm_distx.layout.arrays import shard_array

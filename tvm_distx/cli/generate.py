@@ -47,7 +47,7 @@ def _check_against_bundle(bundle: Path, ranks: int | None, ids: np.ndarray | Non
     from tvm_distx.bundle.generation import read_generation
     from tvm_distx.bundle.manifest import read_manifest
     from tvm_distx.errors import BundleError
-    from tvm_distx.runtime.generation import check_token_ids, vocabulary_of
+    from tvm_distx.generation.generator import check_token_ids, vocabulary_of
 
     try:
         manifest, generation = read_manifest(bundle), read_generation(bundle)
@@ -123,7 +123,7 @@ def open_model(args: argparse.Namespace, length: int, causal_lm, ids: np.ndarray
                                          quantization=args.quantization, **common)
 
 
-#: The sampling flags, by the name of their :class:`~tvm_distx.runtime.sampling.Sampling` field.
+#: The sampling flags, by the name of their :class:`~tvm_distx.generation.sampling.Sampling` field.
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
 
 
@@ -137,7 +137,7 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 def _text_prompt(args: argparse.Namespace):
     """``(prompt, ids)`` of ``--prompt`` or ``--chat`` (text or messages), else None."""
-    from tvm_distx.runtime.text import Tokenizer
+    from tvm_distx.generation.text import Tokenizer
 
     if args.prompt is None and args.chat is None:
         for flag in ("system", "stop"):
@@ -187,7 +187,7 @@ def generate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from tvm_distx.llm.causal_lm import CausalLM
-    from tvm_distx.runtime.sampling import Sampling
+    from tvm_distx.generation.sampling import Sampling
 
     _writable_file(args.output, "-o")
     sampling = _sampling(args)

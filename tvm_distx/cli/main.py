@@ -58,7 +58,7 @@ from tvm_distx.cli.inputs import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_U
                          _read_rules, _rules_as_written, _with_mesh, _writable_file)
 from tvm_distx.errors import ArgumentError, DistxError, LaunchError
 from tvm_distx.runtime.backends import BACKENDS, NAMES, launch
-from tvm_distx.runtime.generation import PREFILL_CHUNK
+from tvm_distx.generation.generator import PREFILL_CHUNK
 from tvm_distx.runtime.inputs import read_inputs
 
 __all__ = ["main"]
@@ -128,7 +128,7 @@ def _propagate(args: argparse.Namespace) -> int:
     _writable_file(args.output, "-o")
     mod = _load(args)
     if args.legalize:
-        from tvm_distx.build.pipeline import legalize_ops
+        from tvm_distx.compiler.pipeline import legalize_ops
 
         mod = legalize_ops(mod)
     result = propagate(mod, require_legalized=args.legalize, warn_unlegalized=False)
@@ -143,7 +143,7 @@ def _propagate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from tvm_distx.build.pipeline import run_stages
+    from tvm_distx.compiler.pipeline import run_stages
     from tvm_distx.reports.comm_report import comm_report
     from tvm_distx.reports.views import comm_table
 
@@ -170,7 +170,7 @@ def _autoshard(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     from tvm_distx.reports.comm_report import comm_report
-    from tvm_distx.build.pipeline import legalize_ops, run_stages
+    from tvm_distx.compiler.pipeline import legalize_ops, run_stages
     from tvm_distx.reports.views import (comm_table, plot_value, sharding_tables, show_value,
                                          value_sharding)
 
@@ -278,7 +278,7 @@ def _compile(args: argparse.Namespace, check: bool = False) -> int:
     with _progress(f"exporting {exe.num_ranks} ranks' weight shards"):
         out = exe.export(args.output, params=weights, function=args.function)
     if (check or args.check) and exe.target.is_riscv:
-        from tvm_distx.build.rvv import check_kernels
+        from tvm_distx.compiler.rvv import check_kernels
 
         with _progress("checking every kernel under qemu"):
             checks = check_kernels(out / "kernels", vlen=args.vlen or 128)

@@ -54,7 +54,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ArgumentError(f"tvm-distx serve needs {err.name}, which is not installed",
                             hint="pip install 'tvm-distx[serve]'") from None
     from tvm_distx.llm.causal_lm import CausalLM
-    from tvm_distx.serving.worker import GenerationWorker
+    from tvm_distx.generation.worker import GenerationWorker
 
     sock = _listen(args.host, args.port)  # a taken port is refused before the ranks start
     lm = open_model(args, DEFAULT_MAX_LENGTH, CausalLM)

@@ -15,14 +15,14 @@ functions of the same form::
   Each function returns the caches with the new tokens' keys and values
   written at ``cache_position``; the caller feeds them back. (The compiled
   program writes those rows into the given cache tensors themselves, see
-  :mod:`tvm_distx.build.schedule.cache_write`: the returned caches are the
+  :mod:`tvm_distx.compiler.schedule.cache_write`: the returned caches are the
   buffers that went in.)
 * ``cache_position`` holds the absolute positions of ``input_ids``' tokens (as
   in transformers): the **current length** is a run-time value, so one compiled
   ``decode`` serves every step, and ``prefill`` can continue a cache (a long
   prompt in chunks). Attention is over the causal mask of those positions; the
   compiled attention kernel skips the positions the mask hides
-  (:mod:`tvm_distx.build.schedule.attention`), so a step costs its context, not
+  (:mod:`tvm_distx.compiler.schedule.attention`), so a step costs its context, not
   ``max_length``.
 * ``prefill`` takes a prompt of a **symbolic length** ``seq`` (``input_ids`` of
   shape ``(batch, seq)``, ``cache_position = arange(start, start + seq)``), or

@@ -57,7 +57,7 @@ import numpy as np
 
 from tvm_distx.bundle.manifest import (_SAFETENSORS_DTYPES, MANIFEST, Manifest, WeightLink,
                                        read_manifest)
-from tvm_distx.bundle.formats import numpy_dtype
+from tvm_distx.sources.formats import numpy_dtype
 from tvm_distx.errors import ArgumentError, ArgumentTypeError, BundleError, DeployError
 from tvm_distx.hosts.hostfile import RankPlacement, place_ranks
 from tvm_distx.bundle.generation import GENERATION_FILE

@@ -10,7 +10,7 @@ this module what a decode is:
 * :class:`tvm_distx.legalize.linear.LegalizeLinear` folds the transpose of a
   decoded ``(out, in)`` weight into its matmul (:func:`decodes_parameters`),
   as it does for a weight parameter;
-* :func:`tvm_distx.build.schedule.fuse_kernels` fuses each decode kernel into
+* :func:`tvm_distx.compiler.schedule.fuse_kernels` fuses each decode kernel into
   the kernel that reads it (:func:`is_decode_kernel`), so that the schedules
   see one kernel whose prologue is the decode. Before that it marks every
   block of the decode (:func:`mark_decode`, the block annotation

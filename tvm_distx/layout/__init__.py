@@ -26,7 +26,6 @@ The package imports no TVM at import time and no compiler module
 :class:`~tvm_distx.DeviceMesh` itself lives in :mod:`tvm_distx.layout.mesh`.
 """
 
-from tvm_distx._deprecated import deprecated_names
 from tvm_distx.layout.mesh import DeviceMesh, MeshReference, device_meshes, set_device_meshes
 from tvm_distx.layout.abi import CollectiveGroup, Piece, SendRecvSpec
 from tvm_distx.layout.derived import BlockOffsets, DerivedParam, Derivations
@@ -76,5 +75,3 @@ __all__ = [
     "DerivedParam",
     "Derivations",
 ]
-
-__getattr__ = deprecated_names(__name__, {"MeshRef": "tvm_distx.layout.mesh.MeshReference"})

@@ -303,7 +303,7 @@ def host_array(value) -> Any:
 
     torch tensors become numpy arrays (no copy when they can share memory);
     a value marked ``__distx_deferred__`` (a
-    :class:`tvm_distx.bundle.checkpoint.LazyTensor`: it has ``shape``, ``dtype``
+    :class:`tvm_distx.sources.checkpoint.LazyTensor`: it has ``shape``, ``dtype``
     and basic slicing, and is read only by ``np.asarray``) is returned
     untouched, so that cutting it into shards reads one shard at a time;
     anything else goes through ``np.asarray``.

@@ -14,7 +14,6 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from tvm_distx._deprecated import deprecated_names
 from tvm_distx.errors import MeshError, UnknownMeshError
 
 if TYPE_CHECKING:
@@ -297,8 +296,3 @@ def unknown_mesh_error(ref: MeshReference, available, *, function: str | None = 
         "I.Range(0, 2))]}) or name one of the meshes listed",
     )
 
-
-__getattr__ = deprecated_names(__name__, {
-    "MeshRef": "tvm_distx.layout.mesh.MeshReference",
-    "module_meshes": "tvm_distx.layout.mesh.device_meshes",
-})

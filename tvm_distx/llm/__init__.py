@@ -2,7 +2,7 @@
 
 - :mod:`~tvm_distx.llm.causal_lm`: :class:`~tvm_distx.llm.causal_lm.CausalLM`, a model
   sharded over ranks that stay up between calls; its generation loop is
-  :class:`tvm_distx.runtime.generation.Generator`, which needs no TVM.
+  :class:`tvm_distx.generation.generator.Generator`, which needs no TVM.
 """
 
 from tvm_distx.llm.causal_lm import CausalLM

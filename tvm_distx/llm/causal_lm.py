@@ -15,11 +15,11 @@ through the whole stack once:
 
 :meth:`CausalLM.generate` then runs the prefill once and one decode per new
 token, the caches staying on the ranks: a ``CausalLM`` is a
-:class:`~tvm_distx.runtime.generation.Generator`, the generation loop that needs
+:class:`~tvm_distx.generation.generator.Generator`, the generation loop that needs
 no TVM (a board runs the same one). Built with ``max_batch=``, it also holds
 ``prefill_batch`` and ``decode_batch``, and runs a batch of prompts of different
 lengths left-padded, as one prefill and one decode per step
-(:mod:`tvm_distx.runtime.batch`); the batch-1 functions stay as they are for
+(:mod:`tvm_distx.generation.batch`); the batch-1 functions stay as they are for
 single prompts.
 
 The object holds a session: use it as a context manager, or :meth:`close` it.
@@ -39,11 +39,11 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-from tvm_distx.build.pipeline import compile as compile_module, run_stages
-from tvm_distx.build.targets import resolve_target
-from tvm_distx.bundle.checkpoint import open_checkpoint
-from tvm_distx.bundle.formats import QUANTIZED
-from tvm_distx.bundle.gguf import open_gguf
+from tvm_distx.compiler.pipeline import compile as compile_module, run_stages
+from tvm_distx.compiler.targets import resolve_target
+from tvm_distx.sources.checkpoint import open_checkpoint
+from tvm_distx.sources.formats import QUANTIZED
+from tvm_distx.sources.gguf import open_gguf
 from tvm_distx.bundle.generation import GENERATION_FILE, GenerationInfo, read_generation
 from tvm_distx.bundle.manifest import read_manifest
 from tvm_distx.bundle.signature import weight_bytes_per_rank
@@ -57,8 +57,8 @@ from tvm_distx.plans import presets
 from tvm_distx.plans.hf import HFPlan
 from tvm_distx.reports.comm_report import comm_report
 from tvm_distx.runtime.backends import check_backend, open_session
-from tvm_distx.runtime.generation import PREFILL_CHUNK, GenerationStats, Generator
-from tvm_distx.runtime.text import Tokenizer
+from tvm_distx.generation.generator import PREFILL_CHUNK, GenerationStats, Generator
+from tvm_distx.generation.text import Tokenizer
 
 __all__ = ["CausalLM", "GenerationStats", "GENERATION_FILE"]
 
@@ -70,7 +70,7 @@ class CausalLM(Generator):
 
     Build it with :meth:`from_hf`; it holds the session until :meth:`close`.
     The generation methods (``generate``, ``stream``) are
-    :class:`~tvm_distx.runtime.generation.Generator`'s.
+    :class:`~tvm_distx.generation.generator.Generator`'s.
     """
 
     def __init__(self, cache, session, *, exe=None, weights=None, eos_token_id=None,
@@ -120,7 +120,7 @@ class CausalLM(Generator):
         max_batch : int, optional
             Also compile batched functions for up to ``max_batch`` prompts, so
             that :meth:`generate` runs a batch as one prefill and one decode per
-            step (:mod:`tvm_distx.runtime.batch`). None: prompts run one by one; so
+            step (:mod:`tvm_distx.generation.batch`). None: prompts run one by one; so
             they do, with a logged reason, when the model's masks do not export
             or its batched functions do not shard or compile.
         dtype : {"float32", "bfloat16", "float16"}, optional
@@ -133,7 +133,7 @@ class CausalLM(Generator):
             Seconds for the ranks to start and for each call.
         tokenizer : optional
             The model's tokenizer, for text prompts and chat: a transformers
-            tokenizer, a :class:`~tvm_distx.runtime.text.Tokenizer`, or a
+            tokenizer, a :class:`~tvm_distx.generation.text.Tokenizer`, or a
             directory holding its files (``tokenizer.json``).
         compile_cache : bool or path
             Keep the compiled bundle in the compile cache and start from it
@@ -186,7 +186,7 @@ class CausalLM(Generator):
         weights (their memory is never touched), traced, sharded and compiled
         as in :meth:`from_hf`. This process then reads no weight: each rank
         reads the blocks it holds from the checkpoint's memory-mapped
-        safetensors files itself (:mod:`tvm_distx.bundle.checkpoint`; the
+        safetensors files itself (:mod:`tvm_distx.sources.checkpoint`; the
         session's bundle links them, see ``link_checkpoint`` in
         :meth:`tvm_distx.DistExecutable.export`), so no process ever holds the
         whole model. Across hosts each host is sent its ranks' blocks, unless
@@ -271,9 +271,9 @@ class CausalLM(Generator):
         """Serve a llama.cpp GGUF file, each tensor in its stored format, each rank mapping its blocks.
 
         The architecture and the configuration come from the file's metadata
-        (:func:`tvm_distx.bundle.gguf.open_gguf`: llama, qwen2, qwen3). Every
+        (:func:`tvm_distx.sources.gguf.open_gguf`: llama, qwen2, qwen3). Every
         tensor is served as stored: ``F32``, ``F16``, ``BF16``, and ``Q8_0`` and
-        ``Q4_0`` as the ``q8`` and ``q4`` formats (:mod:`tvm_distx.bundle.formats`),
+        ``Q4_0`` as the ``q8`` and ``q4`` formats (:mod:`tvm_distx.sources.formats`),
         never widened to float32 in memory; the kernels decode them in registers.
         This process reads no weight: each rank memory-maps the file and reads
         the blocks it holds.

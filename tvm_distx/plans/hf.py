@@ -67,7 +67,7 @@ from tvm_distx.passes import (derivations_of, GroupedQueryAttention, VocabParall
                               AnnotateSharding, SplitFusedProjections)
 from tvm_distx.passes.vocab_parallel import embedding_lookups, vocab_lookups
 from tvm_distx.plans import moe
-from tvm_distx.plans.preset import Preset
+from tvm_distx.plans.patterns import Preset
 from tvm_distx.plans.tensor_parallel import tied_weights, attention_heads
 from tvm_distx.plans.vocab import embedding_roles
 

@@ -60,15 +60,14 @@ from typing import TYPE_CHECKING
 
 import tvm
 
-from tvm_distx._deprecated import deprecated_names
-from tvm_distx.build.pipeline import run_stages
-from tvm_distx.build.schedule.experts import EXPERTS_ATTR, ExpertsKernel, expert_mlp_flops
+from tvm_distx.compiler.pipeline import run_stages
+from tvm_distx.compiler.schedule.experts import EXPERTS_ATTR, ExpertsKernel, expert_mlp_flops
 from tvm_distx.errors import DistxError, RuleError
 from tvm_distx.layout.mesh import device_meshes
 from tvm_distx.layout.rules import ShardingRule, pattern_entries, rules_for
 from tvm_distx.passes import AnnotateSharding, SplitFusedProjections
 from tvm_distx.plans.moe_dispatch import dense_dispatches, fuse_expert_dispatch
-from tvm_distx.plans.preset import Preset
+from tvm_distx.plans.patterns import Preset
 from tvm_distx.reports.comm_report import comm_report
 
 if TYPE_CHECKING:
@@ -517,8 +516,3 @@ def choose_expert_plan(mod: tvm.IRModule, base: Preset | None = None, *, model_a
                      function=function).chosen
     return MoePlan(chosen, base, model_axis, mesh_ndim)
 
-
-__getattr__ = deprecated_names(__name__, {
-    "moe_parallel": "tvm_distx.plans.moe.choose_expert_plan",
-    "tensor_parallel_experts": "tvm_distx.plans.moe.expert_tensor_parallel",
-})

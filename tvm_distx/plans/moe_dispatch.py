@@ -13,12 +13,12 @@ experts (see its docstring); after ``from_torch`` it reads, in Relax::
 :func:`fuse_expert_dispatch` finds that chain by its structure, from the final
 ``sum`` back to the tokens, the routing matrix and the two 3-D weights, and
 replaces ``out`` by one call of the experts kernel
-(:func:`tvm_distx.build.schedule.experts.experts_definition`) on
+(:func:`tvm_distx.compiler.schedule.experts.experts_definition`) on
 ``(x, combine, W_up, W_down)``. The dense values become unused and are
 removed. Propagation reads the kernel like any other (splitting the experts
 leaves a partial sum, completed by the one all-reduce the dense chain had),
 and the build runs it as a sparse dispatch
-(:class:`tvm_distx.build.schedule.experts.SparseExperts`): each rank computes only
+(:class:`tvm_distx.compiler.schedule.experts.SparseExperts`): each rank computes only
 the (token, expert) pairs routed to its experts.
 
 A chain that differs (biases on the experts, another gating such as GPT-OSS's
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
-from tvm_distx.build.schedule.experts import EXPERTS_ATTR, ExpertsKernel, experts_definition
+from tvm_distx.compiler.schedule.experts import EXPERTS_ATTR, ExpertsKernel, experts_definition
 from tvm_distx.ir import helpers as _ir
 
 __all__ = ["Dispatch", "dense_dispatches", "fuse_expert_dispatch", "experts_calls"]

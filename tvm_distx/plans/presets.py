@@ -25,14 +25,13 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from tvm_distx._deprecated import deprecated_names
 from tvm_distx.errors import RuleError
 from tvm_distx.layout.mesh import set_device_meshes  # noqa: F401 (re-exported: presets need meshes)
 # the presets' class and the other plans, re-exported here: one place to import any plan from
 from tvm_distx.plans.hf import HFPlan, from_hf  # noqa: F401
 from tvm_distx.plans.moe import (choose_expert_plan, expert_parallel,  # noqa: F401
                                  expert_tensor_parallel)
-from tvm_distx.plans.preset import Preset  # noqa: F401
+from tvm_distx.plans.patterns import Preset  # noqa: F401
 from tvm_distx.plans.tensor_parallel import TensorParallel, tensor_parallel  # noqa: F401
 
 __all__ = ["Preset", "megatron", "data_parallel", "data_and_tensor_parallel", "pipeline_stages",
@@ -131,10 +130,3 @@ def pipeline_stages(num_layers: int, meshes: Sequence[str], inputs: Sequence[str
                  for i in range(num_layers)]
     return Preset(tuple(patterns))
 
-
-__getattr__ = deprecated_names(__name__, {
-    "with_meshes": "tvm_distx.set_device_meshes",
-    "data_and_model": "tvm_distx.plans.presets.data_and_tensor_parallel",
-    "moe_parallel": "tvm_distx.plans.moe.choose_expert_plan",
-    "tensor_parallel_experts": "tvm_distx.plans.moe.expert_tensor_parallel",
-})

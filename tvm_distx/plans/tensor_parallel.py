@@ -66,7 +66,7 @@ import os
 
 import tvm
 
-from tvm_distx.build.pipeline import run_stages
+from tvm_distx.compiler.pipeline import run_stages
 from tvm_distx.errors import RuleError
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.ir.inline import inline_calls
@@ -75,7 +75,7 @@ from tvm_distx.passes import (SplitFusedProjections, GroupedQueryAttention, Voca
                               AnnotateSharding)
 from tvm_distx.passes.quantize import weight_formats
 from tvm_distx.plans import moe
-from tvm_distx.plans.preset import Preset
+from tvm_distx.plans.patterns import Preset
 from tvm_distx.plans.structure import (LinearSite, ModelGraph, WeightRole, attention_heads,
                                        linear_outputs, tied_weights)
 from tvm_distx.plans.summary import summarize_layers

@@ -102,7 +102,7 @@ def comm_report(mod: tvm.IRModule) -> CommReport:
         :class:`tvm_distx.legalize.LowerGlobalViewToLocalView`, which adds the
         all-reduces of sharded reductions and the moves around kernels on a
         dimension split by several mesh axes; those are reported too. The
-        ``"local_view"`` stage of :func:`tvm_distx.build.pipeline.run_stages` is
+        ``"local_view"`` stage of :func:`tvm_distx.compiler.pipeline.run_stages` is
         such a module (the CLI reports that one).
 
     Returns
@@ -187,7 +187,7 @@ def _check_propagated(function: str, func) -> None:
                 raise ArgumentError(
                     f"comm_report needs a propagated module, but '{binding.var.name}' in "
                     f"function '{function}' is still an R.dist.annotate_sharding",
-                    hint="pass tvm_distx.build.pipeline.run_stages(mod)['local_view'], or run "
+                    hint="pass tvm_distx.compiler.pipeline.run_stages(mod)['local_view'], or run "
                     "tvm_distx.passes.PropagateSharding() on the module first")
 
 

@@ -1,61 +1,72 @@
 """The one list of backends, and running a bundle on one of them by its name.
 
-:data:`BACKENDS` maps each backend's name to where its session class lives and
-the keyword options that class takes. Everything that picks a backend by name
-uses it: :meth:`tvm_distx.DistExecutable.run` and
-:meth:`~tvm_distx.DistExecutable.session`, :func:`open_session`, :func:`launch`
-(bundles, ``run.sh`` and ``tvm-distx run``), the command line's ``--backend``
-choices and :class:`tvm_distx.llm.causal_lm.CausalLM`.
+:data:`BACKENDS` maps each backend's name to its session class and the keyword
+options that class takes. Everything that picks a backend by name uses it:
+:meth:`tvm_distx.DistExecutable.run` and :meth:`~tvm_distx.DistExecutable.session`,
+:func:`open_session`, :func:`launch` (bundles, ``run.sh`` and ``tvm-distx run``), the
+command line's ``--backend`` choices and :class:`tvm_distx.llm.causal_lm.CausalLM`.
 
 Adding a backend means one module with a :class:`~tvm_distx.runtime.base.Session`
-subclass (see :mod:`tvm_distx.runtime.emulated`, the smallest) and one line
-here. A backend's module is imported when a session of it is opened, not with
-this module: the disco and emulated backends import TVM (seconds), the command
-line only needs the names.
+subclass (see :mod:`tvm_distx.runtime.emulated`, the smallest) and one entry here,
+which imports it. The MPI and board backends are imported with this module; the
+disco and emulated backends import TVM (seconds), so their entries import them when
+a session of them is opened. Either way the import is written out, so the layer
+contracts see every backend.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from tvm_distx.bundle.manifest import read_manifest
 from tvm_distx.errors import ArgumentError, BundleError
 from tvm_distx.runtime.base import Session, bind_inputs
+from tvm_distx.runtime.board.session import BoardSession
+from tvm_distx.runtime.mpi import MPISession
 
 __all__ = ["Backend", "BACKENDS", "NAMES", "check_backend", "open_session", "launch"]
 
 
 @dataclass(frozen=True)
 class Backend:
-    """One backend: its name, its session class (``module:Class``) and the options it takes."""
+    """One backend: its name, how to get its session class, and the options it takes."""
 
     name: str
-    session: str
+    load: Callable[[], type[Session]]
     options: tuple[str, ...] = ()
     summary: str = ""
 
     def session_class(self) -> type[Session]:
-        """The :class:`~tvm_distx.runtime.base.Session` subclass (its module imported now)."""
-        module, _, name = self.session.partition(":")
-        return getattr(importlib.import_module(module), name)
+        """The :class:`~tvm_distx.runtime.base.Session` subclass (imported now if it waited)."""
+        return self.load()
 
+
+def _disco() -> type[Session]:
+    from tvm_distx.runtime.disco import DiscoSession  # imports TVM: loaded when a session opens
+    return DiscoSession
+
+
+def _emulated() -> type[Session]:
+    from tvm_distx.runtime.emulated import EmulatedSession  # imports TVM, as disco does
+    return EmulatedSession
+
+
+#: The options of a backend whose ranks are processes started by a launcher, on hosts.
+_PROCESS_OPTIONS = ("hosts", "hostfile", "rsh", "dest", "shared_fs", "mpiexec", "env")
 
 #: Every backend, by name: the first is the default.
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("mpi", "tvm_distx.runtime.mpi:MPISession",
-            ("hosts", "hostfile", "rsh", "dest", "shared_fs", "mpiexec", "env"),
+    Backend("mpi", lambda: MPISession, _PROCESS_OPTIONS,
             "one process per rank under mpiexec, on this host or several"),
-    Backend("disco", "tvm_distx.runtime.disco:DiscoSession", (),
+    Backend("disco", _disco, (),
             "TVM disco worker processes on this host, collectives over shared memory"),
-    Backend("emulate", "tvm_distx.runtime.emulated:EmulatedSession", (),
+    Backend("emulate", _emulated, (),
             "every rank a thread of this process, collectives over numpy"),
-    Backend("board", "tvm_distx.board.session:BoardSession",
-            ("hosts", "hostfile", "rsh", "dest", "shared_fs", "mpiexec", "env"),
+    Backend("board", lambda: BoardSession, _PROCESS_OPTIONS,
             "MPI processes running the bundle's plan with numpy, no TVM (as a RISC-V board)"),
 )}
 

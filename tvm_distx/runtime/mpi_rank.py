@@ -14,7 +14,7 @@ processes). It:
    files (never another rank's), and makes its program once: TVM's virtual
    machine with the MPI collectives installed
    (:func:`tvm_distx.runtime.mpi_ccl.install`, :func:`vm_program`), or another
-   maker's (the board's ranks, :mod:`tvm_distx.board.rank`, run the same loop
+   maker's (the board's ranks, :mod:`tvm_distx.runtime.board.rank`, run the same loop
    with a program that needs no TVM);
 3. rank 0 tells the driver ``ready`` with every rank's ``(rank, pid, host)``;
 4. serves calls until ``close``: every rank receives its own message from the

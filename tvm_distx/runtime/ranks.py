@@ -13,7 +13,7 @@ means the same everywhere:
 
 What runs the rank's functions is a :class:`Program`: TVM's virtual machine
 (:class:`VMProgram`) on every backend but the board's, whose ranks run the
-same program as a plan with no TVM (:class:`tvm_distx.board.program.PlanProgram`).
+same program as a plan with no TVM (:class:`tvm_distx.runtime.board.program.PlanProgram`).
 
 Fault injection for tests (:func:`inject_fault`): ``TVM_DISTX_FAULT="<rank>:<kind>"``
 with kind ``raise``, ``kill`` or ``hang``; each backend says where it honours

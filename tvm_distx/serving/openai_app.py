@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over a :class:`~tvm_distx.serving.worker.GenerationWorker`.
+"""The OpenAI-compatible HTTP API over a :class:`~tvm_distx.generation.worker.GenerationWorker`.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (with
 ``"stream": true`` as server-sent events, ending in ``data: [DONE]``) and ``GET /health``.
@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tvm_distx.errors import (ApiRequestError, ArgumentError, DistxError, LaunchError,
                               ServerBusyError)
-from tvm_distx.serving.worker import GenerationWorker, Job, Result
+from tvm_distx.generation.worker import GenerationWorker, Job, Result
 
 __all__ = ["create_app"]
 

@@ -1,7 +1,0 @@
-"""From a sharded Relax module to rank programs that run.
-
-- :mod:`~tvm_distx.build.pipeline`: ``lower_to_ranks`` (propagate, then lower to the rank programs) and ``compile``;
-- :mod:`~tvm_distx.build.executable`: :class:`DistExecutable`, its runs, sessions and bundles;
-- :mod:`~tvm_distx.build.schedule`: the CPU kernel schedules;
-- :mod:`~tvm_distx.build.targets` and :mod:`~tvm_distx.build.rvv`: x86 and RISC-V targets.
-"""
