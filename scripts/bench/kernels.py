@@ -175,7 +175,7 @@ def matvec_kernel(fmt: str, n: int, k: int, target, rows=1):
     """
     import tvm_distx as td
     from tvm_distx.compiler.pipeline import legalize_ops
-    from tvm_distx.bundle import formats
+    from tvm_distx.sources import formats
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((rows, k), "float32"))
@@ -203,7 +203,7 @@ def matvec_kernel(fmt: str, n: int, k: int, target, rows=1):
 def bench_matvec(fmt: str, n: int, k: int, target, rounds: int, mib: int,
                  window: float) -> dict:
     """Time one format's matvec cycling through ``mib`` MiB of weight copies; bandwidth too."""
-    from tvm_distx.bundle import formats
+    from tvm_distx.sources import formats
 
     func, names, parts, rule = matvec_kernel(fmt, n, k, target)
     stored = sum(int(v.nbytes) for v in parts.values())
@@ -281,7 +281,7 @@ PREFILL_ROWS = (16, 128, 512)
 def bench_prefill(fmt: str, n: int, k: int, rows: list[int], target, rounds: int,
                   pause: float) -> list[dict]:
     """Compile ``(rows, k) @ W.T`` once for run-time rows; time it against numpy per row count."""
-    from tvm_distx.bundle import formats
+    from tvm_distx.sources import formats
 
     func, names, parts, rule = matvec_kernel(fmt, n, k, target,
                                              rows=tvm.tirx.Var("n", "int64"))

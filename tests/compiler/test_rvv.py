@@ -21,7 +21,7 @@ import tvm_distx as td
 from tvm_distx.compiler.pipeline import legalize_ops
 from tvm_distx.compiler.schedule import RULE_ATTR, ScheduleCPU, fuse_kernels
 from tvm_distx.compiler.targets import resolve_target
-from tvm_distx.bundle import formats
+from tvm_distx.sources import formats
 from tvm_distx import ShardingRule
 from tvm_distx.compiler import rvv
 from tvm_distx.passes import AnnotateSharding

@@ -19,7 +19,7 @@ import tvm_distx as td
 from tvm_distx.compiler.pipeline import legalize_ops
 from tvm_distx.compiler.schedule import (RULE_ATTR, CPUTraits, FuseWeightDecodes, schedule_module,
                                       x86_target)
-from tvm_distx.bundle import formats
+from tvm_distx.sources import formats
 from tvm_distx.ir.weight_decode import DECODE_ATTR
 
 TARGET = x86_target()

@@ -12,7 +12,7 @@ from tvm.script import tirx as T
 
 import tvm_distx as td
 from tvm_distx import AnnotateSharding, ShardingRule
-from tvm_distx.bundle import formats
+from tvm_distx.sources import formats
 from tvm_distx.legalize.linear import LegalizeLinear
 from tvm_distx.plans import presets
 

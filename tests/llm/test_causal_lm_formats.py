@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tvm_distx.bundle import checkpoint, formats  # noqa: E402
+from tvm_distx.sources import checkpoint, formats  # noqa: E402
 from tvm_distx.sources.formats import numpy_dtype  # noqa: E402
 from tvm_distx.frontend.pytorch import relax_name  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402

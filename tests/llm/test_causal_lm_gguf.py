@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from tvm_distx.bundle import gguf as gguf_reader  # noqa: E402
+from tvm_distx.sources import gguf as gguf_reader  # noqa: E402
 from tvm_distx.sources.formats import decode  # noqa: E402
 from tvm_distx.llm.causal_lm import CausalLM  # noqa: E402
 from tvm_distx.generation.text import Tokenizer  # noqa: E402

@@ -15,7 +15,7 @@ from tvm.script import ir as I, relax as R
 import tvm_distx as td
 from tvm_distx import AnnotateSharding, ShardingRule
 from tvm_distx.compiler.pipeline import run_stages
-from tvm_distx.bundle import formats
+from tvm_distx.sources import formats
 from tvm_distx.errors import ArgumentError, RuleError
 from tvm_distx.passes.quantize import weight_formats
 from tvm_distx.plans import presets

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from tvm_distx.errors import ArgumentError  # noqa: E402
-from tvm_distx.bundle import checkpoint  # noqa: E402
+from tvm_distx.sources import checkpoint  # noqa: E402
 from tvm_distx.sources.checkpoint import LazyTensor, open_checkpoint  # noqa: E402
 
 

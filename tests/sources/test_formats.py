@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tvm_distx.bundle import formats
+from tvm_distx.sources import formats
 from tvm_distx.sources.formats import EncodedPart, decode, encode, weight_format
 from tvm_distx.errors import ArgumentError, ArgumentIndexError
 
