@@ -109,8 +109,9 @@ LAZY_ANYWHERE = {"torch", "transformers", "accelerate", "scipy", "safetensors", 
                  "matplotlib", "mpi4py", "gguf", "tokenizers", "ml_dtypes", "jinja2"}
 #: TVM takes about 3 s to import. The layers below the compiler (what ``import tvm_distx``,
 #: a rank's driver and the command line's start load) import it when a function needs it.
-LAZY_TVM_IN = ("tvm_distx/layout/", "tvm_distx/bundle/", "tvm_distx/runtime/",
-               "tvm_distx/errors.py", "tvm_distx/ccl.py")
+LAZY_TVM_IN = ("tvm_distx/layout/", "tvm_distx/sources/", "tvm_distx/bundle/",
+               "tvm_distx/generation/", "tvm_distx/runtime/", "tvm_distx/errors.py",
+               "tvm_distx/ccl.py")
 #: The command line's dispatch loads only what a subcommand needs.
 LAZY_ALL_IN = ("tvm_distx/cli/",)
 #: The backends that import TVM are imported when a session of them opens (the one list of
