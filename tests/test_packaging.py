@@ -26,7 +26,7 @@ def test_regular_install_maps_passes_and_legalize(tmp_path):
         for source in (ROOT / folder).rglob("*.py"):
             relative = source.relative_to(ROOT / folder)
             assert (dest / relative).is_file(), f"{folder}/{relative} is not installed"
-    assert (installed / "build" / "rvv_harness.c").is_file()
+    assert (installed / "compiler" / "rvv_harness.c").is_file()
     assert not (target / "passes").exists(), "passes/ must not install as a top-level package"
     probe = (
         "import tvm_distx, tvm_distx.passes, tvm_distx.legalize;"
