@@ -112,9 +112,14 @@ class _Rewriter(PyExprMutator):
             super().visit_var_binding_(binding)
             return
         self.rewritten += 1
-        self.set_var_remap(binding.var, new)
+        if isinstance(binding.var, relax.DataflowVar):
+            self.set_var_remap(binding.var, self.builder_.emit(new))
+        else:  # a dataflow block's output: the product stays bound to it, visible after the block
+            self.builder_.emit_normalized(relax.VarBinding(binding.var,
+                                                           self.builder_.normalize(new)))
 
     def _grouped(self, binding: relax.VarBinding):
+        """The product without the repeat, as its last reshape (not yet bound), or None."""
         value = binding.value
         if not _ir.is_call_to(value, "relax.matmul"):
             return None
@@ -140,7 +145,7 @@ class _Rewriter(PyExprMutator):
         if keys:
             other = bb.emit(relax.op.permute_dims(other, list(_KEYS_T)))
         product = bb.emit(relax.op.matmul(grouped, other, out_dtype=value.attrs.out_dtype))
-        return bb.emit(relax.op.reshape(product, result))
+        return relax.op.reshape(product, result)
 
 
 @module_pass(opt_level=0, name="tvm_distx.GroupedQueryAttention")
