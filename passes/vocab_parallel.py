@@ -3,8 +3,9 @@
 A token embedding is ``take(table, ids, axis=0)`` on a ``(V, H)`` table. Split
 on the vocabulary (``S[0]``) over ``p`` ranks, each rank holds rows
 ``[offset, offset + V/p)``, and a lookup is done in four steps on each rank:
-mask the ids outside its rows, take ``ids - offset`` (clipped, so every read
-is in bounds), zero the masked rows, and sum over the ranks. The sum is a
+mask the ids outside its rows, take ``ids - offset`` only where the mask holds
+(an ``if_then_else``, which evaluates only the branch it takes, so no row outside
+the rank's block is read), zero the masked rows, and sum over the ranks. The sum is a
 partial sum, completed by one all-reduce (or a reduce-scatter where the
 consumer wants the tokens split).
 
@@ -17,7 +18,9 @@ propagation and the local-view lowering already know what to do with it:
   block's first row (:class:`tvm_distx.layout.derived.BlockOffsets`); split
   ``S[0]``, each rank's shard of it is its own offset;
 * one kernel (``tvm_distx.vocab_lookup``) computes
-  ``out[t, h] = sum_b (0 <= ids[t] - off[b] < V/p) ? table3[b, clip(ids[t] - off[b]), h] : 0``.
+  ``out[t, h] = sum_b (0 <= ids[t] - off[b] < V/p) ? table3[b, ids[t] - off[b], h] : 0``
+  (the kernel's declared read region covers the masked rows too; only the guarded
+  branch reads).
 
 Propagation reads the kernel like any ``call_tir``
 (:mod:`tvm_distx.passes.tir_access`): ``b`` indexes the table's block axis
