@@ -25,7 +25,7 @@ import logging
 import math
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax, s_tir, tirx
 from tvm.relax.distributed import DTensorType
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
@@ -183,7 +183,9 @@ def _specialize(kernel: tirx.PrimFunc, operands,
     extended = tirx.PrimFunc([*params[:num_inputs], *extents, *params[num_inputs:]],
                              kernel.body, kernel.ret_type,
                              attrs=kernel.attrs)
-    return extended, extents
+    # ``specialize`` keeps the loop and block variables of ``kernel``, which stays in
+    # the module: the copy gets its own, as TIR allows one definition of a variable
+    return s_tir.renew_defs(extended), extents
 
 
 def _shape_of(operand) -> list | None:

@@ -13,11 +13,13 @@ extents) are visible in the module.
 from __future__ import annotations
 
 import tvm
+from tvm import s_tir
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from tvm_distx.legalize import LowerGlobalViewToLocalView
+from tvm_distx.legalize.split_extents import bind_split_extents
 
 
 def test_an_elementwise_kernel_on_split_rows_runs_on_the_local_rows():
@@ -362,3 +364,123 @@ def test_two_allreduces_added_are_merged_into_one():
 
     tvm.ir.assert_structural_equal(LowerGlobalViewToLocalView()(Before), Expected)
 
+
+def test_a_split_symbolic_extent_is_written_as_parts_times_a_local_extent():
+    """relu on ("n", 4) "S[0]" over 2: n becomes 2 * n_local, each rank runs n_local rows.
+
+    The function takes the local extents as a last parameter until LowerDistIR drops
+    it; the kernel is specialized to ``2 * n_local`` rows (a copy, ``relu_split``, taking
+    ``n_local``), which TVM's pass can divide in 2.
+    """
+
+    @I.ir_module
+    class Before:
+        I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+        @T.prim_func(private=True, s_tir=True)
+        def relu(var_x: T.handle, var_y: T.handle):
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, T.int64(4)))
+            y = T.match_buffer(var_y, (n, T.int64(4)))
+            for i, j in T.grid(n, T.int64(4)):
+                with T.sblock("relu"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = T.max(x[vi, vj], T.float32(0.0))
+
+        @R.function
+        def main(x: R.dist.DTensor(("n", 4), "float32", "mesh[0]", "S[0]")
+                 ) -> R.dist.DTensor(("n", 4), "float32", "mesh[0]", "S[0]"):
+            n = T.int64()
+            cls = Before
+            with R.dataflow():
+                y = R.dist.call_tir(cls.relu, (x,),
+                                    out_ty=R.dist.DTensor((n, 4), "float32", "mesh[0]", "S[0]"))
+                R.output(y)
+            return y
+
+    @I.ir_module
+    class Expected:
+        I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+        @T.prim_func(private=True, s_tir=True)
+        def relu(var_x: T.handle, var_y: T.handle):
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, T.int64(4)))
+            y = T.match_buffer(var_y, (n, T.int64(4)))
+            for i, j in T.grid(n, T.int64(4)):
+                with T.sblock("relu"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = T.max(x[vi, vj], T.float32(0.0))
+
+        # the kernel specialized to the operand's rows, 2 * n_local, taking n_local
+        @T.prim_func(private=True, s_tir=True)
+        def relu_split(var_x: T.handle, n_local: T.int64, var_y: T.handle):
+            x = T.match_buffer(var_x, (n_local * T.int64(2), T.int64(4)))
+            y = T.match_buffer(var_y, (n_local * T.int64(2), T.int64(4)))
+            for i, j in T.grid(n_local * T.int64(2), T.int64(4)):
+                with T.sblock("relu"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = T.max(x[vi, vj], T.float32(0.0))
+
+        # TVM's local view of it: each rank's n_local rows, which TVM writes as
+        # (n_local * 2) // 2 (it proves the division, and does not simplify)
+        @T.prim_func(private=True, s_tir=True)
+        def relu_split1(var_x: T.handle, n_local: T.int64, var_y: T.handle):
+            x = T.match_buffer(var_x, (n_local * T.int64(2) // T.int64(2), T.int64(4)))
+            y = T.match_buffer(var_y, (n_local * T.int64(2) // T.int64(2), T.int64(4)))
+            for i, j in T.grid(n_local * T.int64(2) // T.int64(2), T.int64(4)):
+                with T.sblock("relu"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = T.max(x[vi, vj], T.float32(0.0))
+
+        @R.function
+        def main(x: R.dist.DTensor(("n_local * 2", 4), "float32", "mesh[0]", "S[0]"),
+                 tvm_distx_local_extents: R.Shape(["n_local"])
+                 ) -> R.dist.DTensor(("n_local * 2", 4), "float32", "mesh[0]", "S[0]"):
+            n_local = T.int64()
+            cls = Expected
+            with R.dataflow():
+                y = R.dist.call_tir_local_view(
+                    cls.relu_split1, (x, R.prim_value(n_local)),
+                    out_ty=R.dist.DTensor((n_local * 2, 4), "float32", "mesh[0]", "S[0]"))
+                R.output(y)
+            return y
+
+    tvm.ir.assert_structural_equal(LowerGlobalViewToLocalView()(Before), Expected)
+
+
+@I.ir_module
+class SymbolicRows:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+    @T.prim_func(private=True, s_tir=True)
+    def relu(var_x: T.handle, var_y: T.handle):
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, T.int64(4)))
+        y = T.match_buffer(var_y, (n, T.int64(4)))
+        for i, j in T.grid(n, T.int64(4)):
+            with T.sblock("relu"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = T.max(x[vi, vj], T.float32(0.0))
+
+    @R.function
+    def main(x: R.dist.DTensor(("n", 4), "float32", "mesh[0]", "S[0]")
+             ) -> R.dist.DTensor(("n", 4), "float32", "mesh[0]", "S[0]"):
+        n = T.int64()
+        cls = SymbolicRows
+        with R.dataflow():
+            y = R.dist.call_tir(cls.relu, (x,),
+                                out_ty=R.dist.DTensor((n, 4), "float32", "mesh[0]", "S[0]"))
+            R.output(y)
+        return y
+
+
+def test_the_specialized_kernel_defines_its_own_variables():
+    """The copy ``relu_split`` beside ``relu`` must not reuse relu's loop variables.
+
+    ``PrimFunc.specialize`` keeps the variables it does not bind, and TIR allows one
+    definition of each variable in a module: TVM's verifier rejected the module
+    ("multiple definitions of variable i") until the copy got fresh definitions.
+    """
+    assert s_tir.analysis.verify_well_formed(bind_split_extents(SymbolicRows))
+    assert s_tir.analysis.verify_well_formed(LowerGlobalViewToLocalView()(SymbolicRows))
