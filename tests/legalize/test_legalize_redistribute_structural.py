@@ -470,3 +470,61 @@ def test_moving_a_symbolic_extent_between_ranks_is_refused():
     with pytest.raises(UnsupportedProgramError, match="symbolic") as info:
         LegalizeRedistribute()(GatherOfSymbolicRows)
     assert (info.value.function, info.value.var) == ("main", "y")
+
+
+def test_a_completed_sum_with_another_use_keeps_its_allreduce_then_slices():
+    """partial sum -> S[0], the sum also returned: the all-reduce stays, then a local slice."""
+
+    @I.ir_module
+    class Before:
+        I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+        @T.prim_func(private=True, s_tir=True)
+        def matmul(a: T.Buffer((T.int64(4), T.int64(4)), "float32"),
+                   b: T.Buffer((T.int64(4), T.int64(8)), "float32"),
+                   c: T.Buffer((T.int64(4), T.int64(8)), "float32")):
+            for i, j, k in T.grid(T.int64(4), T.int64(8), T.int64(4)):
+                with T.sblock("matmul"):
+                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                    with T.init():
+                        c[vi, vj] = T.float32(0.0)
+                    c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
+
+        @R.function
+        def main(x: R.dist.DTensor((4, 8), "float32", "mesh[0]", "S[1]"),
+                 w: R.dist.DTensor((8, 8), "float32", "mesh[0]", "S[0]")):
+            cls = Before
+            addend = R.dist.call_tir_local_view(
+                cls.matmul, (x, w), out_ty=R.dist.DTensor((4, 8), "float32", "mesh[0]", "R"))
+            total = R.ccl.allreduce(addend, op_type="sum", in_group=False)
+            y = R.dist.redistribute(total, device_mesh="mesh[0]", placement="S[0]")
+            return (total, y)
+
+    @I.ir_module
+    class Expected:
+        I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+        @T.prim_func(private=True, s_tir=True)
+        def matmul(a: T.Buffer((T.int64(4), T.int64(4)), "float32"),
+                   b: T.Buffer((T.int64(4), T.int64(8)), "float32"),
+                   c: T.Buffer((T.int64(4), T.int64(8)), "float32")):
+            for i, j, k in T.grid(T.int64(4), T.int64(8), T.int64(4)):
+                with T.sblock("matmul"):
+                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                    with T.init():
+                        c[vi, vj] = T.float32(0.0)
+                    c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
+
+        @R.function
+        def main(x: R.dist.DTensor((4, 8), "float32", "mesh[0]", "S[1]"),
+                 w: R.dist.DTensor((8, 8), "float32", "mesh[0]", "S[0]")):
+            cls = Expected
+            addend = R.dist.call_tir_local_view(
+                cls.matmul, (x, w), out_ty=R.dist.DTensor((4, 8), "float32", "mesh[0]", "R"))
+            total = R.ccl.allreduce(addend, op_type="sum", in_group=False)
+            y = dist_packed("tvm_distx.ccl.local_slice",
+                            (total, R.shape([1, 2, 0, 0]), R.shape([0])),
+                            out_ty=R.dist.DTensor((4, 8), "float32", "mesh[0]", "S[0]"))
+            return (total, y)
+
+    tvm.ir.assert_structural_equal(LegalizeRedistribute()(Before), Expected)

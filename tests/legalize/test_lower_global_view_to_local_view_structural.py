@@ -365,6 +365,76 @@ def test_two_allreduces_added_are_merged_into_one():
     tvm.ir.assert_structural_equal(LowerGlobalViewToLocalView()(Before), Expected)
 
 
+def test_a_sharded_kernel_result_passed_to_a_function_goes_through_a_redistribute():
+    """relu's "S[0]" result passed to another Relax function: a redistribute to its own
+    sharding first, which TVM types by its destination (and LegalizeRedistribute plans
+    from the true layout); the callee's parameter type then always matches."""
+
+    @I.ir_module
+    class Before:
+        I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+        @T.prim_func(private=True, s_tir=True)
+        def relu(x: T.Buffer((T.int64(8), T.int64(4)), "float32"),
+                 y: T.Buffer((T.int64(8), T.int64(4)), "float32")):
+            for i, j in T.grid(T.int64(8), T.int64(4)):
+                with T.sblock("relu"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = T.max(x[vi, vj], T.float32(0.0))
+
+        @R.function(private=True)
+        def keep(a: R.dist.DTensor((8, 4), "float32", "mesh[0]", "S[0]")
+                 ) -> R.dist.DTensor((8, 4), "float32", "mesh[0]", "S[0]"):
+            return a
+
+        @R.function
+        def main(x: R.dist.DTensor((8, 4), "float32", "mesh[0]", "S[0]")
+                 ) -> R.dist.DTensor((8, 4), "float32", "mesh[0]", "S[0]"):
+            cls = Before
+            y = R.dist.call_tir(cls.relu, (x,),
+                                out_ty=R.dist.DTensor((8, 4), "float32", "mesh[0]", "S[0]"))
+            z = cls.keep(y)
+            return z
+
+    @I.ir_module
+    class Expected:
+        I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+        # TVM's pass leaves the global-view kernel in the module, no longer called
+        @T.prim_func(private=True, s_tir=True)
+        def relu(x: T.Buffer((T.int64(8), T.int64(4)), "float32"),
+                 y: T.Buffer((T.int64(8), T.int64(4)), "float32")):
+            for i, j in T.grid(T.int64(8), T.int64(4)):
+                with T.sblock("relu"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = T.max(x[vi, vj], T.float32(0.0))
+
+        @T.prim_func(private=True, s_tir=True)
+        def relu1(x: T.Buffer((T.int64(4), T.int64(4)), "float32"),
+                  y: T.Buffer((T.int64(4), T.int64(4)), "float32")):
+            for i, j in T.grid(T.int64(4), T.int64(4)):
+                with T.sblock("relu"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = T.max(x[vi, vj], T.float32(0.0))
+
+        @R.function(private=True)
+        def keep(a: R.dist.DTensor((8, 4), "float32", "mesh[0]", "S[0]")
+                 ) -> R.dist.DTensor((8, 4), "float32", "mesh[0]", "S[0]"):
+            return a
+
+        @R.function
+        def main(x: R.dist.DTensor((8, 4), "float32", "mesh[0]", "S[0]")
+                 ) -> R.dist.DTensor((8, 4), "float32", "mesh[0]", "S[0]"):
+            cls = Expected
+            y = R.dist.call_tir_local_view(
+                cls.relu1, (x,), out_ty=R.dist.DTensor((8, 4), "float32", "mesh[0]", "S[0]"))
+            y_pin = R.dist.redistribute(y, device_mesh="mesh[0]", placement="S[0]")
+            z = cls.keep(y_pin)
+            return z
+
+    tvm.ir.assert_structural_equal(LowerGlobalViewToLocalView()(Before), Expected)
+
+
 def test_a_split_symbolic_extent_is_written_as_parts_times_a_local_extent():
     """relu on ("n", 4) "S[0]" over 2: n becomes 2 * n_local, each rank runs n_local rows.
 

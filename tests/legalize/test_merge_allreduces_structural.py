@@ -371,3 +371,54 @@ class UsedTwice:
 def test_an_allreduce_with_another_use_is_not_merged():
     """y1 is returned as well as added: its all-reduce cannot wait, so nothing is merged."""
     tvm.ir.assert_structural_equal(MergeAllReduces()(UsedTwice), UsedTwice)
+
+
+@I.ir_module
+class DifferentMeshAxes:
+    """2x2 mesh: one sum split on mesh axis 0, the other on axis 1; their all-reduces differ."""
+
+    I.module_global_infos({"mesh": [R.dist.device_mesh((2, 2), I.Range(0, 4))]})
+
+    @T.prim_func(private=True, s_tir=True)
+    def matmul(a: T.Buffer((T.int64(4), T.int64(4)), "float32"),
+               b: T.Buffer((T.int64(4), T.int64(8)), "float32"),
+               c: T.Buffer((T.int64(4), T.int64(8)), "float32")):
+        for i, j, k in T.grid(T.int64(4), T.int64(8), T.int64(4)):
+            with T.sblock("matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    c[vi, vj] = T.float32(0.0)
+                c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
+
+    @T.prim_func(private=True, s_tir=True)
+    def add(a: T.Buffer((T.int64(4), T.int64(8)), "float32"),
+            b: T.Buffer((T.int64(4), T.int64(8)), "float32"),
+            c: T.Buffer((T.int64(4), T.int64(8)), "float32")):
+        for i, j in T.grid(T.int64(4), T.int64(8)):
+            with T.sblock("add"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                c[vi, vj] = a[vi, vj] + b[vi, vj]
+
+    @R.function
+    def main(x1: R.dist.DTensor((4, 8), "float32", "mesh[0]", "S[1]R"),
+             w1: R.dist.DTensor((8, 8), "float32", "mesh[0]", "S[0]R"),
+             x2: R.dist.DTensor((4, 8), "float32", "mesh[0]", "RS[1]"),
+             w2: R.dist.DTensor((8, 8), "float32", "mesh[0]", "RS[0]")
+             ) -> R.dist.DTensor((4, 8), "float32", "mesh[0]", "RR"):
+        cls = DifferentMeshAxes
+        with R.dataflow():
+            p1 = R.dist.call_tir_local_view(
+                cls.matmul, (x1, w1), out_ty=R.dist.DTensor((4, 8), "float32", "mesh[0]", "RR"))
+            y1 = R.ccl.allreduce(p1, op_type="sum", in_group=False)
+            p2 = R.dist.call_tir_local_view(
+                cls.matmul, (x2, w2), out_ty=R.dist.DTensor((4, 8), "float32", "mesh[0]", "RR"))
+            y2 = R.ccl.allreduce(p2, op_type="sum", in_group=False)
+            y = R.dist.call_tir_local_view(
+                cls.add, (y1, y2), out_ty=R.dist.DTensor((4, 8), "float32", "mesh[0]", "RR"))
+            R.output(y)
+        return y
+
+
+def test_2d_mesh_allreduces_over_different_mesh_axes_are_not_merged():
+    """Sums over mesh axis 0 and over axis 1 need two groups: the module is unchanged."""
+    tvm.ir.assert_structural_equal(MergeAllReduces()(DifferentMeshAxes), DifferentMeshAxes)
