@@ -246,6 +246,34 @@ def test_tvms_replica_to_shard_becomes_our_local_slice():
     tvm.ir.assert_structural_equal(LowerDistIR()(Before), Expected)
 
 
+def test_tuples_and_their_fields_get_local_types():
+    """A tuple of a split and a replicated tensor, and a field of it: each field is local."""
+
+    @I.ir_module
+    class Before:
+        I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+        @R.function
+        def main(x: R.dist.DTensor((8, 4), "float32", "mesh[0]", "S[0]"),
+                 w: R.dist.DTensor((8, 4), "float32", "mesh[0]", "R")):
+            pair = (x, w)
+            first = pair[0]
+            return (first, w)
+
+    @I.ir_module
+    class Expected:
+        I.module_global_infos({"mesh": [R.dist.device_mesh((2,), I.Range(0, 2))]})
+
+        @R.function
+        def main(x: R.Tensor((4, 4), "float32"), w: R.Tensor((8, 4), "float32")
+                 ) -> R.Tuple(R.Tensor((4, 4), "float32"), R.Tensor((8, 4), "float32")):
+            pair = (x, w)
+            first = pair[0]
+            return (first, w)
+
+    tvm.ir.assert_structural_equal(LowerDistIR()(Before), Expected)
+
+
 # ------------------------------------------------------------------ calls between functions
 def test_a_call_of_another_distributed_function_is_lowered_on_both_sides():
     """main passes its row block to a private function on DTensors: both take (4, 4)."""
