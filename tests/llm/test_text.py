@@ -199,3 +199,32 @@ def test_too_many_new_tokens_for_the_bundle_are_refused_before_any_rank_starts(t
     assert lines[1:] == ["hint: --max-new-tokens 63 at most"]
     fits = _cli(text_bundle, "--ids", 3, 14, "--max-new-tokens", 63, "--backend", "emulate")
     assert fits.returncode == 0, fits.stderr
+
+
+def test_the_command_line_reads_a_bundle_once_and_its_ranks_give_the_text(
+        text_model, text_bundle, monkeypatch, capsys):
+    """``tvm-distx generate BUNDLE`` (in this process, on 2 MPI ranks) reads the bundle's
+    manifest, ``generation.json`` and tokenizer once each, for all of its checks, its
+    tokenizer, its session and its ranks' launch."""
+    from pathlib import Path
+
+    from tvm_distx.cli.main import main
+
+    reads = {"manifest.json": 0, "generation.json": 0, "tokenizer.json": 0}
+    read_text, read_bytes = Path.read_text, Path.read_bytes
+
+    def counted(original):
+        def read(self, *args, **kwargs):
+            if self.name in reads and self.parent.resolve() == text_bundle.resolve():
+                reads[self.name] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    monkeypatch.setattr(Path, "read_text", counted(read_text))
+    monkeypatch.setattr(Path, "read_bytes", counted(read_bytes))
+    code = main(["generate", str(text_bundle), "--prompt", "hello world", "--max-new-tokens",
+                 str(NEW), "--ranks", "2", "--backend", "mpi"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert out.out == text_model[2].generate("hello world", max_new_tokens=NEW) + "\n"
+    assert reads == {"manifest.json": 1, "generation.json": 1, "tokenizer.json": 1}

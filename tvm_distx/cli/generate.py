@@ -26,6 +26,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,46 +34,12 @@ from tvm_distx.cli.hosts import session_options
 from tvm_distx.cli.inputs import EXIT_OK, _input_file, _progress, _writable_file
 from tvm_distx.errors import ArgumentError
 
+if TYPE_CHECKING:
+    from tvm_distx.generation.opened_bundle import OpenedBundle
+
 __all__ = ["generate", "open_model"]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_against_bundle(bundle: Path, ranks: int | None, ids: np.ndarray | None,
-                          prompt_tokens: int, new_tokens: int | None) -> None:
-    """Refuse, in flags and before any rank starts, what the bundle already rules out:
-    another rank count, ``--ids`` outside its vocabulary, more tokens than its cache holds
-    (the last new token needs no cache position). A path that is no bundle passes:
-    ``CausalLM.from_bundle`` says so, with its own hint."""
-    from tvm_distx.bundle.generation import read_generation
-    from tvm_distx.bundle.manifest import read_manifest
-    from tvm_distx.errors import BundleError
-    from tvm_distx.generation.generator import check_token_ids, vocabulary_of
-
-    try:
-        manifest, generation = read_manifest(bundle), read_generation(bundle)
-    except BundleError:
-        return
-    if ranks is not None and ranks != manifest.num_ranks:
-        raise ArgumentError(f"generate --ranks {ranks}: the bundle {bundle} holds the shards "
-                            f"of {manifest.num_ranks} ranks",
-                            hint=f"--ranks {manifest.num_ranks}, or leave --ranks out")
-    if ids is not None:
-        try:
-            vocab = vocabulary_of(manifest)
-        except (KeyError, IndexError):
-            vocab = None  # no decode function: from_bundle refuses the bundle
-        check_token_ids([ids], vocab)
-    if new_tokens is None:
-        return
-    limit = generation.cache.max_length
-    needed = prompt_tokens + new_tokens - 1
-    if needed > limit:
-        most = limit - prompt_tokens + 1
-        raise ArgumentError(f"a {prompt_tokens}-token prompt and --max-new-tokens {new_tokens} "
-                            f"need {needed} cache positions; the bundle {bundle} holds {limit}",
-                            hint=f"--max-new-tokens {most} at most" if most >= 1 else
-                            "a shorter prompt, or a bundle exported with a larger max_length")
 
 
 def _magic(path: Path) -> bytes:
@@ -81,30 +48,65 @@ def _magic(path: Path) -> bytes:
         return f.read(4)
 
 
-def open_model(args: argparse.Namespace, length: int, causal_lm, ids: np.ndarray | None = None):
-    """The model of ``args.bundle`` (a bundle, a checkpoint or a GGUF file), its ranks started;
-    a checkpoint's or GGUF file's cache holds ``args.max_length`` tokens, else ``length``.
-    A bundle is first asked what it knows: its rank count, cache length and vocabulary
-    (``ids``, the prompt's token ids when given as ids)."""
+def _is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf" or (path.is_file() and _magic(path) == b"GGUF")
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def open_bundle(args: argparse.Namespace) -> OpenedBundle | None:
+    """The generation bundle ``args.bundle`` names, read once; None for a checkpoint or a
+    GGUF file. The backend and its options are checked first, and the flags that apply to
+    a checkpoint or GGUF file only are refused for a bundle.
+
+    Raises
+    ------
+    BundleError
+        If the path is neither, nor a generation bundle.
+    """
+    from tvm_distx.generation.opened_bundle import OpenedBundle
     from tvm_distx.runtime.backends import check_backend
 
     check_backend(args.backend, session_options(args))  # a bad flag first, then the model
     path = args.bundle
-    is_gguf = path.suffix == ".gguf" or (path.is_file() and _magic(path) == b"GGUF")
-    checkpoint = path.is_dir() and (path / "config.json").is_file()
-    if not (is_gguf or checkpoint):
-        for flag in ("dtype", "quantization", "max_length"):
-            if getattr(args, flag) is not None:
-                raise ArgumentError(f"--{flag.replace('_', '-')} applies to a checkpoint or a "
-                                    f"GGUF file; {path} is a bundle, whose weights and cache "
-                                    "were fixed when it was exported",
-                                    hint=f"leave --{flag.replace('_', '-')} out")
+    if _is_gguf(path) or _is_checkpoint(path):
+        return None
+    for flag in ("dtype", "quantization", "max_length"):
+        if getattr(args, flag) is not None:
+            raise ArgumentError(f"--{flag.replace('_', '-')} applies to a checkpoint or a "
+                                f"GGUF file; {path} is a bundle, whose weights and cache "
+                                "were fixed when it was exported",
+                                hint=f"leave --{flag.replace('_', '-')} out")
+    return OpenedBundle.open(path)
+
+
+def open_model(args: argparse.Namespace, length: int, causal_lm, ids: np.ndarray | None = None,
+               bundle: OpenedBundle | None = None):
+    """The model of ``args.bundle`` (a bundle, a checkpoint or a GGUF file), its ranks started;
+    a checkpoint's or GGUF file's cache holds ``args.max_length`` tokens, else ``length``.
+
+    A bundle (``bundle``, as :func:`open_bundle` read it; read here when not given) is
+    first asked what it rules out, in flags and before any rank starts: another rank
+    count, ``ids`` (the prompt's token ids, when given as ids) outside its vocabulary,
+    more tokens than its cache holds.
+    """
+    if bundle is None:
+        bundle = open_bundle(args)
+    path = args.bundle
+    if bundle is not None:
+        bundle.check_ranks(args.ranks)
+        if ids is not None:
+            bundle.check_ids([ids])
         new_tokens = getattr(args, "max_new_tokens", None)
-        _check_against_bundle(path, args.ranks, ids, length - (new_tokens or 0), new_tokens)
+        if new_tokens is not None:
+            bundle.check_room(length - new_tokens, new_tokens)
         with _progress(f"starting the ranks of {path} ({args.backend})",
                        follow="tvm_distx.llm"):
-            return causal_lm.from_bundle(path, backend=args.backend, num_ranks=args.ranks,
-                                         timeout=args.timeout, **session_options(args))
+            return causal_lm.from_bundle(bundle, backend=args.backend, timeout=args.timeout,
+                                         **session_options(args))
+    is_gguf = _is_gguf(path)
     if is_gguf and not path.is_file():
         raise ArgumentError(f"{path} does not exist", hint="give the path of a .gguf file")
     ranks = args.ranks or 2
@@ -135,15 +137,13 @@ def _sampling(args: argparse.Namespace) -> dict:
     return options
 
 
-def _text_prompt(args: argparse.Namespace):
-    """``(prompt, ids)`` of ``--prompt`` or ``--chat`` (text or messages), else None."""
-    from tvm_distx.generation.text import Tokenizer
-
+def _prompt_is_text(args: argparse.Namespace) -> bool:
+    """Whether the prompt is text (``--prompt``, ``--chat``), refusing flags that do not fit."""
     if args.prompt is None and args.chat is None:
         for flag in ("system", "stop"):
             if getattr(args, flag):
                 raise ArgumentError(f"--{flag} applies to text", hint="give --prompt or --chat")
-        return None
+        return False
     if args.prompt is not None and args.chat is not None:
         raise ArgumentError("give --prompt or --chat, not both", hint="--chat 'Hello'")
     if args.ids or args.input is not None:
@@ -152,9 +152,17 @@ def _text_prompt(args: argparse.Namespace):
     if args.system is not None and args.chat is None:
         raise ArgumentError("--system applies to --chat", hint="--chat 'Hello' --system "
                             "'Answer briefly'")
+    return True
+
+
+def _text_prompt(args: argparse.Namespace, bundle: OpenedBundle | None):
+    """``(prompt, ids)`` of ``--prompt`` or ``--chat`` (text or messages), encoded by the
+    bundle's tokenizer or the checkpoint's or GGUF file's."""
+    from tvm_distx.generation.text import Tokenizer
+
     path = args.bundle
-    tokenizer = (Tokenizer.from_gguf(path) if path.is_file() else
-                 Tokenizer.from_directory(path) if path.is_dir() else None)
+    tokenizer = (bundle.tokenizer if bundle is not None else Tokenizer.from_gguf(path)
+                 if path.is_file() else Tokenizer.from_directory(path))
     if tokenizer is None:
         raise ArgumentError(f"{path} holds no tokenizer, so it cannot take text",
                             hint="give token ids with --ids, or put the tokenizer files "
@@ -192,11 +200,13 @@ def generate(args: argparse.Namespace) -> int:
     _writable_file(args.output, "-o")
     sampling = _sampling(args)
     Sampling.of(sampling)  # refused before any rank starts
-    text = _text_prompt(args)
-    prompt = text[1] if text is not None else _id_prompt(args)
+    ids = None if _prompt_is_text(args) else _id_prompt(args)
+    bundle = open_bundle(args)  # read once: its checks, its tokenizer and its ranks
+    text = _text_prompt(args, bundle) if ids is None else None
+    prompt = text[1] if text is not None else ids
     console = Console(stderr=True)
     lm = open_model(args, len(prompt) + args.max_new_tokens, CausalLM,
-                    ids=prompt if text is None else None)
+                    ids=ids, bundle=bundle)
     lm.prefill_chunk = args.prefill_chunk
     if text is not None:
         with lm:

@@ -44,7 +44,7 @@ from tvm_distx.compiler.targets import resolve_target
 from tvm_distx.sources.checkpoint import open_checkpoint
 from tvm_distx.sources.formats import QUANTIZED
 from tvm_distx.sources.gguf import open_gguf
-from tvm_distx.bundle.generation import GENERATION_FILE, GenerationInfo, read_generation
+from tvm_distx.bundle.generation import GENERATION_FILE, GenerationInfo
 from tvm_distx.bundle.manifest import read_manifest
 from tvm_distx.bundle.signature import weight_bytes_per_rank
 from tvm_distx.errors import ArgumentError, BundleError, DistxError
@@ -58,6 +58,7 @@ from tvm_distx.plans.hf import HFPlan
 from tvm_distx.reports.comm_report import comm_report
 from tvm_distx.runtime.backends import check_backend, open_session
 from tvm_distx.generation.generator import PREFILL_CHUNK, GenerationStats, Generator
+from tvm_distx.generation.opened_bundle import OpenedBundle
 from tvm_distx.generation.text import Tokenizer
 
 __all__ = ["CausalLM", "GenerationStats", "GENERATION_FILE"]
@@ -470,8 +471,9 @@ class CausalLM(Generator):
 
         Parameters
         ----------
-        directory : path
-            The bundle.
+        directory : path or tvm_distx.generation.opened_bundle.OpenedBundle
+            The bundle, or the bundle already read (its manifest, ``generation.json``
+            and tokenizer are then not read again).
         backend : {"mpi", "disco", "emulate"}
             Where the ranks run (as for :meth:`from_hf`).
         num_ranks : int, optional
@@ -491,22 +493,13 @@ class CausalLM(Generator):
         ArgumentError
             For an unknown backend, or a ``num_ranks`` the bundle was not built for.
         """
-
         check_backend(backend, options)
-        info = read_generation(directory)
-        if num_ranks is not None:
-
-            built = read_manifest(directory).num_ranks
-            if num_ranks != built:
-                raise ArgumentError(
-                    f"CausalLM.from_bundle(num_ranks={num_ranks}): the bundle {directory} "
-                    f"holds the shards of {built} ranks",
-                    hint=f"CausalLM.from_bundle(directory, num_ranks={built}), or leave "
-                    "num_ranks out", cli_hint=f"--ranks {built}, or leave --ranks out")
-        text = Tokenizer.from_directory(directory)
-        session = open_session(directory, backend=backend, timeout=timeout, **options)
-        lm = cls.on(info, session, tokenizer=text)
-        manifest = read_manifest(directory)
+        bundle = directory if isinstance(directory, OpenedBundle) else \
+            OpenedBundle.open(directory)
+        bundle.check_ranks(num_ranks)
+        manifest = bundle.manifest
+        session = open_session(manifest, backend=backend, timeout=timeout, **options)
+        lm = cls.on(bundle.generation, session, tokenizer=bundle.tokenizer)
         lm.weight_bytes_per_rank = weight_bytes_per_rank(
             manifest.functions, {n for names in manifest.weights.values() for n in names},
             manifest.num_ranks)
