@@ -82,6 +82,7 @@ from tvm_distx.hosts import (RankPlacement, check_deployed, deploy, hosts_from, 
                              remote_shell, run_on_hosts)
 from tvm_distx.runtime import control
 from tvm_distx.runtime.base import Call, RankProcess, Session
+from tvm_distx.runtime.launcher import launcher_for, rank_deaths
 from tvm_distx.runtime.rank_env import rank_environment
 
 __all__ = ["MPISession", "mpiexec_path", "DRIVER_ADDRESS_ENV"]
@@ -95,8 +96,6 @@ RANK_MODULE = "tvm_distx.runtime.mpi_rank"
 #: the one ``mpiexec``'s own proxies connect back to).
 DRIVER_ADDRESS_ENV = "TVM_DISTX_DRIVER_ADDRESS"
 
-#: How ``mpiexec`` (MPICH's hydra) reports a process that died: its PID, host, then exit code.
-_BAD_EXIT = re.compile(r"PID\s+(\d+)\s+RUNNING AT\s+(\S+)\s*\n[=\s]*EXIT CODE:\s*(\d+)")
 #: How hydra's proxy on a host reports that it failed (it could not reach ``mpiexec``, say).
 _PROXY_SAYS = re.compile(r"^\[proxy:\d+@(\S+)\] \S+ \([^)]*\): (.*)$", re.MULTILINE)
 #: What a rank writes to its stderr when it fails before it could tell the driver.
@@ -201,6 +200,8 @@ class MPISession(Session):
         self._tag = f"tvm-distx-session-{os.getpid()}-{os.urandom(4).hex()}"
         self._copies: str | None = None  # the copy this session deployed, removed at close
         started = time.monotonic()
+        executable = mpiexec or mpiexec_path()
+        self._launcher = launcher_for(executable)  # before anything is copied or started
         root = self._bundle_on_hosts(dest, shared_fs) if remote else (
             Path(dest) if dest is not None else self.manifest.root.resolve())
         self._dir = Path(tempfile.mkdtemp(prefix=f"{self._tag}-"))
@@ -210,12 +211,11 @@ class MPISession(Session):
         key = control.new_key()
         self._links = control.RankLinks(world, key, bind="" if self._remote else "127.0.0.1")
         address = f"{_driver_address(bool(self._remote))}:{self._links.port}"
-        command = [mpiexec or mpiexec_path(), "-n", str(world)]
-        if self.placement is not None:
-            command += ["-hosts", self.placement.mpiexec_hosts()]
-        if self._remote:
-            command += ["-launcher", "ssh", "-launcher-exec", self._launcher()]
-        command += [sys.executable, "-m", self.rank_module, str(root), address, self._tag]
+        command = self._launcher.command(
+            executable, world, [sys.executable, "-m", self.rank_module, str(root), address,
+                                self._tag],
+            placement=self.placement, env=(control.KEY_ENV, "GLIBC_TUNABLES", *(env or {})),
+            remote_shell=self._remote_shell() if self._remote else None, workdir=self._dir)
         logger.info("session: launching %s", " ".join(command))
         environment = {**rank_environment(os.environ, env), control.KEY_ENV: key.hex()}
         try:
@@ -305,8 +305,9 @@ class MPISession(Session):
                          timeout=10)
         self._copies = None
 
-    def _launcher(self) -> str:
-        """The program hydra starts its proxies with: the remote shell (a wrapper with options)."""
+    def _remote_shell(self) -> str:
+        """The program the launcher reaches other hosts with: the remote shell (a wrapper
+        with its options)."""
         if len(self._shell) == 1:
             return self._shell[0]
         wrapper = self._dir / "rsh"
@@ -396,18 +397,10 @@ class MPISession(Session):
                 details=_tail(log), hint=_HINT)
         if failure is not None:  # died: its connection closed first
             info = self._links.ranks[failure.rank]
-            statuses = {(int(m.group(1)), m.group(2)): int(m.group(3))
-                        for m in _BAD_EXIT.finditer(log)}
-            status = next((code for (pid, host), code in statuses.items()
-                           if pid == info.pid and _same_host(host, info.host)), None)
-            if status is None:
-                how = "died without reporting an error (killed, or it exited early)"
-            else:
-                try:
-                    name = signal.Signals(status).name
-                except ValueError:
-                    name = "no signal"
-                how = f"died with status {status} ({name})"
+            death = next((d for d in rank_deaths(log, self._launcher)
+                          if d.is_of(failure.rank, info.pid, info.host)), None)
+            how = ("died without reporting an error (killed, or it exited early)"
+                   if death is None else f"died with {death.describe()}")
             return LaunchError(f"{self._where(failure.rank)} (pid {info.pid}) {how} {doing}",
                                rank=failure.rank,
                                reason="killed", details=_tail(log), hint=_HINT, host=info.host)
@@ -475,10 +468,6 @@ def _this_host() -> set[str]:
     """The names this host answers to."""
     names = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
     return names | {name.split(".")[0] for name in names}
-
-
-def _same_host(a: str, b: str) -> bool:
-    return a == b or a.split(".")[0] == b.split(".")[0]
 
 
 def _driver_address(remote: bool) -> str:

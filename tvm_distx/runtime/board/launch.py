@@ -8,9 +8,9 @@ lands here (:func:`launch`):
 1. the bundle is checked before any rank starts: its manifest, its plan, its
    library's architecture (a library for another CPU is one line), and, for the
    ranks that run on this machine, their weight files;
-2. the hostfile (``--hostfile``, our ``host[:slots]`` format) is translated for
-   the ``mpiexec`` found (Open MPI's ``host slots=N``; MPICH's ``-hosts``) and its
-   slots must hold the bundle's ranks;
+2. the hostfile (``--hostfile``, our ``host[:slots]`` format) places the ranks, its
+   slots holding the bundle's; the ``mpiexec`` found (Open MPI or MPICH) gets it in
+   its own terms (:mod:`tvm_distx.runtime.launcher`);
 3. ``mpiexec`` runs ``python3 -m tvm_distx.runtime.board job ...`` on every rank
    (:mod:`tvm_distx.runtime.board.job`); its standard output (the results) passes through,
    its standard error is kept, and a failure is told in one line: the rank's own
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -36,55 +35,11 @@ from tvm_distx.runtime.board.program import read_plan
 from tvm_distx.bundle.manifest import check_library, check_weights, read_manifest
 from tvm_distx.errors import LaunchError
 from tvm_distx.hosts.hostfile import place_ranks, read_hostfile
+from tvm_distx.runtime.launcher import RankDeath, launcher_for, rank_deaths
 
-__all__ = ["launch", "mpiexec_command"]
+__all__ = ["launch"]
 
 logger = logging.getLogger(__name__)
-
-#: How Open MPI and MPICH say that a rank died of a signal.
-_SIGNALED = (re.compile(r"exited on signal (\d+)"), re.compile(r"signal (\d+) \(([^)]*)\)"),
-             re.compile(r"EXIT CODE:\s*(\d+)"))
-
-
-def _flavor(mpiexec: str) -> str:
-    """``"openmpi"`` or ``"mpich"``, from ``mpiexec --version``."""
-    try:
-        text = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
-                              timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise LaunchError(f"{mpiexec} --version failed ({err})", reason="raised",
-                          hint="install the board's MPI: apt install openmpi-bin") from None
-    return "openmpi" if ("Open MPI" in text or "OpenRTE" in text or "prterun" in text) \
-        else "mpich"
-
-
-def mpiexec_command(mpiexec: str, num_ranks: int, hostfile: str | None,
-                    workdir: Path) -> list[str]:
-    """The ``mpiexec`` arguments that start ``num_ranks`` ranks, on the hostfile's hosts.
-
-    Raises
-    ------
-    ArgumentError
-        If the hostfile's slots do not hold exactly the bundle's ranks.
-    """
-    flavor = _flavor(mpiexec)
-    command = [mpiexec, "-n", str(num_ranks)]
-    if flavor == "openmpi":
-        if os.geteuid() == 0:
-            command.append("--allow-run-as-root")
-        command += ["-x", "PYTHONPATH"]
-    if hostfile is not None:
-        placement = place_ranks(read_hostfile(hostfile), num_ranks)
-        if flavor == "openmpi":
-            translated = workdir / "hostfile"
-            translated.write_text("".join(f"{h.name} slots={h.slots}\n"
-                                          for h in placement.hosts))
-            command += ["--hostfile", str(translated)]
-        else:
-            command += ["-hosts", placement.mpiexec_hosts()]
-    elif flavor == "openmpi":
-        command.append("--oversubscribe")  # more ranks than cores on one board is allowed
-    return command
 
 
 def launch(command: str, bundle: str, arguments: Sequence[str], *, hostfile: str | None = None,
@@ -101,6 +56,7 @@ def launch(command: str, bundle: str, arguments: Sequence[str], *, hostfile: str
     manifest = read_manifest(bundle)
     read_plan(manifest)
     check_library(manifest)
+    placement = None
     if hostfile is None:
         check_weights(manifest)  # every rank runs here
     else:
@@ -112,10 +68,12 @@ def launch(command: str, bundle: str, arguments: Sequence[str], *, hostfile: str
     if found is None:
         raise LaunchError("this machine has no mpiexec", reason="raised",
                           hint="install the board's MPI: apt install openmpi-bin python3-mpi4py")
+    launcher = launcher_for(found)
     with tempfile.TemporaryDirectory(prefix="tvm-distx-board-") as work:
-        argv = mpiexec_command(found, manifest.num_ranks, hostfile, Path(work))
-        argv += [sys.executable, "-m", "tvm_distx.runtime.board", "job", command,
-                 str(Path(bundle).resolve()), *arguments]
+        argv = launcher.command(
+            found, manifest.num_ranks, [sys.executable, "-m", "tvm_distx.runtime.board", "job",
+                                        command, str(Path(bundle).resolve()), *arguments],
+            placement=placement, env=("PYTHONPATH",), workdir=Path(work))
         logger.info("board: %s", " ".join(argv))
         errors = Path(work) / "stderr"
         with open(errors, "wb") as sink:
@@ -131,22 +89,15 @@ def launch(command: str, bundle: str, arguments: Sequence[str], *, hostfile: str
     mine = [line[len(MARK):] for line in text.splitlines() if line.startswith(MARK)]
     if mine:  # a rank's own line, with its own hint
         raise LaunchError(mine[0], reason="raised" if done.returncode == 2 else "exited")
-    raise LaunchError(_died(text, done.returncode), reason="killed",
+    raise LaunchError(_died(rank_deaths(text, launcher), done.returncode), reason="killed",
                       hint=None if verbose else "./run.sh --verbose ... shows every rank's "
                       "output")
 
 
-def _died(text: str, status: int) -> str:
+def _died(deaths: list[RankDeath], status: int) -> str:
     """One line for a job whose rank died without a word: the signal, if MPI names one."""
-    number = None
-    for pattern in _SIGNALED:
-        found = pattern.search(text)
-        if found:
-            number = int(found.group(1))
-            break
-    if number is not None and number > 128:  # MPICH: the exit code of a signalled process
-        number -= 128
-    if number is not None and 0 < number < 64:
+    number = next((d.signal for d in deaths if d.signal is not None), None)
+    if number is not None:
         name = signal.Signals(number).name if number in signal.valid_signals() else str(number)
         why = " (the kernels use instructions this CPU lacks: an RVV build on a CPU " \
               "without the vector extension?)" if number == signal.SIGILL else ""
