@@ -8,6 +8,8 @@
 - :mod:`~tvm_distx.generation.sampling`: :class:`Sampling` (transformers' processors) and the
   seeded draw;
 - :mod:`~tvm_distx.generation.text`: :class:`Tokenizer`, chat templates and text streams;
+- :mod:`~tvm_distx.generation.opened_bundle`: :class:`OpenedBundle`, a generation bundle
+  read once (its manifest, ``generation.json`` and tokenizer) and what it rules out;
 - :mod:`~tvm_distx.generation.worker`: :class:`GenerationWorker`, the one thread that runs
   requests on the ranks for a server.
 

@@ -10,7 +10,9 @@
   :mod:`~tvm_distx.runtime.mpi_ccl`), :mod:`~tvm_distx.runtime.disco` (disco worker
   processes on this host running :mod:`~tvm_distx.runtime.disco_rank`, collectives
   in :mod:`~tvm_distx.runtime.disco_shm`), :mod:`~tvm_distx.runtime.emulated` (every
-  rank a thread of this process; :func:`emulate`, the fast unit-test backend).
+  rank a thread of this process; :func:`emulate`, the fast unit-test backend);
+- :mod:`~tvm_distx.runtime.launcher`: the launchers of rank processes (MPICH's and Open
+  MPI's ``mpiexec``): their command lines and their reports of a dead rank.
 
 ``emulate`` is loaded on first use (PEP 562): it imports TVM, which takes seconds,
 and the command line and the rank processes import this package without it.

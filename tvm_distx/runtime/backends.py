@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tvm_distx.bundle.manifest import read_manifest
+from tvm_distx.bundle.manifest import Manifest, read_manifest
 from tvm_distx.errors import ArgumentError, BundleError
 from tvm_distx.runtime.base import Session, bind_inputs
 from tvm_distx.runtime.board.session import BoardSession
@@ -134,7 +134,7 @@ def open_session(bundle, *, backend: str = "mpi", num_ranks: int | None = None,
     return kind(bundle, num_ranks=num_ranks, timeout=timeout, **options)
 
 
-def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping | None = None,
+def launch(bundle: str | os.PathLike | Manifest, inputs: Sequence = (), *, params: Mapping | None = None,
            num_ranks: int | None = None, function: str = "main", timeout: float = 300.0,
            backend: str = "mpi", **options) -> np.ndarray | tuple:
     """Run a bundle's function once and return its global results: a session called once.
@@ -145,8 +145,9 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
 
     Parameters
     ----------
-    bundle : path
-        A directory written by :meth:`tvm_distx.DistExecutable.export`.
+    bundle : path or tvm_distx.bundle.manifest.Manifest
+        A directory written by :meth:`tvm_distx.DistExecutable.export`, or its manifest
+        already read.
     inputs : sequence of array
         The global values of the function's parameters that are not weights
         stored in the bundle (nor given in ``params``), in order.
@@ -182,7 +183,7 @@ def launch(bundle: str | os.PathLike, inputs: Sequence = (), *, params: Mapping 
         If a rank fails or the run times out.
     """
     check_backend(backend, options)
-    manifest = read_manifest(bundle)
+    manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
     if num_ranks is not None and num_ranks != manifest.num_ranks:
         raise BundleError(f"the bundle at {manifest.root} needs {manifest.num_ranks} ranks, "
                           f"not {num_ranks}", hint=f"launch it with -n {manifest.num_ranks}")
