@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -187,6 +188,129 @@ def test_a_host_sees_only_its_own_processes(test_hosts):
         assert "sleep 300" not in test_hosts.run(a, "ps -ww -e -o args=").stdout
     finally:
         test_hosts.kill(b)
+
+
+# --- wherever the checkout is ----------------------------------------------------------------
+
+def _clone_under(where: Path) -> Path:
+    """A checkout in ``where`` as a newcomer's clone under /tmp would be, made cheaply: the test
+    hosts' scripts (the clone's ``testhosts-ssh`` ends with a line of its own) and a virtual
+    environment of its own in ``.venv`` (without pip)."""
+    clone = where / "clone"
+    (clone / "scripts").mkdir(parents=True)
+    for name in ("testhosts", "testhosts-rsh", "testhosts-ssh"):
+        shutil.copy2(SCRIPT.parent / name, clone / "scripts" / name)
+    with open(clone / "scripts" / "testhosts-ssh", "a") as ssh:
+        ssh.write("# the clone's copy\n")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(clone / ".venv")],
+                   check=True)
+    return clone
+
+
+def _board_root(root: Path) -> Path:
+    """A board's root file system as small as testhosts accepts and its remote shell can use:
+    this machine's ``sh`` with its libraries, a ``usr/bin/python3`` and ``etc/mark``."""
+    shell = Path(shutil.which("sh")).resolve()
+    libraries = re.findall(r"(/\S+) \(0x", subprocess.run(["ldd", str(shell)], capture_output=True,
+                                                       text=True, check=True).stdout)
+    for path in [*libraries, "/bin/sh"]:
+        (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shell if path == "/bin/sh" else path, root / path.lstrip("/"))
+    for folder in ("proc", "sys", "dev", "tmp", "root", "etc", "usr/bin"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    (root / "usr" / "bin" / "python3").write_text("#!/bin/sh\necho board python3\n")
+    (root / "etc" / "mark").write_text("the board's root\n")
+    return root
+
+
+def test_a_clone_under_tmp_its_venv_and_a_board_root_are_seen_at_their_paths_and_tmp_stays_own():
+    where = Path(tempfile.mkdtemp(prefix="testhosts-newcomer-", dir="/tmp"))
+    try:
+        clone = _clone_under(where)
+        software = where / "software"  # shared like a cluster's software (--share)
+        software.mkdir()
+        (software / "mark").write_text("shared software\n")
+        (where / "not-shared").write_text("this machine's own\n")
+        board = _board_root(where / "board")
+        testhosts, rsh = clone / "scripts" / "testhosts", str(clone / "scripts" / "testhosts-rsh")
+
+        def on(host: str, command: str) -> subprocess.CompletedProcess:
+            return subprocess.run([rsh, host, command], capture_output=True, text=True,
+                                  timeout=30)
+
+        with free_id() as k:
+            names, namespaces = [f"k{k}t1", f"k{k}t2"], set()
+            try:
+                subprocess.run([str(testhosts), "up", "2", f"--id={k}", f"--share={software}"],
+                               check=True, capture_output=True, timeout=60)
+                namespaces = _host_namespaces(k, names)
+                a, b = names
+                assert on(a, f"{clone}/.venv/bin/python -c 'import sys; print(sys.prefix)'"
+                          ).stdout == f"{clone / '.venv'}\n"
+                assert on(a, f"tail -1 {clone}/scripts/testhosts-ssh").stdout == \
+                    "# the clone's copy\n"
+                assert on(b, f"cat {software}/mark").stdout == "shared software\n"
+                # the rest of /tmp is each host's own, both ways
+                assert on(a, f"test -e {where}/not-shared").returncode == 1
+                mark = f"mark-{uuid.uuid4().hex}"
+                assert on(a, f"echo {a} > {where}/{mark} && echo {a} > /tmp/{mark}"
+                          ).returncode == 0
+                assert not (where / mark).exists() and not Path("/tmp", mark).exists()
+                assert on(b, f"test -e {where}/{mark} || test -e /tmp/{mark}").returncode == 1
+                # what a host writes in the shared checkout, every host and this machine see
+                assert on(a, f"echo {a} > {clone}/{mark}").returncode == 0
+                assert (clone / mark).read_text() == f"{a}\n"
+                assert on(b, f"cat {clone}/{mark}").stdout == f"{a}\n"
+                subprocess.run([str(testhosts), "down", f"--id={k}"], check=True, timeout=60)
+                assert _leftovers(k, names, namespaces) == []
+
+                # a board whose root is under /tmp, with the clone's ssh bound inside
+                subprocess.run([str(testhosts), "up", "1", f"--id={k}", f"--root={board}"],
+                               check=True, capture_output=True, timeout=60)
+                namespaces = _host_namespaces(k, names[:1])
+                done = on(names[0], "read m < /etc/mark; echo $m; echo $QEMU_CPU; "
+                                    "while read l; do last=$l; done < /usr/local/bin/ssh; echo $last")
+                assert done.stdout == "the board's root\nrv64,v=true,vext_spec=v1.0\n" \
+                                      "# the clone's copy\n", done.stderr
+            finally:
+                subprocess.run([str(testhosts), "down", f"--id={k}"], timeout=60)
+        assert _leftovers(k, names, namespaces) == []
+        assert str(where) not in Path("/proc/self/mounts").read_text()
+    finally:
+        shutil.rmtree(where)
+
+
+@pytest.mark.parametrize("what", ["share", "root", "checkout", "missing", "tmp"])
+def test_a_path_that_a_host_cannot_see_is_refused_in_one_line_naming_it(what):
+    where = Path(tempfile.mkdtemp(prefix="testhosts-hidden-", dir="/dev/shm"))
+    testhosts, args = SCRIPT, []
+    try:
+        if what == "share":
+            path, args = where, [f"--share={where}"]
+        elif what == "root":
+            (where / "usr" / "bin").mkdir(parents=True)
+            (where / "usr" / "bin" / "python3").touch()
+            path, args = where, [f"--root={where}"]
+        elif what == "checkout":  # a clone in /dev/shm, each host's own memory
+            (where / "scripts").mkdir()
+            testhosts = Path(shutil.copy2(SCRIPT, where / "scripts" / "testhosts"))
+            path = where
+        elif what == "missing":
+            path = Path("/tmp", f"testhosts-missing-{uuid.uuid4().hex}")
+            args = [f"--share={path}"]
+        else:
+            path, args = Path("/tmp"), ["--share=/tmp"]
+        why = {"missing": "No such file or directory", "tmp": "each host has its own /tmp"}.get(
+            what, "each host has its own /dev/shm")
+        with free_id() as k:
+            done = subprocess.run([str(testhosts), "up", "1", f"--id={k}", *args],
+                                  capture_output=True, text=True, timeout=60)
+            assert (done.returncode, done.stdout) == (1, "")
+            assert done.stderr.startswith(f"testhosts: a test host cannot see {path}: {why}")
+            assert done.stderr.count("\n") == 1, done.stderr
+            assert _leftovers(k, [f"k{k}t1"], set()) == []
+    finally:
+        shutil.rmtree(where)
 
 
 # --- the network -----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import fcntl
 import os
 import shlex
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,12 +186,19 @@ def _lock(k: int) -> int | None:
     return fd
 
 
+def python_paths() -> list[str]:
+    """The Python that runs the tests (its virtual environment and its base installation): the
+    hosts see them at the same paths, wherever they are (``testhosts up --share``)."""
+    return list(dict.fromkeys([sys.prefix, sys.base_prefix]))
+
+
 @contextlib.contextmanager
 def hosts_up(n: int = 3, root: Path | None = None) -> Iterator[NamespaceHosts]:
     """``n`` test hosts for the ``with`` block: down at its end, at exit, on Ctrl-C, on error.
 
     With ``root`` (a board's root file system, ``scripts/rvv-board``), the hosts are emulated
-    RISC-V boards: the remote shell runs commands inside the board.
+    RISC-V boards: the remote shell runs commands inside the board. The hosts see the
+    checkout and the Python that runs the tests at the same paths (:func:`python_paths`).
     """
     if os.geteuid() != 0:
         pytest.fail("the test hosts need root (network namespaces): run the suite as root",
@@ -202,7 +210,8 @@ def hosts_up(n: int = 3, root: Path | None = None) -> Iterator[NamespaceHosts]:
         atexit.register(down)
         try:
             script("down", f"--id={k}")  # whatever an earlier run crashed out of
-            script("up", str(n), f"--id={k}", *(["--root", str(root)] if root else []))
+            script("up", str(n), f"--id={k}", *(["--root", str(root)] if root else []),
+                   *[f"--share={path}" for path in python_paths()])
             yield NamespaceHosts.of(k)
         finally:
             atexit.unregister(down)
