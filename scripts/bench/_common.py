@@ -184,7 +184,8 @@ def test_hosts(count: int = 2) -> Iterator[dict[str, str]]:
     (``/run/lock/tvm-distx-testhosts-K.lock``, as the test suite's) no one holds,
     brings the hosts up and yields the variables of ``scripts/testhosts env``
     (``TESTHOSTS_NAMES``, ``TESTHOSTS_RSH``, ``TESTHOSTS_SHARED``, ...); they go
-    down at the block's end, whatever happens in it. Needs root.
+    down at the block's end, whatever happens in it. The hosts see the checkout and the
+    Python that runs this (``--share``) at their paths. Needs root.
     """
     import fcntl
     import shlex
@@ -214,7 +215,9 @@ def test_hosts(count: int = 2) -> Iterator[dict[str, str]]:
     try:
         testhosts("down", f"--id={k}")  # whatever a killed run left behind
         try:
-            testhosts("up", str(count), f"--id={k}")
+            # the Python that runs the benchmark, seen by the hosts wherever it is
+            testhosts("up", str(count), f"--id={k}", f"--share={sys.prefix}",
+                      f"--share={sys.base_prefix}")
             yield dict(shlex.split(line)[0].split("=", 1)
                        for line in testhosts("env", f"--id={k}").splitlines())
         finally:
