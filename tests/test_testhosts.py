@@ -268,8 +268,8 @@ def test_a_clone_under_tmp_its_venv_and_a_board_root_are_seen_at_their_paths_and
                 subprocess.run([str(testhosts), "up", "1", f"--id={k}", f"--root={board}"],
                                check=True, capture_output=True, timeout=60)
                 namespaces = _host_namespaces(k, names[:1])
-                done = on(names[0], "read m < /etc/mark; echo $m; echo $QEMU_CPU; "
-                                    "while read l; do last=$l; done < /usr/local/bin/ssh; echo $last")
+                done = on(names[0], "read m < /etc/mark; echo $m; echo $QEMU_CPU; while read l;"
+                                    " do last=$l; done < /usr/local/bin/ssh; echo $last")
                 assert done.stdout == "the board's root\nrv64,v=true,vext_spec=v1.0\n" \
                                       "# the clone's copy\n", done.stderr
             finally:
