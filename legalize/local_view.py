@@ -53,6 +53,7 @@ from tvm_distx.ir import helpers as _ir
 from tvm_distx.ir.module_pass import module_pass
 from tvm_distx.layout import Placement, Replicate, TensorSharding
 from tvm_distx.legalize.merge_allreduce import MergeAllReduces
+from tvm_distx.legalize.partial_sums import reduced_axes
 from tvm_distx.legalize.split_extents import bind_split_extents
 
 __all__ = ["LowerGlobalViewToLocalView", "split_once"]
@@ -182,19 +183,29 @@ def _alone(mod: tvm.IRModule, binding: relax.VarBinding) -> tvm.IRModule:
 
 
 def _replicated_kernels_as_local(mod: tvm.IRModule) -> tvm.IRModule:
-    """Every kernel whose operands and results are all replicated, marked as local already.
+    """Kernels that run on each rank's shards as written, marked as local already.
 
-    On such a kernel every rank computes on whole tensors: its global view is
-    its local view, and there is nothing to rewrite. TVM's pass rewrites it
-    anyway, and breaks the kernels ``DispatchSortScan`` writes for ``cumsum``
-    and ``sort`` (their output buffer gets a layout over a fresh copy of the
-    symbolic extent, and the kernel no longer builds). Calling them through
-    ``call_tir_local_view`` leaves them as written.
+    A kernel whose operands and results are all replicated computes on whole
+    tensors on every rank: its global view is its local view, and there is
+    nothing to rewrite. TVM's pass rewrites it anyway, and breaks the kernels
+    ``DispatchSortScan`` writes for ``cumsum`` and ``sort`` (their output buffer
+    gets a layout over a fresh copy of the symbolic extent, and the kernel no
+    longer builds). Calling them through ``call_tir_local_view`` leaves them as
+    written.
+
+    A kernel with a user's sharding rule (:data:`~tvm_distx.ir.helpers.KERNEL_RULE_ATTR`,
+    from :func:`tvm_distx.register_sharding_rule`) is one TVM's pass may not read
+    (its loops are its own); the rule says it computes each shard of its result
+    from the shards of its operands. When every split dimension of its buffers
+    is a symbolic extent, it is called the same way, on the shards; a split
+    summed axis leaves a partial sum, completed as TVM's pass completes one
+    (an ``R.ccl.allreduce``, see :mod:`tvm_distx.legalize.partial_sums`).
     """
     out = mod.clone()
     for gv, func in _ir.relax_functions(mod):
-        if any(_all_replicated(binding) for binding in _kernels(func)):
-            out[gv] = _AsLocal(mod).visit_expr(func)
+        if any(_all_replicated(binding) or _runs_as_written(mod, binding)
+               for binding in _kernels(func)):
+            out[gv] = _AsLocal(mod, gv.name_hint).visit_expr(func)
     return out
 
 
@@ -204,19 +215,57 @@ def _all_replicated(binding: relax.VarBinding) -> bool:
         _sharded(ty) for ty in types)
 
 
+def _runs_as_written(mod: tvm.IRModule, binding: relax.VarBinding) -> bool:
+    """A kernel with a user's rule whose split buffer dimensions are all symbolic."""
+    func = mod[binding.value.args[0]]
+    if func.attrs is None or _ir.KERNEL_RULE_ATTR not in func.attrs:
+        return False
+    types = _kernel_types(binding)
+    buffers = [p for p in func.params if tvm.tirx.is_buffer_var(p)]
+    if len(buffers) != len(types) or not all(isinstance(ty, DTensorType) for ty in types):
+        return False
+    for ty, buf in zip(types, buffers):
+        for entry in TensorSharding.from_type(ty).placement.entries:
+            if entry.is_shard() and isinstance(buf.ty.shape[entry.dim], tvm.tirx.IntImm):
+                logger.info("kernel %s has a user's rule but a static extent %s of buffer %s "
+                            "is split: TVM's local view rewrites it", binding.value.args[0].name_hint,
+                            buf.ty.shape[entry.dim], buf)
+                return False
+    return True
+
+
 @mutator
 class _AsLocal(PyExprMutator):
     _LOCAL = tvm.ir.Op.get("relax.dist.call_tir_local_view")
 
+    def __init__(self, mod: tvm.IRModule, function: str) -> None:
+        super().__init__(mod)
+        self.mod = mod
+        self.function = function
+
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
-        if not (_ir.is_call_to(value, "relax.call_tir") and _all_replicated(binding)):
+        if not (_ir.is_call_to(value, "relax.call_tir")
+                and (_all_replicated(binding) or _runs_as_written(self.mod, binding))):
             super().visit_var_binding_(binding)
             return
         args = [value.args[0], self.visit_expr(value.args[1]), *value.args[2:]]
         call = self.builder_.normalize(
             relax.Call(self._LOCAL, args, value.attrs, value.ty_args, value.span))
-        self.builder_.emit_normalized(relax.VarBinding(binding.var, call))
+        result = TensorSharding.from_type(binding.var.ty)
+        if not reduced_axes(value, result):
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, call))
+            return
+        if not result.placement.is_replicated():  # TVM's convention types the sum all-R
+            raise UnsupportedProgramError(
+                f"kernel {value.args[0].name_hint} with a user's sharding rule sums over a "
+                f"split axis into a result split as {result.placement}",
+                function=self.function, var=binding.var.name,
+                hint="keep the summed axis whole (pass unshardable= to register_sharding_rule) "
+                "or annotate the result \"R\"")
+        addends = self.builder_.emit(call, name_hint=f"{binding.var.name}_addend")
+        total = self.builder_.normalize(relax.op.ccl.allreduce(addends, "sum", in_group=False))
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, total))
 
 
 def _pin_call_arguments(mod: tvm.IRModule) -> tvm.IRModule:

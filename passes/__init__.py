@@ -11,9 +11,13 @@
 - :class:`VocabParallelEmbedding` writes the lookups of a vocabulary-split
   embedding table as masked, offset lookups summed over the ranks.
 
+- :func:`register_sharding_rule` declares how an operator or a ``call_tir``
+  kernel shards, as an einsum-like string (``"mk,kn->mn"``).
+
 Propagation reads each call's signature (:mod:`.op_signatures`) from the
 rules of :mod:`.relax_op_rules` and :mod:`.tir_access`, registered on import
-here; :mod:`.sharding_solver` decides the shardings from them.
+here, and the users' (:mod:`.user_rules`); :mod:`.sharding_solver` decides the
+shardings from them.
 """
 
 from tvm_distx.passes import dist_type_rules, relax_op_rules, tir_access  # noqa: F401 - register the built-in rules
@@ -23,6 +27,7 @@ from tvm_distx.passes.grouped_attention import GroupedQueryAttention
 from tvm_distx.passes.split_fused import SplitFusedProjections, derivations_of
 from tvm_distx.passes.quantize import quantize
 from tvm_distx.passes.vocab_parallel import VocabParallelEmbedding, vocab_lookups
+from tvm_distx.passes.user_rules import register_sharding_rule
 
 __all__ = ["AnnotateSharding", "GroupedQueryAttention", "PropagateSharding", "SplitFusedProjections",
-           "VocabParallelEmbedding", "derivations_of", "propagate", "quantize", "vocab_lookups"]
+           "VocabParallelEmbedding", "derivations_of", "propagate", "quantize", "register_sharding_rule", "vocab_lookups"]

@@ -24,6 +24,11 @@ and the tensor-type helpers rules share. The rules themselves live elsewhere:
 * :mod:`tvm_distx.passes.tir_access`: the ``relax.call_tir`` rule, which reads
   the access patterns of the called ``PrimFunc``.
 
+A ``call_tir`` kernel can have a rule of its own, registered by the name of its
+``PrimFunc`` (:func:`register_kernel_signature`); it wins over reading the
+PrimFunc's accesses. Users register both kinds as strings with
+:func:`tvm_distx.register_sharding_rule` (:mod:`tvm_distx.passes.user_rules`).
+
 Importing :mod:`tvm_distx.passes` registers both. Rules are plain functions
 registered per operator name (like PyTorch DTensor's sharding strategies, but
 returning data). Every rule is conservative: when it is unsure it returns
@@ -48,14 +53,17 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.distributed import DTensorType
 
-from tvm_distx.errors import ArgumentError
+from tvm_distx.errors import ArgumentError, RuleError
 
 __all__ = [
     "Labels",
     "OpSignature",
     "SignatureRule",
     "op_signature",
+    "kernel_name",
+    "register_kernel_signature",
     "register_signature",
+    "registered_kernels",
     "registered_ops",
     # helpers for rules
     "is_tensor",
@@ -127,6 +135,8 @@ class OpSignature:
 
 # --------------------------------------------------------------------------- registry
 _RULES: dict[str, SignatureRule] = {}
+#: Rules of ``call_tir`` kernels, by the kernel's name.
+_KERNEL_RULES: dict[str, SignatureRule] = {}
 
 
 def register_signature(*op_names: str) -> Callable[[SignatureRule], SignatureRule]:
@@ -167,6 +177,63 @@ def register_signature(*op_names: str) -> Callable[[SignatureRule], SignatureRul
         return rule
 
     return decorator
+
+
+def register_kernel_signature(*kernel_names: str) -> Callable[[SignatureRule], SignatureRule]:
+    """Register a signature rule for ``relax.call_tir`` calls of the named kernels.
+
+    Parameters
+    ----------
+    *kernel_names : str
+        Names of ``PrimFunc`` s (see :func:`kernel_name`).
+
+    Returns
+    -------
+    callable
+        A decorator that records ``f(call, mod) -> OpSignature | None`` for every
+        name and returns ``f`` unchanged; ``f`` gets the ``call_tir`` call. Such a
+        rule wins over the rule of ``relax.call_tir`` (the kernel's accesses).
+    """
+    if not kernel_names:
+        raise ArgumentError("register_kernel_signature needs at least one kernel name",
+                            hint='name the kernels: @register_kernel_signature("my_kernel")')
+
+    def decorator(rule: SignatureRule) -> SignatureRule:
+        for name in kernel_names:
+            _KERNEL_RULES[name] = rule
+        return rule
+
+    return decorator
+
+
+def registered_kernels() -> frozenset[str]:
+    """The kernel names that have a signature rule of their own.
+
+    Returns
+    -------
+    frozenset of str
+        Registered kernel names.
+    """
+    return frozenset(_KERNEL_RULES)
+
+
+def kernel_name(call: relax.Call, mod: tvm.IRModule) -> str | None:
+    """The name a ``call_tir``'s kernel is registered under, None for any other call.
+
+    The kernel's ``global_symbol`` when it has one and a rule is registered for it,
+    else the name of its ``GlobalVar`` in ``mod``.
+    """
+    if _op_name(call) != "relax.call_tir" or not isinstance(call.args[0], tvm.ir.GlobalVar):
+        return None
+    gv = call.args[0]
+    try:
+        func = mod[gv]
+    except Exception:  # noqa: BLE001 - not in the module
+        return gv.name_hint
+    symbol = func.attrs.get("global_symbol") if func.attrs is not None else None
+    if symbol is not None and str(symbol) in _KERNEL_RULES:
+        return str(symbol)
+    return gv.name_hint
 
 
 def registered_ops() -> frozenset[str]:
@@ -211,11 +278,17 @@ def op_signature(call: relax.Call, mod: tvm.IRModule) -> OpSignature | None:
     if not isinstance(call, relax.Call):
         return None
     name = _op_name(call)
-    rule = _RULES.get(name) if name is not None else None
+    kernel = kernel_name(call, mod)
+    if kernel in _KERNEL_RULES:  # a kernel's own rule wins over reading its accesses
+        rule, name = _KERNEL_RULES[kernel], f"kernel '{kernel}'"
+    else:
+        rule = _RULES.get(name) if name is not None else None
     if rule is None:
         return None
     try:
         sig = rule(call, mod)
+    except RuleError:  # a user's rule that does not fit the call: the user must know
+        raise
     except Exception:  # noqa: BLE001 - a rule that fails must not break propagation
         logger.warning("signature rule for %s failed; the call will be replicated", name,
                        exc_info=True)

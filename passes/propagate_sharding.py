@@ -14,7 +14,10 @@ is passed to another Relax function. This pass:
 * inserts ``R.dist.redistribute`` wherever a value's sharding differs from what
   a use needs, including between pipeline stages on different meshes.
 
-Functions that no sharding reaches are left as they are.
+Functions that no sharding reaches are left as they are. A ``call_tir`` kernel
+with a user's rule (:func:`tvm_distx.register_sharding_rule`) gets the rule
+string as its attribute :data:`tvm_distx.ir.helpers.KERNEL_RULE_ATTR`, which
+tells the local view to run it on each rank's shards as written.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tvm_distx.layout import MeshTable, TensorSharding, replicated
 
 from tvm_distx.passes.decisions import Decision, Strength, decide_operands, replicated_plan
 from tvm_distx.passes.sharding_solver import FunctionAnalysis, ProgramAnalysis, _field_type, call_site
+from tvm_distx.passes.user_rules import kernel_rule
 
 __all__ = ["PropagateSharding", "PropagationResult", "propagate"]
 
@@ -185,7 +189,9 @@ class _ModuleRewriter:
         # them (and call_tir references to TIR functions) stay valid.
         functions_out = dict(self.bb.get().functions.items())
         for gv, func in self.mod.functions.items():
-            if not isinstance(func, relax.Function) or gv.name_hint in kept:
+            if isinstance(func, tvm.tirx.PrimFunc):
+                functions_out[gv] = _with_user_rule(func, gv.name_hint)
+            elif not isinstance(func, relax.Function) or gv.name_hint in kept:
                 functions_out[gv] = func
         out = tvm.IRModule(functions_out, attrs=self.mod.attrs,
                            global_infos=self.mod.global_infos)
@@ -566,6 +572,14 @@ class _FunctionEmitter(FunctionRewriter):
 
 
 # --------------------------------------------------------------------------- helpers
+def _with_user_rule(func: tvm.tirx.PrimFunc, name: str) -> tvm.tirx.PrimFunc:
+    """``func`` marked with the rule string a user declared for it, if any."""
+    spec = kernel_rule(func, name)
+    if spec is None:
+        return func
+    return func.with_attr(_ir.KERNEL_RULE_ATTR, spec.text)
+
+
 def _legalizable(op_name: str) -> bool:
     """Whether ``relax.transform.LegalizeOps`` can lower this operator to TIR."""
     try:

@@ -70,7 +70,7 @@ import tvm
 from tvm import relax
 
 from tvm_distx.ir import helpers as _ir
-from tvm_distx.errors import CallGraphError, UnsupportedProgramError
+from tvm_distx.errors import CallGraphError, RuleError, UnsupportedProgramError
 from tvm_distx.layout import MeshTable, Placement, Replicate, TensorSharding, replicated
 from tvm_distx.layout.mesh import DeviceMesh
 
@@ -365,7 +365,10 @@ class FunctionAnalysis:
 
     def operands_of(self, call: relax.Call) -> tuple[OpSignature | None, list[relax.Expr]]:
         """The call's signature and its tensor operands."""
-        sig = op_signature(call, self.program.mod)
+        try:
+            sig = op_signature(call, self.program.mod)
+        except RuleError as err:  # a user's rule that does not fit: say where
+            raise RuleError(err.message, function=self.name, hint=err.hint) from None
         if sig is not None:
             return sig, list(sig.operands)
         return None, [a for a in _flat_args(call) if _ir.is_tensor_type(a.ty)]

@@ -21,7 +21,7 @@ from tvm_distx import errors
 PUBLIC = {
     "DeviceMesh", "Placement", "Shard", "Replicate", "Partial", "TensorSharding",
     "set_device_meshes",
-    "ShardingRule", "AnnotateSharding", "PropagateSharding",
+    "ShardingRule", "AnnotateSharding", "PropagateSharding", "register_sharding_rule",
     "load_module", "from_torch", "export_decoder", "quantize",
     "compile", "lower_to_ranks", "DistExecutable", "CausalLM",
     "auto_shard", "explain", "comm_report",
@@ -56,6 +56,8 @@ def test_every_public_name_resolves_without_a_warning():
             assert getattr(tvm_distx, name) is not None, name
     assert tvm_distx.AnnotateSharding is _at("tvm_distx.passes.annotate_sharding.AnnotateSharding")
     assert tvm_distx.PropagateSharding is _at("tvm_distx.passes.propagate_sharding.PropagateSharding")
+    assert tvm_distx.register_sharding_rule is _at(
+        "tvm_distx.passes.user_rules.register_sharding_rule")
     assert tvm_distx.lower_to_ranks is _at("tvm_distx.compiler.pipeline.lower_to_ranks")
     assert tvm_distx.CausalLM is _at("tvm_distx.llm.causal_lm.CausalLM")
     assert tvm_distx.set_device_meshes is _at("tvm_distx.layout.mesh.set_device_meshes")

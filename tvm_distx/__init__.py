@@ -6,7 +6,8 @@ The top level holds what a user of the package needs (see ``__all__``):
   :class:`Placement` (:class:`Shard`, :class:`Replicate`, :class:`Partial`),
   :class:`TensorSharding`, and :func:`set_device_meshes` to give a module its meshes;
 - annotating and propagating: :class:`ShardingRule`, :class:`AnnotateSharding`,
-  :class:`PropagateSharding`;
+  :class:`PropagateSharding`, and :func:`register_sharding_rule` (how an operator
+  or kernel tvm-distx does not know shards, as ``"mk,kn->mn"``);
 - importing: :func:`load_module` (TVMScript), :func:`from_torch`,
   :func:`export_decoder` (a Hugging Face decoder with its KV cache);
 - storing weights in 16 bits or quantized (:func:`quantize`);
@@ -69,6 +70,7 @@ from tvm_distx.layout.rules import ShardingRule
 _LAZY = {
     "AnnotateSharding": "tvm_distx.passes",
     "PropagateSharding": "tvm_distx.passes",
+    "register_sharding_rule": "tvm_distx.passes",
     "load_module": "tvm_distx.frontend.script",
     "from_torch": "tvm_distx.frontend.pytorch",  # imports torch
     "export_decoder": "tvm_distx.frontend.decoder",  # imports torch and transformers
@@ -114,6 +116,7 @@ __all__ = [
     "ShardingRule",
     "AnnotateSharding",
     "PropagateSharding",
+    "register_sharding_rule",
     # importing programs
     "load_module",
     "from_torch",

@@ -14,6 +14,12 @@ from tvm_distx.layout import Placement
 from tvm_distx.layout.mesh import DeviceMesh
 
 
+#: The attribute of a ``PrimFunc`` whose sharding rule a user declared
+#: (:func:`tvm_distx.register_sharding_rule`): the rule string. Propagation writes
+#: it; the local view then runs the kernel on each rank's shards as written.
+KERNEL_RULE_ATTR = "tvm_distx.sharding_rule"
+
+
 @lru_cache(maxsize=None)
 def op(name: str) -> tvm.ir.Op:
     """Look a Relax operator up once."""

@@ -41,16 +41,33 @@ def fuse_kernels(mod: tvm.IRModule) -> tvm.IRModule:
     """``mod`` with each kernel fused with its elementwise consumers and its weight decodes.
 
     TVM's ``AnnotateTIROpPattern``, ``FuseOps`` and ``FuseTIR``, then
-    :class:`FuseWeightDecodes` and ``FuseTIR`` again.
+    :class:`FuseWeightDecodes` and ``FuseTIR`` again. A kernel with a user's
+    sharding rule (:data:`~tvm_distx.ir.helpers.KERNEL_RULE_ATTR`) is the user's
+    own code, often over symbolic extents that ``FuseTIR`` cannot match with
+    its consumers' static ones: it is left as written (opaque).
     """
     if not any(isinstance(func, relax.Function) for func in mod.functions.values()):
         return mod
-    return tvm.transform.Sequential([relax.transform.AnnotateTIROpPattern(),
+    return tvm.transform.Sequential([_user_kernels_opaque,
+                                     relax.transform.AnnotateTIROpPattern(),
                                      relax.transform.FuseOps(),
                                      relax.transform.FuseTIR(),
                                      FuseWeightDecodes(),
                                      relax.transform.FuseTIR(),
                                      relax.transform.DeadCodeElimination()])(mod)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_distx.UserKernelsOpaque")
+def _user_kernels_opaque(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Kernels with a user's sharding rule marked opaque, so that nothing is fused into them."""
+    out = mod
+    for gv, func in mod.functions.items():
+        if isinstance(func, tirx.PrimFunc) and func.attrs is not None \
+                and _ir.KERNEL_RULE_ATTR in func.attrs:
+            if out is mod:
+                out = mod.clone()
+            out[gv] = func.with_attr("op_pattern", _OP_PATTERN_OPAQUE)
+    return out
 
 
 @module_pass("tvm_distx.FuseWeightDecodes")
