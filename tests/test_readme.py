@@ -99,6 +99,21 @@ def _text(out: str, scratch: Path) -> None:
     assert "streamed text equals the text: True" in out
 
 
+def _user_rule(out: str, scratch: Path) -> None:
+    assert "x      (64, 32)      mesh[0]  S[1]" in out  # explain: x split on the summed axis
+    assert "w      (32, 16)      mesh[0]  S[0]" in out  # w split to match, by the user's rule
+    assert "y      (64, 16)      mesh[0]  P" in out  # a partial sum, completed by an all-reduce
+    # sums of 32 products of standard normals (up to about 20): float32 rounding, in
+    # another order than numpy's, is a few 1e-6
+    assert _error(out, "user rule max |error|:") < 1e-4  # two MPI ranks equal numpy
+
+
+def _mutator(out: str, scratch: Path) -> None:
+    assert "TVM's PropagateSharding fails: Argument 0 type mismatch" in out
+    assert "mlp after ours: ['R', 'S[1]', 'S[0]']" in out
+    assert _error(out, "mutator max |error|:") < 1e-5  # two emulated ranks equal numpy
+
+
 def _quantized(out: str, scratch: Path) -> None:
     assert "['down', 'down_scale', 'up', 'up_scale']" in out
     assert _error(out, "quantized max |error|:") < 1e-4
@@ -119,6 +134,8 @@ CHECKS = {
     "kv decode tokens": _kv,
     "CausalLM equals transformers": _causal_lm,
     "quantized max |error|": _quantized,
+    "user rule max |error|": _user_rule,
+    "mutator max |error|": _mutator,
     "same seed, same tokens": _sampling,
     "streamed text equals the text": _text,
 }

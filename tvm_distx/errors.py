@@ -206,7 +206,8 @@ class ShardingConflictError(ShardingError):
 
 
 class RuleError(ShardingError, ValueError):
-    """A :class:`tvm_distx.ShardingRule` is malformed."""
+    """A rule is malformed: a :class:`tvm_distx.ShardingRule`, or a rule string of
+    :func:`tvm_distx.register_sharding_rule` (at registration, or at a call it does not fit)."""
 
     rule = "sharding-rule"
 
