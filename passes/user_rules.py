@@ -19,7 +19,9 @@ Which rule a call gets, first match wins:
 
 The string is checked when it is registered (syntax, an operator name TVM does
 not know); its terms are checked against the operands' ranks when propagation
-meets a call (:class:`~tvm_distx.errors.RuleError` both times). Propagation
+meets a call (:class:`~tvm_distx.errors.RuleError` both times). An operator without
+TVM's distributed type rule (``dist.FInferType``, which a user's operator
+registered with ``ir.RegisterOp`` lacks) gets one from its string. Propagation
 marks each kernel used with a user's rule (``PrimFunc`` attribute
 :data:`tvm_distx.ir.helpers.KERNEL_RULE_ATTR`), and the local view runs such a
 kernel on each rank's shards as written: its split dimensions must then be
@@ -34,8 +36,10 @@ import re
 
 import tvm
 from tvm import relax
+from tvm.relax.distributed import DTensorType, Placement
 
 from tvm_distx.errors import RuleError
+from tvm_distx.layout import TensorSharding
 from tvm_distx.passes.einsum import EinsumSpec, einsum_signature, parse_einsum
 from tvm_distx.passes.op_signatures import (OpSignature, is_tensor, output_types,
                                             register_kernel_signature, register_signature)
@@ -47,6 +51,7 @@ logger = logging.getLogger(__name__)
 #: Every rule a user registered: operator or kernel name -> its parsed string.
 _SPECS: dict[str, EinsumSpec] = {}
 _KERNEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+_DIST_INFER = "dist.FInferType"
 
 
 def register_sharding_rule(name: str, rule: str, *, unshardable: str = "") -> None:
@@ -80,7 +85,9 @@ def register_sharding_rule(name: str, rule: str, *, unshardable: str = "") -> No
     A later registration of the same name replaces the earlier one. A
     kernel's rule wins over reading its TIR accesses; an operator's replaces
     the built-in rule. A kernel with a rule runs on each rank's shards as
-    written, so its split dimensions must be symbolic.
+    written, so its split dimensions must be symbolic. An operator needs TVM's
+    ``FInferType``; when it has no ``dist.FInferType``, one is registered that
+    types its result from ``rule``.
 
     Examples
     --------
@@ -94,6 +101,7 @@ def register_sharding_rule(name: str, rule: str, *, unshardable: str = "") -> No
     spec = parse_einsum(rule, unshardable)
     if _is_operator(name):
         register_signature(name)(_operator_rule(spec, name))
+        _give_distributed_type(name)
         what = "operator"
     elif name.startswith("relax.") or not _KERNEL_NAME.fullmatch(name):
         raise RuleError(f"register_sharding_rule: {name!r} is neither a Relax operator TVM "
@@ -160,6 +168,64 @@ def _operator_rule(spec: EinsumSpec, name: str):
 
     rule.__name__ = f"user_rule[{name}]"
     return rule
+
+
+def _give_distributed_type(name: str) -> None:
+    """Register ``dist.FInferType`` for an operator that has none, from the user's rule.
+
+    TVM types a call on DTensors only through that attribute, which a user's
+    operator (registered with ``ir.RegisterOp``) usually lacks. The type is the
+    operator's own ``FInferType`` on the global tensors, placed as the rule says:
+    a result dimension whose letter an operand splits is split the same way; a
+    split summed letter gives ``R`` (TVM's type of a partial sum). Propagation
+    redistributes wherever that differs from what it decided.
+    """
+    op = tvm.ir.Op.get(name)
+    if op.get_attr(_DIST_INFER) is not None or op.get_attr("FInferType") is None:
+        return
+
+    def infer(call: relax.Call, builder) -> DTensorType:
+        spec = _SPECS.get(name)  # the rule registered last
+        if spec is None:
+            raise RuleError(f"operator {name} has no sharding rule (any more)",
+                            hint="register one with tvm_distx.register_sharding_rule")
+        args, operands, plain = [], [], []
+        for arg in call.args:
+            if isinstance(arg, relax.Tuple):
+                fields = [_plain(f, operands, plain) for f in arg.fields]
+                args.append(relax.Tuple(fields))
+            else:
+                args.append(_plain(arg, operands, plain))
+        global_ty = op.get_attr("FInferType")(relax.Call(op, args, call.attrs, call.ty_args),
+                                              builder)
+        sig = einsum_signature(spec, plain, output_types(global_ty), strict=True,
+                               what=f"operator {name}")
+        if not operands or sig is None or len(sig.output) != 1:
+            raise RuleError(f"rule {spec.text!r} of operator {name} cannot type this call on "
+                            "DTensors", hint="give the operator one tensor result")
+        mesh = operands[0].device_mesh
+        result: list[str] = []
+        placements = [TensorSharding.from_type(ty).placement.entries for ty in operands]
+        for axis in range(len(mesh.shape)):
+            split = [sig.labels[i][entries[axis].dim] for i, entries in enumerate(placements)
+                     if entries[axis].is_shard()]
+            dims = [sig.output[0].index(label) for label in split if label in sig.output[0]]
+            result.append(f"S[{dims[0]}]" if dims else "R")
+        return DTensorType(global_ty, mesh, Placement.from_text("".join(result)))
+
+    tvm.ir.register_op_attr(name, _DIST_INFER, infer)
+    logger.debug("registered %s for %s from its sharding rule", _DIST_INFER, name)
+
+
+def _plain(arg: relax.Expr, operands: list, plain: list) -> relax.Expr:
+    """``arg`` as a plain tensor variable of its global type (a DTensor's type noted)."""
+    ty = arg.ty
+    if not isinstance(ty, DTensorType):
+        return arg
+    var = relax.Var(f"operand{len(plain)}", ty.tensor_ty)
+    operands.append(ty)
+    plain.append(var)
+    return var
 
 
 def _kernel_rule(spec: EinsumSpec, name: str):

@@ -14,10 +14,15 @@ import tvm
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
+from tvm import relax
+from tvm.relax.distributed import DeviceMesh
+from tvm.relax.distributed import Placement as TvmPlacement
+from tvm.relax.op.distributed import annotate_sharding
 
 import tvm_distx as td
+from locations import TESTS_DIR
 from signature_tools import bindings, expect, sig_of
-from tvm_distx.errors import RuleError
+from tvm_distx.errors import RuleError, UnsupportedProgramError
 from tvm_distx.layout import TensorSharding
 from tvm_distx.passes import PropagateSharding, op_signatures, user_rules
 from tvm_distx.passes.einsum import einsum, parse_einsum
@@ -213,6 +218,67 @@ def test_a_kernels_rule_wins_over_its_accesses():
     assert _placement(bindings(PropagateSharding()(Readable))["y"]) == "S[0]"
     td.register_sharding_rule("scale", "mn->mn", unshardable="m")
     assert _placement(bindings(PropagateSharding()(Readable))["y"]) == "R"
+
+
+def test_the_documented_kernel_is_split_on_its_summed_axis():
+    """docs/concepts.md's example (tests/test_readme.py runs it on two MPI ranks)."""
+    td.register_sharding_rule("my_matmul", "mk,kn->mn")
+    out = PropagateSharding()(td.load_module(TESTS_DIR / "data" / "loop_matmul.py"))
+    y = bindings(out)["y"]
+    assert [_placement(f) for f in y.args[1].fields] == ["S[1]", "S[0]"] and _placement(y) == "R"
+    assert out["my_matmul"].attrs["tvm_distx.sharding_rule"] == "mk,kn->mn"
+
+
+# --------------------------------------------------------------------------- a user's operator
+PAIRWISE = "relax.distx_test.pairwise"
+
+
+@pytest.fixture(scope="module")
+def pairwise_op() -> tvm.ir.Op:
+    """A Relax operator of the user's own, ``x @ w`` in meaning, with TVM's type rule only."""
+    tvm.get_global_func("ir.RegisterOp")(PAIRWISE, "a user's operator: x @ w")
+
+    def infer(call, builder):  # noqa: ARG001
+        x, w = call.args[0].ty, call.args[1].ty
+        return relax.TensorType([x.shape.values[0], w.shape.values[1]], x.dtype)
+
+    tvm.ir.register_op_attr(PAIRWISE, "FInferType", infer)
+    tvm.ir.register_op_attr(PAIRWISE, "FPurity", True)
+    return tvm.ir.Op.get(PAIRWISE)
+
+
+def pairwise_module(op: tvm.ir.Op, x_placement: str, w_placement: str) -> tvm.IRModule:
+    mesh = DeviceMesh((2,), tvm.ir.Range(0, 2))
+    x = relax.Var("x", relax.TensorType((8, 4), "float32"))
+    w = relax.Var("w", relax.TensorType((4, 6), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            xs = bb.emit(annotate_sharding(x, mesh, TvmPlacement.from_text(x_placement)), "xs")
+            ws = bb.emit(annotate_sharding(w, mesh, TvmPlacement.from_text(w_placement)), "ws")
+            y = bb.emit_output(relax.Call(op, [xs, ws]), "y")
+        bb.emit_func_output(y)
+    mod = bb.get().with_attr("device_num", 2)
+    mod.update_global_info("mesh", [mesh])
+    return mod
+
+
+def test_a_users_operator_without_a_rule_cannot_be_typed_on_dtensors(pairwise_op):
+    with pytest.raises(UnsupportedProgramError, match="cannot type relax.distx_test.pairwise"):
+        PropagateSharding(warn_unlegalized=False)(pairwise_module(pairwise_op, "S[0]", "R"))
+
+
+@pytest.mark.parametrize("x_placement, w_placement, result", [
+    ("S[0]", "R", "S[0]"), ("R", "S[1]", "S[1]"), ("S[1]", "S[0]", "R")])
+def test_a_users_operator_is_split_by_its_rule(pairwise_op, x_placement, w_placement, result):
+    td.register_sharding_rule(PAIRWISE, "mk,kn->mn")
+    out = PropagateSharding(warn_unlegalized=False)(pairwise_module(pairwise_op, x_placement,
+                                                                    w_placement))
+    main = out["main"]
+    assert [_placement(p) for p in main.params] == [x_placement, w_placement]
+    y = bindings(out)["y"]
+    assert y.op.same_as(pairwise_op) and list(y.args) == list(main.params)  # no redistribute
+    assert _placement(y) == result  # a split k: the partial sum typed "R", as TVM types it
 
 
 # --------------------------------------------------------------------------- running it
