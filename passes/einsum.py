@@ -260,7 +260,28 @@ def einsum_signature(spec: EinsumSpec, operands: Sequence[relax.Expr], outputs: 
             return misfit(f"result {j} has rank {rank}, but its term {''.join(term)!r} "
                           f"gives {len(row)} dimensions")
         out.append(row)
+    if strict:
+        clash = _extent_clash(labels, operands, out, outputs)
+        if clash is not None:
+            return misfit(clash)
     return namer.signature(operands, labels, out)
+
+
+def _extent_clash(labels, operands, out, outputs) -> str | None:
+    """Two static extents of one axis that differ (a user's rule that names them alike)."""
+    seen: dict[str, tuple[int, str]] = {}
+    tensors = [(f"operand {i}", row, dims(o)) for i, (row, o) in enumerate(zip(labels, operands))]
+    tensors += [(f"result {j}", row, dims(t)) for j, (row, t) in enumerate(zip(out, outputs))]
+    for where, row, shape in tensors:
+        for label, extent in zip(row, shape or ()):
+            value = static_int(extent)
+            if value is None:
+                continue
+            if label in seen and seen[label][0] != value:
+                return (f"one axis is {seen[label][0]} long in {seen[label][1]} but {value} "
+                        f"in {where}")
+            seen.setdefault(label, (value, where))
+    return None
 
 
 def _batch_labels(namer: "Namer", operands, batch: list) -> tuple[list, list] | None:

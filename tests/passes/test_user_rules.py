@@ -191,6 +191,12 @@ def test_a_rule_that_does_not_fit_the_operands_is_a_rule_error_naming_the_functi
     assert err.value.function == "main" and "kernel 'loop_matmul'" in str(err.value)
 
 
+def test_a_rule_that_joins_axes_of_different_lengths_is_a_rule_error():
+    td.register_sharding_rule("loop_matmul", "mk,nk->mn")  # k of x is 12 long, of w 8
+    with pytest.raises(RuleError, match="one axis is 12 long in operand 0 but 8 in operand 1"):
+        PropagateSharding()(loop_matmul_module("S[0]", "R"))
+
+
 def test_a_kernels_rule_wins_over_its_accesses():
     """A kernel tir_access reads (row-split) declared whole on its rows: the rule wins."""
 
