@@ -218,7 +218,8 @@ def _all_replicated(binding: relax.VarBinding) -> bool:
 def _runs_as_written(mod: tvm.IRModule, binding: relax.VarBinding) -> bool:
     """A kernel with a user's rule whose split buffer dimensions are all symbolic."""
     func = mod[binding.value.args[0]]
-    if func.attrs is None or _ir.KERNEL_RULE_ATTR not in func.attrs:
+    if func.attrs is None or _ir.KERNEL_RULE_ATTR not in func.attrs \
+            or not isinstance(binding.var.ty, DTensorType):  # one result, whose sum is known
         return False
     types = _kernel_types(binding)
     buffers = [p for p in func.params if tvm.tirx.is_buffer_var(p)]
@@ -252,8 +253,8 @@ class _AsLocal(PyExprMutator):
         args = [value.args[0], self.visit_expr(value.args[1]), *value.args[2:]]
         call = self.builder_.normalize(
             relax.Call(self._LOCAL, args, value.attrs, value.ty_args, value.span))
-        result = TensorSharding.from_type(binding.var.ty)
-        if not reduced_axes(value, result):
+        result = TensorSharding.from_type(binding.var.ty)  # one tensor (_runs_as_written)
+        if _all_replicated(binding) or not reduced_axes(value, result):
             self.builder_.emit_normalized(relax.VarBinding(binding.var, call))
             return
         if not result.placement.is_replicated():  # TVM's convention types the sum all-R
