@@ -1,7 +1,8 @@
 """``tvm-distx autoshard``: every placement chosen by cost, written as editable rules.
 
-Kept apart from :mod:`tvm_distx.cli.main` (which parses the command line and calls
-:func:`autoshard`) so that neither grows past a readable size.
+``MODULE.py --mesh AxB [--memory SIZE] [--objective latency|throughput] [--rules R]
+[-o RULES.yaml]`` solves for the placements (:func:`tvm_distx.autoshard.auto_shard`),
+reports the plan on stderr and writes its rules, for ``--rules`` of the other subcommands.
 """
 
 from __future__ import annotations
@@ -16,10 +17,41 @@ from tvm_distx.cli.inputs import (EXIT_OK, _input_file, _load_plain, _progress, 
                          _rules_as_written, _with_mesh, _writable_file)
 from tvm_distx.errors import ArgumentError
 
-__all__ = ["autoshard"]
+__all__ = ["add_parser", "autoshard"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """The ``autoshard`` subcommand's parser, added to ``sub``."""
+    p = sub.add_parser("autoshard", help="choose every placement by cost under a memory "
+                       "budget, and write them as editable rules")
+    p.add_argument("module", type=Path, help="a TVMScript file")
+    p.add_argument("--mesh", default=None, metavar="N or AxB",
+                   help="the device mesh (2, 2x2): added to the module, or replacing its one "
+                   "mesh")
+    p.add_argument("--memory", default=None, metavar="SIZE",
+                   help="bytes per rank for weights and activations (1GiB, 512MiB)")
+    p.add_argument("--objective", choices=["latency", "throughput"], default="latency",
+                   help="what the plan makes short: latency, the time of one call with every "
+                   "message's start-up; throughput, arithmetic and bytes only (default: "
+                   "%(default)s)")
+    p.add_argument("--rules", type=Path, default=None,
+                   help="parameter rules the plan must keep (JSON or YAML)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="a cost profile (JSON, from tvm_distx.autoshard.measure_cost_profile(...).save(path))")
+    p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS",
+                   help="the solver's time limit (the report gives the optimality gap)")
+    p.add_argument("--function", default="main",
+                   help="the function to plan (decode, prefill; default main)")
+    p.add_argument("--size", action="append", default=[], metavar="NAME=INT",
+                   help="the example size of a symbolic extent to price the plan at "
+                   "(--size seq=128; repeatable); the rules serve every size")
+    p.add_argument("-o", "--output", type=Path,
+                   help="write the rules here, YAML or .json (default YAML on stdout)")
+    p.set_defaults(handler=autoshard)
+    return p
 
 
 def _bytes(text: str) -> int:

@@ -39,6 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "every host: do not copy its blocks")
     p.add_argument("--split-only", type=Path, default=None, metavar="OUT",
                    help="write each host's copy here as OUT/<host>/ instead of sending it")
+    p.set_defaults(handler=deploy)
     return p
 
 

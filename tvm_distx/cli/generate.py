@@ -30,14 +30,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tvm_distx.cli.hosts import session_options
+from tvm_distx.cli.arguments import add_backend_argument, positive
+from tvm_distx.cli.hosts import add_host_arguments, session_options
 from tvm_distx.cli.inputs import EXIT_OK, _input_file, _progress, _writable_file
 from tvm_distx.errors import ArgumentError
+from tvm_distx.generation.generator import PREFILL_CHUNK
 
 if TYPE_CHECKING:
     from tvm_distx.generation.opened_bundle import OpenedBundle
 
-__all__ = ["generate", "open_model"]
+__all__ = ["add_parser", "generate", "open_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,3 +243,68 @@ def generate(args: argparse.Namespace) -> int:
 def _log_speed(lm) -> None:
     logger.info("prefill %.3f s, decode %.1f tokens/s (%d tokens)", lm.stats.prefill_seconds,
                 lm.stats.decode_tokens_per_second, lm.stats.new_tokens)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """The ``generate`` subcommand's parser, added to ``sub``."""
+    p = sub.add_parser("generate", help="text or tokens from a generation bundle "
+                       "(CausalLM.export), a Hugging Face checkpoint or a GGUF file")
+    p.add_argument("bundle", type=Path, metavar="MODEL",
+                   help="a directory written by CausalLM.export, a checkpoint directory "
+                   "written by save_pretrained, or a llama.cpp .gguf file")
+    p.add_argument("--ids", type=int, nargs="+", help="the prompt's token ids")
+    p.add_argument("--input", type=Path, help="the prompt's token ids as a .npy array")
+    p.add_argument("--max-new-tokens", type=positive(int), default=32,
+                   help="the most tokens to generate after the prompt (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=positive(int), default=PREFILL_CHUNK,
+                   help="the most prompt tokens per prefill call; a longer prompt is "
+                   "prefilled chunk by chunk (default: %(default)s)")
+    add_backend_argument(p)
+    p.add_argument("-n", "--ranks", type=positive(int), default=None,
+                   help="the rank count (2 for a checkpoint or a GGUF file); a bundle fixes "
+                   "it, so for a bundle this only checks it")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="a checkpoint's weights on the ranks (default: as the checkpoint "
+                   "stores them)")
+    p.add_argument("--quantization", choices=("q8", "q4"),
+                   help="store a checkpoint's linear weights as int8 or int4 groups of 32")
+    p.add_argument("--max-length", type=positive(int), default=None,
+                   help="a checkpoint's or GGUF file's cache length (default: the prompt "
+                   "and the new tokens)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile a checkpoint or GGUF file again, and keep no copy "
+                   "(default: reuse and fill the compile cache, $TVM_DISTX_CACHE or "
+                   "~/.cache/tvm-distx)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="with --ids: stop at the model's end token (kept in the output); "
+                   "text always stops there")
+    p.add_argument("--prompt", help="the prompt as text, by the model's tokenizer; the new "
+                   "text is printed as it is generated")
+    p.add_argument("--chat", metavar="MESSAGE", help="a user message, by the tokenizer's chat "
+                   "template; the reply is printed as it is generated")
+    p.add_argument("--system", help="with --chat: a system message before it")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="with --prompt or --chat: stop once the text holds TEXT (repeatable)")
+    _add_sampling_arguments(p)
+    p.add_argument("-o", "--output", type=Path,
+                   help="also save the prompt and the new tokens as a (1, n) .npy")
+    p.add_argument("--timeout", type=positive(float), default=300.0,
+                   help="seconds for the ranks to start and for each step")
+    add_host_arguments(p)
+    p.set_defaults(handler=generate)
+    return p
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of :func:`_sampling`: how each new token is drawn."""
+    p.add_argument("--do-sample", action="store_true",
+                   help="draw each token (transformers' do_sample); greedy without it")
+    p.add_argument("--temperature", type=float, help="divide the logits by it (default 1)")
+    p.add_argument("--top-k", type=int, help="keep the K most likely tokens (default 50)")
+    p.add_argument("--top-p", type=float, help="keep the most likely tokens up to this "
+                   "probability (default 1)")
+    p.add_argument("--min-p", type=float, help="keep tokens at least this fraction as likely "
+                   "as the most likely one")
+    p.add_argument("--repetition-penalty", type=float, help="penalise tokens already there "
+                   "(default 1: none)")
+    p.add_argument("--seed", type=int, help="seed of the draws: the same tokens every run")

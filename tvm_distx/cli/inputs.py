@@ -1,7 +1,7 @@
 """What every ``tvm-distx`` subcommand shares: exit codes, checked inputs and outputs, progress.
 
-:mod:`tvm_distx.cli.main` (the parser and most subcommands), :mod:`tvm_distx.cli.autoshard`
-and :mod:`tvm_distx.cli.generate` import from here. Every check refuses a bad
+Every subcommand's module (:mod:`tvm_distx.cli.sharding`, :mod:`tvm_distx.cli.compile`,
+:mod:`tvm_distx.cli.generate`, ...) imports from here. Every check refuses a bad
 input or output before any work, with a hint in terms of the command's flags.
 """
 
@@ -304,3 +304,36 @@ def _load_plain(args: argparse.Namespace):
 
     _input_file(args.module, "module file")
     return load_module(args.module)
+
+
+def _load(args: argparse.Namespace):
+    """The module of ``args.module``, sharded as ``--preset`` or ``--rules`` say (after
+    ``--split-fused``), on ``--mesh``."""
+    from tvm_distx.passes import AnnotateSharding
+    from tvm_distx.frontend.script import load_module
+
+    _input_file(args.module, "module file")
+    mod = _with_mesh(load_module(args.module), getattr(args, "mesh", None))
+    preset = _preset(args)
+    if preset is not None:
+        return preset.apply(mod)
+    if getattr(args, "split_fused", False):
+        from tvm_distx.passes import SplitFusedProjections
+
+        mod = SplitFusedProjections()(mod)
+    rules = _read_rules(getattr(args, "rules", None))
+    with _rules_as_written(rules):
+        return AnnotateSharding(rules)(mod) if rules else mod
+
+
+def _preset(args: argparse.Namespace):
+    """The preset --preset names (None without one); --rules and --preset exclude each other."""
+    name = getattr(args, "preset", None)
+    if name is None:
+        return None
+    if getattr(args, "rules", None) is not None:
+        raise ArgumentError("--rules and --preset both say how to shard",
+                            hint="give one of them: --rules FILE, or --preset tensor-parallel")
+    from tvm_distx.plans.presets import tensor_parallel
+
+    return tensor_parallel()

@@ -15,17 +15,59 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
+from tvm_distx.cli.arguments import add_backend_argument, positive
 from tvm_distx.cli.generate import open_model
+from tvm_distx.cli.hosts import add_host_arguments
 from tvm_distx.cli.inputs import EXIT_OK
 from tvm_distx.errors import ArgumentError
 
-__all__ = ["serve"]
+__all__ = ["add_parser", "serve"]
 
 logger = logging.getLogger(__name__)
 
 #: The cache length of a checkpoint or GGUF file served without --max-length.
 DEFAULT_MAX_LENGTH = 1024
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """The ``serve`` subcommand's parser, added to ``sub``."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
+                       "/v1/chat/completions) for a bundle, a checkpoint or a GGUF file")
+    p.add_argument("bundle", type=Path, metavar="MODEL",
+                   help="a directory written by CausalLM.export, a checkpoint directory "
+                   "written by save_pretrained, or a llama.cpp .gguf file; its tokenizer "
+                   "files sit beside it")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (default: %(default)s, this host only)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="the port to listen on; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: "
+                   "$TVM_DISTX_API_KEY, or none)")
+    p.add_argument("--model-name", help="the model's id in the API (default: the file or "
+                   "directory name)")
+    p.add_argument("--max-queue", type=positive(int), default=16,
+                   help="requests that may wait while one runs; more get 503 (default: "
+                   "%(default)s)")
+    add_backend_argument(p)
+    p.add_argument("-n", "--ranks", type=positive(int), default=None,
+                   help="the rank count (2 for a checkpoint or a GGUF file); a bundle fixes it")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="a checkpoint's weights on the ranks (default: as stored)")
+    p.add_argument("--quantization", choices=("q8", "q4"),
+                   help="store a checkpoint's linear weights as int8 or int4 groups of 32")
+    p.add_argument("--max-length", type=positive(int), default=None,
+                   help="a checkpoint's or GGUF file's context: prompt and reply tokens "
+                   "(default: 1024)")
+    p.add_argument("--timeout", type=positive(float), default=300.0,
+                   help="seconds for the ranks to start and for each step")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compile a checkpoint or GGUF file again, and keep no copy "
+                   "(default: reuse and fill the compile cache)")
+    add_host_arguments(p)
+    p.set_defaults(handler=serve)
+    return p
 
 
 def _listen(host: str, port: int) -> socket.socket:
