@@ -73,6 +73,7 @@ KEY_TILE = 16
 BLOCK_MIN = 8
 
 _OP_PATTERN_OPAQUE = 8  # FuseOps leaves the kernel alone
+_F32 = "float32"  # scores, sums and accumulators, for every input dtype
 
 
 @dataclass(frozen=True)
@@ -258,36 +259,66 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
         Loop TIR over symbolic ``b``, ``s`` and ``L``, marked scheduled and
         opaque.
     """
-    heads, kv_heads, d, dv = kernel.heads, kernel.kv_heads, kernel.head_dim, kernel.value_dim
-    group, dtype, kind, full = kernel.group, kernel.dtype, kernel.mask, kernel.mask_axes
-    bq, bk = QUERY_BLOCK, KEY_TILE
-    lanes = next(n for n in (16, 8, 4, 2, 1) if d % n == 0)
-    strip = next(n for n in (8, 4, 2, 1) if dv % n == 0)
-    f32 = "float32"
-    scale = tirx.const(kernel.scale, f32)
-    lowest = tirx.const(_lowest(dtype), f32)
-    zero = tirx.const(0, f32)
-    minus_inf = tirx.const(float("-inf"), f32)
+    p = _Flash(kernel)
+    uniform_row = _uniform_row(p)
+    body = _tasks(p, _block_task(p, _block_tile(p), uniform_row), _row_task(p, uniform_row))
+    func = _flash_func(p, body)
+    return func.with_attrs({ATTENTION_ATTR: kernel.attrs(), "op_pattern": _OP_PATTERN_OPAQUE,
+                            SCHEDULED_ATTR: True, RULE_ATTR: "attention"})
 
-    def f(value):
-        return value if dtype == f32 else T.Cast(f32, value)
 
-    def mask_at(mask, bi, hi, i, j):
+class _Flash:
+    """What every piece of one :func:`flash_attention` build reads: the kernel's sizes, the
+    tile sizes, the float32 constants, and the element reads of ``q``/``k``/``v`` and the mask.
+
+    Each piece is a TVMScript macro made by a function of this module (``_block_tile``,
+    ``_row_task``, ...) from these values; the macros see them as plain names.
+    """
+
+    def __init__(self, kernel: AttentionKernel) -> None:
+        self.heads, self.kv_heads = kernel.heads, kernel.kv_heads
+        self.d, self.dv = kernel.head_dim, kernel.value_dim
+        self.group, self.dtype, self.kind, self.full = (kernel.group, kernel.dtype, kernel.mask,
+                                                        kernel.mask_axes)
+        self.mask_dtype = kernel.mask_dtype
+        self.bq, self.bk = QUERY_BLOCK, KEY_TILE
+        #: the vector width of a row's dot products along ``d``, and the output features
+        #: accumulated together along ``dv``
+        self.lanes = next(n for n in (16, 8, 4, 2, 1) if self.d % n == 0)
+        self.strip = next(n for n in (8, 4, 2, 1) if self.dv % n == 0)
+        self.scale = tirx.const(kernel.scale, _F32)
+        self.lowest = tirx.const(_lowest(self.dtype), _F32)
+        self.zero = tirx.const(0, _F32)
+        self.minus_inf = tirx.const(float("-inf"), _F32)
+
+    def f(self, value):
+        """``value`` as float32, the accumulators' dtype."""
+        return value if self.dtype == _F32 else T.Cast(_F32, value)
+
+    def mask_at(self, mask, bi, hi, i, j):
+        """The mask's element for score ``(bi, hi, i, j)``, broadcast over its size-1 axes."""
+        full = self.full
         return mask[bi if full[0] else 0, hi if full[1] else 0, i if full[2] else 0, j]
 
-    def kept(mask, bi, hi, i, j):
+    def kept(self, mask, bi, hi, i, j):
         """1 where the boolean mask keeps the score, else 0 (int32)."""
-        value = mask_at(mask, bi, hi, i, j)
-        if kernel.mask_dtype != "bool":
-            value = value != T.Cast(kernel.mask_dtype, 0)
+        value = self.mask_at(mask, bi, hi, i, j)
+        if self.mask_dtype != "bool":
+            value = value != T.Cast(self.mask_dtype, 0)
         return T.Select(value, 1, 0)
 
-    def kept8(mask, bi, hi, i, j):
-        """:func:`kept` as an int8 (16 of them in one 128-bit register)."""
-        value = mask_at(mask, bi, hi, i, j)
-        if kernel.mask_dtype != "bool":
-            return T.Cast("int8", value != T.Cast(kernel.mask_dtype, 0))
+    def kept8(self, mask, bi, hi, i, j):
+        """:meth:`kept` as an int8 (16 of them in one 128-bit register)."""
+        value = self.mask_at(mask, bi, hi, i, j)
+        if self.mask_dtype != "bool":
+            return T.Cast("int8", value != T.Cast(self.mask_dtype, 0))
         return T.Cast("int8", value)
+
+
+def _uniform_row(p: _Flash):
+    """The macro writing a query's output when its mask keeps no key: the mean of the values."""
+    dv, dtype, zero, f = p.dv, p.dtype, p.zero, p.f
+    f32 = _F32
 
     @T.macro
     def uniform_row(v, out, bi, hi, kh, i, nl):
@@ -301,7 +332,16 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
         for c in range(dv):
             out[bi, hi, i, c] = T.Cast(dtype, mean[c] / T.Cast(f32, nl))
 
-    # ---------------------------------------------------------------- blocks of queries
+    return uniform_row
+
+
+# ---------------------------------------------------------------- blocks of queries
+def _block_tile(p: _Flash):
+    """The macro folding one tile of keys into a block of queries' running softmax."""
+    d, dv, bq, bk, strip, kind = p.d, p.dv, p.bq, p.bk, p.strip, p.kind
+    zero, lowest, minus_inf = p.zero, p.lowest, p.minus_inf
+    f, mask_at, kept, kept8 = p.f, p.mask_at, p.kept, p.kept8
+
     @T.macro
     def block_tile(k, v, mask, qt, st, mt, scan, at, top, total, live, bi, hi, kh, i0, j0,
                    rows, cols, whole):
@@ -389,6 +429,15 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
                             at[2 + cb * strip + u, r] = at[2 + cb * strip + u, r] + \
                                 st[jj, r] * f(v[bi, kh, j0 + jj, cb * strip + u])
 
+    return block_tile
+
+
+def _block_task(p: _Flash, block_tile, uniform_row):
+    """The macro of one task over a block of queries of one head: every tile, then the output."""
+    d, dv, bq, bk, group, dtype, kind = p.d, p.dv, p.bq, p.bk, p.group, p.dtype, p.kind
+    scale, zero, lowest, minus_inf, f = p.scale, p.zero, p.lowest, p.minus_inf, p.f
+    f32 = _F32
+
     @T.macro
     def block_task(q, k, v, mask, out, bi, hi, i0, rows, nl, tiles):
         qt = T.decl_buffer((d, bq), f32, scope="local")
@@ -425,7 +474,17 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
                 for c in range(dv):
                     out[bi, hi, i0 + r, c] = T.Cast(dtype, at[2 + c, r] / total[r])
 
-    # ------------------------------------------------------------- one query at a time
+    return block_task
+
+
+# ------------------------------------------------------------- one query at a time
+def _row_task(p: _Flash, uniform_row):
+    """The macro of one task over one query of one head: a dot product per key, tile by tile."""
+    d, dv, bk, lanes, group, dtype, kind = p.d, p.dv, p.bk, p.lanes, p.group, p.dtype, p.kind
+    scale, zero, lowest, minus_inf = p.scale, p.zero, p.lowest, p.minus_inf
+    f, mask_at, kept = p.f, p.mask_at, p.kept
+    f32 = _F32
+
     @T.macro
     def row_task(q, k, v, mask, out, bi, hi, i, nl, tiles):
         qs = T.decl_buffer((d,), f32, scope="local")
@@ -491,6 +550,14 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
             for c in range(dv):
                 out[bi, hi, i, c] = T.Cast(dtype, acc[c] / state[1])
 
+    return row_task
+
+
+# ------------------------------------------------------------------------ the function
+def _tasks(p: _Flash, block_task, row_task):
+    """The macro of the whole call: parallel tasks of query blocks, or of single queries."""
+    heads, bq, bk = p.heads, p.bq, p.bk
+
     @T.macro
     def body(q, k, v, mask, out, nb, ns, nl):
         tiles = (nl + (bk - 1)) // bk
@@ -505,8 +572,14 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
                 row_task(q, k, v, mask, out, task // (heads * ns), task // ns % heads,
                          task % ns, nl, tiles)
 
-    mask_dtype = kernel.mask_dtype
-    if kind == "none":
+    return body
+
+
+def _flash_func(p: _Flash, body) -> tirx.PrimFunc:
+    """The PrimFunc ``(q, k, v[, mask], out)`` over symbolic ``b``, ``s``, ``L`` running ``body``."""
+    heads, kv_heads, d, dv, dtype = p.heads, p.kv_heads, p.d, p.dv, p.dtype
+    full, mask_dtype = p.full, p.mask_dtype
+    if p.kind == "none":
         @T.prim_func(private=True, check_well_formed=False)
         def func(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
                  out_handle: T.handle):
@@ -530,9 +603,7 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
                                                 ns if full[2] else 1, nl), mask_dtype)
             out = T.match_buffer(out_handle, (nb, heads, ns, dv), dtype)
             body(q, k, v, mask, out, nb, ns, nl)
-
-    return func.with_attrs({ATTENTION_ATTR: kernel.attrs(), "op_pattern": _OP_PATTERN_OPAQUE,
-                            SCHEDULED_ATTR: True, RULE_ATTR: "attention"})
+    return func
 
 
 @module_pass("tvm_distx.FlashAttention")
