@@ -258,11 +258,46 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
                         hint='use objective="latency" or objective="throughput"')
     start = time.perf_counter()
     fixed = dict(fixed or {})
-    mesh = tuple(graph.mesh_shape)
     b = _Builder()
-    classes = graph.classes
+    x, compute_terms = _strategy_columns(b, graph, profile)
+    _fixed_rows(b, graph, x, fixed)
+    _complete_output_rows(b, graph, x)
+    _state_rows(b, graph, x)
+    for plan in exclude:
+        picked = {x[graph.classes[n]][s] for n, s in plan.items()}  # one column per class
+        b.row({col: 1.0 for col in picked}, -np.inf, len(picked) - 1.0)
+    users = _users(graph)
+    comm_terms = _redistribution_terms(b, graph, x, users, profile, objective, reshard)
+    if memory_per_rank is not None:
+        _memory_rows(b, graph, x, users, memory_per_rank)
+
+    scale = 1e3  # milliseconds keep HiGHS's tolerances meaningful
+    for col, v in list(compute_terms.items()) + list(comm_terms.items()):
+        b.cost[col] += scale * v
+    res = _solved(b, graph, time_limit, memory_per_rank)
+    choice = [int(np.argmax([res.x[col] for col in x[graph.classes[index]]]))
+              for index in range(len(graph.nodes))]
+    raw_choice = list(choice)
+    _hold_less(graph, choice, users, {**fixed, **dict.fromkeys(graph.state_nodes(), "")},
+               reshard)
+    solution = evaluate(graph, choice, profile=profile, objective=objective, users=users,
+                        reshard=reshard)
+    solution.raw_choice = raw_choice
+    solution.status = "optimal" if res.status == 0 else "time limit"
+    solution.gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
+    solution.seconds = time.perf_counter() - start
+    solution.variables = len(b.cost)
+    logger.info("auto_shard ILP: %d variables, %d rows, %s in %.2f s (gap %.3g)", len(b.cost),
+                len(b.rows), solution.status, solution.seconds, solution.gap)
+    return solution
+
+
+def _strategy_columns(b: _Builder, graph: ShardGraph,
+                      profile: CostProfile) -> tuple[dict[int, list[int]], dict[int, float]]:
+    """The binaries ``x[c, s]``, one-hot per class, and their compute seconds (per column:
+    the kernel's time under the strategy, times the nodes of the class)."""
     count: dict[int, int] = {}
-    for c in classes:
+    for c in graph.classes:
         count[c] = count.get(c, 0) + 1
     x: dict[int, list[int]] = {}
     compute_terms: dict[int, float] = {}
@@ -274,21 +309,38 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
             columns.append(column)
         x[c] = columns
         b.row({col: 1.0 for col in columns}, 1.0, 1.0)
+    return x, compute_terms
+
+
+def _fixed_rows(b: _Builder, graph: ShardGraph, x: dict[int, list[int]],
+                fixed: Mapping[int, str]) -> None:
+    """The rules: each fixed node takes one of the strategies giving its placement."""
+    classes = graph.classes
     for node, text in fixed.items():
         c = classes[node]
         allowed = [s for s, st in enumerate(graph.strategies[c]) if st.out == text]
         if not allowed:
             raise RuleError(f"auto_shard: {graph.nodes[node].name!r} cannot be {text!r} on a "
-                            f"{mesh} mesh", placement=text,
+                            f"{tuple(graph.mesh_shape)} mesh", placement=text,
                             hint="the placements it can take: " + ", ".join(
                                 sorted({st.out for st in graph.strategies[c]})))
         b.row({x[c][s]: 1.0 for s in allowed}, 1.0, 1.0)
-    for out in graph.outputs:  # a result is returned complete, never as partial sums
-        c = classes[out]
+
+
+def _complete_output_rows(b: _Builder, graph: ShardGraph, x: dict[int, list[int]]) -> None:
+    """A result is returned complete, never as partial sums."""
+    for out in graph.outputs:
+        c = graph.classes[out]
         bad = [x[c][s] for s, st in enumerate(graph.strategies[c]) if "P" in st.out]
         if bad:
             b.row({col: 1.0 for col in bad}, 0.0, 0.0)
-    for value, new in graph.state.items():  # the new value where the next call reads it
+
+
+def _state_rows(b: _Builder, graph: ShardGraph, x: dict[int, list[int]]) -> None:
+    """A state's new value has the placement the next call reads it in: per placement, the
+    state input takes it exactly when the new value does."""
+    classes = graph.classes
+    for value, new in graph.state.items():
         if value == new:
             continue
         a, c = classes[value], classes[new]
@@ -299,20 +351,28 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
                 if st.out == text:
                     row[x[c][s]] = row.get(x[c][s], 0.0) - 1.0
             b.row(row, 0.0, 0.0)
+
+
+def _unmoved_classes(graph: ShardGraph) -> tuple[set[int], set[int]]:
+    """The classes of the state and its views (a head axis added), which no collective
+    touches, and those with a run-time extent, which a kernel keeps where it is (partial
+    sums are completed in place)."""
     untouched = graph.state_nodes()
-    for index, node in enumerate(graph.nodes):  # and the views of it (a head axis added)
+    for index, node in enumerate(graph.nodes):
         if node.view and any(o in untouched for o in node.operands):
             untouched.add(index)
-    state_classes = {classes[i] for i in untouched}
-    # a run-time extent is kept by a kernel, never moved between layouts (partial sums
-    # are completed in place)
-    dynamic_classes = {classes[i] for i, node in enumerate(graph.nodes) if node.dynamic}
-    for plan in exclude:
-        picked = {x[classes[n]][s] for n, s in plan.items()}  # one column per class
-        b.row({col: 1.0 for col in picked}, -np.inf, len(picked) - 1.0)
+    state_classes = {graph.classes[i] for i in untouched}
+    dynamic_classes = {graph.classes[i] for i, node in enumerate(graph.nodes) if node.dynamic}
+    return state_classes, dynamic_classes
 
-    # redistributions, shared per value, grouped by the classes of the value's users
-    users = _users(graph)
+
+def _redistribution_terms(b: _Builder, graph: ShardGraph, x: dict[int, list[int]], users,
+                          profile: CostProfile, objective: str,
+                          reshard: Reshard) -> dict[int, float]:
+    """The moves between producers and users, shared per value, grouped by the classes of
+    the value's users; returns each paying column's seconds."""
+    mesh = tuple(graph.mesh_shape)
+    state_classes, dynamic_classes = _unmoved_classes(graph)
     comm_terms: dict[int, float] = {}
     for (c, user_slots), n in _groups(graph, users).items():
         node = graph.nodes[c]
@@ -324,18 +384,7 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
             needs: dict[str, list[int]] = {}
             for s, st in enumerate(graph.strategies[u]):
                 needs.setdefault(st.ins[slot], []).append(x[u][s])
-            # transport between the producer's placement and this user's: tight marginals
-            e = {(p, q): b.var(upper=1.0) for p in gives for q in needs}
-            for p, cols in gives.items():
-                row = {e[p, q]: 1.0 for q in needs}
-                for col in cols:
-                    row[col] = row.get(col, 0.0) - 1.0
-                b.row(row, 0.0, 0.0)
-            for q, cols in needs.items():
-                row = {e[p, q]: 1.0 for p in gives}
-                for col in cols:
-                    row[col] = row.get(col, 0.0) - 1.0
-                b.row(row, 0.0, 0.0)
+            e = _transport(b, gives, needs)
             for (p, q), col in e.items():
                 if c in state_classes and _collective(node, p, q, mesh, reshard) or \
                         c in dynamic_classes and _collective(node, p, q, mesh, reshard,
@@ -352,8 +401,32 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
                     shared[p, q] = b.var(upper=1.0)
                     comm_terms[shared[p, q]] = n * seconds
                 b.row({shared[p, q]: 1.0, col: -1.0}, 0.0, np.inf)
+    return comm_terms
 
-    # memory: weights + state + live activations at every program point
+
+def _transport(b: _Builder, gives: dict[str, list[int]],
+               needs: dict[str, list[int]]) -> dict[tuple[str, str], int]:
+    """``e[p, q]`` between the producer's placements and one user's: its marginals are the
+    producer's and the user's indicators (tight), so it is 1 on the move that runs."""
+    e = {(p, q): b.var(upper=1.0) for p in gives for q in needs}
+    for p, cols in gives.items():
+        row = {e[p, q]: 1.0 for q in needs}
+        for col in cols:
+            row[col] = row.get(col, 0.0) - 1.0
+        b.row(row, 0.0, 0.0)
+    for q, cols in needs.items():
+        row = {e[p, q]: 1.0 for p in gives}
+        for col in cols:
+            row[col] = row.get(col, 0.0) - 1.0
+        b.row(row, 0.0, 0.0)
+    return e
+
+
+def _memory_rows(b: _Builder, graph: ShardGraph, x: dict[int, list[int]], users,
+                 memory_per_rank: int) -> None:
+    """Weights + state + live activations at every program point fit ``memory_per_rank``
+    (equal rows, as repeated layers give, kept once)."""
+    classes = graph.classes
     weight_row: dict[int, float] = {}
     state = graph.state_nodes()
     for index, node in enumerate(graph.nodes):
@@ -362,30 +435,30 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
             for s, st in enumerate(graph.strategies[c]):
                 col = x[c][s]
                 weight_row[col] = weight_row.get(col, 0.0) + graph.local_bytes(c, st)
-    if memory_per_rank is not None:
-        last = _last_use(graph, users)
-        seen: set = set()
-        live: set[int] = set()
-        for point, node in enumerate(graph.nodes):
-            if node.kind != "param" and not node.view and point not in state:
-                live.add(point)
-            live = {v for v in live if last[v] >= point}
-            if node.kind != "op":
-                continue
-            row = dict(weight_row)
-            for value in live:
-                c = classes[value]
-                for s, st in enumerate(graph.strategies[c]):
-                    col = x[c][s]
-                    row[col] = row.get(col, 0.0) + graph.local_bytes(c, st)
-            key = tuple(sorted(row.items()))
-            if key not in seen:
-                seen.add(key)
-                b.row(row, -np.inf, float(memory_per_rank))
+    last = _last_use(graph, users)
+    seen: set = set()
+    live: set[int] = set()
+    for point, node in enumerate(graph.nodes):
+        if node.kind != "param" and not node.view and point not in state:
+            live.add(point)
+        live = {v for v in live if last[v] >= point}
+        if node.kind != "op":
+            continue
+        row = dict(weight_row)
+        for value in live:
+            c = classes[value]
+            for s, st in enumerate(graph.strategies[c]):
+                col = x[c][s]
+                row[col] = row.get(col, 0.0) + graph.local_bytes(c, st)
+        key = tuple(sorted(row.items()))
+        if key not in seen:
+            seen.add(key)
+            b.row(row, -np.inf, float(memory_per_rank))
 
-    scale = 1e3  # milliseconds keep HiGHS's tolerances meaningful
-    for col, v in list(compute_terms.items()) + list(comm_terms.items()):
-        b.cost[col] += scale * v
+
+def _solved(b: _Builder, graph: ShardGraph, time_limit: float, memory_per_rank: int | None):
+    """HiGHS's result for the program; no plan found in time, or none fitting, is an error."""
+    mesh = tuple(graph.mesh_shape)
     res = b.solve(time_limit)
     if res.x is None and res.status == 1:
         raise UnsupportedProgramError(
@@ -401,23 +474,7 @@ def solve(graph: ShardGraph, *, profile: CostProfile = DEFAULT_PROFILE,
                if priced else ""),
             cli_hint="raise --memory, use a larger --mesh, or relax --rules"
             + (", or give smaller --size NAME=INT" if priced else ""))
-    values = res.x
-    choice = [0] * len(graph.nodes)
-    for index in range(len(graph.nodes)):
-        cols = x[classes[index]]
-        choice[index] = int(np.argmax([values[col] for col in cols]))
-    raw_choice = list(choice)
-    _hold_less(graph, choice, users, {**fixed, **dict.fromkeys(state, "")}, reshard)
-    solution = evaluate(graph, choice, profile=profile, objective=objective, users=users,
-                        reshard=reshard)
-    solution.raw_choice = raw_choice
-    solution.status = "optimal" if res.status == 0 else "time limit"
-    solution.gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
-    solution.seconds = time.perf_counter() - start
-    solution.variables = len(b.cost)
-    logger.info("auto_shard ILP: %d variables, %d rows, %s in %.2f s (gap %.3g)", len(b.cost),
-                len(b.rows), solution.status, solution.seconds, solution.gap)
-    return solution
+    return res
 
 
 def _hold_less(graph: ShardGraph, choice: list[int], users, fixed: Mapping[int, str],
