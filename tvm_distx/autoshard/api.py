@@ -332,6 +332,29 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
                         cli_hint="pick one with --function")
     check_sizes(mod[function], function, sizes or {})
 
+    meshed, legal, graph = _planned_graph(mod, mesh_shape, function, sizes)
+    fixed = _fixed_from_rules(graph, rules, meshed, function)
+    options = dict(profile=profile, objective=objective, memory_per_rank=memory_per_rank,
+                   fixed=fixed, time_limit=time_limit)
+    best = solve(graph, **options)
+    report_nodes = [i for i, n in enumerate(graph.nodes) if n.kind in ("input", "param")]
+    placements = {graph.nodes[i].name: graph.strategies[i][best.choice[i]].out
+                  for i in report_nodes}
+    others = _runner_ups(graph, best, options, report_nodes, runner_ups)
+    report = AutoShardReport(graph, best, placements, objective, memory_per_rank, profile,
+                             others)
+    logger.info("%s", report)
+    if not pin:
+        return AnnotateSharding(report.rules(function))(meshed), report
+    pinned = _pin_chosen(legal, graph, best, function)
+    return AnnotateSharding(report.rules(function))(pinned), report
+
+
+def _planned_graph(mod: tvm.IRModule, mesh_shape: tuple[int, ...], function: str,
+                   sizes: Mapping[str, int] | None
+                   ) -> tuple[tvm.IRModule, tvm.IRModule, ShardGraph]:
+    """The module on its mesh (fused projections split), its legalized form with the calls
+    inlined, and the graph the solver plans from that form."""
     meshed = _split_fused(_with_mesh(mod, mesh_shape), function)
     # calls to private functions planned through: each call site priced on its own operands,
     # its values named <name>__call<k> (CALL_SITE) so that repeated sites are solved once
@@ -341,14 +364,16 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
                     "calls (inlined)", function, sites)
     legal = legalize_operators(inlined, fuse=False)
     graph = extract(legal, mesh_shape, function, legalized=True, sizes=sizes)
-    fixed = _fixed_from_rules(graph, rules, meshed, function)
-    options = dict(profile=profile, objective=objective, memory_per_rank=memory_per_rank,
-                   fixed=fixed, time_limit=time_limit)
-    best = solve(graph, **options)
-    report_nodes = [i for i, n in enumerate(graph.nodes) if n.kind in ("input", "param")]
-    placements = {graph.nodes[i].name: graph.strategies[i][best.choice[i]].out
-                  for i in report_nodes}
-    # runner-ups differ in an input or a weight of some size, not in a bias alone
+    return meshed, legal, graph
+
+
+def _runner_ups(graph: ShardGraph, best: Solution, options: dict, report_nodes: list[int],
+                runner_ups: int) -> list[tuple[Solution, dict[str, str]]]:
+    """Up to ``runner_ups`` next-best plans, each with the placements it changes.
+
+    They differ from the best, and from each other, in an input or a weight of some size,
+    not in a bias alone; a plan that comes back equal to one seen once tidied is skipped.
+    """
     total = sum(graph.nodes[i].nbytes for i in report_nodes)
     key_nodes = [i for i in report_nodes
                  if graph.nodes[i].kind == "input" or graph.nodes[i].nbytes * 100 >= total]
@@ -370,12 +395,14 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
         diff = {graph.nodes[i].name: graph.strategies[i][other.choice[i]].out
                 for i in report_nodes if other.choice[i] != best.choice[i]}
         others.append((other, diff))
-    report = AutoShardReport(graph, best, placements, objective, memory_per_rank, profile,
-                             others)
-    logger.info("%s", report)
-    if not pin:
-        return AnnotateSharding(report.rules(function))(meshed), report
+    return others
 
+
+def _pin_chosen(legal: tvm.IRModule, graph: ShardGraph, best: Solution,
+                function: str) -> tvm.IRModule:
+    """``legal`` with the solver's placements pinned: every value that is not a partial sum,
+    every move the solver costed for a call (its operand as that call reads it), and the
+    inputs and parameters as held."""
     pins, reads = {}, {}
     chosen = [graph.strategies[i][best.choice[i]] for i in range(len(graph.nodes))]
     for index, node in enumerate(graph.nodes):
@@ -389,8 +416,7 @@ def auto_shard(mod: tvm.IRModule, mesh_shape: Sequence[int], *,
                 reads.setdefault(graph.variables[index], {})[graph.variables[operand]] = wanted
     held = {graph.variables[i]: chosen[i].out for i, node in enumerate(graph.nodes)
             if node.kind in ("input", "param")}
-    pinned = pin_values(legal, pins, function, reads, held)
-    return AnnotateSharding(report.rules(function))(pinned), report
+    return pin_values(legal, pins, function, reads, held)
 
 
 def plan_cost(mod: tvm.IRModule, mesh_shape: Sequence[int], rules, *,
