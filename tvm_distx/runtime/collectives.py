@@ -214,71 +214,101 @@ def abi_functions(backend: Collectives, builtins: str | None = None
         ``worker_id``), ``"runtime.disco.."`` implements the CCL whose name is
         empty (disco workers without a C++ CCL).
     """
-    groups: dict[tuple, ProcessGroup] = {}
-    specs: dict[tuple, SendRecvSpec] = {}
+    calls = _AbiCalls(backend)
+    functions = {
+        ccl.ALLREDUCE: calls.allreduce,
+        ccl.REDUCE_SCATTER: calls.reducescatter,
+        ccl.ALLGATHER: calls.allgather,
+        ccl.ALLTOALL: calls.alltoall,
+        ccl.BROADCAST: calls.broadcast,
+        ccl.LOCAL_SLICE: calls.local_slice,
+        ccl.SEND_RECV: calls.send_recv,
+        ccl.SEND: calls.send,
+        ccl.RECV: calls.recv,
+    }
+    if builtins is not None:
+        functions.update(_tvm_builtins(backend, builtins, _reduced))
+    return functions
 
-    def group_of(encoded) -> ProcessGroup:
-        rank = backend.rank
+
+def _reduced(send: np.ndarray, recv: np.ndarray, code: int, group: ProcessGroup,
+             collective: Callable[[int], None]) -> None:
+    """Reduce ``send`` into ``recv`` by ``collective(op)``: a copy for a group of one, and
+    ``avg`` as the sum divided once."""
+    if code not in REDUCERS and code != _AVG:
+        raise ArgumentError(f"unknown reduce kind {code}; known: {ccl.REDUCE_KINDS}",
+                            hint="the program and the runtime disagree on the ABI of "
+                            "tvm_distx.ccl: build and run with one version")
+    if group.size == 1:
+        np.copyto(recv, send)
+        return
+    collective(ccl.REDUCE_KINDS["sum"] if code == _AVG else code)
+    if code == _AVG:  # the sum, then one division
+        if recv.dtype.kind in "fc":
+            np.divide(recv, group.size, out=recv)
+        else:  # like numpy's sum / n stored back: truncated toward zero
+            recv[...] = recv / group.size
+
+
+class _AbiCalls:
+    """The ``tvm_distx.ccl.*`` functions over one backend: each reads the packed arguments
+    of its call (the encoded group or send/recv spec, the axes) and checks the shapes.
+
+    Groups and specs are decoded once per encoding and kept.
+    """
+
+    def __init__(self, backend: Collectives) -> None:
+        self.backend = backend
+        self.groups: dict[tuple, ProcessGroup] = {}
+        self.specs: dict[tuple, SendRecvSpec] = {}
+
+    def group_of(self, encoded) -> ProcessGroup:
+        """This rank's group of the encoded :class:`~tvm_distx.ccl.CollectiveGroup`."""
+        rank = self.backend.rank
         key = (tuple(encoded), rank)
-        found = groups.get(key)
+        found = self.groups.get(key)
         if found is None:
-            found = groups[key] = process_group(CollectiveGroup.decode(key[0]), rank,
-                                                backend.devices)
+            found = self.groups[key] = process_group(CollectiveGroup.decode(key[0]), rank,
+                                                     self.backend.devices)
         return found
 
-    def reduced(send: np.ndarray, recv: np.ndarray, code: int, group: ProcessGroup,
-                collective: Callable[[int], None]) -> None:
-        if code not in REDUCERS and code != _AVG:
-            raise ArgumentError(f"unknown reduce kind {code}; known: {ccl.REDUCE_KINDS}",
-                                hint="the program and the runtime disagree on the ABI of "
-                                "tvm_distx.ccl: build and run with one version")
-        if group.size == 1:
-            np.copyto(recv, send)
-            return
-        collective(ccl.REDUCE_KINDS["sum"] if code == _AVG else code)
-        if code == _AVG:  # the sum, then one division
-            if recv.dtype.kind in "fc":
-                np.divide(recv, group.size, out=recv)
-            else:  # like numpy's sum / n stored back: truncated toward zero
-                recv[...] = recv / group.size
-
-    def allreduce(x, kind, group, out) -> None:
-        g = group_of(group)
+    def allreduce(self, x, kind, group, out) -> None:
+        g = self.group_of(group)
         send, recv = as_numpy(x, reduce=True), as_numpy(out, reduce=True)
         check_shape(recv, send.shape, "allreduce")
-        reduced(send, recv, _reduce_code(kind), g,
-                lambda op: backend.all_reduce(send, recv, op, g))
+        _reduced(send, recv, _reduce_code(kind), g,
+                 lambda op: self.backend.all_reduce(send, recv, op, g))
 
-    def reducescatter(x, kind, group, axes, out) -> None:
-        g = group_of(group)
+    def reducescatter(self, x, kind, group, axes, out) -> None:
+        g = self.group_of(group)
         send, recv = as_numpy(x, reduce=True), as_numpy(out, reduce=True)
         dim = int(axes[0])
         check_shape(recv, _split(send.shape, dim, g.size), "reducescatter")
-        reduced(send, recv, _reduce_code(kind), g,
-                lambda op: backend.reduce_scatter(send, recv, op, dim, g))
+        _reduced(send, recv, _reduce_code(kind), g,
+                 lambda op: self.backend.reduce_scatter(send, recv, op, dim, g))
 
-    def allgather(x, group, axes, out) -> None:
-        g = group_of(group)
+    def allgather(self, x, group, axes, out) -> None:
+        g = self.group_of(group)
         send, recv = as_numpy(x), as_numpy(out)
         dim = int(axes[0])
         check_shape(recv, _grown(send.shape, dim, g.size), "allgather")
         if g.size == 1:
             np.copyto(recv, send)
         else:
-            backend.all_gather(send, recv, dim, g)
+            self.backend.all_gather(send, recv, dim, g)
 
-    def alltoall(x, group, axes, out) -> None:
-        g = group_of(group)
+    def alltoall(self, x, group, axes, out) -> None:
+        g = self.group_of(group)
         send, recv = as_numpy(x), as_numpy(out)
         split, concat = int(axes[0]), int(axes[1])
         check_shape(recv, _grown(_split(send.shape, split, g.size), concat, g.size), "alltoall")
         if g.size == 1:
             np.copyto(recv, send)
         else:
-            backend.all_to_all(send, recv, split, concat, g)
+            self.backend.all_to_all(send, recv, split, concat, g)
 
-    def broadcast(x, group, axes, out) -> None:
-        g = group_of(group)
+    def broadcast(self, x, group, axes, out) -> None:
+        g = self.group_of(group)
         send, recv = as_numpy(x), as_numpy(out)
         root = int(axes[0])
         if not 0 <= root < g.size:
@@ -288,10 +318,10 @@ def abi_functions(backend: Collectives, builtins: str | None = None
         if g.size == 1:
             np.copyto(recv, send)
         else:
-            backend.broadcast(send if g.index == root else None, recv, root, g)
+            self.backend.broadcast(send if g.index == root else None, recv, root, g)
 
-    def local_slice(x, group, axes, out) -> None:
-        g = group_of(group)
+    def local_slice(self, x, group, axes, out) -> None:
+        g = self.group_of(group)
         send, recv = as_numpy(x), as_numpy(out)
         dim = int(axes[0])
         check_shape(recv, _split(send.shape, dim, g.size), "local_slice")
@@ -300,16 +330,19 @@ def abi_functions(backend: Collectives, builtins: str | None = None
         index[dim] = slice(g.index * length, (g.index + 1) * length)
         np.copyto(recv, send[tuple(index)])
 
-    def spec_of(encoded, x, out) -> SendRecvSpec:
+    def spec_of(self, encoded, x, out) -> SendRecvSpec:
+        """The encoded send/recv spec, checked: the run has its devices, this rank is one of
+        them, and it called the function of its role."""
         key = tuple(encoded)
-        spec = specs.get(key)
+        spec = self.specs.get(key)
         if spec is None:
-            spec = specs[key] = SendRecvSpec.decode(key)
-        rank, participants = backend.rank, spec.participants()
-        if participants[-1] not in backend.devices:
+            spec = self.specs[key] = SendRecvSpec.decode(key)
+        rank, participants = self.backend.rank, spec.participants()
+        if participants[-1] not in self.backend.devices:
             raise CollectiveGroupError(
                 f"a send/recv needs devices up to {participants[-1]} but the job has "
-                f"{len(backend.devices)} ranks; launch it with at least {participants[-1] + 1}")
+                f"{len(self.backend.devices)} ranks; launch it with at least "
+                f"{participants[-1] + 1}")
         role = spec.role(rank)
         if role is None:
             raise CollectiveGroupError(f"rank {rank} called a send/recv of devices "
@@ -320,29 +353,14 @@ def abi_functions(backend: Collectives, builtins: str | None = None
                                        f"move, not {called}")
         return spec
 
-    def send_recv(x, spec, out) -> None:
-        backend.send_recv(as_numpy(x), as_numpy(out), spec_of(spec, x, out))
+    def send_recv(self, x, spec, out) -> None:
+        self.backend.send_recv(as_numpy(x), as_numpy(out), self.spec_of(spec, x, out))
 
-    def send(x, spec) -> None:
-        backend.send(as_numpy(x), spec_of(spec, x, None))
+    def send(self, x, spec) -> None:
+        self.backend.send(as_numpy(x), self.spec_of(spec, x, None))
 
-    def recv(spec, out) -> None:
-        backend.recv(as_numpy(out), spec_of(spec, None, out))
-
-    functions = {
-        ccl.ALLREDUCE: allreduce,
-        ccl.REDUCE_SCATTER: reducescatter,
-        ccl.ALLGATHER: allgather,
-        ccl.ALLTOALL: alltoall,
-        ccl.BROADCAST: broadcast,
-        ccl.LOCAL_SLICE: local_slice,
-        ccl.SEND_RECV: send_recv,
-        ccl.SEND: send,
-        ccl.RECV: recv,
-    }
-    if builtins is not None:
-        functions.update(_tvm_builtins(backend, builtins, reduced))
-    return functions
+    def recv(self, spec, out) -> None:
+        self.backend.recv(as_numpy(out), self.spec_of(spec, None, out))
 
 
 def _tvm_builtins(backend: Collectives, prefix: str, reduced) -> dict[str, Callable[..., None]]:
