@@ -8,16 +8,17 @@ every collective runs over a :class:`ProcessGroup` (the members of a
 :class:`~tvm_distx.ccl.CollectiveGroup`, in group order) and writes into a
 destination array of the right shape.
 
-:func:`abi_functions` is the only place that reads the packed arguments of the
-``tvm_distx.ccl.*`` functions (and of TVM's own disco builtins): it views the
-tensors as numpy arrays without copy, decodes groups and send/recv specs
-(cached), checks shapes and group membership, handles groups of one rank and
-the average (a sum, then one division), and calls the backend.
+:func:`abi_functions` (the methods of its ``_AbiCalls``) is the only place that
+reads the packed arguments of the ``tvm_distx.ccl.*`` functions (and of TVM's
+own disco builtins): it views the tensors as numpy arrays without copy, decodes
+groups and send/recv specs (cached), checks shapes and group membership,
+handles groups of one rank and the average (a sum, then one division), and
+calls the backend.
 :func:`register` makes those functions this process's global functions.
 
 Adding a collective means a method on :class:`Collectives`, its implementation
-in each backend, its ABI name in :mod:`tvm_distx.ccl` with an entry in
-:func:`abi_functions`, and the planner step that emits it.
+in each backend, its ABI name in :mod:`tvm_distx.ccl` with a method of ``_AbiCalls`` and an
+entry in :func:`abi_functions`, and the planner step that emits it.
 """
 
 from __future__ import annotations

@@ -576,7 +576,7 @@ def _tasks(p: _Flash, block_task, row_task):
 
 
 def _flash_func(p: _Flash, body) -> tirx.PrimFunc:
-    """The PrimFunc ``(q, k, v[, mask], out)`` over symbolic ``b``, ``s``, ``L`` running ``body``."""
+    """The PrimFunc ``(q, k, v[, mask], out)`` over symbolic ``b``, ``s``, ``L``: ``body``."""
     heads, kv_heads, d, dv, dtype = p.heads, p.kv_heads, p.d, p.dv, p.dtype
     full, mask_dtype = p.full, p.mask_dtype
     if p.kind == "none":
