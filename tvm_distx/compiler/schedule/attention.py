@@ -261,7 +261,8 @@ def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
     """
     p = _Flash(kernel)
     uniform_row = _uniform_row(p)
-    body = _tasks(p, _block_task(p, _block_tile(p), uniform_row), _row_task(p, uniform_row))
+    block_tile = _block_tile(p, _tile_liveness(p))
+    body = _tasks(p, _block_task(p, block_tile, uniform_row), _row_task(p, uniform_row))
     func = _flash_func(p, body)
     return func.with_attrs({ATTENTION_ATTR: kernel.attrs(), "op_pattern": _OP_PATTERN_OPAQUE,
                             SCHEDULED_ATTR: True, RULE_ATTR: "attention"})
@@ -336,15 +337,13 @@ def _uniform_row(p: _Flash):
 
 
 # ---------------------------------------------------------------- blocks of queries
-def _block_tile(p: _Flash):
-    """The macro folding one tile of keys into a block of queries' running softmax."""
-    d, dv, bq, bk, strip, kind = p.d, p.dv, p.bq, p.bk, p.strip, p.kind
-    zero, lowest, minus_inf = p.zero, p.lowest, p.minus_inf
-    f, mask_at, kept, kept8 = p.f, p.mask_at, p.kept, p.kept8
+def _tile_liveness(p: _Flash):
+    """The macro telling whether a tile of keys counts for a block of queries (``live``) and,
+    when a boolean mask keeps only some of the tile's keys, that mask transposed (``mt``)."""
+    bq, bk, kind, kept, kept8 = p.bq, p.bk, p.kind, p.kept, p.kept8
 
     @T.macro
-    def block_tile(k, v, mask, qt, st, mt, scan, at, top, total, live, bi, hi, kh, i0, j0,
-                   rows, cols, whole):
+    def tile_liveness(mask, mt, scan, live, bi, hi, i0, j0, rows, cols, whole):
         # live[0]: a key of the tile is kept for some query; live[1]: every key for every
         # query (a tile below a causal mask's diagonal: no select needed). The mask is
         # read along its rows here (contiguous); transposed, mt[jj, r], only when mixed.
@@ -378,6 +377,19 @@ def _block_tile(p: _Flash):
         else:
             live[0] = 1
             live[1] = 1
+
+    return tile_liveness
+
+
+def _block_tile(p: _Flash, tile_liveness):
+    """The macro folding one tile of keys into a block of queries' running softmax."""
+    d, dv, bq, bk, strip, kind = p.d, p.dv, p.bq, p.bk, p.strip, p.kind
+    zero, lowest, minus_inf, f, mask_at = p.zero, p.lowest, p.minus_inf, p.f, p.mask_at
+
+    @T.macro
+    def block_tile(k, v, mask, qt, st, mt, scan, at, top, total, live, bi, hi, kh, i0, j0,
+                   rows, cols, whole):
+        tile_liveness(mask, mt, scan, live, bi, hi, i0, j0, rows, cols, whole)
         if live[0] != 0:
             for jj in T.unroll(bk):
                 for r in T.vectorized(bq):
