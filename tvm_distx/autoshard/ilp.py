@@ -345,7 +345,7 @@ def _state_rows(b: _Builder, graph: ShardGraph, x: dict[int, list[int]]) -> None
             continue
         a, c = classes[value], classes[new]
         texts = {st.out for st in graph.strategies[a]} | {st.out for st in graph.strategies[c]}
-        for text in texts:
+        for text in sorted(texts):  # sorted: the same program whatever the hash seed
             row = {x[a][s]: 1.0 for s, st in enumerate(graph.strategies[a]) if st.out == text}
             for s, st in enumerate(graph.strategies[c]):
                 if st.out == text:
