@@ -90,14 +90,22 @@ class DistExecutable:
         (:func:`tvm_distx.compiler.board_plan.rank_plan`): what the board's ranks
         run with the library's kernels and no TVM. None when the plan cannot
         write the program; ``plan_refusal`` then says why.
+    local_view : tvm.IRModule or None
+        The module after the ``local_view`` stage of the compile
+        (:func:`tvm_distx.compiler.pipeline.run_stages`): global shapes as
+        DTensors, every redistribute and all-reduce still visible. It is what
+        :func:`tvm_distx.reports.comm_report.comm_report` reads, kept so that
+        nothing lowers the program a second time to count its bytes.
     """
 
     def __init__(self, module: tvm.IRModule, signatures: dict[str, FunctionSignature],
                  vm_exec, target, *, num_ranks: int, entries: dict[str, list],
                  built: tvm.IRModule | None = None,
                  derivations: Mapping[str, Derivations] | None = None,
-                 plan: dict | None = None, plan_refusal: str | None = None) -> None:
+                 plan: dict | None = None, plan_refusal: str | None = None,
+                 local_view: tvm.IRModule | None = None) -> None:
         self.module = module
+        self.local_view = local_view
         self.plan, self.plan_refusal = plan, plan_refusal
         self.built = built if built is not None else module
         self.signatures = signatures

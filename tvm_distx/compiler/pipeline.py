@@ -1,9 +1,12 @@
 """The compiler driver: from an annotated global-view module to built rank programs.
 
 :func:`lower_to_ranks` runs the stages that give the program every rank runs;
-:func:`compile` runs them, schedules the kernels for CPU targets, builds one
+:func:`compile` runs them once, schedules the kernels for CPU targets, builds one
 library holding every rank's program, and hands it to
-:class:`tvm_distx.compiler.executable.DistExecutable`, which only packages and runs it.
+:class:`tvm_distx.compiler.executable.DistExecutable`, which only packages and runs it
+(and keeps the module of the ``local_view`` stage, which
+:func:`tvm_distx.reports.comm_report.comm_report` reads: nothing runs the stages again
+to count the bytes a program moves).
 
 The stages run in the only order that gives right numbers with the pinned TVM:
 ``LegalizeOps`` *before* propagation, because it skips every operator whose
@@ -202,7 +205,8 @@ def compile(mod: tvm.IRModule, target="x86", *, schedule: bool = True,
         plan, refusal = None, err.message
         logger.debug("no rank plan: %s", refusal)
     return DistExecutable(lowered, signatures, vm_exec, resolved, built=built,
-                          derivations=derivations, plan=plan, plan_refusal=refusal, **entries)
+                          derivations=derivations, plan=plan, plan_refusal=refusal,
+                          local_view=stages["local_view"], **entries)
 
 
 def _build(built: tvm.IRModule, unscheduled: tvm.IRModule, target):

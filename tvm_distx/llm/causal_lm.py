@@ -37,9 +37,8 @@ from typing import Callable
 from pathlib import Path
 
 import numpy as np
-import tvm
 
-from tvm_distx.compiler.pipeline import compile as compile_module, run_stages
+from tvm_distx.compiler.pipeline import compile as compile_module
 from tvm_distx.compiler.targets import resolve_target
 from tvm_distx.sources.checkpoint import open_checkpoint
 from tvm_distx.sources.formats import QUANTIZED
@@ -48,13 +47,11 @@ from tvm_distx.bundle.generation import GENERATION_FILE, GenerationInfo
 from tvm_distx.bundle.manifest import read_manifest
 from tvm_distx.bundle.signature import weight_bytes_per_rank
 from tvm_distx.errors import ArgumentError, BundleError, DistxError
-from tvm_distx.frontend.decoder import BATCH_SUFFIX, FUNCTIONS, STEP_ATTRIBUTE, export_decoder
+from tvm_distx.frontend.decoder import export_decoder
 from tvm_distx.frontend.pytorch import relax_name
 from tvm_distx.llm.compile_cache import (ENTRY_FILE, CacheKey, CompileCache, bytes_digest,
                                          file_identity)
-from tvm_distx.passes.quantize import quantize
-from tvm_distx.plans import presets
-from tvm_distx.plans.hf import HFPlan
+from tvm_distx.llm.recipe import AS_STORED, Recipe, Traced, functions_of, only
 from tvm_distx.reports.comm_report import comm_report
 from tvm_distx.runtime.backends import check_backend, open_session
 from tvm_distx.generation.generator import PREFILL_CHUNK, GenerationStats, Generator
@@ -87,6 +84,9 @@ class CausalLM(Generator):
         self.weights = weights
         #: the sharded global-view program (None when opened from a bundle)
         self.annotated = None
+        #: how the model is traced and sharded again, to export what a compile cache
+        #: bundle lacks (None when opened from a bundle alone)
+        self.recipe: Recipe | None = None
         #: the bytes of the weights each rank holds, by rank
         self.weight_bytes_per_rank: list[int] = []
         #: the compile cache's bundle this model was started from or stored in, if any
@@ -155,12 +155,16 @@ class CausalLM(Generator):
         storage = _storage(dtype, quantization, "CausalLM.from_hf")
         text = _tokenizer_of(tokenizer)  # before the export: a bad one fails at once
 
-        def build():
+        def trace() -> Traced:
             logger.info("tracing %s", type(model).__name__)
             program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
                                      max_batch=max_batch)
-            lm = cls._serve(model, program, program.weights, num_ranks, backend=backend,
-                            plan=plan, storage=storage, timeout=timeout, **options)
+            return Traced(program, program.weights, model)
+
+        recipe = Recipe(trace, num_ranks, plan, storage)
+
+        def build():
+            lm = cls._serve(recipe, backend=backend, timeout=timeout, **options)
             lm.tokenizer = text
             return lm
 
@@ -172,8 +176,8 @@ class CausalLM(Generator):
                 weights=bytes_digest((name, tensor.detach().cpu().numpy()) for name, tensor
                                      in sorted(model.state_dict().items())))
 
-        return cls._cached(compile_cache, key, build, link_checkpoint=False, backend=backend,
-                           timeout=timeout, **options)
+        return cls._cached(compile_cache, key, build, recipe, link_checkpoint=False,
+                           backend=backend, timeout=timeout, **options)
 
     @classmethod
     def from_pretrained(cls, directory, num_ranks: int = 2, *, backend: str = "mpi",
@@ -232,11 +236,10 @@ class CausalLM(Generator):
         storage = _storage(dtype if dtype is not None else _checkpoint_dtype(tensors),
                            quantization, "CausalLM.from_pretrained")
 
-        def build():
+        def trace() -> Traced:
             import transformers  # a start from the compile cache needs no transformers
 
-            config = transformers.AutoConfig.from_pretrained(root)
-            model = _placeholder_model(config)
+            model = _placeholder_model(transformers.AutoConfig.from_pretrained(root))
             logger.info("tracing %s", type(model).__name__)
             program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
                                      with_weights=False, max_batch=max_batch)
@@ -244,9 +247,15 @@ class CausalLM(Generator):
                        _program_weights(model, program, tensors, f"the checkpoint in {root}",
                                         "save the whole model with save_pretrained, in one "
                                         "directory").items()}
-            del model  # the placeholders: only the traced program is kept
-            lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
-                            storage=storage, timeout=timeout, **options)
+            return Traced(program, weights)  # the placeholders are dropped
+
+        recipe = Recipe(trace, num_ranks, plan, storage)
+
+        def build():
+            import transformers
+
+            lm = cls._serve(recipe, backend=backend, timeout=timeout, **options)
+            config = transformers.AutoConfig.from_pretrained(root)
             generation = (transformers.GenerationConfig.from_pretrained(root)
                           if (root / "generation_config.json").is_file() else config)
             lm.eos_token_id = getattr(generation, "eos_token_id", None)
@@ -261,8 +270,8 @@ class CausalLM(Generator):
                 files=[file_identity(path) for path in sorted(root.iterdir())
                        if path.suffix in (".safetensors", ".json") and path.is_file()])
 
-        return cls._cached(compile_cache, key, build, link_checkpoint=True, backend=backend,
-                           timeout=timeout, **options)
+        return cls._cached(compile_cache, key, build, recipe, link_checkpoint=True,
+                           backend=backend, timeout=timeout, **options)
 
     @classmethod
     def from_gguf(cls, path, num_ranks: int = 2, *, backend: str = "mpi", plan=None,
@@ -305,7 +314,7 @@ class CausalLM(Generator):
                                 "rank", hint="CausalLM.from_gguf(path, num_ranks=2)")
         gguf = open_gguf(path, requantize=requantize)
 
-        def build():
+        def trace() -> Traced:
             model = _placeholder_model(gguf.hf_config())
             logger.info("tracing %s", type(model).__name__)
             program = export_decoder(model, max_length=max_length, prompt_length=prompt_length,
@@ -313,11 +322,12 @@ class CausalLM(Generator):
             found = _program_weights(model, program, gguf.tensors, f"the GGUF file {path}",
                                      "give a GGUF file of the whole model, as llama.cpp's "
                                      "converter writes it")
-            weights = {name: tensor for name, (tensor, _) in found.items()}
-            formats = {name: tensor.format.name for name, tensor in weights.items()}
-            del model
-            lm = cls._serve(None, program, weights, num_ranks, backend=backend, plan=plan,
-                            storage=(formats, None), timeout=timeout, **options)
+            return Traced(program, {name: tensor for name, (tensor, _) in found.items()})
+
+        recipe = Recipe(trace, num_ranks, plan, (AS_STORED, None))  # each tensor as in the file
+
+        def build():
+            lm = cls._serve(recipe, backend=backend, timeout=timeout, **options)
             lm.eos_token_id = gguf.tokenizer.eos_id
             lm.pad_token_id = gguf.tokenizer.pad_id
             lm.tokenizer = Tokenizer.from_gguf(path)
@@ -329,15 +339,17 @@ class CausalLM(Generator):
                 max_batch=max_batch, storage=requantize, tokenizer=None, kind="gguf",
                 file=file_identity(path))
 
-        return cls._cached(compile_cache, key, build, link_checkpoint=True, backend=backend,
-                           timeout=timeout, **options)
+        return cls._cached(compile_cache, key, build, recipe, link_checkpoint=True,
+                           backend=backend, timeout=timeout, **options)
 
     @classmethod
-    def _cached(cls, compile_cache, key: Callable[[], CacheKey | None], build, *,
-                link_checkpoint: bool, backend: str, timeout: float, **options) -> "CausalLM":
+    def _cached(cls, compile_cache, key: Callable[[], CacheKey | None], build, recipe: Recipe,
+                *, link_checkpoint: bool, backend: str, timeout: float,
+                **options) -> "CausalLM":
         """``build()``, or the bundle the compile cache holds under ``key()``; a build is
         stored there (its weights linked to their files when ``link_checkpoint``). The key
-        is made only when the cache is on (it may hash the weights)."""
+        is made only when the cache is on (it may hash the weights). A model started from
+        the cache keeps ``recipe``, for :meth:`export` to compile what the bundle lacks."""
         store = CompileCache.of(compile_cache)
         key = key() if store is not None else None
         if key is None:
@@ -353,7 +365,7 @@ class CausalLM(Generator):
                 store.discard(key)
             else:
                 logger.info("CausalLM: started from the compile cache (%s)", hit)
-                lm.cached_bundle = hit
+                lm.cached_bundle, lm.recipe = hit, recipe
                 return lm
         lm = build()
         logger.info("storing the compiled bundle in the compile cache")
@@ -365,66 +377,65 @@ class CausalLM(Generator):
         return lm
 
     @classmethod
-    def _serve(cls, model, program, weights, num_ranks: int, *, backend: str, plan,
-               storage: tuple | None = None, timeout: float, **options) -> "CausalLM":
-        """Shard and compile ``program``, and launch its session with ``weights``.
+    def _serve(cls, recipe: Recipe, *, backend: str, timeout: float,
+               **options) -> "CausalLM":
+        """Follow ``recipe``, compile its program, and launch a session with its weights."""
 
-        ``storage``: the ``(format, dtype)`` of :func:`tvm_distx.quantize`, or None.
-        """
-
-        max_length = program.cache.max_length
-        logger.info("sharding and compiling for %d ranks", num_ranks)
-        preset = plan if plan is not None else presets.tensor_parallel()
-        if isinstance(preset, HFPlan):  # made from the model, applied to its step module
-            preset = preset.under(STEP_ATTRIBUTE)
-        batch_cache, functions = program.batch_cache, _functions(program.batch_cache)
-        annotated = presets.set_device_meshes(program.mod, [(num_ranks,)])
-        for function in _functions(None):  # a failure here is the model's, not the batch's
-            annotated = preset.apply(annotated, function)
+        traced = recipe.trace()
+        program, model = traced.program, traced.model
+        logger.info("sharding and compiling for %d ranks", recipe.num_ranks)
+        batch_cache, functions = program.batch_cache, functions_of(program.batch_cache)
+        # a failure of the batch-1 functions is the model's, not the batch's
+        annotated = recipe.shard(recipe.on_mesh(program), functions_of(None))
         exe = None
         if batch_cache is not None:
             try:
-                batched = annotated
-                for function in functions[len(_functions(None)):]:
-                    batched = preset.apply(batched, function)
-                stored, stored_weights = _stored(batched, weights, storage)
-                exe, annotated, weights = compile_module(stored), stored, stored_weights
+                stored, weights = recipe.store(
+                    recipe.shard(annotated, functions[len(functions_of(None)):]),
+                    traced.weights)
+                exe, annotated = compile_module(stored), stored
             except DistxError as err:
                 logger.warning("%s: the batched functions do not shard or compile (%s); "
                                "batches of prompts run one prompt after another",
                                type(model).__name__, str(err).splitlines()[0])
-                batch_cache, functions = None, _functions(None)
-                annotated = _only(annotated, functions)
+                batch_cache, functions = None, functions_of(None)
         if exe is None:
-            annotated, weights = _stored(annotated, weights, storage)
+            annotated, weights = recipe.store(only(annotated, functions), traced.weights)
             exe = compile_module(annotated)
-        rows = comm_report(run_stages(annotated)["local_view"]).rows
-        logger.info("starting %d ranks (%s)", num_ranks, backend)
-        per_token = sum(r.bytes_per_rank for r in rows if r.function == "decode")
-        session = exe.session(num_ranks, backend=backend, params=weights,
+        # the bytes of the decode's collectives, from the compile's own local view
+        per_token = sum(r.bytes_per_rank for r in comm_report(exe.local_view).rows
+                        if r.function == "decode")
+        logger.info("starting %d ranks (%s)", recipe.num_ranks, backend)
+        session = exe.session(recipe.num_ranks, backend=backend, params=weights,
                               function=functions, timeout=timeout, **options)
         generation = getattr(model, "generation_config", None)
         logger.info("CausalLM: %s on %d ranks, up to %d tokens, %d bytes per rank per token%s",
-                    type(model).__name__, num_ranks, max_length, per_token,
-                    f", batches of {batch_cache.batch}" if batch_cache else "")
+                    type(model).__name__, recipe.num_ranks, program.cache.max_length,
+                    per_token, f", batches of {batch_cache.batch}" if batch_cache else "")
         lm = cls(program.cache, session, exe=exe, weights=weights,
                  eos_token_id=getattr(generation, "eos_token_id", None),
                  pad_token_id=getattr(generation, "pad_token_id", None),
                  bytes_per_token=per_token, batch_cache=batch_cache)
-        lm.annotated = annotated  # compiled again by export(target=...) for another target
+        lm.annotated, lm.recipe = annotated, recipe  # compiled again by export(target=...)
         lm.weight_bytes_per_rank = weight_bytes_per_rank(
             exe.signatures, set(weights), exe.num_ranks)
         logger.info("CausalLM: weights per rank %s bytes", lm.weight_bytes_per_rank)
         return lm
 
     # ------------------------------------------------------------------ bundles
-    def export(self, directory, *, target: str | None = None, **target_options):
+    def export(self, directory, *, target: str | None = None, **target_options) -> Path:
         """Write a bundle that ``tvm-distx generate`` (or :meth:`from_bundle`) serves.
 
         The bundle holds ``prefill`` and ``decode`` (and ``prefill_batch`` and
         ``decode_batch`` when compiled), each rank's weight shards once, and
         ``generation.json``: the caches' layouts and the model's end and pad
         tokens, and the tokenizer's files when it has one. Returns the bundle's path.
+
+        A model started from the compile cache holds no compiled program: its
+        bundle is copied when it is what is asked for (this host's target,
+        the weights in it); otherwise the model is traced, sharded and compiled
+        again as :meth:`from_hf` (or ``from_pretrained``, ``from_gguf``) would
+        have, for the target asked.
 
         Parameters
         ----------
@@ -436,6 +447,12 @@ class CausalLM(Generator):
             and no TVM). None: the program this object runs.
         **target_options
             Options of that target (for ``"rvv"``: ``vlen``, ``cc``).
+
+        Raises
+        ------
+        ArgumentError
+            For a model opened with :meth:`from_bundle`: it has only its bundle,
+            which is for one target.
         """
         if self.exe is None and self.cached_bundle is not None and target is None and \
                 not read_manifest(self.cached_bundle).weight_links:
@@ -443,20 +460,27 @@ class CausalLM(Generator):
             shutil.copytree(self.cached_bundle, directory, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns(ENTRY_FILE))
             return Path(directory)
-        if self.exe is None:
+        if self.exe is None and self.recipe is None:
             raise ArgumentError(
-                "this CausalLM was opened from a bundle (or from the compile cache, with "
-                "its weights linked to their files); it has no program to export",
-                hint="copy the bundle directory instead, or start it with "
-                "compile_cache=False to compile it again")
+                "CausalLM.export: this model was opened from a bundle, which holds its "
+                "program compiled for one target and no model to compile again"
+                + (f" for target {target!r}" if target is not None else
+                   " with its weights copied in"),
+                hint="copy the bundle directory itself, or start from the model with "
+                "CausalLM.from_pretrained(...) (or from_hf, from_gguf) and export that")
         return self._export(directory, target=target, **target_options)
 
     def _export(self, directory, *, target: str | None = None, link_checkpoint: bool = False,
                 **target_options) -> Path:
-        exe = self.exe
-        if target is not None:
-            exe = compile_module(self.annotated, target=target, **target_options)
-        root = exe.export(directory, params=self.weights, function=_functions(self.batch_cache),
+        exe, annotated, weights = self.exe, self.annotated, self.weights
+        if exe is None:  # started from the compile cache: the recipe gives the program again
+            logger.info("export: tracing and sharding the model again (it was started from "
+                        "the compile cache)")
+            annotated, weights = self.recipe.follow(functions_of(self.batch_cache))
+        if exe is None or target is not None:
+            exe = compile_module(annotated, **({"target": target} if target is not None
+                                               else {}), **target_options)
+        root = exe.export(directory, params=weights, function=functions_of(self.batch_cache),
                           link_checkpoint=link_checkpoint)
         GenerationInfo(self.cache, self.batch_cache, self.eos_token_id, self.pad_token_id,
                        self.stats.bytes_per_token).write(root)
@@ -602,13 +626,6 @@ def _storage(dtype, quantization, where: str) -> tuple[str, str | None] | None:
     return None if rest == "f32" else (rest, None)
 
 
-def _stored(annotated, weights, storage):
-    """The program and weights with the weights in ``storage``'s format (as they are: None)."""
-    if storage is None:
-        return annotated, weights
-    return quantize(annotated, weights, storage[0], dtype=storage[1])
-
-
 def _checkpoint_dtype(tensors) -> str:
     """The dtype most of a checkpoint's floating-point bytes are stored in."""
     stored: dict[str, int] = {}
@@ -617,18 +634,3 @@ def _checkpoint_dtype(tensors) -> str:
         if name is not None:
             stored[name] = stored.get(name, 0) + int(np.prod(tensor.shape, dtype=np.int64))
     return max(stored, key=stored.get) if stored else "float32"
-
-
-def _functions(batch_cache) -> tuple[str, ...]:
-    """The public functions of a generation program: the batched ones when exported."""
-
-    return FUNCTIONS + (tuple(f + BATCH_SUFFIX for f in FUNCTIONS) if batch_cache else ())
-
-
-def _only(mod, functions):
-    """``mod`` without the public functions not in ``functions``."""
-
-    return tvm.IRModule({gv: func for gv, func in mod.functions.items()
-                         if func.attrs is None or "global_symbol" not in func.attrs
-                         or gv.name_hint in functions},
-                        attrs=mod.attrs, global_infos=mod.global_infos)  # meshes, formats
