@@ -414,9 +414,10 @@ class TensorParallel:
             raise problem
         return plan
 
-    def _warn_if_little_split(self, mod: tvm.IRModule, function: str) -> None:
-        """Log a warning when the plan of ``mod`` splits less than half of its matrices."""
-        problem = _too_little_split(self.plan(mod, function), function)
+    @staticmethod
+    def _warn_if_little_split(plan: TensorParallelPlan, function: str) -> None:
+        """Log a warning when ``plan`` splits less than half of its matrices."""
+        problem = _too_little_split(plan, function)
         if problem is not None:
             logger.warning("%s", problem)
 
@@ -463,8 +464,13 @@ class TensorParallel:
 
     def rules(self, mod: tvm.IRModule, function: str = "main") -> list[ShardingRule]:
         """Sharding rules: the plan's placements, then the overrides."""
+        return self._rules(mod, function, self.plan(mod, function))
+
+    def _rules(self, mod: tvm.IRModule, function: str,
+               plan: TensorParallelPlan) -> list[ShardingRule]:
+        """:meth:`rules` of a plan already made for ``mod``."""
         chosen = {name: (placement, None) for name, placement in
-                  self.plan(mod, function).placements(self.model_axis, self.mesh_ndim).items()}
+                  plan.placements(self.model_axis, self.mesh_ndim).items()}
         names = [p.name for p in mod[function].params]
         chosen.update(Preset(self.overrides).placements(names))
         return rules_for(chosen, function)
@@ -527,8 +533,9 @@ class TensorParallel:
                                           mesh_ndim=self.mesh_ndim, function=function)
             return plan.apply(mod, function)
         mod = self.prepare(mod, function)
-        self._warn_if_little_split(mod, function)
-        return AnnotateSharding(self.rules(mod, function))(mod)
+        plan = self.plan(mod, function)  # once: the warning and the rules read the same plan
+        self._warn_if_little_split(plan, function)
+        return AnnotateSharding(self._rules(mod, function, plan))(mod)
 
 
 def _too_little_split(plan: TensorParallelPlan, function: str) -> RuleError | None:

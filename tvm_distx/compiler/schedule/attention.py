@@ -45,6 +45,7 @@ imports TVM only; it is a compiler-side module (no rank process imports it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+import functools
 import logging
 
 import numpy as np
@@ -232,8 +233,14 @@ def attention_definition(kernel: AttentionKernel, batch=None, queries=None,
         .without_attr("global_symbol")
 
 
+@functools.lru_cache(maxsize=None)
 def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
     """The kernel's implementation: an online softmax over tiles of keys (module doc).
+
+    Made once per kernel in a process (its TVMScript is parsed, which takes seconds):
+    the prefill's and the decode's kernels, symbolic in ``b``, ``s`` and ``L``, are
+    one kernel when their heads, widths and masks agree. A PrimFunc is immutable, so
+    the modules that hold it share it.
 
     Two layouts, chosen per call by the query count ``s``:
 
