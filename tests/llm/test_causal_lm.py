@@ -69,6 +69,35 @@ def test_generate_equals_transformers_token_for_token(llama):
     assert lm.stats.bytes_per_token > 0  # the all-reduces of the split blocks
 
 
+def test_a_cold_start_lowers_once_and_counts_its_bytes_from_that_lowering(monkeypatch):
+    """The comm report of a model (its bytes per token) comes from its compile's own local
+    view: the stages run once per compile, and the report is the one a separate run of
+    the stages gives."""
+    from tvm_distx.compiler import pipeline
+
+    runs, run_stages = [], pipeline.run_stages
+
+    def counted(mod, **kwargs):
+        runs.append(sorted(gv.name_hint for gv, f in mod.functions.items()
+                           if f.attrs is not None and "global_symbol" in f.attrs))
+        return run_stages(mod, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run_stages", counted)
+    model = build("llama", layers=1)
+    with CausalLM.from_hf(model, num_ranks=2, backend="emulate", max_length=12) as lm:
+        assert runs == [["decode", "prefill"]]  # the compile's, and no other
+        rows = td.comm_report(run_stages(lm.annotated)["local_view"]).rows
+        assert td.comm_report(lm.exe.local_view).rows == rows
+        decode = [r for r in rows if r.function == "decode"]
+        # an all-reduce of the hidden state (64 floats) after the vocabulary-parallel
+        # embedding, the attention and the MLP
+        assert [(r.collective, r.bytes_per_rank) for r in decode
+                if r.collective != "local_slice"] == [("all_reduce", 256)] * 3
+        assert lm.stats.bytes_per_token == sum(r.bytes_per_rank for r in decode)
+        np.testing.assert_array_equal(lm.generate(prompt_ids(4, seed=1), 4)[0],
+                                      greedy(model, prompt_ids(4, seed=1), 4))
+
+
 def test_prompts_of_different_lengths_and_the_stream_without_batched_functions(llama):
     model, llama_lm = llama
     lm = CausalLM(llama_lm.cache, llama_lm.session)  # no batch_cache: one prompt at a time
