@@ -42,7 +42,8 @@ import json, sys, time
 started = time.perf_counter()
 import numpy as np
 from tvm_distx.llm.causal_lm import CausalLM
-lm = CausalLM.from_pretrained(sys.argv[1], num_ranks=2, max_length=64, compile_cache=False)
+lm = CausalLM.from_pretrained(sys.argv[1], num_ranks=2, max_length=64, compile_cache=False,
+                              timeout=float(sys.argv[3]))
 opened = time.perf_counter()
 ids = np.random.default_rng(0).integers(0, int(sys.argv[2]), 16)
 token = int(lm.generate(ids, max_new_tokens=1)[0, -1])
@@ -54,9 +55,9 @@ print(json.dumps({"start_s": opened - started, "token": token}))
 def _start(checkout: Path, checkpoint: Path, vocab: int, timeout: float) -> dict:
     """One cold start with ``checkout``'s package; its seconds and first token."""
     env = dict(os.environ, PYTHONPATH=str(checkout), TVM_DISTX_CACHE="off")
-    done = subprocess.run([sys.executable, "-c", START, str(checkpoint), str(vocab)],
-                          capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=checkout)
+    done = subprocess.run([sys.executable, "-c", START, str(checkpoint), str(vocab),
+                           str(timeout)], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=checkout)
     if done.returncode != 0:
         sys.exit(f"a start with {checkout} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -16,6 +16,7 @@ from tvm_distx.legalize.lower_distir import rank_entry
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.compiler.pipeline import STAGES
 from tvm_distx.runtime import emulate, shard_array
+from tvm_distx.runtime.backends import launch
 from tvm_distx.layout import TensorSharding
 from locations import TESTS_DIR
 
@@ -130,3 +131,38 @@ def test_a_kernel_whose_loops_tvm_cannot_shard_even_simplified_is_refused_by_nam
         td.lower_to_ranks(ReshapeOn2x4)
     assert err.value.function == "main" and err.value.var == "y"
     assert "S[1]S[0]" in str(err.value) and err.value.hint
+
+
+def test_compile_lowers_once_and_keeps_the_local_view_and_writes_its_library_once(
+        tensor_parallel, tmp_path, monkeypatch):
+    """The executable keeps the ``local_view`` module of its one run of the stages (what
+    comm_report reads), and emits its library's machine code at its first export only:
+    a second bundle gets a copy of the same bytes, and runs."""
+    from tvm_distx.compiler import pipeline
+    from tvm_distx.compiler.targets import ResolvedTarget
+
+    runs, run_stages = [], pipeline.run_stages
+    monkeypatch.setattr(pipeline, "run_stages",
+                        lambda mod, **kw: runs.append(mod) or run_stages(mod, **kw))
+    exe = td.compile(tensor_parallel)
+    assert runs == [tensor_parallel]
+    expected = run_stages(tensor_parallel)["local_view"]
+    tvm.ir.assert_structural_equal(exe.local_view, expected)
+    assert td.comm_report(exe.local_view).rows == td.comm_report(expected).rows
+
+    written, export_library = [], ResolvedTarget.export_library
+    monkeypatch.setattr(ResolvedTarget, "export_library",
+                        lambda self, vm, path: written.append(path) or
+                        export_library(self, vm, path))
+    rng = np.random.default_rng(5)
+    x, A, B = (0.1 * rng.standard_normal((128, 128), dtype="float32") for _ in range(3))
+    first = exe.export(tmp_path / "first", params={"A": A, "B": B})
+    second = exe.export(tmp_path / "second", params={"A": A, "B": B})
+    assert written == [first / "lib.so"]
+    assert (second / "lib.so").read_bytes() == (first / "lib.so").read_bytes()
+
+    def mlp(v):
+        return np.maximum(v @ A, 0) @ B
+
+    np.testing.assert_allclose(launch(second, [x], backend="emulate"),  # its own weights
+                               mlp(mlp(x)), atol=1e-5)

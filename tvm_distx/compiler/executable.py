@@ -116,6 +116,7 @@ class DistExecutable:
         self.derivations = dict(derivations or {})
         self.meshes = MeshTable(module)
         self._run_bundle: Path | None = None  # exported at the first run (see run)
+        self._library: Path | None = None  # written at the first export (see _write_library)
 
     # ---------------------------------------------------------------- running
     def run(self, *inputs, params: Mapping | None = None, backend: str = "mpi",
@@ -387,7 +388,7 @@ class DistExecutable:
         return root
 
     def _write_library(self, root: Path) -> None:
-        self.target.export_library(self.vm_exec, root / "lib.so")
+        self._export_library(root / "lib.so")
         if self.target.is_riscv and self.plan is not None:  # boards run it with no TVM
             write_board_runtime(root, self.num_ranks, self.target.name)
         elif (root / "python").is_dir():  # a board bundle's runtime, replaced by this one
@@ -397,6 +398,19 @@ class DistExecutable:
 
             write_kernels(self.built, self.target.target, root / "kernels",
                           cc=self.target.cc or "riscv64-linux-gnu-gcc")
+
+    def _export_library(self, path: Path) -> None:
+        """The library at ``path``: written once (LLVM emits its machine code then, which
+        takes seconds for a real model), copied from a private copy at every later export
+        (a session's bundle, then the compile cache's, say)."""
+        if self._library is not None and self._library.is_file():
+            shutil.copyfile(self._library, path)
+            return
+        self.target.export_library(self.vm_exec, path)
+        private = Path(tempfile.mkdtemp(prefix="tvm-distx-library-"))
+        weakref.finalize(self, shutil.rmtree, str(private), True)
+        shutil.copyfile(path, private / path.name)
+        self._library = private / path.name
 
     def _manifest(self, files: list[dict], weights: dict[str, list[str]]) -> dict:
         return {
