@@ -237,10 +237,10 @@ def attention_definition(kernel: AttentionKernel, batch=None, queries=None,
 def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
     """The kernel's implementation: an online softmax over tiles of keys (module doc).
 
-    Made once per kernel in a process (its TVMScript is parsed, which takes seconds):
-    the prefill's and the decode's kernels, symbolic in ``b``, ``s`` and ``L``, are
-    one kernel when their heads, widths and masks agree. A PrimFunc is immutable, so
-    the modules that hold it share it.
+    Made once per kernel in a process (its TVMScript is parsed, about a second): a
+    second compile of the same model (``CausalLM.export(target=...)`` after the
+    compile that serves it, say) reuses it. A PrimFunc is immutable, so the modules
+    that hold it share it.
 
     Two layouts, chosen per call by the query count ``s``:
 
