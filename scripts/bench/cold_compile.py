@@ -8,7 +8,8 @@ once under ``--workdir``. ``--layers`` and ``--hidden`` make it smaller.
 Each start is a fresh Python process with one checkout's package on ``PYTHONPATH``:
 ``CausalLM.from_pretrained(checkpoint, num_ranks=2, max_length=64, compile_cache=False)``
 on 2 MPI ranks (trace, shard, compile, launch), then ``generate(ids, max_new_tokens=1)`` of a
-16-token prompt. The start's time is the process's time from before the import of
+16-token prompt (``--cache``: an empty compile cache instead of none, so the bundle is
+also stored, as at a user's first start). The start's time is the process's time from before the import of
 tvm_distx to the return of ``from_pretrained``; beside it, the CPU time of that process
 (the trace, the sharding and the compile run there; the ranks are other processes),
 which a loaded machine disturbs less than the wall time.
@@ -33,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,7 +46,8 @@ import json, sys, time
 started, cpu = time.perf_counter(), time.process_time()
 import numpy as np
 from tvm_distx.llm.causal_lm import CausalLM
-lm = CausalLM.from_pretrained(sys.argv[1], num_ranks=2, max_length=64, compile_cache=False,
+cache = sys.argv[4] if len(sys.argv) > 4 else False  # an empty directory: a cold start
+lm = CausalLM.from_pretrained(sys.argv[1], num_ranks=2, max_length=64, compile_cache=cache,
                               timeout=float(sys.argv[3]))
 opened, cpu = time.perf_counter(), time.process_time() - cpu
 ids = np.random.default_rng(0).integers(0, int(sys.argv[2]), 16)
@@ -54,12 +57,15 @@ print(json.dumps({"start_s": opened - started, "cpu_s": cpu, "token": token}))
 """
 
 
-def _start(checkout: Path, checkpoint: Path, vocab: int, timeout: float) -> dict:
+def _start(checkout: Path, checkpoint: Path, vocab: int, timeout: float,
+           cache: bool) -> dict:
     """One cold start with ``checkout``'s package; its seconds and first token."""
     env = dict(os.environ, PYTHONPATH=str(checkout), TVM_DISTX_CACHE="off")
-    done = subprocess.run([sys.executable, "-c", START, str(checkpoint), str(vocab),
-                           str(timeout)], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=checkout)
+    with tempfile.TemporaryDirectory(prefix="cold-cache-") as empty:
+        done = subprocess.run([sys.executable, "-c", START, str(checkpoint), str(vocab),
+                               str(timeout), *([empty] if cache else [])],
+                              capture_output=True, text=True, env=env, timeout=timeout,
+                              cwd=checkout)
     if done.returncode != 0:
         sys.exit(f"a start with {checkout} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -80,6 +86,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path,
                         default=Path("/var/cache/tvm-distx/bench/cold_compile"))
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--cache", action="store_true",
+                        help="start with an empty compile cache (the bundle is stored, as "
+                        "a user's first start does) instead of none")
     args = parser.parse_args()
     config = dict(llm_decode.MODEL)
     if args.hidden:
@@ -100,7 +109,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(sides) if round_ % 2 == 0 else list(sides)[::-1]
         for side in order:
-            got = _start(sides[side], checkpoint, config["vocab_size"], args.timeout)
+            got = _start(sides[side], checkpoint, config["vocab_size"], args.timeout,
+                         args.cache)
             times[side].append(got["start_s"])
             cpus[side].append(got["cpu_s"])
             tokens.add(got["token"])
@@ -110,7 +120,8 @@ def main() -> None:
     cpu_ratios = [a / b for a, b in zip(cpus["after"], cpus["before"])]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{stamp}, {args.rounds} rounds, {name} ({config['num_hidden_layers']} layers, "
-          f"hidden {config['hidden_size']}), 2 MPI ranks, load "
+          f"hidden {config['hidden_size']}), 2 MPI ranks, "
+          f"{'an empty compile cache' if args.cache else 'no compile cache'}, load "
           f"{os.getloadavg()[0]:.1f}\n")
     print(table(["checkout", "commit", "cold from_pretrained, median (s)", "per round (s)",
                  "its process's CPU, median (s)"],
