@@ -30,7 +30,7 @@ import signal
 import subprocess
 from typing import ClassVar, Sequence
 
-from tvm_distx.errors import LaunchError
+from tvm_distx.errors import InternalError, LaunchError
 from tvm_distx.hosts.hostfile import RankPlacement
 
 __all__ = ["Launcher", "Hydra", "OpenMPI", "LAUNCHERS", "RankDeath", "launcher_for",
@@ -192,7 +192,7 @@ class OpenMPI(Launcher):
             options += ["-x", name]
         if placement is not None:
             if workdir is None:
-                raise ValueError("Open MPI's hosts go in a hostfile: give workdir")
+                raise InternalError("Open MPI's hosts go in a hostfile: give the launcher a workdir")
             hostfile = Path(workdir) / "hostfile"
             hostfile.write_text("".join(f"{h.name} slots={h.slots}\n" for h in placement.hosts))
             options += ["--hostfile", str(hostfile)]
