@@ -192,7 +192,8 @@ class OpenMPI(Launcher):
             options += ["-x", name]
         if placement is not None:
             if workdir is None:
-                raise InternalError("Open MPI's hosts go in a hostfile: give the launcher a workdir")
+                raise InternalError("Open MPI's hosts go in a hostfile: give the launcher "
+                                    "a workdir")
             hostfile = Path(workdir) / "hostfile"
             hostfile.write_text("".join(f"{h.name} slots={h.slots}\n" for h in placement.hosts))
             options += ["--hostfile", str(hostfile)]
