@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import tempfile
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from tvm.script import tirx as T
 
 import tvm_distx as td
 from tvm_distx import AnnotateSharding, ShardingRule
-from tvm_distx.compiler.board_plan import INLINE_ELEMENTS, lower_for_vm, rank_plan
+from tvm_distx.compiler.board_plan import INLINE_ELEMENTS, board_runtime, lower_for_vm, rank_plan
 from tvm_distx.errors import CompilerStageError
 from locations import TESTS_DIR
 
@@ -144,3 +145,15 @@ def test_every_tir_function_after_the_vm_pipeline_is_noalias():
     lib = tvm.compile(final, target=target, relax_pipeline=None)
     assert "noalias" in lib.mod.inspect_source("ll") if not lib.mod.imports else \
         "noalias" in lib.mod.imports[0].inspect_source("ll")
+
+
+def test_the_board_runtime_is_built_as_bytes_and_leaves_no_temporary_folder(tmp_path,
+                                                                            monkeypatch):
+    """A process killed after its first export leaves nothing in TMPDIR: the runtime library
+    is read into memory and its build folder removed at once (not at exit)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    library = board_runtime.__wrapped__("gcc")  # not the process's cached copy
+    assert library[:4] == b"\x7fELF" and len(library) > 1000
+    assert list(tmp.iterdir()) == []

@@ -32,7 +32,6 @@ register is emptied, as the VM does), ``"null"`` and ``"alias"`` (a plain value)
 
 from __future__ import annotations
 
-import atexit
 import base64
 import functools
 import logging
@@ -151,11 +150,14 @@ def build_board_runtime(folder: str | os.PathLike, cc: str = "gcc") -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def board_runtime(cc: str = "gcc") -> Path:
-    """The board runtime built once per process for the compiler ``cc`` (what bundles copy)."""
-    folder = Path(tempfile.mkdtemp(prefix="tvm-distx-board-runtime-"))
-    atexit.register(shutil.rmtree, folder, True)
-    return build_board_runtime(folder, cc)
+def board_runtime(cc: str = "gcc") -> bytes:
+    """The board runtime built once per process for the compiler ``cc``: the bytes bundles hold.
+
+    It is built in a temporary directory removed as soon as the library is read, so a
+    process that is killed later leaves nothing behind.
+    """
+    with tempfile.TemporaryDirectory(prefix="tvm-distx-board-runtime-") as folder:
+        return build_board_runtime(folder, cc).read_bytes()
 
 
 def rank_plan(final: tvm.IRModule) -> dict:

@@ -370,7 +370,7 @@ class DistExecutable:
         if self.plan is not None:
             (root / PLAN).write_text(json.dumps(self.plan, separators=(",", ":")) + "\n")
             manifest["plan"], manifest["plan_sha256"] = PLAN, sha256_file(root / PLAN)
-            shutil.copyfile(board_runtime(self.target.cc or "gcc"), root / RUNTIME_LIBRARY)
+            (root / RUNTIME_LIBRARY).write_bytes(board_runtime(self.target.cc or "gcc"))
             python = sorted(str(p.relative_to(root)) for p in (root / "python").rglob("*.py"))
             manifest["program_files"] = [PLAN, RUNTIME_LIBRARY, *python]
         else:
