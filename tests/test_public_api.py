@@ -89,6 +89,13 @@ def test_an_old_module_path_is_not_found():
     assert json.loads(done.stdout.splitlines()[-1]) == GONE_MODULES
 
 
+def test_presets_is_reachable_from_the_top_as_users_write_it():
+    from tvm_distx import presets
+    from tvm_distx.plans import presets as home
+
+    assert presets is home
+
+
 def test_an_unknown_name_is_still_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         tvm_distx.no_such_name  # noqa: B018

@@ -85,7 +85,16 @@ _LAZY = {
 }
 
 
+#: Packages of plans reachable from the top, as users write them (``from tvm_distx import
+#: presets``): name -> module, loaded on first use.
+_SUBMODULES = {"presets": "tvm_distx.plans.presets"}
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         # a submodule not imported yet (``tvm_distx.compiler``), as before lazy loading
