@@ -28,6 +28,7 @@ from tvm_distx.compiler.board_plan import lower_for_vm, rank_plan
 from tvm_distx.compiler.fuse_attention import FuseAttention
 from tvm_distx.compiler.fuse_cache_writes import FuseCacheWrites
 from tvm_distx.compiler.operator_rules import legalize_rules
+from tvm_distx.compiler.parallel_build import build_vm
 from tvm_distx.compiler.executable import DistExecutable
 from tvm_distx.compiler.schedule import (SCHEDULED_ATTR, ScheduleCPU, WidenHalves, fuse_kernels,
                                       implement_kernels)
@@ -257,7 +258,7 @@ def _build(built: tvm.IRModule, unscheduled: tvm.IRModule, target):
 def _vm_build(built: tvm.IRModule, target):
     """The executable, ``built``, and the final module its VM code was generated from."""
     final = lower_for_vm(built, target)
-    return tvm.compile(final, target=target, relax_pipeline=None), built, final
+    return build_vm(final, target), built, final
 
 
 def _builds_alone(func, target) -> bool:

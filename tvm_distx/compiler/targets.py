@@ -18,6 +18,7 @@ from pathlib import Path
 
 import tvm
 
+from tvm_distx.compiler.parallel_build import export_library as parallel_export
 from tvm_distx.errors import ArgumentError
 
 __all__ = ["ResolvedTarget", "resolve_target", "x86_target", "rvv_target"]
@@ -68,7 +69,7 @@ class ResolvedTarget:
     def export_library(self, vm_exec, path: Path) -> None:
         """Write ``vm_exec``'s shared library, cross-linked when the target needs it."""
         if self.cc is None:
-            vm_exec.export_library(str(path))
+            parallel_export(vm_exec, str(path))
             return
         if shutil.which(self.cc) is None:
             raise ArgumentError(
@@ -76,7 +77,7 @@ class ResolvedTarget:
                 hint="apt-get install gcc-riscv64-linux-gnu" if "riscv64" in self.cc
                 else f"install {self.cc} or pass cc= to tvm_distx.compile",
             )
-        vm_exec.export_library(str(path), cc=self.cc)
+        parallel_export(vm_exec, str(path), cc=self.cc)
 
 
 def x86_target(num_cores: int | None = None) -> tvm.target.Target:

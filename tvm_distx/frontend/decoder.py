@@ -62,7 +62,7 @@ import tvm
 
 from tvm_distx.errors import ArgumentError, UnsupportedProgramError
 from tvm_distx.bundle.generation import KVCacheLayout
-from tvm_distx.frontend.pytorch import from_torch
+from tvm_distx.frontend.pytorch import import_torch
 
 __all__ = ["DecoderProgram", "KVCacheLayout", "STEP_ATTRIBUTE", "export_decoder"]
 
@@ -336,7 +336,7 @@ def _pair(model, layers: int, cache: KVCacheLayout, traced: int, prompt_length: 
     caches = tuple(torch.zeros(s, dtype=getattr(torch, cache.dtype)) for s in cache.shapes)
     seq = torch.export.Dim("seq", min=1, max=max_length)
     prompt = prompt_length is None
-    functions = {}
+    calls = {}
     for name, length in (("prefill", traced), ("decode", 1)):
         symbolic = prompt and name == "prefill"
         ids = torch.zeros((batch, length), dtype=torch.long)
@@ -349,16 +349,42 @@ def _pair(model, layers: int, cache: KVCacheLayout, traced: int, prompt_length: 
                         torch.ones((batch, max_length), dtype=torch.long)]
             dims += [{1: seq} if symbolic else None, None]
             inputs += ["position_ids", "attention_mask"]
-        arguments = (step, (*example, *caches),
-                     (*dims[:2], (*dims[2:], *(None for _ in caches))), name + suffix,
-                     [*inputs, *cache.names], with_weights)
-        try:
-            functions[name + suffix] = _import(*arguments)
-        except UnsupportedProgramError as err:
-            if symbolic:
-                _refuse_a_run_time_length(err, arguments, traced)
-            raise
-    return functions
+        calls[name] = (step, (*example, *caches),
+                       (*dims[:2], (*dims[2:], *(None for _ in caches))), name + suffix,
+                       [*inputs, *cache.names], with_weights)
+    try:
+        prefill = _import(*calls["prefill"])
+    except UnsupportedProgramError as err:
+        if prompt:
+            _refuse_a_run_time_length(err, calls["prefill"], traced)
+        raise
+    decode = _decode_of(prefill) if prompt else None
+    if decode is None:
+        decode = _import(*calls["decode"])
+    return {"prefill" + suffix: prefill[:2], "decode" + suffix: decode[:2]}
+
+
+def _decode_of(prefill: tuple) -> tuple | None:
+    """The decode step as the prefill of one token, or None where that is not proven.
+
+    A prefill over a symbolic prompt length ``seq`` (``1 <= seq <= max_length``)
+    computes, at ``seq = 1``, what the decode step computes: the same model code,
+    traced once. Binding ``seq`` to 1 gives that function with static shapes, and
+    saves a second ``torch.export`` of the model (seconds for a large one). Only a
+    prefill whose sizes torch proved for the whole range is used so (not one
+    exported with size-oblivious reasoning, which may assume ``seq != 1``).
+    """
+    mod, weights, exact_sizes = prefill
+    if not exact_sizes:
+        return None
+    main = mod["main"]
+    symbolic = list(relax.analysis.defined_symbolic_vars(main))
+    if len(symbolic) != 1:
+        return None
+    out = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(dict(mod.functions))
+    # fresh variables: the two functions of one module share no binding
+    out["main"] = relax.utils.copy_with_new_vars(main.bind_symbolic_vars({symbolic[0]: 1}))
+    return out, weights, exact_sizes
 
 
 def _refuse_a_run_time_length(err: UnsupportedProgramError, arguments: tuple,
@@ -387,14 +413,15 @@ def _refuse_a_run_time_length(err: UnsupportedProgramError, arguments: tuple,
 
 def _import(step, example: tuple, dynamic_shapes: tuple, function: str,
             input_names: list[str], with_weights: bool = True
-            ) -> tuple[tvm.IRModule, dict[str, np.ndarray]]:
-    """One function of the decoder, its inputs renamed ``input_names``."""
+            ) -> tuple[tvm.IRModule, dict[str, np.ndarray], bool]:
+    """One function of the decoder, its inputs renamed ``input_names``; whether its sizes are
+    exact (see :class:`tvm_distx.frontend.pytorch.Imported`)."""
     import torch
 
-
     with torch.no_grad():
-        mod, weights = from_torch(step, example, dynamic_shapes=dynamic_shapes,
-                                  unwrap_single_result=False, with_weights=with_weights)
+        mod, weights, exact_sizes = import_torch(
+            step, example, dynamic_shapes=dynamic_shapes, unwrap_single_result=False,
+            with_weights=with_weights)
     main = mod["main"]
     count = int(main.attrs["num_input"])
     if count != len(input_names):
@@ -402,7 +429,7 @@ def _import(step, example: tuple, dynamic_shapes: tuple, function: str,
             f"the exported {function} has {count} inputs, expected {len(input_names)} "
             "(input_ids, cache_position and the caches)",
             hint="the model must use every cache tensor it is given")
-    return _with_input_names(mod, input_names), weights
+    return _with_input_names(mod, input_names), weights, exact_sizes
 
 
 def _with_input_names(mod: tvm.IRModule, names: list[str]) -> tvm.IRModule:

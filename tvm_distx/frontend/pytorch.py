@@ -157,6 +157,19 @@ def _internal_warnings_logged() -> Iterator[None]:
                                    warning.lineno, source=warning.source)
 
 
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """torch.fx nodes made meanwhile record no stack trace (``torch.fx.config``)."""
+    import torch.fx.config
+
+    kept = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = kept
+
+
 def _export(module, args: tuple, kwargs: dict, dynamic_shapes):
     """``torch.export.export``, again with size-oblivious reasoning if a guard breaks a range.
 
@@ -173,19 +186,31 @@ def _export(module, args: tuple, kwargs: dict, dynamic_shapes):
     more, and so asks for no guard of this kind. A guard the model really
     places on a size (a branch on its value) still fails the export. Exports
     that pass the first time are left as they are.
+
+    The nodes keep no stack trace (torch records one per node by default, a
+    fifth of the export's time; nothing downstream reads them).
+
+    Returns
+    -------
+    (torch.export.ExportedProgram, bool)
+        The program, and whether torch's own range analysis proved it for every
+        size in the ranges of ``dynamic_shapes`` (False: size-oblivious).
     """
     import torch
 
-    try:
-        return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
-    except torch._dynamo.exc.UserError as err:
-        if dynamic_shapes is None or \
-                err.error_type is not torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
-            raise
-        logger.info("torch.export of %s: %s; exporting again with size-oblivious reasoning",
-                    type(module).__name__, str(err).splitlines()[0])
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes)
+    with _no_stack_traces():
+        try:
+            return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes), \
+                True
+        except torch._dynamo.exc.UserError as err:
+            if dynamic_shapes is None or \
+                    err.error_type is not torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
+                raise
+            logger.info("torch.export of %s: %s; exporting again with size-oblivious reasoning",
+                        type(module).__name__, str(err).splitlines()[0])
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            return torch.export.export(module, args, kwargs,
+                                       dynamic_shapes=dynamic_shapes), False
 
 
 class WeightSpec(NamedTuple):
@@ -193,6 +218,16 @@ class WeightSpec(NamedTuple):
 
     shape: tuple[int, ...]
     dtype: str
+
+
+class Imported(NamedTuple):
+    """What :func:`import_torch` gives: :func:`from_torch`'s pair, and how sure its sizes are."""
+
+    mod: tvm.IRModule
+    weights: dict
+    #: True when torch proved the program for every size of its symbolic dimensions'
+    #: ranges; False when the export needed size-oblivious reasoning (see ``_export``)
+    exact_sizes: bool
 
 
 def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
@@ -236,6 +271,19 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
     UnsupportedProgramError
         If TVM's frontend cannot translate an operator.
     """
+    imported = import_torch(module, example_inputs, dynamic_shapes=dynamic_shapes,
+                            unwrap_single_result=unwrap_single_result, decompose=decompose,
+                            with_weights=with_weights)
+    return imported.mod, imported.weights
+
+
+def import_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
+                 unwrap_single_result: bool = True, decompose: bool = False,
+                 with_weights: bool = True) -> Imported:
+    """:func:`from_torch`, also telling whether torch proved every symbolic size.
+
+    Takes :func:`from_torch`'s arguments and raises its errors.
+    """
     import torch
 
     if not isinstance(example_inputs, tuple):
@@ -244,7 +292,7 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
     try:
         with torch.no_grad(), _without_cache(module), static_experts(module), \
                 _internal_warnings_logged():
-            exported = _export(module.eval(), args, kwargs, dynamic_shapes)
+            exported, exact_sizes = _export(module.eval(), args, kwargs, dynamic_shapes)
         if _writes_into_views(exported):
             # ``y[..., :8].copy_(x)`` writes into a view of y; TVM's frontend would
             # copy into a temporary. Functionalising (no decomposition) turns such
@@ -284,7 +332,7 @@ def from_torch(module, example_inputs: tuple, *, dynamic_shapes=None,
         weights = {name: WeightSpec(tuple(int(d) for d in value.shape), str(value.dtype))
                    for name, value in zip(names, values)}
     logger.info("imported %s: %d inputs, %d weights", type(module).__name__, count, len(weights))
-    return mod, weights
+    return Imported(mod, weights, exact_sizes)
 
 
 def _without_unread_weights(mod: tvm.IRModule, count: int, values: list

@@ -53,7 +53,8 @@ import tvm
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from tvm_distx.compiler.schedule.base import RULE_ATTR, SCHEDULED_ATTR, implement_definitions
+from tvm_distx.compiler.schedule.base import (RULE_ATTR, SCHEDULED_ATTR, implement_definitions,
+                                              quick_macros)
 from tvm_distx.errors import ArgumentError
 from tvm_distx.ir.module_pass import module_pass
 
@@ -234,6 +235,7 @@ def attention_definition(kernel: AttentionKernel, batch=None, queries=None,
 
 
 @functools.lru_cache(maxsize=None)
+@quick_macros()
 def flash_attention(kernel: AttentionKernel) -> tirx.PrimFunc:
     """The kernel's implementation: an online softmax over tiles of keys (module doc).
 

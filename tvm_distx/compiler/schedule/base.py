@@ -8,13 +8,16 @@ This module owns:
 * the :class:`Rule` interface that each kernel family implements
   (:mod:`.matmul`, :mod:`.injective`, :mod:`.reduction`);
 * the loop primitives the recipes are built from: flattening and vectorizing a
-  spatial block, moving a reduction's init out of its loops, loop extents.
+  spatial block, moving a reduction's init out of its loops, loop extents;
+* :func:`quick_macros`, for the kernels written in TVMScript with macros.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -23,6 +26,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir.expr import Call, Expr, Range, TensorLoad
 from tvm.s_tir import Schedule, ScheduleError
+from tvm.script.parser.core.parser import ScriptMacro
 from tvm.sym import Analyzer
 
 from tvm_distx.ir.helpers import called_kernels
@@ -56,6 +60,7 @@ __all__ = [
     "uses_var",
     "vectorize_innermost",
     "widen_halves",
+    "quick_macros",
 ]
 
 logger = logging.getLogger(__name__)
@@ -553,3 +558,37 @@ def first_line(err: BaseException) -> str:
     """The first line of an error's message (its type's name when it has none), for logs."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+@contextlib.contextmanager
+def quick_macros():
+    """TVMScript macros expanded meanwhile find their parser without reading source files.
+
+    At each call, a ``T.macro`` of this TVM looks for the parser among its callers'
+    frames with ``inspect.getouterframes``, which reads a line of source for every
+    frame of the call stack; each lookup of a frame's file may scan all of
+    ``sys.modules``. Inside a compile (torch and transformers loaded, a deep stack)
+    that made the attention kernels' parse take about a second. Here the frames are
+    walked directly, which finds the same parser. Use it as a decorator of the
+    functions that build kernels with macros.
+    """
+    name = getattr(ScriptMacro, "parser_object_name", None)
+    kept = ScriptMacro.__dict__.get("_find_parser_def")
+    if name is None or kept is None:  # another TVM: its own lookup
+        yield
+        return
+
+    def find_parser(self):
+        frame = sys._getframe(1)
+        while frame is not None:
+            parser = frame.f_globals.get(name)
+            if parser is not None:
+                return parser
+            frame = frame.f_back
+        return kept(self)  # raises TVM's own error
+
+    ScriptMacro._find_parser_def = find_parser
+    try:
+        yield
+    finally:
+        ScriptMacro._find_parser_def = kept

@@ -38,7 +38,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
-from tvm_distx.compiler.schedule.base import RULE_ATTR, SCHEDULED_ATTR
+from tvm_distx.compiler.schedule.base import RULE_ATTR, SCHEDULED_ATTR, quick_macros
 from tvm_distx.ir import helpers as _ir
 from tvm_distx.ir.module_pass import module_pass
 
@@ -117,6 +117,7 @@ def cache_write_definition(kernel: CacheWrite, batch=None, heads=None, length=No
         .without_attr("global_symbol")
 
 
+@quick_macros()
 def cache_write(kernel: CacheWrite, in_place: bool) -> tirx.PrimFunc:
     """The write's implementation: the ``n`` rows copied (module doc).
 

@@ -53,7 +53,8 @@ import tvm
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from tvm_distx.compiler.schedule.base import RULE_ATTR, SCHEDULED_ATTR, implement_definitions
+from tvm_distx.compiler.schedule.base import (RULE_ATTR, SCHEDULED_ATTR, implement_definitions,
+                                              quick_macros)
 from tvm_distx.ir.module_pass import module_pass
 
 __all__ = ["EXPERTS_ATTR", "ExpertsKernel", "experts_definition", "sparse_experts",
@@ -183,6 +184,7 @@ def experts_definition(kernel: ExpertsKernel, tokens=None) -> tirx.PrimFunc:
         .without_attr("global_symbol")
 
 
+@quick_macros()
 def sparse_experts(kernel: ExpertsKernel, *, count: bool = False) -> tirx.PrimFunc:
     """The kernel's implementation: each token runs only the experts it was routed to.
 
