@@ -209,3 +209,16 @@ def test_the_kernels_memory_does_not_grow_with_the_context():
         sizes = [int(e) for e in extents.split(",") if e.strip()]  # a symbol would not parse
         total += int(np.prod(sizes)) * np.dtype(dtype or "float32").itemsize
     assert total < 16 << 10, total  # a few KiB of registers and stack per task
+
+
+def test_quick_macros_build_the_kernel_tvms_own_macro_lookup_builds():
+    """``quick_macros`` changes how a macro finds its parser, not what it builds; it is
+    undone afterwards."""
+    from tvm.script.parser.core.parser import ScriptMacro
+
+    own = ScriptMacro.__dict__["_find_parser_def"]
+    kernel = AttentionKernel(4, 2, 16, 16, 0.25, "bool")
+    quick = flash_attention.__wrapped__(kernel)            # under quick_macros
+    slow = flash_attention.__wrapped__.__wrapped__(kernel)  # TVM's own lookup
+    tvm.ir.assert_structural_equal(quick, slow)
+    assert ScriptMacro.__dict__["_find_parser_def"] is own

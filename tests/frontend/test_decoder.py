@@ -248,3 +248,26 @@ def test_a_prefill_that_imports_only_for_a_fixed_length_says_how_to_fix_it():
                                      "prompt_length=N)")
     mod = td.export_decoder(model, max_length=16, prompt_length=4).mod  # the fix works
     assert {"prefill", "decode"} <= {gv.name_hint for gv in mod.functions}
+
+
+def test_the_decode_step_is_the_prefill_of_one_token_traced_once(monkeypatch):
+    """One torch.export for both functions when the prompt length is symbolic; a prefill of
+    a fixed length, or one torch proved only size-obliviously, leaves the decode traced."""
+    from tvm import relax
+    from tvm_distx.frontend import decoder
+
+    exports = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export",
+                        lambda *args, **kwargs: exports.append(1) or real(*args, **kwargs))
+    program = td.export_decoder(build("llama"), max_length=MAX_LENGTH, with_weights=False)
+    assert len(exports) == 1
+    decode = program.mod["decode"]
+    assert [tuple(int(d) for d in p.ty.shape) for p in decode.params[:2]] == [(1, 1), (1,)]
+    assert not relax.analysis.defined_symbolic_vars(decode)
+    assert not {p for p in decode.params} & {p for p in program.mod["prefill"].params}
+
+    exports.clear()
+    td.export_decoder(build("llama"), max_length=MAX_LENGTH, prompt_length=4, with_weights=False)
+    assert len(exports) == 2
+    assert decoder._decode_of((program.mod, {}, False)) is None
