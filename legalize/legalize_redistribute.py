@@ -114,10 +114,10 @@ class _Legalizer(PyExprMutator):
         if plan is None:
             raise UnsupportedProgramError(
                 f"redistributing a tensor with a symbolic (run-time) dimension from "
-                f"\"{src.placement}\" to \"{dst.placement}\" is not supported yet: a symbolic extent can "
-                "be kept or split by a kernel, but not moved between layouts (a local slice "
-                "is the one move allowed, along a static dimension or a symbolic one that its "
-                "parts always divide)",
+                f"\"{src.placement}\" to \"{dst.placement}\" is not supported yet: a symbolic "
+                "extent may ride along a collective or a move between meshes, but not be cut, "
+                "gathered or exchanged along (a local slice may cut it where its parts always "
+                "divide it)",
                 function=self.function,
                 var=binding.var.name,
                 placement=str(dst.placement),
@@ -165,7 +165,9 @@ class _Legalizer(PyExprMutator):
                 value, num_workers=mesh.size, axis=step.tensor_axes[0])
             return self.builder_.emit(call, name_hint=f"{var.name}_local_slice")
         if step.collective is Collective.SEND_RECV:
-            spec = ccl.SendRecvSpec(_ir.static_shape(var.ty), step.src, step.dst)
+            spec = ccl.SendRecvSpec(tuple(ccl.RUN_TIME if extent is None else extent
+                                          for extent in _ir.static_shape(var.ty)),
+                                    step.src, step.dst)
             args = [value, relax.ShapeExpr(spec.encode())]
         else:
             group = relax.ShapeExpr(ccl.CollectiveGroup.along(mesh, (step.mesh_axis,)).encode())
@@ -190,16 +192,24 @@ class _Legalizer(PyExprMutator):
 
 def _plan_with_symbolic_extents(src: TensorSharding, dst: TensorSharding, shape, dtype,
                                 dims=None):
-    """The plan of a redistribute; with symbolic dimensions, only local slices.
+    """The plan of a redistribute; with symbolic dimensions, only steps that keep them whole.
 
-    A local slice cuts each rank's block out of its own copy, with the extents
-    the array has at run time, so a symbolic dimension that it does not cut
-    may stay symbolic. It may cut one too when the dimension's extent is a
-    multiple of its parts for every value of its variables (``4 * n`` in 2
-    parts: ``dims``, the extents as expressions, say so). The plan is made on
-    a stand-in extent for each symbolic dimension that every mesh axis
-    divides; any other step (data moving between ranks, or a cut of a
-    symbolic dimension that may not divide) returns None.
+    The plan is made on a stand-in extent for each symbolic dimension that every
+    mesh axis divides. Every step of it must then work on the extents the arrays
+    have at run time:
+
+    * a collective within one mesh (an all-gather, a reduce-scatter, an all-to-all
+      or a local slice) reads the extents of the blocks it is given, so it may
+      carry a symbolic dimension that it does not cut or concatenate along;
+    * a local slice may cut one too when the dimension's extent is a multiple of
+      its parts for every value of its variables (``4 * n`` in 2 parts: ``dims``,
+      the extents as expressions, say so);
+    * a send/recv between two meshes (pipeline stages) moves whole what neither
+      side splits: the ranks that only receive learn the run-time extents from
+      the senders first (:meth:`tvm_distx.ccl.SendRecvSpec.header`).
+
+    Any other plan (a symbolic dimension cut or gathered, or a send/recv within a
+    mesh along it) returns None.
     """
     if None not in shape:
         return plan_redistribute(src, dst, shape, dtype, allow_send_recv=ALLOW_SEND_RECV)
@@ -208,10 +218,20 @@ def _plan_with_symbolic_extents(src: TensorSharding, dst: TensorSharding, shape,
     cuttable = {d for d in symbolic if _divides_always(dims, d, _parts(dst, d))}
     plan = plan_redistribute(src, dst, tuple(stand_in if e is None else e for e in shape),
                              dtype, allow_send_recv=ALLOW_SEND_RECV)
-    if all(step.collective is Collective.LOCAL_SLICE
-           and not (symbolic - cuttable) & set(step.tensor_axes) for step in plan.steps):
-        return plan
-    return None
+    return plan if all(_keeps_whole(step, symbolic, cuttable) for step in plan.steps) else None
+
+
+def _keeps_whole(step, symbolic: set[int], cuttable: set[int]) -> bool:
+    """Whether one planned step works on run-time extents (see the caller)."""
+    if step.collective is Collective.LOCAL_SLICE:
+        return not (symbolic - cuttable) & set(step.tensor_axes)
+    if step.collective is Collective.SEND_RECV:
+        return step.src.mesh != step.dst.mesh and not any(
+            _parts(sharding, d) > 1 for sharding in (step.src, step.dst) for d in symbolic)
+    if step.collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER,
+                           Collective.ALL_TO_ALL, Collective.ALL_REDUCE):
+        return not symbolic & set(step.tensor_axes)
+    return False
 
 
 def _ir_dims(ty) -> list | None:

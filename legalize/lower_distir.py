@@ -185,7 +185,9 @@ class LowerDistIR:
                         row[devices.index(d)] = version
             if _is_public(func):
                 entries[name] = row
-        out = dict(bb.get().functions.items())
+        versions = {v for row in entries.values() for v in row if v and v not in entries}
+        out = {gv: _with_own_symbolic_vars(func) if gv.name_hint in versions else func
+               for gv, func in bb.get().functions.items()}
         for gv, func in mod.functions.items():
             if not isinstance(func, relax.Function):  # TIR kernels keep their GlobalVars
                 out[gv] = func
@@ -307,6 +309,11 @@ class _FunctionLowerer(FunctionRewriter):
         self.producers: dict[relax.Var, relax.Call] = {}
         # all devices of a rank set hold the same values: ask about the first
         self.device = rank_set[0] if rank_set is not None else None
+        #: in a rank version, the symbolic variables defined so far, and the bindings
+        #: that wait for one (see :meth:`binding`)
+        self.defined: set = set()
+        self.waiting: list[tuple[int, relax.Binding]] = []
+        self.deferred: set[relax.Var] = set()
 
     def lower(self) -> tvm.ir.GlobalVar:
         func = self.func
@@ -315,6 +322,7 @@ class _FunctionLowerer(FunctionRewriter):
                   if self._holds(p.ty)}
         if self.device is None:
             return self.rewrite(func, params, _is_public(func))
+        self.defined = {v for p in params.values() for v in _type_vars(p.ty)}
         # a version of a function spanning several meshes: its sends are impure
         # calls, which dataflow blocks cannot hold
         sends = self._sends()
@@ -341,10 +349,13 @@ class _FunctionLowerer(FunctionRewriter):
         return local_type(ty)
 
     def _sends(self) -> bool:
+        """Whether this version calls an impure side of a move: a send, or a receive whose
+        size comes with the data (``recv_sized``)."""
         for block in self.func.body.blocks:
             for binding in block.bindings:
                 spec = _send_recv_spec(binding.value)
-                if spec is not None and spec.role(self.device) == "send":
+                role = spec.role(self.device) if spec is not None else None
+                if role == "send" or (role == "recv" and spec.run_time_dims):
                     return True
         return False
 
@@ -356,12 +367,67 @@ class _FunctionLowerer(FunctionRewriter):
             return relax.Tuple([self.use(f) for f in expr.fields if self._holds(f.ty)])
         return super().use(expr)
 
-    def output(self, expr):
+    def _output(self, expr):
         if not self._holds(expr.ty):
             return relax.Tuple([])  # this rank set holds none of the results
         return self.use(expr)
 
     def binding(self, index: int, binding, dataflow: bool) -> None:
+        """Write one binding; in a rank version, once the symbolic extents it uses are defined.
+
+        A rank that only receives a tensor of run-time extents defines them where it
+        receives it (a ``match_cast``). A binding before that which uses them (say an
+        ``ones((seq,))`` that propagation put on this rank's mesh) waits, with what
+        reads it, until the extents are defined; pure bindings only move so, in order.
+        """
+        if self.device is None:
+            self._binding(index, binding, dataflow)
+            return
+        if self._must_wait(binding):
+            self.waiting.append((index, binding))
+            self.deferred.add(binding.var)
+            return
+        self._binding(index, binding, dataflow)
+        self._flush()
+
+    def _must_wait(self, binding) -> bool:
+        value = binding.value
+        spec = _send_recv_spec(value)
+        if spec is not None and spec.role(self.device) == "recv":
+            return False  # a receive defines the extents it carries
+        if any(v in self.deferred for v in _ir.operand_vars(value)):
+            return True
+        try:
+            used = set(relax.analysis.free_symbolic_vars(value))
+        except tvm.error.TVMError:  # an expression the analysis does not take
+            return False
+        return bool(used - self.defined)
+
+    def _flush(self) -> None:
+        """Write the waiting bindings whose extents are now defined, in their order."""
+        progress = True
+        while progress and self.waiting:
+            progress = False
+            for entry in list(self.waiting):
+                index, binding = entry
+                self.deferred.discard(binding.var)
+                if self._must_wait(binding):
+                    self.deferred.add(binding.var)
+                    continue
+                self.waiting.remove(entry)
+                self._binding(index, binding, False)
+                progress = True
+
+    def output(self, expr):
+        if self.waiting:
+            names = ", ".join(b.var.name for _, b in self.waiting[:3])
+            raise UnsupportedProgramError(
+                f"devices {self.device}... use a symbolic extent that nothing they receive "
+                f"defines ({names})", function=self.name,
+                hint="annotate the inputs of run-time size on the mesh that uses them")
+        return self._output(expr)
+
+    def _binding(self, index: int, binding, dataflow: bool) -> None:
         value = binding.value
         spec = _send_recv_spec(value) if self.device is not None else None
         if spec is not None and spec.role(self.device) == "send":
@@ -371,8 +437,12 @@ class _FunctionLowerer(FunctionRewriter):
             return  # the value lives on a mesh these devices are not in
         if isinstance(binding, relax.MatchCast):
             self.match_cast(binding.var, self.use(value), self._local(binding.ty), dataflow)
+            self.defined |= set(_type_vars(self._local(binding.ty)))
             return
         name = None
+        if spec is not None and spec.role(self.device) == "recv" and spec.run_time_dims:
+            self._recv_sized(binding.var, spec)
+            return
         if isinstance(value, relax.Call):
             self.producers[binding.var] = value
             new = self._call(binding.var, value, spec)
@@ -396,6 +466,21 @@ class _FunctionLowerer(FunctionRewriter):
         send = relax.Call(relax.ExternFunc(ccl.SEND), [value, relax.ShapeExpr(spec.encode())],
                           ty_args=[relax.ObjectType()])
         self.bb.emit(send, name_hint=_side_name(var.name, "send"))
+
+    def _recv_sized(self, var: relax.Var, spec: ccl.SendRecvSpec) -> None:
+        """The destination side of a move whose extents are known at run time only.
+
+        These ranks hold nothing of the source, so they cannot size the result: the
+        runtime makes it (its shape comes from the senders), and a ``match_cast`` to
+        the local type defines the symbolic extents on these ranks.
+        """
+        local = self._local(var.ty)
+        call = relax.Call(relax.ExternFunc(ccl.RECV_SIZED),
+                          [relax.ShapeExpr(spec.encode()), tvm.ir.StringImm(str(local.dtype))],
+                          ty_args=[relax.TensorType(ndim=local.ndim, dtype=local.dtype)])
+        received = self.bb.emit(call, name_hint=_side_name(var.name, "recv"))
+        self.match_cast(var, received, local, dataflow=False)
+        self.defined |= set(_type_vars(local))
 
     def _call(self, var: relax.Var, call: relax.Call, spec: ccl.SendRecvSpec | None = None):
         if spec is not None and spec.role(self.device) == "recv":
@@ -475,6 +560,30 @@ class _FunctionLowerer(FunctionRewriter):
         packed_args = relax.Tuple([value, relax.prim_value(kind), relax.ShapeExpr(group.encode())])
         return relax.call_dps_packed(ccl.ALLREDUCE, packed_args,
                                      out_ty=local_type(call.args[0].ty))
+
+
+def _type_vars(ty) -> list:
+    """The symbolic variables a tensor type's shape names bare (those a binding defines)."""
+    if isinstance(ty, DTensorType):
+        ty = ty.tensor_ty
+    if isinstance(ty, relax.TupleType):
+        return [v for field in ty.fields for v in _type_vars(field)]
+    shape = getattr(ty, "shape", None) if isinstance(ty, relax.TensorType) else None
+    if not isinstance(shape, relax.ShapeExpr):
+        return []
+    return [d for d in shape.values if isinstance(d, tvm.tirx.Var)]
+
+
+def _with_own_symbolic_vars(func: relax.Function) -> relax.Function:
+    """``func`` with symbolic variables of its own.
+
+    The rank versions of one function are written from it, with its symbolic
+    variables; but two functions of a module may not define the same one.
+    """
+    found = list(relax.analysis.defined_symbolic_vars(func))
+    if not found:
+        return func
+    return func.bind_symbolic_vars({var: tvm.tirx.Var(var.name, var.ty) for var in found})
 
 
 def _side_name(name: str, side: str) -> str:

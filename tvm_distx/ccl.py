@@ -10,7 +10,7 @@ the two sides: the names and the order of the arguments. How the integer
 arguments are encoded is :mod:`tvm_distx.layout.abi` (re-exported here). It
 imports no TVM and no compiler module.
 
-All but ``send`` are destination-passing (``R.call_dps_packed``): the output
+All but ``send`` and ``recv_sized`` are destination-passing (``R.call_dps_packed``): the output
 buffer comes last and is allocated by the caller with the rank-local shape.
 
 =============================== ================================== =================================
@@ -35,6 +35,9 @@ function                        arguments (then the output buffer) what the rank
 ``tvm_distx.ccl.send``          ``x, spec`` (no output; impure)    a rank of the source mesh only
 ``tvm_distx.ccl.recv``          ``spec``                           a rank of the destination mesh
                                                                    only
+``tvm_distx.ccl.recv_sized``    ``spec, dtype`` (not destination-  a rank of the destination mesh
+                                passing: returns a new tensor)     only, for a spec with run-time
+                                                                   extents (its shape comes first)
 =============================== ================================== =================================
 
 ``group`` is a :class:`CollectiveGroup`, ``spec`` a :class:`SendRecvSpec` and
@@ -72,7 +75,7 @@ session without worker groups.
 
 from __future__ import annotations
 
-from tvm_distx.layout.abi import CollectiveGroup, Piece, SendRecvSpec
+from tvm_distx.layout.abi import RUN_TIME, CollectiveGroup, Piece, SendRecvSpec
 
 __all__ = [
     "ALLREDUCE",
@@ -84,6 +87,8 @@ __all__ = [
     "SEND_RECV",
     "SEND",
     "RECV",
+    "RECV_SIZED",
+    "RUN_TIME",
     "FUNCTIONS",
     "DISCO_PREFIX",
     "DISCO_BUILTINS",
@@ -102,10 +107,11 @@ LOCAL_SLICE = "tvm_distx.ccl.local_slice"
 SEND_RECV = "tvm_distx.ccl.send_recv"
 SEND = "tvm_distx.ccl.send"
 RECV = "tvm_distx.ccl.recv"
+RECV_SIZED = "tvm_distx.ccl.recv_sized"
 
 #: Every runtime function a lowered program may call.
 FUNCTIONS = (ALLREDUCE, ALLGATHER, REDUCE_SCATTER, ALLTOALL, BROADCAST, LOCAL_SLICE, SEND_RECV,
-             SEND, RECV)
+             SEND, RECV, RECV_SIZED)
 
 #: The prefix of TVM's disco builtins (TVM's dispatchers to a disco session's CCL).
 DISCO_PREFIX = "runtime.disco."

@@ -18,9 +18,14 @@ import numpy as np
 from tvm_distx.errors import InternalError, ShardingError
 from tvm_distx.layout.mesh import DeviceMesh
 from tvm_distx.layout.geometry import decode_placement, encode_placement, send_recv_transfers, shard_bounds
+from tvm_distx.layout.placement import Placement, Replicate
 from tvm_distx.layout.sharding import TensorSharding
 
-__all__ = ["CollectiveGroup", "SendRecvSpec", "Piece"]
+__all__ = ["CollectiveGroup", "SendRecvSpec", "Piece", "RUN_TIME"]
+
+#: The extent a :class:`SendRecvSpec` gives a dimension whose size is known only at
+#: run time (a symbolic extent of the program, such as a prompt's length).
+RUN_TIME = -1
 
 
 @dataclass(frozen=True)
@@ -91,10 +96,15 @@ class SendRecvSpec:
     code per mesh axis: -1 for ``R``, ``k`` for ``S[k]`` (a partial sum cannot be
     copied, so neither sharding holds one).
 
+    A dimension whose extent is :data:`RUN_TIME` has its size at run time only; neither
+    sharding may split it, so every block holds it whole and its extent is read from
+    the tensor a rank sends or holds (:meth:`resolved`). A rank that only receives
+    such a move learns the extents first from the senders (:meth:`header`).
+
     Parameters
     ----------
     shape : tuple of int
-        The global static shape.
+        The global shape, :data:`RUN_TIME` for an extent known at run time only.
     src, dst : TensorSharding
         The shardings before and after.
     """
@@ -105,6 +115,14 @@ class SendRecvSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        for dim in self.run_time_dims:
+            for sharding in (self.src, self.dst):
+                if any(entry.is_shard(dim) for entry in sharding.placement.entries):
+                    raise ShardingError(
+                        f"a send/recv cannot split dimension {dim}, whose extent is known at "
+                        f"run time only ({sharding})", placement=str(sharding.placement),
+                        hint="keep dimensions of run-time size whole across a move between "
+                        "meshes")
         for sharding in (self.src, self.dst):
             if sharding.placement.has_partial():
                 raise ShardingError(
@@ -129,6 +147,46 @@ class SendRecvSpec:
         if rest:
             raise InternalError(f"trailing values in a send/recv spec: {values!r}")
         return cls(shape, src, dst)
+
+    @property
+    def run_time_dims(self) -> tuple[int, ...]:
+        """The dimensions whose extent is :data:`RUN_TIME`."""
+        return tuple(d for d, extent in enumerate(self.shape) if extent == RUN_TIME)
+
+    def resolved(self, block_shape: Iterable[int], sharding: TensorSharding | None = None
+                 ) -> "SendRecvSpec":
+        """This spec with its run-time extents read from a rank's block of the tensor.
+
+        ``block_shape`` is the shape of a block of ``sharding`` (the source's when
+        None); the run-time dimensions are never split, so a block holds them whole.
+        """
+        block = tuple(int(n) for n in block_shape)
+        if not self.run_time_dims:
+            return self
+        if len(block) != len(self.shape):
+            raise ShardingError(f"a send/recv of a {len(self.shape)}-D tensor was given a "
+                                f"{len(block)}-D block {block}")
+        shape = tuple(block[d] if extent == RUN_TIME else extent
+                      for d, extent in enumerate(self.shape))
+        return SendRecvSpec(shape, self.src, self.dst)
+
+    def header(self) -> "SendRecvSpec | None":
+        """The move of the run-time shape, or None when no rank needs it.
+
+        Ranks of the destination mesh only (no block of the source) cannot read
+        the run-time extents from a tensor: before the move, the source mesh sends
+        them the global shape, an ``int64`` vector moved from replicated on the
+        source mesh to replicated on the destination mesh. Every device of either
+        mesh takes part in it.
+        """
+        if not self.run_time_dims or set(self.dst.mesh.device_range) <= \
+                set(self.src.mesh.device_range):
+            return None
+        replicated = [Replicate()]
+        return SendRecvSpec(
+            (len(self.shape),),
+            TensorSharding(self.src.mesh, Placement(tuple(replicated * self.src.mesh.ndim))),
+            TensorSharding(self.dst.mesh, Placement(tuple(replicated * self.dst.mesh.ndim))))
 
     def role(self, device: int) -> str | None:
         """What ``device`` calls: ``"send_recv"``, ``"send"``, ``"recv"`` or None."""

@@ -226,6 +226,7 @@ def abi_functions(backend: Collectives, builtins: str | None = None
         ccl.SEND_RECV: calls.send_recv,
         ccl.SEND: calls.send,
         ccl.RECV: calls.recv,
+        ccl.RECV_SIZED: calls.recv_sized,
     }
     if builtins is not None:
         functions.update(_tvm_builtins(backend, builtins, _reduced))
@@ -355,13 +356,46 @@ class _AbiCalls:
         return spec
 
     def send_recv(self, x, spec, out) -> None:
-        self.backend.send_recv(as_numpy(x), as_numpy(out), self.spec_of(spec, x, out))
+        x, out = as_numpy(x), as_numpy(out)
+        spec = self._sized(self.spec_of(spec, x, out), x)
+        self.backend.send_recv(x, out, spec)
 
     def send(self, x, spec) -> None:
-        self.backend.send(as_numpy(x), self.spec_of(spec, x, None))
+        x = as_numpy(x)
+        spec = self._sized(self.spec_of(spec, x, None), x)
+        self.backend.send(x, spec)
 
     def recv(self, spec, out) -> None:
-        self.backend.recv(as_numpy(out), self.spec_of(spec, None, out))
+        out = as_numpy(out)
+        self.backend.recv(out, self._sized(self.spec_of(spec, None, out), None))
+
+    def recv_sized(self, spec, dtype):
+        """``recv`` of a move with run-time extents, into a tensor made here of the size the
+        senders announce (the caller cannot allocate it: it does not know the size)."""
+        import tvm  # a rank of a TVM virtual machine: the only caller
+
+        spec = self._sized(self.spec_of(spec, None, ()), None)
+        out = tvm.runtime.empty(spec.dst.local_shape(spec.shape), str(dtype))
+        self.backend.recv(as_numpy(out), spec)
+        return out
+
+    def _sized(self, spec: SendRecvSpec, x: np.ndarray | None) -> SendRecvSpec:
+        """``spec`` with its run-time extents, which the source's ranks send to the ranks of the
+        destination only first (:meth:`SendRecvSpec.header`)."""
+        if not spec.run_time_dims:
+            return spec
+        header = spec.header()
+        if x is not None:
+            spec = spec.resolved(x.shape)
+        if header is None:
+            return spec
+        shape = np.array(spec.shape, np.int64) if x is not None else None
+        received = np.empty(len(spec.shape), np.int64) \
+            if self.backend.rank in header.dst.mesh.device_range else None
+        self.backend.move(shape, received, header)
+        if x is None:
+            spec = SendRecvSpec(tuple(int(n) for n in received), spec.src, spec.dst)
+        return spec
 
 
 def _tvm_builtins(backend: Collectives, prefix: str, reduced) -> dict[str, Callable[..., None]]:
