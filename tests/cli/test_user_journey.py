@@ -592,3 +592,27 @@ def test_a_bundle_path_that_does_not_exist_is_named_so(journey):
     assert err.splitlines() == ["tvm-distx: error: [bundle] nodir does not exist",
                                 "hint: give a generation bundle, a Hugging Face checkpoint "
                                 "directory or a .gguf file"]
+
+
+def test_generating_from_a_checkpoint_in_pipeline_stages(tmp_path):
+    """``--stages 2`` on 2 ranks: each rank runs one layer; transformers' tokens. Stages that
+    the ranks cannot share are one line, in flags."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "tests" / "models"))
+    from hf_tiny import build, greedy, prompt_ids
+
+    model = build("llama", layers=2)
+    model.save_pretrained(tmp_path / "ckpt")
+    prompt = prompt_ids(5, seed=12)
+    done = _cli(["tvm-distx", "generate", "ckpt", "--ids", *map(str, prompt),
+                 "--max-new-tokens", "6", "-n", "2", "--stages", "2", "--no-cache"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    with torch.no_grad():
+        want = greedy(model, prompt, 6)
+    assert done.stdout.split() == [str(t) for t in want]
+    err = _one_line_error(_cli(["tvm-distx", "generate", "ckpt", "--ids", "1", "2", "-n", "2",
+                                "--stages", "3"], tmp_path), 2)
+    assert err.splitlines() == [
+        "tvm-distx: error: [argument] CausalLM.from_pretrained(num_ranks=2, stages=3): 3 stages "
+        "cannot share 2 ranks evenly", "hint: -n with a multiple of 3, or fewer --stages"]

@@ -303,3 +303,86 @@ def test_the_manifest_records_symbolic_dimensions(dp_exe, tmp_path):
     assert '"shape": ["b", 64]' in text
     assert '{"dim": 0, "var": "b", "mesh_axes": [0]}' in text
     assert read_manifest(tmp_path / "bundle").function("main").params[0].shape == ("b", 64)
+
+
+# ------------------------------------------------------- moves that carry a run-time extent
+BETWEEN_STAGES = """
+@I.ir_module
+class Module:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((1,), I.Range(0, 1)),
+                                    R.dist.device_mesh((2,), I.Range(1, 3))]})
+
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"),
+             w: R.Tensor((8, 8), "float32")) -> R.Tensor(("n", 8), "float32"):
+        n = T.int64()
+        with R.dataflow():
+            xs = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="R")
+            h = R.nn.relu(xs)
+            ws = R.dist.annotate_sharding(w, device_mesh="mesh[1]", placement="S[1]")
+            y = R.exp(R.matmul(h, ws))
+            R.output(y)
+        return y
+"""
+
+
+@pytest.fixture(scope="module")
+def stages_exe():
+    return td.compile(_parse(BETWEEN_STAGES, 3))
+
+
+def test_a_tensor_of_run_time_size_moves_to_the_next_stage_which_learns_its_size(stages_exe):
+    """Devices 1-2 hold nothing of ``x``: they receive ``relu(x)`` whole, its rows counted at
+    run time, through ``recv_sized``, and a ``match_cast`` gives them ``n``."""
+    module = stages_exe.module
+    entries = module.attrs["tvm_distx.rank_entries"]["main"]
+    first, second = module[entries[0]], module[entries[1]]
+    assert entries[1] == entries[2] != entries[0]
+    assert "tvm_distx.ccl.send" in first.script()
+    later = second.script()
+    assert later.count("tvm_distx.ccl.recv_sized") == 1 and "R.match_cast" in later
+    assert not second.params[0].name == "x"  # no input of the first stage
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_program_of_two_stages_serves_every_run_time_size(stages_exe, backend):
+    rng = _rng(7)
+    w = _normal(rng, 8, 8)
+    for n in (5, 2, 9):
+        x = _normal(rng, n, 8)
+        np.testing.assert_allclose(stages_exe.run(x, w, backend=backend),
+                                   np.exp(np.maximum(x, 0) @ w), rtol=1e-5, atol=1e-6)
+
+
+GATHERED = """
+@I.ir_module
+class Module:
+    I.module_global_infos({"mesh": [R.dist.device_mesh((NUM_DEVICES,), I.Range(0, NUM_DEVICES))]})
+
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"),
+             w: R.Tensor((8, 8), "float32")) -> R.Tensor(("n", 8), "float32"):
+        n = T.int64()
+        with R.dataflow():
+            xs = R.dist.annotate_sharding(x, device_mesh="mesh[0]", placement="R")
+            ws = R.dist.annotate_sharding(w, device_mesh="mesh[0]", placement="S[1]")
+            h = R.matmul(xs, ws)
+            g = R.dist.annotate_sharding(R.nn.relu(h), device_mesh="mesh[0]", placement="R")
+            y = R.exp(g)
+            R.output(y)
+        return y
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_static_dimension_is_gathered_beside_a_run_time_one(backend):
+    """S[1] -> R of an ``(n, 8)`` tensor: an all-gather along the columns, the rows counted
+    at run time (DeepSeek's latent attention asks for this move)."""
+    exe = td.compile(_parse(GATHERED, 2))
+    assert "tvm_distx.ccl.allgather" in exe.module.script()
+    rng = _rng(8)
+    w = _normal(rng, 8, 8)
+    for n in (3, 6):
+        x = _normal(rng, n, 8)
+        np.testing.assert_allclose(exe.run(x, w, backend=backend),
+                                   np.exp(np.maximum(x @ w, 0)), rtol=1e-5, atol=1e-6)

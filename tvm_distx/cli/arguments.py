@@ -34,6 +34,26 @@ def positive(kind):
     return convert
 
 
+def stage_counts(text: str) -> int | tuple[int, ...]:
+    """``--stages``: a stage count (``2``) or the layers of each stage (``10,14``)."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a stage count (2) or layers per stage (10,14)") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: stages and layers are counted from 1")
+    return counts[0] if len(counts) == 1 else counts
+
+
+def add_stages_argument(parser: argparse.ArgumentParser) -> None:
+    """``--stages``, for a checkpoint or a GGUF file compiled here."""
+    parser.add_argument("--stages", type=stage_counts, default=None, metavar="S|L1,L2,...",
+                        help="pipeline stages: S consecutive blocks of the ranks, each "
+                        "running a run of consecutive layers (tensor parallel inside), or "
+                        "the layers of each stage; S divides -n (default: one stage)")
+
+
 def add_backend_argument(parser: argparse.ArgumentParser) -> None:
     """Add ``--backend``: where the ranks run (the first of the backends by default)."""
     parser.add_argument("--backend", default=NAMES[0], metavar="|".join(NAMES),

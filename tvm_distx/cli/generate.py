@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tvm_distx.cli.arguments import add_backend_argument, positive
+from tvm_distx.cli.arguments import add_backend_argument, add_stages_argument, positive
 from tvm_distx.cli.hosts import add_host_arguments, session_options
 from tvm_distx.cli.inputs import EXIT_OK, _input_file, _progress, _writable_file
 from tvm_distx.errors import ArgumentError
@@ -98,6 +98,11 @@ def open_model(args: argparse.Namespace, length: int, causal_lm, ids: np.ndarray
         bundle = open_bundle(args)
     path = args.bundle
     if bundle is not None:
+        if getattr(args, "stages", None) is not None:
+            raise ArgumentError("--stages applies to a checkpoint or a GGUF file; a bundle "
+                                "keeps the stages it was compiled with",
+                                hint="leave --stages out, or export a bundle with "
+                                "CausalLM.from_pretrained(..., stages=S).export(DIR)")
         bundle.check_ranks(args.ranks)
         if ids is not None:
             bundle.check_ids([ids])
@@ -114,6 +119,7 @@ def open_model(args: argparse.Namespace, length: int, causal_lm, ids: np.ndarray
     ranks = args.ranks or 2
     length = args.max_length or length
     common = dict(backend=args.backend, max_length=length, timeout=args.timeout,
+                  stages=getattr(args, "stages", None),
                   compile_cache=not args.no_cache, **session_options(args))
     with _progress(f"{path} on {ranks} ranks ({args.backend})", follow="tvm_distx.llm"):
         if is_gguf:
@@ -263,6 +269,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("-n", "--ranks", type=positive(int), default=None,
                    help="the rank count (2 for a checkpoint or a GGUF file); a bundle fixes "
                    "it, so for a bundle this only checks it")
+    add_stages_argument(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="a checkpoint's weights on the ranks (default: as the checkpoint "
                    "stores them)")

@@ -17,7 +17,7 @@ import socket
 import sys
 from pathlib import Path
 
-from tvm_distx.cli.arguments import add_backend_argument, positive
+from tvm_distx.cli.arguments import add_backend_argument, add_stages_argument, positive
 from tvm_distx.cli.generate import open_model
 from tvm_distx.cli.hosts import add_host_arguments
 from tvm_distx.cli.inputs import EXIT_OK
@@ -53,6 +53,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_backend_argument(p)
     p.add_argument("-n", "--ranks", type=positive(int), default=None,
                    help="the rank count (2 for a checkpoint or a GGUF file); a bundle fixes it")
+    add_stages_argument(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="a checkpoint's weights on the ranks (default: as stored)")
     p.add_argument("--quantization", choices=("q8", "q4"),

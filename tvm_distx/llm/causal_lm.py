@@ -51,6 +51,7 @@ from tvm_distx.frontend.decoder import export_decoder
 from tvm_distx.frontend.pytorch import relax_name
 from tvm_distx.llm.compile_cache import (ENTRY_FILE, CacheKey, CompileCache, bytes_digest,
                                          file_identity)
+from tvm_distx.plans.stages import pipeline_stages_of
 from tvm_distx.llm.recipe import AS_STORED, Recipe, Traced, functions_of, only
 from tvm_distx.reports.comm_report import comm_report
 from tvm_distx.runtime.backends import check_backend, open_session
@@ -93,7 +94,7 @@ class CausalLM(Generator):
         self.cached_bundle: Path | None = None
 
     @classmethod
-    def from_hf(cls, model, num_ranks: int = 2, *, backend: str = "mpi", plan=None,
+    def from_hf(cls, model, num_ranks: int = 2, *, backend: str = "mpi", plan=None, stages=None,
                 max_length: int = 256, prompt_length: int | None = None,
                 max_batch: int | None = None, dtype: str | None = None,
                 quantization: str | None = None, timeout: float = 300.0,
@@ -113,6 +114,13 @@ class CausalLM(Generator):
         plan : preset, optional
             ``presets.tensor_parallel()`` by default; any preset with
             ``.apply(mod, function)`` (``presets.from_hf(model)``, say).
+        stages : int or list of int, optional
+            Pipeline stages (:mod:`tvm_distx.plans.stages`): ``stages=S`` cuts the
+            ranks into ``S`` consecutive blocks and the decoder's layers into ``S``
+            runs of consecutive layers, the plan sharding each stage's layers over
+            its block; ``stages=[10, 14]`` gives the layers of each stage. Each rank
+            then holds its stage's weights and cache only. ``S`` must divide
+            ``num_ranks``.
         max_length : int
             The static maximum of tokens per sequence (prompt included).
         prompt_length : int, optional
@@ -153,6 +161,7 @@ class CausalLM(Generator):
             raise ArgumentError(f"CausalLM.from_hf(num_ranks={num_ranks}): need at least one "
                                 "rank", hint="CausalLM.from_hf(model, num_ranks=2)")
         storage = _storage(dtype, quantization, "CausalLM.from_hf")
+        _stages(stages, num_ranks, "CausalLM.from_hf")
         text = _tokenizer_of(tokenizer)  # before the export: a bad one fails at once
 
         def trace() -> Traced:
@@ -161,7 +170,7 @@ class CausalLM(Generator):
                                      max_batch=max_batch)
             return Traced(program, program.weights, model)
 
-        recipe = Recipe(trace, num_ranks, plan, storage)
+        recipe = Recipe(trace, num_ranks, plan, storage, _stages(stages))
 
         def build():
             lm = cls._serve(recipe, backend=backend, timeout=timeout, **options)
@@ -170,7 +179,8 @@ class CausalLM(Generator):
 
         def key() -> CacheKey | None:  # the weights are hashed only when the cache is on
             return _key(
-                plan, num_ranks=num_ranks, max_length=max_length, prompt_length=prompt_length,
+                plan, num_ranks=num_ranks, stages=_stages(stages), max_length=max_length,
+                prompt_length=prompt_length,
                 max_batch=max_batch, storage=storage, tokenizer=text, kind="hf",
                 model=type(model).__name__, config=model.config.to_json_string(use_diff=False),
                 weights=bytes_digest((name, tensor.detach().cpu().numpy()) for name, tensor
@@ -181,7 +191,7 @@ class CausalLM(Generator):
 
     @classmethod
     def from_pretrained(cls, directory, num_ranks: int = 2, *, backend: str = "mpi",
-                        plan=None, max_length: int = 256, prompt_length: int | None = None,
+                        plan=None, stages=None, max_length: int = 256, prompt_length: int | None = None,
                         max_batch: int | None = None, dtype: str | None = None,
                         quantization: str | None = None, timeout: float = 300.0,
                         compile_cache=True, **options) -> "CausalLM":
@@ -213,7 +223,7 @@ class CausalLM(Generator):
         compile_cache : bool or path
             As for :meth:`from_hf`; the key holds the checkpoint files' identity
             (path, size, modification time), and the cached bundle links them.
-        num_ranks, backend, plan, max_length, prompt_length, max_batch, timeout, **options
+        num_ranks, backend, plan, stages, max_length, prompt_length, max_batch, timeout, **options
             As for :meth:`from_hf`.
 
         Raises
@@ -231,6 +241,7 @@ class CausalLM(Generator):
             raise ArgumentError(f"CausalLM.from_pretrained(num_ranks={num_ranks}): need at "
                                 "least one rank",
                                 hint="CausalLM.from_pretrained(directory, num_ranks=2)")
+        _stages(stages, num_ranks, "CausalLM.from_pretrained")
         text = Tokenizer.from_directory(root)
         tensors = open_checkpoint(root, dtype="float32")
         storage = _storage(dtype if dtype is not None else _checkpoint_dtype(tensors),
@@ -249,7 +260,7 @@ class CausalLM(Generator):
                                         "directory").items()}
             return Traced(program, weights)  # the placeholders are dropped
 
-        recipe = Recipe(trace, num_ranks, plan, storage)
+        recipe = Recipe(trace, num_ranks, plan, storage, _stages(stages))
 
         def build():
             import transformers
@@ -265,7 +276,8 @@ class CausalLM(Generator):
 
         def key() -> CacheKey | None:
             return _key(
-                plan, num_ranks=num_ranks, max_length=max_length, prompt_length=prompt_length,
+                plan, num_ranks=num_ranks, stages=_stages(stages), max_length=max_length,
+                prompt_length=prompt_length,
                 max_batch=max_batch, storage=storage, tokenizer=text, kind="pretrained",
                 files=[file_identity(path) for path in sorted(root.iterdir())
                        if path.suffix in (".safetensors", ".json") and path.is_file()])
@@ -274,7 +286,7 @@ class CausalLM(Generator):
                            backend=backend, timeout=timeout, **options)
 
     @classmethod
-    def from_gguf(cls, path, num_ranks: int = 2, *, backend: str = "mpi", plan=None,
+    def from_gguf(cls, path, num_ranks: int = 2, *, backend: str = "mpi", plan=None, stages=None,
                   max_length: int = 256, prompt_length: int | None = None,
                   max_batch: int | None = None, requantize: str | None = None,
                   timeout: float = 300.0, compile_cache=True, **options) -> "CausalLM":
@@ -299,7 +311,7 @@ class CausalLM(Generator):
         compile_cache : bool or path
             As for :meth:`from_hf`; the key holds the file's identity (path,
             size, modification time), and the cached bundle links it.
-        num_ranks, backend, plan, max_length, prompt_length, max_batch, timeout, **options
+        num_ranks, backend, plan, stages, max_length, prompt_length, max_batch, timeout, **options
             As for :meth:`from_hf`.
 
         Raises
@@ -312,6 +324,7 @@ class CausalLM(Generator):
         if num_ranks < 1:
             raise ArgumentError(f"CausalLM.from_gguf(num_ranks={num_ranks}): need at least one "
                                 "rank", hint="CausalLM.from_gguf(path, num_ranks=2)")
+        _stages(stages, num_ranks, "CausalLM.from_gguf")
         gguf = open_gguf(path, requantize=requantize)
 
         def trace() -> Traced:
@@ -324,7 +337,7 @@ class CausalLM(Generator):
                                      "converter writes it")
             return Traced(program, {name: tensor for name, (tensor, _) in found.items()})
 
-        recipe = Recipe(trace, num_ranks, plan, (AS_STORED, None))  # each tensor as in the file
+        recipe = Recipe(trace, num_ranks, plan, (AS_STORED, None), _stages(stages))  # each tensor as in the file
 
         def build():
             lm = cls._serve(recipe, backend=backend, timeout=timeout, **options)
@@ -335,7 +348,8 @@ class CausalLM(Generator):
 
         def key() -> CacheKey | None:
             return _key(
-                plan, num_ranks=num_ranks, max_length=max_length, prompt_length=prompt_length,
+                plan, num_ranks=num_ranks, stages=_stages(stages), max_length=max_length,
+                prompt_length=prompt_length,
                 max_batch=max_batch, storage=requantize, tokenizer=None, kind="gguf",
                 file=file_identity(path))
 
@@ -531,19 +545,36 @@ class CausalLM(Generator):
 
 
 def _key(plan, *, num_ranks: int, max_length: int, prompt_length, max_batch, storage,
-         tokenizer: Tokenizer | None, **model) -> CacheKey | None:
+         tokenizer: Tokenizer | None, stages=None, **model) -> CacheKey | None:
     """The compile cache's key of a model; None when the plan has no stable description."""
     described = "tensor_parallel()" if plan is None else repr(plan)
     if " at 0x" in described:  # an object without a stable repr: its program is unknown
         logger.info("compile cache: the plan %s has no stable repr; not cached", described)
         return None
     files = tokenizer.files if tokenizer is not None else {}
+    if stages is not None:  # keys of one-stage models stay as they were
+        model["stages"] = stages
     return CacheKey({**model, "plan": described, "num_ranks": num_ranks,
                      "max_length": max_length, "prompt_length": prompt_length,
                      "max_batch": max_batch, "storage": storage,
                      "target": str(resolve_target("x86").target),
                      "tokenizer": bytes_digest((name, np.frombuffer(data, np.uint8))
                                                for name, data in sorted(files.items()))})
+
+
+def _stages(stages, num_ranks: int | None = None, where: str = "CausalLM"):
+    """``stages=`` as the recipe and the cache key keep it: None for one stage, else an int or
+    a tuple of layer counts; checked against ``num_ranks`` at once, and against the model's
+    layers when it is traced (:func:`tvm_distx.plans.stages.pipeline_stages_of`)."""
+    if stages is None or (isinstance(stages, int) and not isinstance(stages, bool)
+                          and stages == 1):
+        return None
+    kept = tuple(stages) if isinstance(stages, (list, tuple)) else stages
+    if num_ranks is not None:  # the layers are not known yet: as many as the stages ask
+        layers = sum(kept) if isinstance(kept, tuple) else kept if isinstance(kept, int) else 1
+        pipeline_stages_of(stages, num_ranks=num_ranks, num_layers=max(layers, 1), base=None,
+                           where=where)
+    return kept
 
 
 def _tokenizer_of(tokenizer) -> Tokenizer | None:

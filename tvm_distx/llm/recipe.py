@@ -23,6 +23,7 @@ from tvm_distx.frontend.decoder import BATCH_SUFFIX, FUNCTIONS, STEP_ATTRIBUTE, 
 from tvm_distx.passes.quantize import quantize
 from tvm_distx.plans import presets
 from tvm_distx.plans.hf import HFPlan
+from tvm_distx.plans.stages import PipelineStages, layer_prefix, pipeline_stages_of
 
 __all__ = ["AS_STORED", "Recipe", "Traced", "functions_of", "only"]
 
@@ -69,12 +70,16 @@ class Recipe:
     storage : tuple, optional
         The ``(format, dtype)`` of :func:`tvm_distx.quantize`, the format
         :data:`AS_STORED` for each weight's own; None keeps float weights as they are.
+    stages : int or tuple of int, optional
+        Pipeline stages (:func:`tvm_distx.plans.stages.pipeline_stages_of`): the
+        plan then shards each stage's layers over its ranks.
     """
 
     trace: Callable[[], Traced]
     num_ranks: int
     plan: Any = None
     storage: tuple | None = None
+    stages: int | tuple[int, ...] | None = None
 
     def preset(self):
         """The plan, applied to each function of the decoder's step module."""
@@ -87,14 +92,29 @@ class Recipe:
         """The program's module on one mesh of :attr:`num_ranks` devices, unsharded."""
         return presets.set_device_meshes(program.mod, [(self.num_ranks,)])
 
+    def pipeline(self, num_layers: int) -> PipelineStages | None:
+        """The pipeline stages of :attr:`stages` for a decoder of ``num_layers`` layers."""
+        return pipeline_stages_of(self.stages, num_ranks=self.num_ranks, num_layers=num_layers,
+                                  base=self.preset())
+
     def shard(self, mod: tvm.IRModule, functions: Iterable[str]) -> tvm.IRModule:
         """``mod`` (with its mesh) with each of ``functions`` sharded by the plan, in order.
+
+        With :attr:`stages`, the functions are sharded by stages instead, each
+        stage's layers by the plan over the stage's ranks.
 
         Raises
         ------
         DistxError
             From the plan, for a function it cannot shard.
         """
+        functions = tuple(functions)
+        if self.stages not in (None, 1):
+            names = [p.name for f in functions[:1] for p in mod[f].params]
+            found = layer_prefix(names)
+            pipeline = self.pipeline(found[1] if found else 0)
+            if pipeline is not None:
+                return pipeline.shard(mod, functions)
         preset = self.preset()
         for function in functions:
             mod = preset.apply(mod, function)
