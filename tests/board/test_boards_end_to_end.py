@@ -155,3 +155,24 @@ def test_two_boards_generate_transformers_tokens(llama, served, board_hosts, tmp
     np.testing.assert_array_equal(np.load(out)[0], llama[1])
     assert done.stdout.split() == [str(t) for t in llama[1]]
     assert "tokens/s" in done.stderr  # the job's timings, and nothing of MPI's
+
+
+def test_two_boards_generate_transformers_tokens_as_two_pipeline_stages(llama, board_hosts,
+                                                                        tmp_path):
+    """Each board one stage (one layer, its weights and cache); a prompt of run-time length
+    moves from the first board to the second."""
+    require_tools()
+    with CausalLM.from_hf(llama[0], num_ranks=2, stages=2, backend="board",
+                          max_length=len(PROMPT) + NEW_TOKENS, compile_cache=False) as lm:
+        held = lm.weight_bytes_per_rank
+        bundle = lm.export(tmp_path / "stages", target="rvv")
+    assert held[0] != held[1]  # the embedding with the first stage, the head with the last
+    hosts, dest = board_hosts, f"{board_hosts.deploy_root}/stages"
+    _deploy(bundle, hosts, dest)
+    _only_own_weights(hosts, dest)
+    out = hosts.shared / "stage-tokens.npy"
+    done = hosts.run(hosts.names[0], f"{dest}/run.sh generate --ids "
+                     f"{' '.join(map(str, PROMPT))} --max-new-tokens {NEW_TOKENS} -o {out} "
+                     f"--hostfile {hosts.shared}/boards.txt", timeout=600)
+    np.testing.assert_array_equal(np.load(out)[0], llama[1])
+    assert done.stdout.split() == [str(t) for t in llama[1]]

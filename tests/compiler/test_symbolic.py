@@ -386,3 +386,14 @@ def test_a_static_dimension_is_gathered_beside_a_run_time_one(backend):
         x = _normal(rng, n, 8)
         np.testing.assert_allclose(exe.run(x, w, backend=backend),
                                    np.exp(np.maximum(x @ w, 0)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_board_runs_the_two_stages_with_no_tvm_in_its_ranks(stages_exe):
+    """The board executor (the VM's program as data, numpy registers) sizes the receive too."""
+    assert stages_exe.plan is not None, stages_exe.plan_refusal
+    rng = _rng(9)
+    w = _normal(rng, 8, 8)
+    for n in (4, 7):
+        x = _normal(rng, n, 8)
+        np.testing.assert_allclose(stages_exe.run(x, w, backend="board"),
+                                   np.exp(np.maximum(x, 0) @ w), rtol=1e-5, atol=1e-6)

@@ -220,8 +220,14 @@ class _Function:
         return self.registers[var]
 
     def _binding(self, binding) -> dict:
+        if isinstance(binding, relax.MatchCast):
+            # VMShapeLower has written the checks and the symbolic extents it defines
+            # (``vm.builtin.match_shape``); what is left is the value itself, as the VM's
+            # code generator reads it
+            return {"dst": self._define(binding.var), "op": "alias",
+                    "args": [self._operand(binding.value)]}
         if not isinstance(binding, relax.VarBinding):
-            self._refuse(f"a {type(binding).__name__} (match_cast is lowered before this stage)")
+            self._refuse(f"a {type(binding).__name__}")
         value = binding.value
         if not isinstance(value, relax.Call):
             operand = self._operand(value)

@@ -200,8 +200,8 @@ def process_group(group: CollectiveGroup, rank: int, devices: Sequence[int]) -> 
     return ProcessGroup(members, members.index(rank))
 
 
-def abi_functions(backend: Collectives, builtins: str | None = None
-                  ) -> dict[str, Callable[..., None]]:
+def abi_functions(backend: Collectives, builtins: str | None = None,
+                  empty: Callable | None = None) -> dict[str, Callable[..., None]]:
     """Every ``tvm_distx.ccl.*`` function over ``backend``, by name.
 
     Parameters
@@ -214,8 +214,11 @@ def abi_functions(backend: Collectives, builtins: str | None = None
         replaces TVM's dispatchers (an MPI rank, no disco session; with
         ``worker_id``), ``"runtime.disco.."`` implements the CCL whose name is
         empty (disco workers without a C++ CCL).
+    empty : callable, optional
+        ``empty(shape, dtype)``, the arrays of ``recv_sized`` (numpy's by default,
+        what a board's executor holds; TVM tensors for a virtual machine).
     """
-    calls = _AbiCalls(backend)
+    calls = _AbiCalls(backend, empty)
     functions = {
         ccl.ALLREDUCE: calls.allreduce,
         ccl.REDUCE_SCATTER: calls.reducescatter,
@@ -259,8 +262,10 @@ class _AbiCalls:
     Groups and specs are decoded once per encoding and kept.
     """
 
-    def __init__(self, backend: Collectives) -> None:
+    def __init__(self, backend: Collectives, empty: Callable | None = None) -> None:
         self.backend = backend
+        #: ``empty(shape, dtype)``: the arrays a call that sizes its own result returns
+        self.empty = empty if empty is not None else np.empty
         self.groups: dict[tuple, ProcessGroup] = {}
         self.specs: dict[tuple, SendRecvSpec] = {}
 
@@ -372,10 +377,8 @@ class _AbiCalls:
     def recv_sized(self, spec, dtype):
         """``recv`` of a move with run-time extents, into a tensor made here of the size the
         senders announce (the caller cannot allocate it: it does not know the size)."""
-        import tvm  # a rank of a TVM virtual machine: the only caller
-
         spec = self._sized(self.spec_of(spec, None, ()), None)
-        out = tvm.runtime.empty(spec.dst.local_shape(spec.shape), str(dtype))
+        out = self.empty(spec.dst.local_shape(spec.shape), str(dtype))
         self.backend.recv(as_numpy(out), spec)
         return out
 
@@ -513,9 +516,13 @@ def register(backend: Collectives, builtins: str | None = None,
     each of ours (a rank counts its collectives so): one Python call, where
     wrapping the registered function would add a trip through TVM's FFI to each.
     """
+    import tvm
     import tvm_ffi
 
-    for name, func in abi_functions(backend, builtins).items():
+    def empty(shape, dtype):
+        return tvm.runtime.empty(shape, dtype)
+
+    for name, func in abi_functions(backend, builtins, empty).items():
         if wrap is not None:
             func = wrap(name, func)
         if builtins == ccl.DISCO_PREFIX and name.startswith(ccl.DISCO_PREFIX):

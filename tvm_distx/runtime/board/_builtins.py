@@ -23,6 +23,15 @@ _ASSERT_IMM, _STORE, _NOOP, _ASSERT_LOAD = 0, 1, 2, 3
 _USE_IMM, _LOAD = 0, 1
 
 
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array on a 64-byte boundary, as kernels assume."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    block = np.empty(count * dtype.itemsize + _ALIGN, np.uint8)
+    start = -block.ctypes.data % _ALIGN
+    return block[start:start + count * dtype.itemsize].view(dtype).reshape(tuple(shape))
+
+
 def aligned(array: np.ndarray) -> np.ndarray:
     """``array`` itself if C-contiguous and 64-byte aligned, as kernels assume; else a copy that is.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from tvm_distx import ccl
+from tvm_distx.runtime.board._builtins import aligned_empty
 from tvm_distx.runtime.board.program import RUNTIME_LIBRARY, PlanProgram, read_plan
 from tvm_distx.runtime import mpi_rank
 from tvm_distx.runtime.collectives import abi_functions
@@ -24,7 +25,8 @@ __all__ = ["plan_program", "main"]
 
 def plan_program(manifest, comm, count: Callable) -> PlanProgram:
     """The bundle's rank plan over its library, every collective counted by ``count``."""
-    functions = abi_functions(MpiCollectives(comm), builtins=ccl.DISCO_PREFIX)
+    functions = abi_functions(MpiCollectives(comm), builtins=ccl.DISCO_PREFIX,
+                              empty=aligned_empty)
     runtime = manifest.root / RUNTIME_LIBRARY
     return PlanProgram(read_plan(manifest), manifest.library_path,
                        {name: count(f) for name, f in functions.items()},
