@@ -115,6 +115,27 @@ def test_four_ranks_on_three_hosts_equal_one_host(test_hosts, model, here2, tmp_
         _same_as_here(across, here2, prompt)
 
 
+def test_two_stages_on_two_hosts_each_hold_their_layers_and_generate_transformers_tokens(
+        test_hosts, tmp_path):
+    """Stage 0 (layer 0, the embedding) on one host, stage 1 (layer 1, the head) on the
+    other: the activations of each prompt, of its own length, cross the hosts' link."""
+    torch.manual_seed(31)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+        tie_word_embeddings=False, initializer_range=0.2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    t1, t2, _ = test_hosts.names
+    hostfile = test_hosts.hostfile(tmp_path / "hosts.txt", [1, 1], [t1, t2])
+    with CausalLM.from_hf(model, num_ranks=2, stages=2, hostfile=hostfile, rsh=test_hosts.rsh,
+                          max_length=MAX_LENGTH, compile_cache=False) as lm:
+        assert [r.host for r in lm.session.ranks] == [t1, t2]
+        for seed in (4, 5):
+            prompt = prompt_ids(3 + seed, seed=seed)
+            np.testing.assert_array_equal(lm.generate(prompt, NEW_TOKENS)[0],
+                                          greedy(model, prompt, NEW_TOKENS))
+
+
 def test_a_hosts_ranks_killed_mid_generation_are_named_and_leave_nothing(
         test_hosts, across2):
     """Another session of the same program, rank 1 on the third host: that host's rank is
