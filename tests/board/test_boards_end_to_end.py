@@ -142,18 +142,25 @@ def test_a_board_without_vectors_dies_of_an_illegal_instruction(seed_bundle, boa
     assert "Traceback" not in done.stderr
 
 
-def test_two_boards_generate_transformers_tokens(llama, served, board_hosts, tmp_path):
-    require_tools()
-    bundle = served.export(tmp_path / "llama", target="rvv")
-    hosts, dest = board_hosts, f"{board_hosts.deploy_root}/llama"
+def _generate_on_boards(bundle, hosts, name: str, expected: np.ndarray):
+    """``bundle`` deployed to the boards (each its own weights), generating from the first:
+    its tokens must be ``expected``, on standard output and in the saved array."""
+    dest = f"{hosts.deploy_root}/{name}"
     _deploy(bundle, hosts, dest)
     _only_own_weights(hosts, dest)
-    out = hosts.shared / "tokens.npy"
+    out = hosts.shared / f"{name}-tokens.npy"
     done = hosts.run(hosts.names[0], f"{dest}/run.sh generate --ids "
                      f"{' '.join(map(str, PROMPT))} --max-new-tokens {NEW_TOKENS} -o {out} "
                      f"--hostfile {hosts.shared}/boards.txt", timeout=600)
-    np.testing.assert_array_equal(np.load(out)[0], llama[1])
-    assert done.stdout.split() == [str(t) for t in llama[1]]
+    np.testing.assert_array_equal(np.load(out)[0], expected)
+    assert done.stdout.split() == [str(t) for t in expected]
+    return done
+
+
+def test_two_boards_generate_transformers_tokens(llama, served, board_hosts, tmp_path):
+    require_tools()
+    bundle = served.export(tmp_path / "llama", target="rvv")
+    done = _generate_on_boards(bundle, board_hosts, "llama", llama[1])
     assert "tokens/s" in done.stderr  # the job's timings, and nothing of MPI's
 
 
@@ -167,12 +174,4 @@ def test_two_boards_generate_transformers_tokens_as_two_pipeline_stages(llama, b
         held = lm.weight_bytes_per_rank
         bundle = lm.export(tmp_path / "stages", target="rvv")
     assert held[0] != held[1]  # the embedding with the first stage, the head with the last
-    hosts, dest = board_hosts, f"{board_hosts.deploy_root}/stages"
-    _deploy(bundle, hosts, dest)
-    _only_own_weights(hosts, dest)
-    out = hosts.shared / "stage-tokens.npy"
-    done = hosts.run(hosts.names[0], f"{dest}/run.sh generate --ids "
-                     f"{' '.join(map(str, PROMPT))} --max-new-tokens {NEW_TOKENS} -o {out} "
-                     f"--hostfile {hosts.shared}/boards.txt", timeout=600)
-    np.testing.assert_array_equal(np.load(out)[0], llama[1])
-    assert done.stdout.split() == [str(t) for t in llama[1]]
+    _generate_on_boards(bundle, board_hosts, "stages", llama[1])

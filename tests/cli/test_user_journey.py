@@ -566,21 +566,28 @@ def test_generating_from_a_checkpoint_prints_no_tvm_or_torch_noise(tmp_path):
     indices" for every embedding lookup, and torch a FutureWarning about its pytree,
     while the model compiled; neither means anything to a user.
     """
+    done, want = _generated_from_a_checkpoint(tmp_path, 1, 11, 4, "-n", "2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(t) for t in want]
+    assert done.stderr == "", done.stderr
+
+
+def _generated_from_a_checkpoint(tmp_path: Path, layers: int, seed: int, new_tokens: int,
+                                 *flags: str):
+    """``tvm-distx generate`` of a tiny Llama's checkpoint with ``flags``, and the greedy
+    tokens transformers gives."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     sys.path.insert(0, str(ROOT / "tests" / "models"))
     from hf_tiny import build, greedy, prompt_ids
 
-    model = build("llama", layers=1)
+    model = build("llama", layers=layers)
     model.save_pretrained(tmp_path / "ckpt")
-    prompt = prompt_ids(5, seed=11)
+    prompt = prompt_ids(5, seed=seed)
     done = _cli(["tvm-distx", "generate", "ckpt", "--ids", *map(str, prompt),
-                 "--max-new-tokens", "4", "-n", "2"], tmp_path)
-    assert done.returncode == 0, done.stderr
+                 "--max-new-tokens", str(new_tokens), *flags], tmp_path)
     with torch.no_grad():
-        want = greedy(model, prompt, 4)
-    assert done.stdout.split() == [str(t) for t in want]
-    assert done.stderr == "", done.stderr
+        return done, greedy(model, prompt, new_tokens)
 
 
 def test_a_bundle_path_that_does_not_exist_is_named_so(journey):
@@ -597,19 +604,9 @@ def test_a_bundle_path_that_does_not_exist_is_named_so(journey):
 def test_generating_from_a_checkpoint_in_pipeline_stages(tmp_path):
     """``--stages 2`` on 2 ranks: each rank runs one layer; transformers' tokens. Stages that
     the ranks cannot share are one line, in flags."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    sys.path.insert(0, str(ROOT / "tests" / "models"))
-    from hf_tiny import build, greedy, prompt_ids
-
-    model = build("llama", layers=2)
-    model.save_pretrained(tmp_path / "ckpt")
-    prompt = prompt_ids(5, seed=12)
-    done = _cli(["tvm-distx", "generate", "ckpt", "--ids", *map(str, prompt),
-                 "--max-new-tokens", "6", "-n", "2", "--stages", "2", "--no-cache"], tmp_path)
+    done, want = _generated_from_a_checkpoint(tmp_path, 2, 12, 6, "-n", "2", "--stages", "2",
+                                              "--no-cache")
     assert done.returncode == 0, done.stderr
-    with torch.no_grad():
-        want = greedy(model, prompt, 6)
     assert done.stdout.split() == [str(t) for t in want]
     err = _one_line_error(_cli(["tvm-distx", "generate", "ckpt", "--ids", "1", "2", "-n", "2",
                                 "--stages", "3"], tmp_path), 2)
