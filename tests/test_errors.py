@@ -130,8 +130,8 @@ class TestHierarchy:
 
     @pytest.mark.parametrize("cls", [c for c in ALL_ERRORS if c.rule not in
                                      ("tvm-distx", "bundle", "argument", "symbolic-extent",
-                                      "launch", "deploy", "qemu", "collective-group", "peer-failed",
-                                      "internal", "board")])
+                                      "launch", "deploy", "host-memory", "qemu",
+                                      "collective-group", "peer-failed", "internal", "board")])
     def test_every_compiler_error_is_a_sharding_error(self, cls):
         assert issubclass(cls, ShardingError)
 

@@ -26,6 +26,7 @@ __all__ = [
     "SymbolicExtentError",
     "LaunchError",
     "DeployError",
+    "HostMemoryError",
     "CollectiveGroupError",
     "PeerFailedError",
     "ShardingError",
@@ -427,6 +428,35 @@ class DeployError(LaunchError):
                  cli_hint: str | None = None) -> None:
         self.file = file
         super().__init__(message, reason=reason, hint=hint, cli_hint=cli_hint, host=host)
+
+
+class HostMemoryError(LaunchError):
+    """A host has too little memory for its ranks: refused before any rank starts
+    (``reason="memory"``), or a rank the kernel killed there, out of memory
+    (``reason="oom"``).
+
+    The message is one line naming the host, what its ranks need and what it has.
+
+    Attributes
+    ----------
+    host : str
+        The host.
+    needed : int or None
+        The bytes its ranks need (before a launch).
+    available : int or None
+        The bytes it has (its ``mem=``, memory cgroup limit or available memory).
+    """
+
+    rule = "host-memory"
+
+    def __init__(self, message: str, *, host: str, needed: int | None = None,
+                 available: int | None = None, rank: int | None = None,
+                 reason: str = "memory", details: str = "", hint: str | None = None,
+                 cli_hint: str | None = None) -> None:
+        self.needed = needed
+        self.available = available
+        super().__init__(message, rank=rank, reason=reason, details=details, hint=hint,
+                         cli_hint=cli_hint, host=host)
 
 
 class QemuError(_RuntimeErrorBase, RuntimeError):

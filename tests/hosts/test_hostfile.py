@@ -25,6 +25,34 @@ def test_a_hostfile_has_hosts_slots_comments_and_blank_lines(tmp_path):
     assert read_hostfile(path) == (Host("node0", 2), Host("node1", 1), Host("10.0.0.7", 3))
 
 
+def test_a_hostfile_line_may_give_the_hosts_memory_in_mpich_or_open_mpis_form(tmp_path):
+    path = tmp_path / "hosts.txt"
+    path.write_text("node0:2 mem=800M   # MPICH's form\nnode1 slots=3 MEM=16g\n"
+                    "node2 mem=1.5G\nnode3 slots=1\nnode4 mem=4096\nnode5 mem=2Ti\n")
+    assert read_hostfile(path) == (
+        Host("node0", 2, 800 << 20), Host("node1", 3, 16 << 30), Host("node2", 1, 3 << 29),
+        Host("node3", 1), Host("node4", 1, 4096), Host("node5", 1, 2 << 40))
+    # the one-line form (--hosts) takes the same entries
+    assert parse_hosts("node0:2 mem=800M, node1 slots=3 mem=16G,node3") == (
+        Host("node0", 2, 800 << 20), Host("node1", 3, 16 << 30), Host("node3", 1))
+    assert parse_hosts(["a:2 mem=1k", "a mem=1K"]) == (Host("a", 3, 1024),)  # one host, merged
+    # mpiexec is given the slots alone; a host shows its memory
+    placement = place_ranks(read_hostfile(path), 9)
+    assert placement.mpiexec_hosts() == "node0:2,node1:3,node2:1,node3:1,node4:1,node5:1"
+    assert [h.describe() for h in placement.hosts[:3]] == [
+        "node0:2 mem=800 MiB", "node1:3 mem=16 GiB", "node2:1 mem=1.5 GiB"]
+
+
+def test_a_bad_memory_size_in_hosts_is_refused_in_one_line_naming_the_entry():
+    with pytest.raises(ArgumentError) as caught:
+        parse_hosts("a:2 mem=lots,b")
+    assert caught.value.for_cli() == (
+        "[argument] host 0: 'a:2 mem=lots': mem=lots is not a memory size\n"
+        "hint: write bytes, or a number with K, M, G or T (binary units): mem=800M, mem=16G")
+    with pytest.raises(ArgumentError, match="mem is a positive number of bytes, got -1"):
+        Host("a", 1, -1)
+
+
 def test_a_host_on_consecutive_lines_is_one_host_with_all_their_slots(tmp_path):
     path = tmp_path / "hosts.txt"
     path.write_text("a\na:2\nb\n")
@@ -35,7 +63,13 @@ def test_a_host_on_consecutive_lines_is_one_host_with_all_their_slots(tmp_path):
 @pytest.mark.parametrize("text, line, message", [
     ("a\nb:x\n", 2, "'b:x': the slots after ':' are not a number"),
     ("a\n\nb:0\n", 3, "'b:0': host b has 0 slots"),
-    ("a slots=2\n", 1, "'a slots=2' is not host\\[:slots\\]"),
+    ("a slots=x\n", 1, "'a slots=x': slots=x is not a number"),
+    ("a:2 slots=2\n", 1, "'a:2 slots=2': gives the slots twice"),
+    ("a max_slots=2\n", 1, "'a max_slots=2': 'max_slots=2' is neither slots=N nor mem=SIZE"),
+    ("a\nb:2 mem=12X\n", 2, "'b:2 mem=12X': mem=12X is not a memory size"),
+    ("a slots=2 mem=0\n", 1, "'a slots=2 mem=0': mem=0 is not a memory size"),
+    ("a mem=1G mem=2G\n", 1, "'a mem=1G mem=2G': gives mem= twice"),
+    ("a mem=1G\na mem=2G\n", 2, "host a is given two memories \\(1 GiB, 2 GiB\\)"),
     ("# c\n-oProxyCommand=x\n", 2, "'-oProxyCommand=x' is not a host name"),
     ("a\nb\na:2\n", 3, "host a is listed again, after other hosts \\(first at .*hosts.txt:1\\)"),
 ])

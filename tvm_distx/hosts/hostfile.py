@@ -1,14 +1,19 @@
 """Hosts as users write them, and which ranks run on each.
 
 A hostfile is MPICH's: one ``host[:slots]`` per line, ``#`` starting a comment
-anywhere on a line, blank lines ignored::
+anywhere on a line, blank lines ignored; Open MPI's ``host slots=N`` is read too::
 
     # two ranks on node0, one on node1
     node0:2
     node1      # slots default to 1
 
-The one-line form is the same list with commas: ``"node0:2,node1"`` (the
-command line's ``--hosts``, ``HOSTS=`` of a bundle's ``run.sh``).
+A line may give the host's memory after a blank, ``mem=SIZE`` (``800M``, ``16G``:
+binary units, :func:`~tvm_distx.hosts.memory.parse_size`): ``node0:2 mem=16G``,
+``node1 slots=2 mem=8G``. Without it, the host's memory is read over the remote
+shell before a launch (:mod:`tvm_distx.hosts.memory`).
+
+The one-line form is the same list with commas: ``"node0:2,node1"``, ``"node0:2
+mem=16G,node1"`` (the command line's ``--hosts``, ``HOSTS=`` of a bundle's ``run.sh``).
 
 Ranks are placed in hostfile order, filling each host's slots: above, ranks 0
 and 1 run on node0 and rank 2 on node1 (:func:`place_ranks`). The slots must
@@ -32,6 +37,7 @@ import re
 from typing import Iterable, Sequence
 
 from tvm_distx.errors import ArgumentError, ArgumentIndexError, ArgumentKeyError, ArgumentTypeError
+from tvm_distx.hosts.memory import format_size, parse_size
 
 __all__ = ["Host", "read_hostfile", "parse_hosts", "hosts_from", "RankPlacement", "place_ranks"]
 
@@ -50,16 +56,20 @@ class Host:
         ``10.0.0.5``).
     slots : int
         How many ranks run on it (at least 1).
+    mem : int, optional
+        The bytes of memory its ranks may use (``mem=`` of its line); None: read
+        from the host before a launch.
 
     Raises
     ------
     ArgumentError
         For an empty name, a name with a ``:``, ``,``, blank or a leading ``-``,
-        or slots below 1.
+        slots below 1, or a memory below 1 byte.
     """
 
     name: str
     slots: int = 1
+    mem: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -75,24 +85,58 @@ class Host:
         if self.slots < 1:
             raise ArgumentError(f"host {self.name} has {self.slots} slots",
                                 hint="give each host at least 1 slot, or leave it out")
+        if self.mem is not None and (isinstance(self.mem, bool) or not isinstance(self.mem, int)
+                                     or self.mem < 1):
+            raise ArgumentError(f"host {self.name}: mem is a positive number of bytes, got "
+                                f"{self.mem!r}", hint='Host("node0", slots=2, mem=16 << 30)')
 
     def __str__(self) -> str:
         return f"{self.name}:{self.slots}"
 
+    def describe(self) -> str:
+        """``node0:2 mem=16 GiB`` (the slots, and the memory when given)."""
+        return str(self) + (f" mem={format_size(self.mem)}" if self.mem is not None else "")
+
+
+#: The forms of a hostfile line, in the hint of an error.
+_FORMS = "host[:slots] [mem=SIZE] or host slots=N [mem=SIZE], for example node0:2 mem=16G"
+
 
 def _parse_entry(text: str, where: str) -> Host:
-    """``host[:slots]`` as a Host; errors name ``where`` and the text."""
-    name, sep, slots = text.partition(":")
+    """``host[:slots] [slots=N] [mem=SIZE]`` as a Host; errors name ``where`` and the text."""
+    first, *options = text.split()
+    name, sep, slots = first.partition(":")
+    count, mem = None, None
     if sep:
         try:
             count = int(slots)
         except ValueError:
             raise ArgumentError(f"{where}: {text!r}: the slots after ':' are not a number",
-                                hint="write host[:slots], for example node0:2") from None
-    else:
-        count = 1
+                                hint=f"write {_FORMS}") from None
+    for option in options:
+        key, eq, value = option.partition("=")
+        key = key.lower()
+        if not eq or key not in ("slots", "mem") or (key == "slots" and count is not None) \
+                or (key == "mem" and mem is not None):
+            said = "gives the slots twice" if key == "slots" and eq and count is not None \
+                else "gives mem= twice" if key == "mem" and eq and mem is not None \
+                else f"{option!r} is neither slots=N nor mem=SIZE"
+            raise ArgumentError(f"{where}: {text!r}: {said}", hint=f"write {_FORMS}")
+        if key == "slots":
+            try:
+                count = int(value)
+            except ValueError:
+                raise ArgumentError(f"{where}: {text!r}: slots={value} is not a number",
+                                    hint=f"write {_FORMS}") from None
+        else:
+            try:
+                mem = parse_size(value)
+            except ArgumentError:
+                raise ArgumentError(f"{where}: {text!r}: mem={value} is not a memory size",
+                                    hint="write bytes, or a number with K, M, G or T (binary "
+                                    "units): mem=800M, mem=16G") from None
     try:
-        return Host(name, count)
+        return Host(name, 1 if count is None else count, mem)
     except ArgumentError as err:
         said = err.message if err.message.startswith(repr(text)) else f"{text!r}: {err.message}"
         raise ArgumentError(f"{where}: {said}", hint=err.hint) from None
@@ -104,7 +148,12 @@ def _merged(entries: Iterable[tuple[Host, str]]) -> tuple[Host, ...]:
     first: dict[str, str] = {}
     for host, where in entries:
         if hosts and hosts[-1].name == host.name:
-            hosts[-1] = Host(host.name, hosts[-1].slots + host.slots)
+            mems = {m for m in (hosts[-1].mem, host.mem) if m is not None}
+            if len(mems) > 1:
+                raise ArgumentError(f"{where}: host {host.name} is given two memories "
+                                    f"({', '.join(map(format_size, sorted(mems)))})",
+                                    hint="give its mem= once, on one of its lines")
+            hosts[-1] = Host(host.name, hosts[-1].slots + host.slots, next(iter(mems), None))
             continue
         if host.name in first:
             raise ArgumentError(
@@ -124,7 +173,8 @@ def read_hostfile(path: str | os.PathLike) -> tuple[Host, ...]:
     ------
     ArgumentError
         If the file cannot be read, holds no host, or a line is not
-        ``host[:slots]`` (the error names ``file:line`` and the text).
+        ``host[:slots] [mem=SIZE]`` or ``host slots=N [mem=SIZE]`` (the error names
+        ``file:line`` and the text).
     """
     path = Path(path)
     try:
@@ -132,16 +182,14 @@ def read_hostfile(path: str | os.PathLike) -> tuple[Host, ...]:
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) else "it is not a text file"
         raise ArgumentError(f"cannot read the hostfile {path}: {reason}",
-                            hint="give a text file with one host[:slots] per line") from None
+                            hint="give a text file with one host[:slots] [mem=SIZE] per line") \
+            from None
     entries = []
     for number, line in enumerate(lines, 1):
         text = line.split("#", 1)[0].strip()
         if not text:
             continue
         where = f"{path}:{number}"
-        if len(text.split()) > 1:
-            raise ArgumentError(f"{where}: {text!r} is not host[:slots]",
-                                hint="write one host per line, slots after a ':' (node0:2)")
         entries.append((_parse_entry(text, where), where))
     hosts = _merged(entries)
     if not hosts:
@@ -162,7 +210,8 @@ def parse_hosts(spec: str | Sequence[str | Host]) -> tuple[Host, ...]:
         items: list = [s.strip() for s in spec.split(",")]
         if any(not s for s in items):
             raise ArgumentError(f"hosts {spec!r} have an empty entry",
-                                hint="write hosts as a:2,b (host[:slots], comma-separated)")
+                                hint="write hosts as a:2,b (host[:slots] [mem=SIZE], "
+                                "comma-separated)")
     elif isinstance(spec, Sequence):
         items = list(spec)
     else:

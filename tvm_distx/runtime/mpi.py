@@ -83,6 +83,7 @@ from tvm_distx.hosts import (RankPlacement, check_deployed, deploy, hosts_from, 
 from tvm_distx.runtime import control
 from tvm_distx.runtime.base import Call, RankProcess, Session
 from tvm_distx.runtime.launcher import launcher_for, rank_deaths
+from tvm_distx.runtime.memory import RANK_RUNTIME_BYTES, check_host_memory, oom_death
 from tvm_distx.runtime.rank_env import rank_environment
 
 __all__ = ["MPISession", "mpiexec_path", "DRIVER_ADDRESS_ENV"]
@@ -182,6 +183,8 @@ class MPISession(Session):
     backend = "mpi"
     #: the module each rank runs (``python -m``)
     rank_module = RANK_MODULE
+    #: what one rank process costs before its weights (the memory check before a launch)
+    runtime_bytes = RANK_RUNTIME_BYTES
 
     def __init__(self, bundle, *, num_ranks: int | None = None, timeout: float = 300.0,
                  hosts: str | Sequence[str] | None = None,
@@ -197,6 +200,10 @@ class MPISession(Session):
         self._remote = [h for h in self.placement.names if h not in _this_host()] \
             if remote else []
         self._shell = remote_shell(rsh) if remote else None
+        # every host has the memory for its ranks, or nothing starts (nor is copied)
+        self._memory = check_host_memory(
+            self.manifest, self.placement, rsh=self._shell, runtime_bytes=self.runtime_bytes,
+            local=[h for h in self.placement.names if h in _this_host()] if listed else ())
         self._tag = f"tvm-distx-session-{os.getpid()}-{os.urandom(4).hex()}"
         self._copies: str | None = None  # the copy this session deployed, removed at close
         started = time.monotonic()
@@ -373,6 +380,25 @@ class MPISession(Session):
             return info.host
         return self.placement.host_of(rank) if self.placement is not None else None
 
+    def _host_name(self, rank: int) -> str:
+        """The name ``rank``'s host has in the placement (``localhost`` without one)."""
+        return self.placement.host_of(rank) if self.placement is not None else "localhost"
+
+    def _oom(self, rank: int | None, host: str | None, details: str) -> LaunchError | None:
+        """The error of ``rank`` on ``host`` killed by the kernel for memory, if it was."""
+        if self.placement is None:
+            host = "localhost"  # every rank is on this host
+        if host is None:
+            return None
+        if host not in self._memory:  # hydra names the host as it resolved it
+            host = next((h for h in self._memory if h.split(".")[0] == host.split(".")[0]),
+                        None)
+            if host is None:
+                return None
+        local = [host] if self.placement is None or host in _this_host() else []
+        return oom_death(rank, host, self._memory, local=local, rsh=self._shell,
+                         details=details)
+
     def _failure(self, doing: str) -> LaunchError:
         """The error that names the rank that ended the session."""
         failure = self._links.failure
@@ -399,11 +425,21 @@ class MPISession(Session):
             info = self._links.ranks[failure.rank]
             death = next((d for d in rank_deaths(log, self._launcher)
                           if d.is_of(failure.rank, info.pid, info.host)), None)
+            if death is None or death.signal == signal.SIGKILL:  # the kernel, out of memory?
+                oom = self._oom(failure.rank, self._host_name(failure.rank), _tail(log))
+                if oom is not None:
+                    return oom
             how = ("died without reporting an error (killed, or it exited early)"
                    if death is None else f"died with {death.describe()}")
             return LaunchError(f"{self._where(failure.rank)} (pid {info.pid}) {how} {doing}",
                                rank=failure.rank,
                                reason="killed", details=_tail(log), hint=_HINT, host=info.host)
+        for death in rank_deaths(log, self._launcher):  # killed before it reached this process
+            if death.signal == signal.SIGKILL:
+                host = self._host_name(death.rank) if death.rank is not None else death.host
+                oom = self._oom(death.rank, host, _tail(log))
+                if oom is not None:
+                    return oom
         said = _RANK_SAYS.search(log)  # a rank that failed before it reached this process
         if said is not None:
             rank = int(said.group(1))
