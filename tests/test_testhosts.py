@@ -142,6 +142,57 @@ def test_down_cleans_up_after_an_up_that_was_killed_midway(sig):
         assert not [p for p in os.listdir("/proc") if f"--id={k}" in _cmdline(p)]
 
 
+def _memcg_of(hosts: NamespaceHosts, host: str) -> str:
+    """The memory cgroup of ``host``'s remote shell, as /proc/self/cgroup there gives it."""
+    lines = hosts.run(host, "cat /proc/self/cgroup").stdout.splitlines()
+    return next(line.split(":", 2)[2] for line in lines if line.split(":")[1] == "memory")
+
+
+def test_up_mem_limits_each_host_and_all_its_remote_shell_starts_and_down_removes_it():
+    from tvm_distx.hosts import Host
+    from tvm_distx.hosts.memory import read_memory
+
+    with hosts_up(2, mem="200M") as hosts:
+        k, names = hosts.id, list(hosts.names)
+        for name in names:
+            memcg = f"/sys/fs/cgroup/memory/tvm-distx-testhosts/{k}/{name}"
+            assert _memcg_of(hosts, name) == memcg.removeprefix("/sys/fs/cgroup/memory")
+            assert Path(f"{memcg}/memory.limit_in_bytes").read_text() == f"{200 << 20}\n"
+            init = Path(f"/run/tvm-distx-testhosts/{k}/{name}/pid").read_text().strip()
+            assert init in Path(f"{memcg}/cgroup.procs").read_text().split()
+        # read over the remote shell: the cgroup's limit; a host's mem= wins over it
+        found = read_memory([Host(names[0]), Host(names[1], 1, 1 << 30)], rsh=hosts.rsh)
+        assert [(m.bytes, m.source, m.oom_kills) for m in found.values()] == [
+            (200 << 20, "cgroup", 0), (1 << 30, "mem=", 0)]
+        # a process over the limit is killed by the kernel, and the host's count says so
+        hog = hosts.run(names[0], "exec python3 -c 'b = bytearray(400 << 20); b[::4096] = "
+                        "b\"x\" * (len(b) // 4096)'", check=False)
+        assert hog.returncode == -signal.SIGKILL or hog.returncode == 128 + signal.SIGKILL
+        after = read_memory([Host(names[0])], rsh=hosts.rsh)[names[0]]
+        assert after.oom_kills == 1
+    assert not Path(f"/sys/fs/cgroup/memory/tvm-distx-testhosts/{k}").exists()
+    script("down", f"--id={k}")  # again: nothing to do
+
+
+def test_without_mem_a_hosts_memory_is_what_this_machine_has_available(test_hosts):
+    from tvm_distx.hosts import Host
+    from tvm_distx.hosts.memory import local_memory, read_memory
+
+    host = test_hosts.names[0]
+    assert "tvm-distx-testhosts" not in _memcg_of(test_hosts, host)
+    found = read_memory([Host(host)], rsh=test_hosts.rsh)[host]
+    here = local_memory()
+    assert found.source == here.source == "available"
+    assert abs(found.bytes - here.bytes) < here.bytes * 0.1  # the same kernel, a moment apart
+
+
+def test_up_refuses_a_bad_mem_in_one_line():
+    done = script("up", "1", "--id=255", "--mem=lots", check=False)
+    assert done.returncode == 1
+    assert done.stderr == ("testhosts: --mem lots: not a memory size of at least 1M (write "
+                           "800M, 2G: binary units)\n")
+
+
 # --- what makes them hosts -------------------------------------------------------------------
 
 def test_each_host_has_its_own_hostname_and_names_the_others(test_hosts):

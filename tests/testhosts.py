@@ -193,8 +193,12 @@ def python_paths() -> list[str]:
 
 
 @contextlib.contextmanager
-def hosts_up(n: int = 3, root: Path | None = None) -> Iterator[NamespaceHosts]:
+def hosts_up(n: int = 3, root: Path | None = None,
+             mem: str | None = None) -> Iterator[NamespaceHosts]:
     """``n`` test hosts for the ``with`` block: down at its end, at exit, on Ctrl-C, on error.
+
+    With ``mem`` (``"200M"``), each host and all its remote shell starts is under a memory
+    cgroup of that limit (``testhosts up --mem``).
 
     With ``root`` (a board's root file system, ``scripts/rvv-board``), the hosts are emulated
     RISC-V boards: the remote shell runs commands inside the board. The hosts see the
@@ -211,6 +215,7 @@ def hosts_up(n: int = 3, root: Path | None = None) -> Iterator[NamespaceHosts]:
         try:
             script("down", f"--id={k}")  # whatever an earlier run crashed out of
             script("up", str(n), f"--id={k}", *(["--root", str(root)] if root else []),
+                   *([f"--mem={mem}"] if mem else []),
                    *[f"--share={path}" for path in python_paths()])
             yield NamespaceHosts.of(k)
         finally:

@@ -275,6 +275,60 @@ def test_a_generation_bundle_serves_the_same_tokens_from_the_command_line(
     assert "Traceback" not in bad.stderr and "CausalLM.from_hf(model).export" in bad.stderr
 
 
+def test_a_ranks_bytes_are_its_weights_its_cache_at_max_length_and_activations(llama, bundle):
+    from tvm_distx.bundle.footprint import rank_bytes
+    from tvm_distx.bundle.generation import read_generation
+
+    _, lm = llama
+    info = read_generation(bundle)
+    found = rank_bytes(bundle)
+    assert [r.weights for r in found] == lm.weight_bytes_per_rank  # the compile's own count
+    # the larger cache (the batch of 3's), its key-value heads split over the 2 ranks
+    assert info.batch_cache.nbytes() > info.cache.nbytes()
+    assert [r.cache for r in found] == [info.batch_cache.nbytes() // 2] * 2
+    vocab = lm.session.manifest.functions["prefill"].results[0].shape[-1]
+    logits = 3 * info.batch_cache.max_length * vocab * 4  # the batched prefill's, at max_length
+    assert all(2 * logits <= r.activations < 8 * logits + info.batch_cache.nbytes() for r in found)
+
+
+def _hostfile(tmp_path, mem: str) -> Path:
+    path = tmp_path / f"hosts-{mem}.txt"
+    path.write_text(f"localhost:2 mem={mem}   # this host, as the ranks' only host\n")
+    return path
+
+
+def test_a_host_too_small_for_its_ranks_is_refused_before_launch_and_one_that_fits_runs(
+        llama, bundle, tmp_path):
+    from tvm_distx.bundle.footprint import rank_bytes
+    from tvm_distx.hosts.memory import format_size
+    from tvm_distx.runtime.memory import RANK_RUNTIME_BYTES
+
+    model, _ = llama
+    found = rank_bytes(bundle)
+    parts = [sum(getattr(r, k) for r in found) for k in ("weights", "cache", "activations")]
+    need = sum(parts) + 2 * RANK_RUNTIME_BYTES
+    prompt = prompt_ids(4, seed=5)
+    done = _generate_cli(bundle, "--ids", *prompt, "--max-new-tokens", "6",
+                         "--hostfile", _hostfile(tmp_path, "100M"), timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        f"tvm-distx: error: [host-memory] host localhost needs {format_size(need)} for ranks "
+        f"0-1 (weights {format_size(parts[0])}, cache {format_size(parts[1])}, activations "
+        f"{format_size(parts[2])}, runtime {format_size(2 * RANK_RUNTIME_BYTES)}), but has "
+        "100 MiB (mem= of its hostfile line)",
+        "hint: cut the model into more pipeline stages (--stages), spread the ranks over more "
+        "hosts (--hostfile), or use a smaller format (--quantization q8 or q4)"]
+    with pytest.raises(td.errors.HostMemoryError) as caught:  # in Python: Python's hint
+        CausalLM.from_bundle(bundle, hosts="localhost:2 mem=100M")
+    assert (caught.value.host, caught.value.needed, caught.value.available) == (
+        "localhost", need, 100 << 20)
+    assert str(caught.value).endswith('or use a smaller format (quantization="q8" or "q4")')
+    fits = _generate_cli(bundle, "--ids", *prompt, "--max-new-tokens", "6",
+                         "--hostfile", _hostfile(tmp_path, "64G"))
+    assert fits.returncode == 0, fits.stderr
+    assert fits.stdout.split() == [str(t) for t in greedy(model, prompt, 6)]
+
+
 @pytest.mark.parametrize("backend", ["disco", "emulate"])
 def test_the_command_line_generates_the_same_tokens_on_every_backend(
         llama, bundle, backend, capsys):

@@ -24,15 +24,19 @@ import pytest
 
 import tvm_distx as td
 from tvm_distx import ShardingRule
+from tvm_distx.bundle.footprint import rank_bytes
 from tvm_distx.bundle.manifest import read_manifest
-from tvm_distx.errors import ArgumentError, DeployError, LaunchError
+from tvm_distx.errors import ArgumentError, DeployError, HostMemoryError, LaunchError
 from tvm_distx.hosts import deploy, place_ranks
 from tvm_distx.layout.mesh import set_device_meshes
 from tvm_distx.passes import AnnotateSharding
 from tvm_distx.runtime import control
+from tvm_distx.hosts.memory import format_size
+from tvm_distx.runtime.memory import RANK_RUNTIME_BYTES
 from tvm_distx.runtime.mpi import MPISession
 
 from locations import TESTS_DIR
+from testhosts import hosts_up
 
 #: Seconds of silence after which the faster fault tests give a rank up (default 10).
 QUICK_LOST = "4"
@@ -331,3 +335,44 @@ def test_ranks_cut_off_from_the_caller_end_by_themselves(
         test_hosts.link(t2, True)
         session.close()
     assert left == []
+
+
+def test_a_rank_the_kernel_kills_for_memory_is_named_with_its_host_within_30_s(bundles, tmp_path):
+    """A host of 200 MiB (``testhosts up --mem``) whose hostfile line claims 8 GiB: the check
+    before the launch believes the line, and the kernel kills a rank as it loads TVM."""
+    with hosts_up(1, mem="200M") as small:
+        host = small.names[0]
+        hostfile = tmp_path / "hosts.txt"
+        hostfile.write_text(f"{host}:2 mem=8G   # more than it has\n")
+        started = time.monotonic()
+        with pytest.raises(HostMemoryError) as caught:
+            MPISession(bundles[2], hostfile=hostfile, rsh=small.rsh, timeout=60)
+        took = time.monotonic() - started
+    err = caught.value
+    assert re.fullmatch(rf"(rank [01]|a rank) on host {host} was killed by the kernel: out of "
+                        r"memory \(limit 200 MiB\)", err.message), err.message
+    assert (err.reason, err.host) == ("oom", host)
+    assert err.for_cli().splitlines()[1] == (
+        "hint: cut the model into more pipeline stages (--stages), spread the ranks over more "
+        "hosts (--hostfile), or use a smaller format (--quantization q8 or q4)")
+    assert took < 30
+
+
+def test_a_host_whose_mem_is_too_small_is_refused_before_anything_starts(
+        test_hosts, bundles, tmp_path):
+    t1, t2, _ = test_hosts.names
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"{t1} slots=1\n{t2} slots=1 mem=100M\n")
+    before = {h: test_hosts.processes(h) for h in (t1, t2)}
+    with pytest.raises(HostMemoryError) as caught:
+        MPISession(bundles[2], hostfile=hostfile, rsh=test_hosts.rsh)
+    rank = rank_bytes(bundles[2])[1]
+    assert rank.weights == 2 * 64 * 128 * 4 and rank.cache == 0  # half of A and of B
+    assert rank.activations == 2 * 2 * 128 * 128 * 4  # x and the result, twice
+    need = rank.total + RANK_RUNTIME_BYTES
+    assert caught.value.message == (
+        f"host {t2} needs {format_size(need)} for rank 1 (weights 64 KiB, activations 256 KiB, "
+        f"runtime {format_size(RANK_RUNTIME_BYTES)}), but has 100 MiB (mem= of its hostfile "
+        "line)")
+    assert (caught.value.needed, caught.value.available) == (need, 100 << 20)
+    assert {h: test_hosts.processes(h) for h in (t1, t2)} == before  # nothing started, copied

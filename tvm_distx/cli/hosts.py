@@ -26,10 +26,12 @@ RSH_HELP = ("the remote shell, called as ssh is: PROGRAM [options] HOST COMMAND 
 def add_host_arguments(p: argparse.ArgumentParser, *, launch: bool = True) -> None:
     """Add the host flags; ``launch`` adds ``--dest`` and ``--shared-fs``."""
     p.add_argument("--hostfile", type=Path, default=None, metavar="FILE",
-                   help="the hosts, one host[:slots] per line (# comments); ranks fill each "
-                   "host's slots in order; rank 0 may be on any host")
+                   help="the hosts, one host[:slots] [mem=SIZE] per line (# comments; Open "
+                   "MPI's host slots=N too); ranks fill each host's slots in order; rank 0 may "
+                   "be on any host; mem= is the host's memory (16G), else it is read from the "
+                   "host, and checked against its ranks' before launch")
     p.add_argument("--hosts", default=None, metavar="HOST[:SLOTS],...",
-                   help="the hosts on one line instead of --hostfile: a:2,b")
+                   help="the hosts on one line instead of --hostfile: a:2,b or 'a:2 mem=16G,b'")
     p.add_argument("--rsh", default=None, metavar="PROGRAM", help=RSH_HELP)
     if launch:
         p.add_argument("--dest", default=None, metavar="DIR",
