@@ -228,7 +228,7 @@ def read_memory(hosts: Sequence, *, local: Sequence[str] = (), rsh=None,
 
 
 def oom_kills(hosts: Sequence[str], *, local: Sequence[str] = (), rsh=None,
-              timeout: float = 10.0) -> dict[str, HostMemory]:
+              timeout: float = 5.0) -> dict[str, HostMemory]:
     """Each host's memory and count of processes killed for memory, as it is now.
 
     A host that does not answer is left out (nothing is raised: this runs while a
