@@ -13,13 +13,14 @@ cache
 activations
     An estimate, for the function that needs the most: the rank's shards of the
     call's run-time inputs other than the cache, and of its results, with every
-    symbolic extent (a prompt's length) at ``max_length`` (1 in a bundle without
-    generation settings), counted twice, since the intermediate values between
+    symbolic extent (a prompt's length) at the most tokens one call takes
+    (``tokens=``: a runner prefills a long prompt in chunks; by default
+    ``max_length``, and 1 in a bundle without generation settings), counted twice, since the intermediate values between
     them take about as many bytes again (the virtual machine reuses the storage
     of a value that is dead); a new cache that the call returns is counted once,
     beside the old one it replaces. For a Llama-like decoder's prefill at
     ``max_length`` this is the hidden states, the projections and the logits of
-    every position.
+    every token of the call.
 
 The rank process itself (Python, numpy, TVM's runtime) costs more on top; that
 figure belongs to the runtime (:data:`tvm_distx.runtime.memory.RANK_RUNTIME_BYTES`).
@@ -88,13 +89,17 @@ def _cache_bytes(manifest: Manifest, layout: KVCacheLayout | None, rank: int) ->
     return 0
 
 
-def rank_bytes(bundle: str | os.PathLike | Manifest) -> list[RankBytes]:
+def rank_bytes(bundle: str | os.PathLike | Manifest, *,
+               tokens: int | None = None) -> list[RankBytes]:
     """The bytes each rank of ``bundle`` holds at its largest, by rank.
 
     Parameters
     ----------
     bundle : path or Manifest
         A bundle (a generation bundle's cache and ``max_length`` are counted too).
+    tokens : int, optional
+        The most tokens one call takes (the prefill's chunk), at most ``max_length``;
+        by default ``max_length``.
 
     Raises
     ------
@@ -107,6 +112,7 @@ def rank_bytes(bundle: str | os.PathLike | Manifest) -> list[RankBytes]:
         info = read_generation(manifest.root)
         layouts = [info.cache] + ([info.batch_cache] if info.batch_cache else [])
     max_length = max((c.max_length for c in layouts), default=1)
+    extent = min(tokens, max_length) if tokens is not None and layouts else max_length
     caches = {name for c in layouts for name in c.names}
     stored = {w for names in manifest.weights.values() for w in names}
     weights = weight_bytes_per_rank(manifest.functions, stored, manifest.num_ranks)
@@ -115,7 +121,7 @@ def rank_bytes(bundle: str | os.PathLike | Manifest) -> list[RankBytes]:
         cache = max((_cache_bytes(manifest, c, rank) for c in layouts), default=0)
         busiest = 0
         for signature in manifest.functions.values():
-            sizes = {d: max_length for s in (*signature.params, *signature.results)
+            sizes = {d: extent for s in (*signature.params, *signature.results)
                      for d in s.shape if isinstance(d, str)}
             inputs = sum(_held(signature, p, rank, sizes, True) for p in signature.params
                          if p.name not in stored and p.name not in caches)

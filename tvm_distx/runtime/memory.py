@@ -3,7 +3,9 @@ rank the kernel killed for memory, told as such.
 
 :func:`check_host_memory` adds up, per host, what each of its ranks holds
 (:func:`tvm_distx.bundle.footprint.rank_bytes`: weights, the key-value cache at
-``max_length``, activations) and what the rank process itself costs
+``max_length``, activations of a call of up to
+:data:`~tvm_distx.generation.generator.PREFILL_CHUNK` tokens, as a runner prefills a long
+prompt) and what the rank process itself costs
 (:data:`RANK_RUNTIME_BYTES`), and compares it with what the host has
 (:func:`tvm_distx.hosts.memory.read_memory`: its ``mem=``, its memory cgroup's limit,
 or its available memory). A host that is short refuses the launch in one line::
@@ -23,6 +25,7 @@ from typing import Mapping, Sequence
 from tvm_distx.bundle.footprint import RankBytes, rank_bytes
 from tvm_distx.bundle.manifest import Manifest
 from tvm_distx.errors import HostMemoryError
+from tvm_distx.generation.generator import PREFILL_CHUNK
 from tvm_distx.hosts.hostfile import Host, RankPlacement
 from tvm_distx.hosts.memory import HostMemory, format_size, oom_kills, read_memory
 
@@ -82,7 +85,7 @@ def check_host_memory(manifest: Manifest, placement: RankPlacement | None, *,
     if placement is None:
         placement = RankPlacement((Host("localhost", manifest.num_ranks),))
         local = ["localhost"]
-    per_rank: list[RankBytes] = rank_bytes(manifest)
+    per_rank: list[RankBytes] = rank_bytes(manifest, tokens=PREFILL_CHUNK)
     memory = read_memory(placement.hosts, local=local, rsh=rsh)
     for host in placement.hosts:
         have = memory.get(host.name)
