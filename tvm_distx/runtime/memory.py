@@ -34,12 +34,15 @@ __all__ = ["RANK_RUNTIME_BYTES", "check_host_memory", "oom_death", "MEMORY_HINT"
 
 logger = logging.getLogger(__name__)
 
-#: What an idle rank process costs on its own, before any weight: Python, numpy, TVM's
-#: runtime and MPI. Measured once (``scripts/measure-rank-memory``: the resident set of
-#: a started MPI rank of a bundle with no weights, waiting for a call, read from
-#: ``/proc/PID/status``'s ``VmRSS`` on this project's machine, TVM 0.27, mpich 4), and
-#: rounded up.
-RANK_RUNTIME_BYTES = 256 << 20
+#: What a rank process costs on its own, beside its weights, cache and activations: Python,
+#: numpy, mpi4py and MPICH, TVM's runtime library and the bundle's. Measured once
+#: (2026-11-28, TVM 0.27, the mpich wheel, x86-64): an MPISession of the seed
+#: tensor-parallel MLP (tests/data/seed_tensor_parallel.py, 2 ranks, 64 KiB of weights
+#: each), after one call, one second idle; ``/proc/PID/status`` of each rank gave VmRSS
+#: 103 and 104 MiB (RssAnon 56, RssFile 41, RssShmem 5 MiB; VmHWM the same). Rounded up
+#: to 128 MiB, and counted for each rank (the libraries' file pages, which ranks on one
+#: host share, are counted for each: a margin).
+RANK_RUNTIME_BYTES = 128 << 20
 
 #: What to do about a host that is short, in Python and on the command line.
 MEMORY_HINT = ("cut the model into more pipeline stages (stages=), spread the ranks over "
