@@ -11,16 +11,24 @@ cache
     take it). The larger of the one-prompt and the batched cache: a rank holds one
     of them at a time.
 activations
-    An estimate, for the function that needs the most: the rank's shards of the
-    call's run-time inputs other than the cache, and of its results, with every
-    symbolic extent (a prompt's length) at the most tokens one call takes
-    (``tokens=``: a runner prefills a long prompt in chunks; by default
-    ``max_length``, and 1 in a bundle without generation settings), counted twice, since the intermediate values between
-    them take about as many bytes again (the virtual machine reuses the storage
-    of a value that is dead); a new cache that the call returns is counted once,
-    beside the old one it replaces. For a Llama-like decoder's prefill at
-    ``max_length`` this is the hidden states, the projections and the logits of
-    every token of the call.
+    An estimate, for the function that needs the most, with every symbolic extent
+    (a prompt's length) at the most tokens one call takes (``tokens=``: a runner
+    prefills a long prompt in chunks; by default ``max_length``, and 1 in a bundle
+    without generation settings). It adds up:
+
+    * the rank's shards of the call's run-time inputs other than the cache, and of
+      its results, twice (the values the call passes between its kernels take about
+      as many bytes again: the virtual machine reuses the storage of a dead value);
+    * a new cache that the call returns, once (beside the old one it replaces);
+    * for a generation bundle, the values one decoder layer makes for the call's
+      tokens, twice (a layer's and the next one's are alive together): the call's
+      tokens (the elements of its first input, ``input_ids``) times, for each weight
+      matrix the rank holds, its wider side (the most values it makes, or takes,
+      per token), summed over the matrices and divided by the layers (half the cache
+      names), at 4 bytes. For a Llama this is each token's query, key, value,
+      attention output, gate, up and down projections of one layer (an LM head or
+      embedding is spread over the layers; attention scores are not counted, as the
+      attention kernel goes over tiles of keys).
 
 The rank process itself (Python, numpy, TVM's runtime) costs more on top; that
 figure belongs to the runtime (:data:`tvm_distx.runtime.memory.RANK_RUNTIME_BYTES`).
@@ -79,12 +87,14 @@ def _held(signature: FunctionSignature, spec: TensorSpec, rank: int, sizes: dict
 
 
 def _cache_bytes(manifest: Manifest, layout: KVCacheLayout | None, rank: int) -> int:
-    """``rank``'s shard of the cache ``layout``, as the first function taking it holds it."""
+    """``rank``'s shard of the cache ``layout``, as the first function taking it (its names,
+    of its shapes) holds it."""
     if layout is None:
         return 0
     for signature in manifest.functions.values():
         specs = {p.name: p for p in signature.params}
-        if all(name in specs for name in layout.names):
+        if all(name in specs and tuple(specs[name].shape) == tuple(shape)
+               for name, shape in zip(layout.names, layout.shapes)):
             return sum(_held(signature, specs[name], rank, {}, True) for name in layout.names)
     return 0
 
@@ -129,9 +139,26 @@ def rank_bytes(bundle: str | os.PathLike | Manifest, *,
                             for r, name in _results_named(signature, caches))
             results = sum(_held(signature, r, rank, sizes, False)
                           for r in signature.results) - new_cache
-            busiest = max(busiest, 2 * (inputs + results) + new_cache)
+            layer = _layer_bytes(signature, rank, sizes, stored, caches, layouts)
+            busiest = max(busiest, 2 * (inputs + results + layer) + new_cache)
         out.append(RankBytes(rank, weights[rank], cache, busiest))
     return out
+
+
+def _layer_bytes(signature: FunctionSignature, rank: int, sizes: dict, stored: set[str],
+                 caches: set[str], layouts: list[KVCacheLayout]) -> int:
+    """The values one decoder layer makes for the call's tokens (see the module
+    documentation); 0 outside a generation bundle."""
+    layers = max((len(c.names) // 2 for c in layouts), default=0)
+    first = next((p for p in signature.params if p.name not in stored and p.name not in caches),
+                 None)
+    if not layers or first is None:
+        return 0
+    tokens = int(np.prod([sizes.get(d, 1) if isinstance(d, str) else d for d in first.shape],
+                         dtype=np.int64))
+    wide = sum(max(signature.input_shape(p, rank)[-2:]) for p in signature.params
+               if p.name in stored and len(p.shape) >= 2 and signature.fed(p, rank))
+    return tokens * wide // layers * 4
 
 
 def _results_named(signature: FunctionSignature, caches: set[str]):
