@@ -186,6 +186,25 @@ def test_without_mem_a_hosts_memory_is_what_this_machine_has_available(test_host
     assert abs(found.bytes - here.bytes) < here.bytes * 0.1  # the same kernel, a moment apart
 
 
+def test_down_removes_the_memory_cgroups_of_an_up_that_was_killed_midway():
+    with free_id() as k:
+        up = subprocess.Popen([str(SCRIPT), "up", "3", f"--id={k}", "--mem=100M"],
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "TESTHOSTS_TEST_STALL": f"k{k}t2"})
+        try:
+            assert "stalled after starting" in up.stderr.readline()
+            up.kill()
+            up.wait(timeout=30)
+        finally:
+            up.kill()
+            up.wait()
+        top = Path(f"/sys/fs/cgroup/memory/tvm-distx-testhosts/{k}")
+        assert sorted(p.name for p in top.iterdir() if p.is_dir()) == [f"k{k}t1", f"k{k}t2"]
+        script("down", f"--id={k}")
+        assert not top.exists()
+        assert _leftovers(k, [f"k{k}t{i}" for i in (1, 2, 3)], set()) == []
+
+
 def test_up_refuses_a_bad_mem_in_one_line():
     done = script("up", "1", "--id=255", "--mem=lots", check=False)
     assert done.returncode == 1
