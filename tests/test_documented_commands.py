@@ -53,6 +53,12 @@ NOT_HERE = {
         "several hosts over ssh (tests/runtime/, on test hosts)",
     ("docs/across-machines.md", "tvm-distx generate chat/ --ids 1 15 22 --hostfile"):
         "several hosts over ssh (tests/llm/test_causal_lm_across_hosts.py)",
+    ("docs/across-machines.md", "tvm-distx generate ckpt/ --prompt \"Hello\" -n 4 --stages 2"):
+        "several hosts over ssh (tests/llm/test_causal_lm_across_hosts.py, 2 stages on 2 "
+        "test hosts; tests/cli/test_user_journey.py, --stages on this host)",
+    ("docs/across-machines.md", "tvm-distx generate ckpt/ --prompt \"Hello\" -n 2 --stages 10,14"):
+        "several hosts over ssh, and a model of 24 layers (tests/llm/test_causal_lm_stages.py "
+        "gives the layers of each stage)",
     ("docs/across-machines.md", "scripts/testhosts up 3"):
         "test hosts need root and namespaces (tests/test_testhosts.py)",
     ("docs/across-machines.md", 'eval "$(scripts/testhosts env)"'):

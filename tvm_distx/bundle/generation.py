@@ -19,6 +19,7 @@ here. It imports no TVM.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import functools
 import json
 from pathlib import Path
 
@@ -107,6 +108,18 @@ class GenerationInfo:
         return path
 
 
+@functools.lru_cache(maxsize=64)
+def _read(path: str, _mtime_ns: int, _size: int) -> GenerationInfo:
+    """``generation.json`` at ``path``, read once per version of the file in a process (the
+    command line, the memory check and the session all ask for it)."""
+    data = json.loads(Path(path).read_text())
+    batch = data.get("batch_cache")
+    return GenerationInfo(KVCacheLayout.from_json(data["cache"]),
+                          KVCacheLayout.from_json(batch) if batch else None,
+                          data.get("eos_token_id"), data.get("pad_token_id"),
+                          int(data.get("bytes_per_token") or 0))
+
+
 def read_generation(directory: str | Path) -> GenerationInfo:
     """The generation bundle at ``directory``'s ``generation.json``.
 
@@ -129,12 +142,8 @@ def read_generation(directory: str | Path) -> GenerationInfo:
                           cli_hint="write one in Python: CausalLM.from_hf(model)"
                           ".export(directory)")
     try:
-        data = json.loads(path.read_text())
-        batch = data.get("batch_cache")
-        return GenerationInfo(KVCacheLayout.from_json(data["cache"]),
-                              KVCacheLayout.from_json(batch) if batch else None,
-                              data.get("eos_token_id"), data.get("pad_token_id"),
-                              int(data.get("bytes_per_token") or 0))
+        status = path.stat()
+        return _read(str(path.resolve()), status.st_mtime_ns, status.st_size)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         what = f"no field {err}" if isinstance(err, KeyError) else type(err).__name__
         raise BundleError(f"{path} is malformed ({what})",
