@@ -208,8 +208,10 @@ def test_the_command_line_reads_a_bundle_once_and_its_ranks_give_the_text(
     tokenizer, its session and its ranks' launch."""
     from pathlib import Path
 
+    from tvm_distx.bundle import generation
     from tvm_distx.cli.main import main
 
+    generation._read.cache_clear()  # as in a fresh process (earlier tests read this bundle)
     reads = {"manifest.json": 0, "generation.json": 0, "tokenizer.json": 0}
     read_text, read_bytes = Path.read_text, Path.read_bytes
 
